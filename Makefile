@@ -1,0 +1,66 @@
+# One entry point. `make demo` and `make test` work on a fresh machine: each
+# creates the virtual environment when it is missing or out of date.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
+export PRX_DATA_ROOT ?= $(CURDIR)/data
+# Model hubs are out of reach here; every model is loaded from disk or a package.
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export DAGSTER_DISABLE_TELEMETRY ?= 1
+LOCK_HASH := $(shell cat requirements.lock pyproject.toml | sha256sum | cut -c1-12)
+STAMP := $(VENV)/.prx-installed-$(LOCK_HASH)
+UI_PORT ?= 3000
+
+.PHONY: venv demo test ui browser lint format bench lock clean-data
+
+venv: $(STAMP)
+
+$(STAMP): requirements.lock pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -c requirements.lock -r requirements.lock
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	@rm -f $(VENV)/.prx-installed-*
+	@touch $@
+
+## The demo: build the landing zone from the bundled photos, materialise every stage.
+demo: venv
+	@mkdir -p $(DAGSTER_HOME)
+	@cp -n dagster.yaml $(DAGSTER_HOME)/dagster.yaml 2>/dev/null || true
+	$(VENV)/bin/prx-assets demo --data-root $(PRX_DATA_ROOT)
+
+## The test suite (what CI runs).
+test: venv
+	@mkdir -p $(DAGSTER_HOME)
+	$(VENV)/bin/ruff check prx_assets prx_assets_tests benchmarks
+	$(VENV)/bin/ruff format --check prx_assets prx_assets_tests benchmarks
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## The Dagster UI on 127.0.0.1 (never on a public interface by default).
+ui: venv
+	@mkdir -p $(DAGSTER_HOME)
+	@cp -n dagster.yaml $(DAGSTER_HOME)/dagster.yaml 2>/dev/null || true
+	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(UI_PORT)
+
+lint: venv
+	$(VENV)/bin/ruff check prx_assets prx_assets_tests benchmarks
+
+format: venv
+	$(VENV)/bin/ruff format prx_assets prx_assets_tests benchmarks
+	$(VENV)/bin/ruff check --fix prx_assets prx_assets_tests benchmarks
+
+## All benchmarks, each printing a ratio against a baseline run in the same process.
+bench: venv
+	$(PY) -m benchmarks.run_all
+
+## Re-resolve the transitive pins (only when a direct pin in pyproject.toml changes).
+lock:
+	rm -rf /tmp/prx-lock-venv && $(PYTHON) -m venv /tmp/prx-lock-venv
+	/tmp/prx-lock-venv/bin/pip install --quiet -e '.[dev]'
+	/tmp/prx-lock-venv/bin/pip freeze --exclude-editable | grep -v '^prx' > requirements.lock
+	rm -rf /tmp/prx-lock-venv
+
+clean-data:
+	rm -rf $(PRX_DATA_ROOT) $(DAGSTER_HOME)

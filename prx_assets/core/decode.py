@@ -1,0 +1,226 @@
+"""Safe image decoding: the one policy every stage uses to turn bytes into RGB pixels.
+
+Why a policy module: ingest, hashing and resizing must agree on what an image *is*
+(orientation, colour conversion, which frame), and untrusted bytes must never be able
+to exhaust memory or reach an exotic decoder.
+
+Policy (documented in docs/decoding.md):
+- Only real photo formats are opened: JPEG (and MPO, its multi-picture variant),
+  PNG, WebP, TIFF, BMP and GIF. Everything else is rejected by name.
+- Dimensions are read from the header first; more than ``max_pixels`` (default
+  89.5 MP, Pillow's own warning limit) is refused before any pixel is decoded.
+- The whole stream is decoded once at ingest, so truncated files fail there with
+  Pillow's own "image file is truncated" message (LOAD_TRUNCATED_IMAGES stays off).
+- EXIF orientation is applied; width/height are reported after orientation.
+- Animated images: the first frame is used and the frame count is recorded.
+- Colour: CMYK and YCbCr convert to RGB; 16/32-bit greyscale is scaled to 8 bit by
+  its full range; palette images are expanded; alpha is composited onto white
+  (a transparent product cut-out should look like a cut-out on white, not on black).
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+
+DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's MAX_IMAGE_PIXELS: ~89.5 MP
+# Decoders Pillow may try. MPO (multi-picture JPEG) is opened by the JPEG decoder and
+# reported as "MPO"; its first picture is used like any multi-frame image.
+ALLOWED_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "TIFF", "BMP", "GIF")
+ALPHA_BACKGROUND = (255, 255, 255)
+
+# Never decode a partial stream silently.
+ImageFile.LOAD_TRUNCATED_IMAGES = False
+
+_ORIENTATION_TAG = 0x0112
+_TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
+
+
+class DecodeRejected(Exception):
+    """An input that cannot become a training image; ``reason`` is a stable code."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    """What ingest records about an accepted image (after orientation)."""
+
+    format: str
+    width: int
+    height: int
+    mode: str
+    n_frames: int
+    orientation: int
+    conversion: str  # how the pixels became RGB: "none", "cmyk", "alpha_on_white", ...
+
+    @property
+    def animated(self) -> bool:
+        return self.n_frames > 1
+
+
+def _open(data: bytes, max_pixels: int) -> Image.Image:
+    if not data:
+        raise DecodeRejected("empty_file", "0 bytes")
+    try:
+        # formats= restricts which decoders Pillow may even try.
+        with warnings.catch_warnings():
+            # Our own limit below decides; Pillow's warning would only be noise.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data), formats=list(ALLOWED_FORMATS))
+    except UnidentifiedImageError:
+        # Tell "an image we refuse" apart from "not an image at all".
+        try:
+            other = Image.open(io.BytesIO(data))
+            fmt = other.format
+            other.close()
+        except Exception:  # noqa: BLE001 - any failure means: not an image we know
+            fmt = None
+        if fmt:
+            raise DecodeRejected(
+                "format_not_allowed", f"{fmt} is not an accepted photo format"
+            ) from None
+        raise DecodeRejected("not_an_image", "no image decoder recognises these bytes") from None
+    except Image.DecompressionBombError as exc:
+        raise DecodeRejected("decompression_bomb", str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - malformed headers raise many types
+        raise DecodeRejected("corrupt_header", f"{type(exc).__name__}: {exc}") from None
+    w, h = img.size
+    if w <= 0 or h <= 0:
+        raise DecodeRejected("corrupt_header", f"invalid dimensions {w}x{h}")
+    if w * h > max_pixels:
+        raise DecodeRejected(
+            "decompression_bomb",
+            f"{w}x{h} = {w * h} px exceeds the limit of {max_pixels} px (checked before decoding)",
+        )
+    return img
+
+
+def _orientation(img: Image.Image) -> int:
+    try:
+        value = int(img.getexif().get(_ORIENTATION_TAG, 1))
+    except Exception:  # noqa: BLE001 - a broken EXIF block must not reject the photo
+        return 1
+    return value if 1 <= value <= 8 else 1
+
+
+def to_rgb(img: Image.Image) -> tuple[Image.Image, str]:
+    """Convert a decoded frame to 8-bit RGB by the documented policy."""
+    mode = img.mode
+    if mode == "RGB":
+        return img, "none"
+    if mode in ("CMYK", "YCbCr", "LAB", "HSV"):
+        return img.convert("RGB"), mode.lower()
+    if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        arr = np.asarray(img, dtype=np.float64)
+        lo, hi = float(arr.min()), float(arr.max())
+        scale = 255.0 / (hi - lo) if hi > lo else 0.0
+        arr8 = np.clip((arr - lo) * scale + 0.5, 0, 255).astype(np.uint8)
+        return Image.fromarray(arr8, "L").convert("RGB"), "high_bit_depth_to_8bit"
+    if mode == "P":
+        has_alpha = "transparency" in img.info
+        img = img.convert("RGBA" if has_alpha else "RGB")
+        if not has_alpha:
+            return img, "palette"
+        mode = "RGBA"
+    if mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (*ALPHA_BACKGROUND, 255))
+        background.alpha_composite(rgba)
+        return background.convert("RGB"), "alpha_on_white"
+    if mode in ("L", "1"):
+        return img.convert("RGB"), "greyscale"
+    return img.convert("RGB"), mode.lower()
+
+
+def inspect_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageInfo:
+    """Validate untrusted bytes completely (header, limits, full decode) without keeping pixels.
+
+    JPEGs are verified in draft mode (DCT scaling to 1/8): libjpeg still entropy-decodes
+    every scan, so truncation and corrupt data are caught, at a fraction of the cost.
+    """
+    img = _open(data, max_pixels)
+    fmt = img.format or "UNKNOWN"
+    n_frames = int(getattr(img, "n_frames", 1) or 1)
+    orientation = _orientation(img)
+    w, h = img.size
+    mode = img.mode
+    try:
+        if fmt in ("JPEG", "MPO"):
+            img.draft(img.mode, (max(1, w // 8), max(1, h // 8)))
+        img.load()
+    except Image.DecompressionBombError as exc:
+        raise DecodeRejected("decompression_bomb", str(exc)) from None
+    except OSError as exc:
+        msg = str(exc)
+        reason = "truncated" if "truncated" in msg else "corrupt_data"
+        raise DecodeRejected(reason, msg) from None
+    except Exception as exc:  # noqa: BLE001
+        raise DecodeRejected("corrupt_data", f"{type(exc).__name__}: {exc}") from None
+    finally:
+        img.close()
+    if orientation in _TRANSPOSING_ORIENTATIONS:
+        w, h = h, w
+    _, conversion = _conversion_for_mode(mode, "transparency" in img.info)
+    return ImageInfo(
+        format=fmt,
+        width=w,
+        height=h,
+        mode=mode,
+        n_frames=n_frames,
+        orientation=orientation,
+        conversion=conversion,
+    )
+
+
+def _conversion_for_mode(mode: str, palette_alpha: bool) -> tuple[str, str]:
+    if mode == "RGB":
+        return mode, "none"
+    if mode in ("CMYK", "YCbCr", "LAB", "HSV"):
+        return mode, mode.lower()
+    if mode.startswith("I") or mode == "F":
+        return mode, "high_bit_depth_to_8bit"
+    if mode == "P":
+        return mode, "alpha_on_white" if palette_alpha else "palette"
+    if mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        return mode, "alpha_on_white"
+    if mode in ("L", "1"):
+        return mode, "greyscale"
+    return mode, mode.lower()
+
+
+def decode_rgb(
+    data: bytes,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    draft_size: tuple[int, int] | None = None,
+) -> Image.Image:
+    """Decode to an oriented RGB image by the policy.
+
+    ``draft_size``: for JPEGs, let libjpeg decode at the smallest DCT scale that is still
+    at least this large (in oriented pixels). Stages that downscale anyway use it.
+    """
+    img = _open(data, max_pixels)
+    try:
+        if draft_size is not None and img.format in ("JPEG", "MPO"):
+            tw, th = draft_size
+            if _orientation(img) in _TRANSPOSING_ORIENTATIONS:
+                tw, th = th, tw
+            img.draft("RGB", (tw, th))
+        if getattr(img, "n_frames", 1) > 1:
+            img.seek(0)
+        img.load()
+        img = ImageOps.exif_transpose(img)
+        rgb, _ = to_rgb(img)
+        return rgb
+    except DecodeRejected:
+        raise
+    except OSError as exc:
+        msg = str(exc)
+        raise DecodeRejected("truncated" if "truncated" in msg else "corrupt_data", msg) from None

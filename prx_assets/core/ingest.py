@@ -1,0 +1,151 @@
+"""Ingest one batch: every input file becomes an accepted image row or a rejection row.
+
+Why the accounting: a data lead must be able to say what happened to every file of
+every batch, so ``seen == accepted + rejected`` is an invariant checked here, and a
+bad file never takes down its batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from prx_assets.core.decode import DEFAULT_MAX_PIXELS, DecodeRejected, inspect_image
+from prx_assets.core.sources import BatchRef, Candidate, iter_candidates
+from prx_assets.core.tables import IMAGES, REJECTS
+
+ROWS_PER_RECORD_BATCH = 256
+
+
+@dataclass
+class IngestStats:
+    seen: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    bytes_accepted: int = 0
+    reasons: Counter[str] = field(default_factory=Counter)
+    formats: Counter[str] = field(default_factory=Counter)
+    conversions: Counter[str] = field(default_factory=Counter)
+    animated: int = 0
+
+    def check(self) -> None:
+        if self.seen != self.accepted + self.rejected:
+            raise AssertionError(
+                f"ingest accounting broken: seen {self.seen} != accepted {self.accepted} "
+                f"+ rejected {self.rejected}"
+            )
+
+
+def _chunks(rows: Iterator[dict], schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    buf: list[dict] = []
+    for row in rows:
+        buf.append(row)
+        if len(buf) >= ROWS_PER_RECORD_BATCH:
+            yield pa.RecordBatch.from_pylist(buf, schema=schema)
+            buf = []
+    if buf:
+        yield pa.RecordBatch.from_pylist(buf, schema=schema)
+
+
+class BatchIngest:
+    """Validate and describe every file of a batch (reads files, writes nothing).
+
+    ``image_batches()`` streams accepted rows as Arrow record batches so that a
+    large batch never sits in memory whole; ``rejects`` and ``stats`` are complete
+    once that stream has been consumed.
+    """
+
+    def __init__(self, ref: BatchRef, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+        self.ref = ref
+        self.max_pixels = max_pixels
+        self.stats = IngestStats()
+        self._reject_rows: list[dict] = []
+        self._seen_paths: set[str] = set()
+        self._done = False
+
+    @property
+    def rejects(self) -> pa.Table:
+        if not self._done:
+            raise RuntimeError("consume image_batches() before reading rejects")
+        return pa.Table.from_pylist(self._reject_rows, schema=REJECTS.schema)
+
+    def _reject(self, c: Candidate, reason: str, detail: str, key: str | None = None) -> None:
+        self.stats.rejected += 1
+        self.stats.reasons[reason] += 1
+        path = c.path or f"<row {self.stats.seen}>"
+        if path in self._seen_paths:  # e.g. an archive holding the same name twice
+            path = f"{path}#{self.stats.seen}"
+        self._seen_paths.add(path)
+        self._reject_rows.append(
+            {
+                "batch": self.ref.key,
+                "path": path,
+                "reason": reason,
+                "detail": detail,
+                "source": c.source,
+                "key": key,
+                "file_size": len(c.data) if c.data is not None else None,
+            }
+        )
+
+    def _accepted_rows(self) -> Iterator[dict]:
+        stats = self.stats
+        first_path_of_key: dict[str, str] = {}
+        for c in iter_candidates(self.ref):
+            stats.seen += 1
+            if c.error is not None or c.data is None:
+                reason, detail = c.error or ("unreadable", "no bytes")
+                self._reject(c, reason, detail)
+                continue
+            key = hashlib.sha256(c.data).hexdigest()
+            if key in first_path_of_key:
+                self._reject(
+                    c,
+                    "duplicate_bytes_in_batch",
+                    f"same bytes as {first_path_of_key[key]!r} in this batch",
+                    key,
+                )
+                continue
+            if c.path in self._seen_paths:
+                self._reject(c, "duplicate_path", f"{c.path!r} appears twice in the batch", key)
+                continue
+            try:
+                info = inspect_image(c.data, max_pixels=self.max_pixels)
+            except DecodeRejected as exc:
+                self._reject(c, exc.reason, exc.detail, key)
+                continue
+            self._seen_paths.add(c.path)
+            first_path_of_key[key] = c.path
+            stats.accepted += 1
+            stats.bytes_accepted += len(c.data)
+            stats.formats[info.format] += 1
+            stats.conversions[info.conversion] += 1
+            stats.animated += int(info.animated)
+            yield {
+                "key": key,
+                "batch": self.ref.key,
+                "source": c.source,
+                "license": c.license,
+                "alt_text": c.alt_text,
+                "url": c.url,
+                "source_id": c.source_id,
+                "path": c.path,
+                "format": info.format,
+                "width": info.width,
+                "height": info.height,
+                "mode": info.mode,
+                "conversion": info.conversion,
+                "orientation": info.orientation,
+                "n_frames": info.n_frames,
+                "file_size": len(c.data),
+                "image": c.data,
+            }
+        stats.check()
+        self._done = True
+
+    def image_batches(self) -> Iterator[pa.RecordBatch]:
+        return _chunks(self._accepted_rows(), IMAGES.schema)

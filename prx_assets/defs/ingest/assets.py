@@ -1,0 +1,51 @@
+"""raw_images: one batch from the landing zone into the lab's ``images``/``rejects``."""
+
+
+from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+
+from prx_assets.core.ingest import BatchIngest
+from prx_assets.core.sources import resolve_batch
+from prx_assets.core.tables import IMAGES, REJECTS
+from prx_assets.defs.metadata import counts_table
+from prx_assets.defs.partitions import BATCHES
+from prx_assets.defs.resources import LabResource
+
+
+@asset(
+    partitions_def=BATCHES,
+    group_name="ingest",
+    kinds={"lance"},
+    code_version="raw_images-v1",
+    description=(
+        "Every file of the batch validated by the decoding policy: accepted images "
+        "(with original bytes) in Lance `images`, every refusal with its reason in `rejects`."
+    ),
+)
+def raw_images(context: AssetExecutionContext, lab: LabResource) -> MaterializeResult:
+    ref = resolve_batch(lab.landing, context.partition_key)
+    run = BatchIngest(ref, max_pixels=lab.max_pixels)
+    store = lab.lab()
+    written = store.replace_partition(IMAGES, ref.key, run.image_batches())
+    rejected = store.replace_partition(REJECTS, ref.key, run.rejects)
+    stats = run.stats
+    context.log.info(
+        f"{ref.key}: seen {stats.seen}, accepted {stats.accepted}, rejected {stats.rejected}"
+    )
+    return MaterializeResult(
+        metadata={
+            "seen": stats.seen,
+            "accepted": stats.accepted,
+            "rejected": stats.rejected,
+            "accounted_for": stats.seen == stats.accepted + stats.rejected,
+            "bytes_accepted": stats.bytes_accepted,
+            "animated_first_frame_used": stats.animated,
+            "batch_kind": ref.kind,
+            "landing_path": str(ref.path),
+            "reject_reasons": counts_table(stats.reasons, "reason"),
+            "formats": counts_table(stats.formats, "format"),
+            "colour_conversions": counts_table(stats.conversions, "conversion"),
+            "images_lance_version": written["version"],
+            "rejects_lance_version": rejected["version"],
+            "lab": MetadataValue.path(store.uri(IMAGES.name)),
+        }
+    )

@@ -1,0 +1,44 @@
+"""The landing sensor: each complete batch in the landing zone is registered exactly once."""
+
+
+import json
+
+from dagster import (
+    DefaultSensorStatus,
+    RunRequest,
+    SensorEvaluationContext,
+    SensorResult,
+    SkipReason,
+    sensor,
+)
+
+from prx_assets.core.sources import BatchError, discover_batches
+from prx_assets.defs.jobs import batch_pipeline_job
+from prx_assets.defs.partitions import BATCHES
+from prx_assets.defs.resources import LabResource
+
+
+@sensor(
+    job=batch_pipeline_job,
+    minimum_interval_seconds=30,
+    default_status=DefaultSensorStatus.RUNNING,
+    description="Registers each new batch of the landing zone as a partition and runs it.",
+)
+def landing_sensor(context: SensorEvaluationContext, lab: LabResource):
+    # The cursor holds every key this sensor registered: a partition deleted by hand
+    # is not silently re-created, and no batch is requested twice.
+    registered: set[str] = set(json.loads(context.cursor)) if context.cursor else set()
+    try:
+        refs = discover_batches(lab.landing)
+    except BatchError as exc:
+        return SkipReason(f"landing zone unreadable: {exc}")
+    existing = set(context.instance.get_dynamic_partitions(BATCHES.name))
+    new = [r.key for r in refs if r.key not in registered and r.key not in existing]
+    if not new:
+        return SkipReason(f"no new batches in {lab.landing} ({len(refs)} known)")
+    context.log.info(f"registering {len(new)} new batch(es): {', '.join(new)}")
+    return SensorResult(
+        run_requests=[RunRequest(partition_key=k, run_key=f"landing:{k}") for k in new],
+        dynamic_partitions_requests=[BATCHES.build_add_request(new)],
+        cursor=json.dumps(sorted(registered | set(new))),
+    )
