@@ -19,10 +19,10 @@ def _instance():
     return DagsterInstance.get()
 
 
-def _run_partition(instance, key: str) -> bool:
-    from prx_assets.definitions import defs
+def _run_partition(instance, key: str, data_root: str) -> bool:
+    from prx_assets.definitions import build_defs
 
-    job = defs.get_job_def("batch_pipeline")
+    job = build_defs(data_root).resolve_job_def("batch_pipeline")
     result = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False)
     return result.success
 
@@ -45,7 +45,7 @@ def register_batch(args: argparse.Namespace) -> int:
         instance.add_dynamic_partitions(BATCHES.name, [ref.key])
         print(f"{ref.key}: registered ({ref.kind} at {ref.path})")
     if args.materialize:
-        ok = _run_partition(instance, ref.key)
+        ok = _run_partition(instance, ref.key, lab.data_root)
         print(f"{ref.key}: {'materialised' if ok else 'FAILED (see the run in the UI)'}")
         return 0 if ok else 1
     return 0

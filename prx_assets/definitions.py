@@ -9,10 +9,16 @@ from prx_assets.defs.maintenance.jobs import lance_maintenance, lance_maintenanc
 from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.resources import LabResource, default_data_root
 
-defs = Definitions(
-    assets=[raw_images, resolution_profile],
-    jobs=[batch_pipeline_job, lance_maintenance],
-    sensors=[landing_sensor],
-    schedules=[lance_maintenance_schedule],
-    resources={"lab": LabResource(data_root=default_data_root())},
-)
+
+def build_defs(data_root: str) -> Definitions:
+    """Definitions bound to one data root (the CLI and tests bind their own)."""
+    return Definitions(
+        assets=[raw_images, resolution_profile],
+        jobs=[batch_pipeline_job, lance_maintenance],
+        sensors=[landing_sensor],
+        schedules=[lance_maintenance_schedule],
+        resources={"lab": LabResource(data_root=data_root)},
+    )
+
+
+defs = build_defs(default_data_root())

@@ -89,7 +89,8 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
             ) from None
         raise DecodeRejected("not_an_image", "no image decoder recognises these bytes") from None
     except Image.DecompressionBombError as exc:
-        raise DecodeRejected("decompression_bomb", str(exc)) from None
+        # Pillow's own header check (at twice its limit) fired first; same outcome.
+        raise DecodeRejected("decompression_bomb", f"{exc} (checked before decoding)") from None
     except Exception as exc:  # noqa: BLE001 - malformed headers raise many types
         raise DecodeRejected("corrupt_header", f"{type(exc).__name__}: {exc}") from None
     w, h = img.size

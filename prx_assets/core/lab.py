@@ -10,6 +10,9 @@ rebased by Lance's optimistic concurrency (checked in the tests with processes).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -54,6 +57,7 @@ class _CountingBatches:
         self._schema = schema
         self._batch = batch
         self.rows = 0
+        self.error: ValueError | None = None
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
         for rb in self._batches:
@@ -61,9 +65,10 @@ class _CountingBatches:
             for part in rb.to_batches():
                 batch_values = set(part.column("batch").unique().to_pylist())
                 if batch_values - {self._batch}:
-                    raise ValueError(
+                    self.error = ValueError(
                         f"rows for batch {self._batch!r} include other batches: {batch_values}"
                     )
+                    raise self.error
                 self.rows += part.num_rows
                 yield part
 
@@ -125,8 +130,41 @@ class Lab:
         batches = data.to_batches() if isinstance(data, pa.Table) else data
         counted = _CountingBatches(batches, spec.schema, batch)
         reader = pa.RecordBatchReader.from_batches(spec.schema, iter(counted))
-        new_fragments = write_fragments(reader, self.uri(spec.name), schema=spec.schema)
+        try:
+            new_fragments = write_fragments(reader, self.uri(spec.name), schema=spec.schema)
+        except OSError:
+            if counted.error is not None:  # our own refusal, wrapped by Lance: surface it
+                raise counted.error from None
+            raise
         predicate = f"batch = {sql_literal(batch)}"
+        with self._partition_lock(spec.name, batch):
+            return self._commit_replacement(spec, predicate, new_fragments, counted.rows, attempts)
+
+    @contextlib.contextmanager
+    def _partition_lock(self, table: str, batch: str) -> Iterator[None]:
+        """Serialise replacements of the *same* partition on a local lab.
+
+        Lance rebases concurrent commits that touch different fragments, so two
+        replacements of one batch that both start before either commits would both
+        add rows. Different batches never wait on each other. On object storage the
+        run coordinator's per-partition limit (dagster.yaml) provides the exclusion.
+        """
+        if "://" in self.root:
+            yield
+            return
+        lock_dir = Path(self.root) / ".locks"
+        lock_dir.mkdir(exist_ok=True)
+        digest = hashlib.sha256(f"{table}\0{batch}".encode()).hexdigest()[:24]
+        with open(lock_dir / f"{table}.{digest}.lock", "w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def _commit_replacement(
+        self, spec: TableSpec, predicate: str, new_fragments: list, rows: int, attempts: int
+    ) -> dict[str, Any]:
         last: Exception | None = None
         for attempt in range(attempts):
             ds = self.dataset(spec.name)
@@ -156,7 +194,7 @@ class Lab:
                 continue
             self._ensure_indexes(spec)
             return {
-                "rows_written": counted.rows,
+                "rows_written": rows,
                 "rows_replaced": addresses.num_rows,
                 "version": committed.version,
             }
@@ -205,10 +243,14 @@ class Lab:
         """Compact toward the target fragment size, refresh indexes, drop old versions."""
         if not self.exists(spec.name):
             return {"table": spec.name, "skipped": "absent"}
+        self._ensure_indexes(spec)
         ds = self.dataset(spec.name)
         before = len(ds.get_fragments())
+        # Index every fragment first: Lance only merges fragments of equal index coverage.
+        if ds.list_indices():
+            ds.optimize.optimize_indices()
+        ds = self.dataset(spec.name)
         metrics = ds.optimize.compact_files(target_rows_per_fragment=target_rows_per_fragment)
-        self._ensure_indexes(spec)
         ds = self.dataset(spec.name)
         if ds.list_indices():
             ds.optimize.optimize_indices()

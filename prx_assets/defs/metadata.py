@@ -1,6 +1,5 @@
 """Helpers that turn core results into Dagster metadata the UI renders."""
 
-
 import base64
 from collections.abc import Mapping
 

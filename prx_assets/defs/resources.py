@@ -1,6 +1,5 @@
 """Where the platform keeps its data; configured once, shared by every stage."""
 
-
 import os
 from pathlib import Path
 

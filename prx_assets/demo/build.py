@@ -175,7 +175,8 @@ def build_demo_landing(landing: Path, size: str = "full", seed: int = 0) -> Demo
         for stem, data, extra in _variants(name, img, rng, per_photo):
             _write_sample(b000, stem, data, ".jpg", m, **extra)
             count += 1
-        small = img.resize((max(1, img.width // 3), max(1, img.height // 3)))
+        small = img.copy()
+        small.thumbnail((300, 300))  # under the 384 px cutoff whatever the original
         _write_sample(b000, f"{Path(name).stem}-small", _jpeg(small, 90), ".jpg", m)
         manifest.small_images.append(f"public-skimage.000:{Path(name).stem}-small.jpg")
         count += 1
@@ -287,8 +288,12 @@ def build_demo_landing(landing: Path, size: str = "full", seed: int = 0) -> Demo
         _write_sample(b003, f"{stem}-dup-downscaled", _jpeg(half, 88), ".jpg", m)
         _write_sample(b003, f"{stem}-dup-recompressed", _jpeg(img, 75), ".jpg", m)
         original = f"public-skimage.000:{stem}{Path(name).suffix}"
-        manifest.planted_duplicates.append((f"public-skimage.003:{stem}-dup-downscaled.jpg", original))
-        manifest.planted_duplicates.append((f"public-skimage.003:{stem}-dup-recompressed.jpg", original))
+        manifest.planted_duplicates.append(
+            (f"public-skimage.003:{stem}-dup-downscaled.jpg", original)
+        )
+        manifest.planted_duplicates.append(
+            (f"public-skimage.003:{stem}-dup-recompressed.jpg", original)
+        )
         count += 2
     (b003 / "_SUCCESS").write_text("")
     b003.rename(landing / "public-skimage" / "003")

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from prx_assets.demo.build import build_demo_landing
-
 
 # Keep the demo's console to warnings; every event is still in the instance (see the UI).
 QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
@@ -14,11 +12,10 @@ QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
 def run_demo(data_root: Path, instance, size: str = "full") -> int:
     data_root = data_root.resolve()
-    os.environ["PRX_DATA_ROOT"] = str(data_root)  # before the definitions are imported
     from dagster import build_sensor_context
 
     from prx_assets.core.tables import IMAGES, REJECTS, RESOLUTION
-    from prx_assets.definitions import defs
+    from prx_assets.definitions import build_defs
     from prx_assets.defs.ingest.sensors import landing_sensor
     from prx_assets.defs.partitions import BATCHES
     from prx_assets.defs.resources import LabResource
@@ -39,7 +36,7 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
         instance.add_dynamic_partitions(BATCHES.name, new_keys)
     print(f"  newly registered: {new_keys or 'none (already registered earlier)'}")
 
-    job = defs.get_job_def("batch_pipeline")
+    job = build_defs(str(data_root)).resolve_job_def("batch_pipeline")
     failed = []
     for key in manifest.batches:
         print(f"Materialising every stage for partition {key} ...")

@@ -1,6 +1,5 @@
 """raw_images: one batch from the landing zone into the lab's ``images``/``rejects``."""
 
-
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from prx_assets.core.ingest import BatchIngest

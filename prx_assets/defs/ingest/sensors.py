@@ -1,6 +1,5 @@
 """The landing sensor: each complete batch in the landing zone is registered exactly once."""
 
-
 import json
 
 from dagster import (

@@ -1,6 +1,5 @@
 """Lance maintenance: compaction toward ~1M rows per fragment, index refresh, version cleanup."""
 
-
 from datetime import timedelta
 
 from dagster import (

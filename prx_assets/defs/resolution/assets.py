@@ -1,6 +1,5 @@
 """resolution_profile: size facts per image, computed from metadata columns only."""
 
-
 import numpy as np
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 

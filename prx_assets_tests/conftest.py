@@ -1,0 +1,53 @@
+"""Shared fixtures: a small demo landing zone, a lab resource and a real Dagster instance."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
+
+PHOTOS = Path(__file__).resolve().parents[1] / "prx_assets" / "demo" / "photos"
+
+
+@pytest.fixture(scope="session")
+def demo_source(tmp_path_factory) -> tuple[Path, object]:
+    """The small demo landing zone, built once; copy it before changing it."""
+    from prx_assets.demo.build import build_demo_landing
+
+    root = tmp_path_factory.mktemp("demo-source")
+    manifest = build_demo_landing(root / "landing", size="small")
+    return root / "landing", manifest
+
+
+@pytest.fixture
+def data_root(tmp_path: Path, demo_source) -> Path:
+    """A fresh data root holding a copy of the small demo landing zone."""
+    landing, _ = demo_source
+    shutil.copytree(landing, tmp_path / "data" / "landing", symlinks=True)
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def demo_manifest(demo_source):
+    return demo_source[1]
+
+
+@pytest.fixture
+def lab_resource(data_root: Path):
+    from prx_assets.defs.resources import LabResource
+
+    return LabResource(data_root=str(data_root))
+
+
+@pytest.fixture
+def instance():
+    from dagster import instance_for_test
+
+    with instance_for_test() as inst:
+        yield inst

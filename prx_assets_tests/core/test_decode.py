@@ -1,0 +1,140 @@
+import io
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from prx_assets.core.decode import DecodeRejected, decode_rgb, inspect_image, to_rgb
+from prx_assets_tests.conftest import PHOTOS
+
+
+def _jpeg(img: Image.Image, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=90, **kw)
+    return buf.getvalue()
+
+
+def _save(img: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def _reason(data: bytes, **kw) -> str:
+    with pytest.raises(DecodeRejected) as err:
+        inspect_image(data, **kw)
+    assert err.value.detail, "every rejection carries a specific detail"
+    return err.value.reason
+
+
+def test_real_photos_are_accepted_with_their_true_size():
+    for path in sorted(PHOTOS.iterdir()):
+        info = inspect_image(path.read_bytes())
+        with Image.open(path) as img:
+            assert (info.width, info.height) == img.size, path.name
+
+
+def test_truncated_jpeg_keeps_pillows_error():
+    data = _jpeg(Image.new("RGB", (800, 600), (10, 200, 30)))
+    with pytest.raises(DecodeRejected) as err:
+        inspect_image(data[: len(data) // 2])
+    assert err.value.reason == "truncated"
+    assert "truncated" in err.value.detail
+
+
+def test_truncated_png_is_rejected():
+    data = _save(
+        Image.fromarray(np.random.default_rng(0).integers(0, 255, (300, 300, 3), np.uint8)), "PNG"
+    )
+    assert _reason(data[: len(data) // 2]) in ("truncated", "corrupt_data")
+
+
+def test_empty_and_non_image_bytes():
+    assert _reason(b"") == "empty_file"
+    assert _reason(b"hello, not an image" * 10) == "not_an_image"
+
+
+def test_formats_outside_the_photo_list_are_refused_by_name():
+    data = _save(Image.new("RGB", (32, 32)), "ICO")
+    with pytest.raises(DecodeRejected) as err:
+        inspect_image(data)
+    assert err.value.reason == "format_not_allowed"
+    assert "ICO" in err.value.detail
+
+
+def test_decompression_bomb_is_refused_before_decoding():
+    bomb = _save(Image.new("1", (20_000, 20_000)), "PNG")  # 400 MP in a few KB
+    assert len(bomb) < 200_000
+    started = time.perf_counter()
+    with pytest.raises(DecodeRejected) as err:
+        inspect_image(bomb)
+    assert err.value.reason == "decompression_bomb"
+    assert "checked before decoding" in err.value.detail
+    assert time.perf_counter() - started < 1.0  # decoding 400 MP would take far longer
+
+
+def test_pixel_limit_is_configurable():
+    data = _jpeg(Image.new("RGB", (1000, 1000)))
+    inspect_image(data, max_pixels=1_000_000)
+    assert _reason(data, max_pixels=999_999) == "decompression_bomb"
+
+
+def test_exif_orientation_is_applied_to_dimensions_and_pixels():
+    img = Image.new("RGB", (600, 300), (255, 0, 0))
+    img.paste((0, 0, 255), (0, 0, 100, 300))  # blue stripe on the left
+    exif = Image.Exif()
+    exif[0x0112] = 6  # display rotated 90 degrees clockwise
+    data = _jpeg(img, exif=exif.tobytes())
+    info = inspect_image(data)
+    assert (info.width, info.height, info.orientation) == (300, 600, 6)
+    rgb = decode_rgb(data)
+    assert rgb.size == (300, 600)
+    top = np.asarray(rgb)[:50].mean(axis=(0, 1))
+    assert top[2] > 200 and top[0] < 60  # the blue stripe is now at the top
+
+
+@pytest.mark.parametrize(
+    ("mode_image", "conversion"),
+    [
+        (lambda: Image.new("CMYK", (64, 48), (0, 255, 255, 0)), "cmyk"),
+        (
+            lambda: Image.fromarray(np.full((48, 64), 65535 // 2, np.uint16)),
+            "high_bit_depth_to_8bit",
+        ),
+        (lambda: Image.new("RGB", (64, 48), (200, 10, 10)).convert("P"), "palette"),
+        (lambda: Image.new("RGBA", (64, 48), (255, 0, 0, 0)), "alpha_on_white"),
+        (lambda: Image.new("LA", (64, 48), (0, 0)), "alpha_on_white"),
+        (lambda: Image.new("L", (64, 48), 77), "greyscale"),
+    ],
+)
+def test_colour_modes_become_rgb_by_policy(mode_image, conversion):
+    img = mode_image()
+    rgb, how = to_rgb(img)
+    assert rgb.mode == "RGB" and rgb.size == img.size
+    assert how == conversion
+    if conversion == "alpha_on_white":  # fully transparent pixels land on white
+        assert np.asarray(rgb).min() == 255
+
+
+def test_cmyk_jpeg_round_trip_is_red():
+    data = _jpeg(Image.new("RGB", (64, 48), (220, 20, 20)).convert("CMYK"))
+    info = inspect_image(data)
+    assert info.conversion == "cmyk"
+    r, g, b = np.asarray(decode_rgb(data)).mean(axis=(0, 1))
+    assert r > 150 and g < 90 and b < 90
+
+
+def test_animated_gif_uses_first_frame_and_records_frames():
+    frames = [Image.new("RGB", (80, 60), c) for c in ((255, 0, 0), (0, 255, 0), (0, 0, 255))]
+    data = _save(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=50)
+    info = inspect_image(data)
+    assert info.n_frames == 3 and info.animated
+    r, g, b = np.asarray(decode_rgb(data)).mean(axis=(0, 1))
+    assert r > 200 and g < 50 and b < 50
+
+
+def test_draft_decoding_keeps_at_least_the_requested_size():
+    data = (PHOTOS / "retina.jpg").read_bytes()
+    small = decode_rgb(data, draft_size=(200, 200))
+    assert 200 <= small.width < 1411 and small.width == small.height

@@ -1,0 +1,64 @@
+import shutil
+
+from dagster import SensorResult, SkipReason, build_sensor_context
+
+from prx_assets.defs.ingest.sensors import landing_sensor
+from prx_assets.defs.partitions import BATCHES
+
+
+def _tick(instance, lab_resource, cursor):
+    with build_sensor_context(
+        instance=instance, cursor=cursor, resources={"lab": lab_resource}
+    ) as ctx:
+        result = landing_sensor(ctx)
+        return result, ctx.cursor
+
+
+def _apply(instance, result: SensorResult) -> list[str]:
+    keys = [k for req in result.dynamic_partitions_requests for k in req.partition_keys]
+    instance.add_dynamic_partitions(BATCHES.name, keys)
+    return keys
+
+
+def test_each_batch_is_registered_once_across_ticks(instance, lab_resource, demo_manifest):
+    result, _ = _tick(instance, lab_resource, None)
+    assert isinstance(result, SensorResult)
+    keys = _apply(instance, result)
+    assert keys == sorted(demo_manifest.batches)
+    assert [r.partition_key for r in result.run_requests] == keys
+    assert all(r.run_key == f"landing:{r.partition_key}" for r in result.run_requests)
+    cursor = result.cursor
+
+    again, _ = _tick(instance, lab_resource, cursor)
+    assert isinstance(again, SkipReason)
+
+    # A new batch appears: only it is registered and requested.
+    landing = lab_resource.landing
+    shutil.copytree(landing / "public-skimage" / "003", landing / "public-skimage" / "004")
+    third, _ = _tick(instance, lab_resource, cursor)
+    assert [r.partition_key for r in third.run_requests] == ["public-skimage.004"]
+    assert _apply(instance, third) == ["public-skimage.004"]
+    assert isinstance(_tick(instance, lab_resource, third.cursor)[0], SkipReason)
+
+
+def test_a_partition_deleted_by_hand_is_not_recreated(instance, lab_resource):
+    result, _ = _tick(instance, lab_resource, None)
+    _apply(instance, result)
+    instance.delete_dynamic_partition(BATCHES.name, "public-sklearn.001")
+    again, _ = _tick(instance, lab_resource, result.cursor)
+    assert isinstance(again, SkipReason)
+
+
+def test_batches_registered_by_hand_are_not_requested_again(instance, lab_resource):
+    instance.add_dynamic_partitions(BATCHES.name, ["public-sklearn.001"])
+    result, _ = _tick(instance, lab_resource, None)
+    assert "public-sklearn.001" not in [r.partition_key for r in result.run_requests]
+
+
+def test_incomplete_folder_is_not_picked_up(instance, lab_resource):
+    landing = lab_resource.landing
+    partial = landing / "public-skimage" / "009"
+    partial.mkdir()
+    (partial / "x.jpg").write_bytes(b"...")
+    result, _ = _tick(instance, lab_resource, None)
+    assert "public-skimage.009" not in [r.partition_key for r in result.run_requests]

@@ -1,0 +1,58 @@
+"""The whole graph on the demo data, through the same path `make demo` takes."""
+
+import os
+
+from prx_assets.cli import main as cli_main
+from prx_assets.core.tables import IMAGES, RESOLUTION
+from prx_assets.defs.resources import LabResource
+
+
+def test_demo_materialises_every_stage(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PRX_DATA_ROOT", str(tmp_path / "data"))
+    code = cli_main(["demo", "--data-root", str(tmp_path / "data"), "--size", "small"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "newly registered" in out and "public-skimage.000" in out
+    assert f"Lance lab: {tmp_path / 'data' / 'lab'}" in out  # nothing outside the data root
+    lab = LabResource(data_root=str(tmp_path / "data")).lab()
+    assert lab.dataset(IMAGES.name).count_rows() > 0
+    assert lab.dataset(RESOLUTION.name).count_rows() == lab.dataset(IMAGES.name).count_rows()
+
+    from dagster import DagsterInstance
+
+    instance = DagsterInstance.get()
+    try:
+        partitions = instance.get_dynamic_partitions("batches")
+        assert sorted(partitions) == sorted(
+            [
+                "internal-studio.002",
+                "public-skimage.000",
+                "public-sklearn.001",
+                "public-skimage.003",
+            ]
+        )
+        runs = instance.get_run_records()
+        assert len(runs) == 4 and all(r.dagster_run.is_success for r in runs)
+    finally:
+        instance.dispose()
+
+    # Running the demo again registers nothing new and changes no counts.
+    before = lab.dataset(IMAGES.name).count_rows()
+    assert cli_main(["demo", "--data-root", str(tmp_path / "data"), "--size", "small"]) == 0
+    assert "already registered" in capsys.readouterr().out
+    assert lab.dataset(IMAGES.name).count_rows() == before
+    assert os.environ["DAGSTER_HOME"] == str(tmp_path / "home")
+
+
+def test_register_batch_by_hand(tmp_path, monkeypatch, capsys, data_root):
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home2"))
+    monkeypatch.setenv("PRX_DATA_ROOT", str(data_root))
+    target = data_root / "landing" / "public-sklearn" / "001.tar"
+    assert cli_main(["register-batch", str(target), "--data-root", str(data_root)]) == 0
+    assert "public-sklearn.001: registered" in capsys.readouterr().out
+    assert cli_main(["register-batch", str(target), "--data-root", str(data_root)]) == 0
+    assert "already registered" in capsys.readouterr().out
+    bad = data_root / "landing" / "public-sklearn"
+    assert cli_main(["register-batch", str(bad), "--data-root", str(data_root)]) == 2
+    assert "not a <landing>" in capsys.readouterr().err
