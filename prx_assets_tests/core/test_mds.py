@@ -1,0 +1,245 @@
+import gc
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+import streaming
+from PIL import Image
+from streaming.base.util import clean_stale_shared_memory
+
+from prx_assets.core.buckets import assign_bucket
+from prx_assets.core.mds import (
+    MDSSample,
+    list_partition_dirs,
+    partition_dir,
+    recover_partition,
+    write_bucket_partition,
+    write_partition_buckets,
+)
+from prx_assets.core.resize import encode_jpeg, resize_to_bucket
+
+REPO = Path(__file__).resolve().parents[2]
+PHOTOS = REPO / "prx_assets" / "demo" / "photos"
+
+
+@pytest.fixture(scope="module")
+def samples() -> list[MDSSample]:
+    """Real bucketed q92 JPEGs of the demo photos that pass the 384 px cutoff."""
+    out = []
+    for path in sorted(PHOTOS.iterdir()):
+        data = path.read_bytes()
+        w, h = Image.open(io.BytesIO(data)).size
+        a = assign_bucket(w, h)
+        if a is None:
+            continue
+        jpeg = encode_jpeg(resize_to_bucket(data, a))
+        out.append(
+            MDSSample(
+                key=f"demo/{path.stem}",
+                image=jpeg,
+                caption=f"a photo called {path.stem}",
+                orig_width=w,
+                orig_height=h,
+                tier=a.tier,
+                shape=a.shape.name,
+                source="demo",
+                license="public-domain",
+            )
+        )
+    assert len(out) >= 8 and len({(s.tier, s.shape) for s in out}) >= 3
+    return out
+
+
+def _read_all(directory: Path) -> list[dict]:
+    """Read a directory back with the official reader, as the trainer would."""
+    clean_stale_shared_memory()
+    ds = streaming.StreamingDataset(local=str(directory), batch_size=1, shuffle=False)
+    try:
+        rows = [dict(row) for row in ds]
+        by_index = [ds[i]["key"] for i in range(len(ds))]
+    finally:
+        del ds
+        gc.collect()
+    assert [r["key"] for r in rows] == by_index
+    return rows
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_streaming_dataset_reads_every_bucket(tmp_path: Path, samples: list[MDSSample]) -> None:
+    placements = write_partition_buckets(tmp_path, "demo.b0", samples, size_limit=300_000)
+    by_key = {s.key: s for s in samples}
+    assert sorted(p.key for p in placements) == sorted(by_key)
+    dirs = list_partition_dirs(tmp_path, "demo.b0")
+    assert {(d.tier, d.shape) for d in dirs} == {(s.tier, s.shape) for s in samples}
+    for d in dirs:
+        assert d.path == tmp_path / "mds" / str(d.tier) / d.shape / "demo.b0"
+        rows = _read_all(d.path)
+        mine = sorted((p for p in placements if (p.tier, p.shape) == (d.tier, d.shape)),
+                      key=lambda p: p.sample_index)  # fmt: skip
+        assert [r["key"] for r in rows] == [p.key for p in mine]
+        index = json.loads((d.path / "index.json").read_text())
+        shard_sizes = {s["raw_data"]["basename"]: s["samples"] for s in index["shards"]}
+        for p, row in zip(mine, rows, strict=True):
+            s = by_key[p.key]
+            assert (p.tier, p.shape, p.batch) == (s.tier, s.shape, "demo.b0")
+            assert p.relative_dir == f"mds/{s.tier}/{s.shape}/demo.b0"
+            assert (d.path / p.shard).is_file() and p.index_in_shard < shard_sizes[p.shard]
+            assert row["caption"] == s.caption and row["key"] == s.key
+            assert row["image"] == s.image
+            assert (row["orig_width"], row["orig_height"]) == (s.orig_width, s.orig_height)
+            assert (row["tier"], row["shape"]) == (s.tier, s.shape)
+            assert (row["source"], row["license"]) == ("demo", "public-domain")
+            img = Image.open(io.BytesIO(row["image"]))
+            assert f"{img.height}x{img.width}" == s.shape
+    # Shards really split at the limit and indices restart per shard.
+    assert any(p.shard != "shard.00000.mds" and p.index_in_shard == 0 for p in placements)
+
+
+def test_rerun_is_byte_identical(tmp_path: Path, samples: list[MDSSample]) -> None:
+    write_partition_buckets(tmp_path, "demo.b0", samples, size_limit=300_000)
+    first = _hashes(tmp_path)
+    write_partition_buckets(tmp_path, "demo.b0", list(reversed(samples)), size_limit=300_000)
+    assert _hashes(tmp_path) == first
+    assert not [p for p in tmp_path.rglob(".*")]  # no temporaries left behind
+
+
+def test_extra_columns(tmp_path: Path, samples: list[MDSSample]) -> None:
+    s = samples[0]
+    rich = [
+        MDSSample(**{**s.__dict__, "key": f"k{i}", "extra": {"aesthetic": 5.5 + i, "tags": [i]}})
+        for i in range(3)
+    ]
+    write_bucket_partition(
+        tmp_path, "b", s.tier, s.shape, rich, extra_columns={"aesthetic": "float32", "tags": "json"}
+    )
+    rows = _read_all(partition_dir(tmp_path, s.tier, s.shape, "b"))
+    assert [float(r["aesthetic"]) for r in rows] == [5.5, 6.5, 7.5]
+    assert [r["tags"] for r in rows] == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="expected exactly"):
+        write_bucket_partition(
+            tmp_path, "b", s.tier, s.shape, rich, extra_columns={"aesthetic": "float32"}
+        )
+    with pytest.raises(ValueError, match="collides"):
+        write_bucket_partition(tmp_path, "b", s.tier, s.shape, [s], extra_columns={"key": "str"})
+
+
+def test_moved_sample_leaves_no_stale_copy(tmp_path: Path, samples: list[MDSSample]) -> None:
+    write_partition_buckets(tmp_path, "demo.b0", samples)
+    write_partition_buckets(tmp_path, "demo.b1", samples)  # another partition, same buckets
+    other = _hashes(tmp_path / "mds")
+    moved_bucket = (samples[0].tier, samples[0].shape)
+    kept = [s for s in samples if (s.tier, s.shape) != moved_bucket]
+    write_partition_buckets(tmp_path, "demo.b0", kept)
+    dirs = {(d.tier, d.shape) for d in list_partition_dirs(tmp_path, "demo.b0")}
+    assert moved_bucket not in dirs and dirs == {(s.tier, s.shape) for s in kept}
+    assert not partition_dir(tmp_path, *moved_bucket, "demo.b0").exists()
+    # demo.b1 is untouched, byte for byte.
+    after = _hashes(tmp_path / "mds")
+    assert {k: v for k, v in other.items() if "demo.b1" in k} == {
+        k: v for k, v in after.items() if "demo.b1" in k
+    }
+    write_partition_buckets(tmp_path, "demo.b0", [])
+    assert list_partition_dirs(tmp_path, "demo.b0") == []
+
+
+def test_crash_in_writer_loop_keeps_previous_version(
+    tmp_path: Path, samples: list[MDSSample], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier, shape = samples[0].tier, samples[0].shape
+    bucket = [s for s in samples if (s.tier, s.shape) == (tier, shape)]
+    final = partition_dir(tmp_path, tier, shape, "b")
+    write_bucket_partition(tmp_path, "b", tier, shape, bucket[:2], size_limit=100_000)
+    before = _hashes(final)
+
+    real_write = streaming.MDSWriter.write
+    calls = []
+
+    def failing_write(self, sample):  # noqa: ANN001, ANN202
+        calls.append(sample["key"])
+        if len(calls) > 2:  # after a shard has already been flushed to the temp dir
+            raise RuntimeError("disk full")
+        return real_write(self, sample)
+
+    monkeypatch.setattr(streaming.MDSWriter, "write", failing_write)
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_bucket_partition(tmp_path, "b", tier, shape, bucket, size_limit=100_000)
+    assert _hashes(final) == before
+    assert [p.name for p in final.parent.iterdir()] == ["b"]  # temp dir cleaned up
+    assert [r["key"] for r in _read_all(final)] == sorted(s.key for s in bucket[:2])
+    # A first write that fails leaves nothing at the final path.
+    with pytest.raises(RuntimeError, match="disk full"):
+        calls.clear()
+        write_bucket_partition(tmp_path, "new", tier, shape, bucket, size_limit=100_000)
+    assert not partition_dir(tmp_path, tier, shape, "new").exists()
+
+
+def _write_and_die_between_renames(root: Path, samples: list[MDSSample]) -> int:
+    """Run a write in a forked child that is killed right after "old away", before "new in".
+
+    A fork (not a fresh interpreter) so the child starts with streaming already imported;
+    os._exit makes it a real death: no ``finally`` blocks, no cleanup.
+    """
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+            real_rename = os.rename
+
+            def rename(src, dst):  # noqa: ANN001, ANN202
+                real_rename(src, dst)
+                if ".old-" in str(dst):
+                    os._exit(9)
+
+            os.rename = rename
+            write_partition_buckets(root, "b", samples)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_kill_between_renames_is_recovered(tmp_path: Path, samples: list[MDSSample]) -> None:
+    bucket = [s for s in samples if (s.tier, s.shape) == (samples[0].tier, samples[0].shape)]
+    final = partition_dir(tmp_path, bucket[0].tier, bucket[0].shape, "b")
+    write_partition_buckets(tmp_path, "b", bucket[:1])
+    before = _hashes(final)
+    assert _write_and_die_between_renames(tmp_path, bucket) == 9
+    # Killed between "old away" and "new in": nothing (not something partial) is readable.
+    assert not final.exists()
+    assert list_partition_dirs(tmp_path, "b") == []
+    leftovers = sorted(p.name for p in final.parent.iterdir())
+    assert any(".b.old-" in n for n in leftovers) and any(".b.tmp-" in n for n in leftovers)
+    recover_partition(tmp_path, "b")
+    assert _hashes(final) == before
+    assert sorted(p.name for p in final.parent.iterdir()) == ["b"]
+    write_partition_buckets(tmp_path, "b", bucket)
+    assert [r["key"] for r in _read_all(final)] == sorted(s.key for s in bucket)
+
+
+def test_bad_input(tmp_path: Path, samples: list[MDSSample]) -> None:
+    s = samples[0]
+    with pytest.raises(ValueError, match="not a safe directory name"):
+        write_partition_buckets(tmp_path, "../escape", [s])
+    with pytest.raises(ValueError, match="not a safe directory name"):
+        write_partition_buckets(tmp_path, ".hidden", [s])
+    with pytest.raises(ValueError, match="duplicate sample key"):
+        write_partition_buckets(tmp_path, "b", [s, s])
+    with pytest.raises(ValueError, match="not 512/999x999"):
+        write_bucket_partition(tmp_path, "b", 512, "999x999", [s])
+    with pytest.raises(ValueError, match="more than the shard size limit"):
+        write_bucket_partition(tmp_path, "b", s.tier, s.shape, [s], size_limit=1000)
+    with pytest.raises(ValueError, match="no samples"):
+        write_bucket_partition(tmp_path, "b", s.tier, s.shape, [])
+    with pytest.raises(ValueError, match="<H>x<W>"):
+        write_bucket_partition(tmp_path, "b", 512, "big", [s])
+    assert list_partition_dirs(tmp_path, "b") == []
