@@ -1,0 +1,379 @@
+"""Captioner backends: an OpenAI-compatible server, a local transformers VLM, and alt text.
+
+Usage::
+
+    cap = OpenAICaptioner(model="Qwen/Qwen3-VL-8B-Instruct", base_url="http://vllm:8000/v1")
+    results = cap.caption([CaptionInput("k1", image=jpeg_bytes, alt_text="a dog")])
+    code_version = cap.identity.fingerprint()
+
+All backends load lazily (the identity is known without loading anything), keep input
+order, and raise for the batch as a whole: a :class:`BackendError` from ``caption`` means
+no result for any item, so the caller writes no partial partition.
+
+:class:`AltTextCaptioner` is the offline fallback. Its results carry ``is_fallback=True``
+and ``model_id="alt-text-fallback"`` so alt text can never pass for a VLM caption.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from prx_assets.core.models.base import (
+    BackendConfigError,
+    BackendIdentity,
+    BackendInputError,
+    CaptionInput,
+    CaptionResult,
+    EmptyContentError,
+    check_caption_inputs,
+    load_caption_image,
+)
+from prx_assets.core.models.openai_http import (
+    OpenAIChatClient,
+    message_text,
+    resolve_api_key,
+    resolve_base_url,
+)
+from prx_assets.core.models.prompts import (
+    CAPTION_PROMPT_HASH,
+    CAPTION_PROMPT_VERSION,
+    CAPTION_SYSTEM_PROMPT,
+    CAPTION_USER_PROMPT,
+    clean_caption,
+)
+
+DEFAULT_VLM_ID = "Qwen/Qwen3-VL-8B-Instruct"
+ALT_TEXT_MODEL_ID = "alt-text-fallback"
+CAPTION_API_KEY_ENV = ("PRX_CAPTION_API_KEY", "OPENAI_API_KEY")
+CAPTION_BASE_URL_ENV = ("PRX_CAPTION_BASE_URL", "OPENAI_BASE_URL")
+
+
+def image_to_data_url(img: Image.Image, quality: int = 90) -> str:
+    """JPEG data URL; always re-encoded so requests are small and carry no metadata."""
+    buf = io.BytesIO()
+    img.convert("RGB").save(buf, format="JPEG", quality=quality)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+class OpenAICaptioner:
+    """Captions through any OpenAI-compatible chat-completions server (vLLM, SGLang).
+
+    ``base_url`` (``.../v1``) and ``api_key`` come from arguments or the environment
+    (``PRX_CAPTION_BASE_URL``/``OPENAI_BASE_URL``, ``PRX_CAPTION_API_KEY``/``OPENAI_API_KEY``);
+    no key means no ``Authorization`` header. The identity holds the model, prompt and
+    decoding/encoding parameters, not the URL, key or concurrency: moving the server does
+    not re-caption the lake.
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_VLM_ID,
+        *,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        max_tokens: int = 384,
+        temperature: float = 0.0,
+        max_side: int = 1024,
+        jpeg_quality: int = 90,
+        max_concurrency: int = 8,
+        timeout_s: float = 120.0,
+        max_attempts: int = 5,
+        backoff_base_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        max_retry_after_s: float = 60.0,
+    ) -> None:
+        if max_tokens < 1:
+            raise BackendConfigError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not 1 <= jpeg_quality <= 100:
+            raise BackendConfigError(f"jpeg_quality must be in 1..100, got {jpeg_quality}")
+        if max_side < 32:
+            raise BackendConfigError(f"max_side must be >= 32, got {max_side}")
+        self.model = model
+        self.max_tokens = max_tokens
+        self.temperature = float(temperature)
+        self.max_side = max_side
+        self.jpeg_quality = jpeg_quality
+        self._client = OpenAIChatClient(
+            resolve_base_url(base_url, CAPTION_BASE_URL_ENV),
+            resolve_api_key(api_key, CAPTION_API_KEY_ENV),
+            timeout_s=timeout_s,
+            max_attempts=max_attempts,
+            backoff_base_s=backoff_base_s,
+            backoff_max_s=backoff_max_s,
+            max_retry_after_s=max_retry_after_s,
+            max_concurrency=max_concurrency,
+        )
+        self.identity = BackendIdentity.create(
+            kind="openai_vlm",
+            model_id=model,
+            prompt_version=CAPTION_PROMPT_VERSION,
+            prompt_hash=CAPTION_PROMPT_HASH,
+            params={
+                "max_tokens": max_tokens,
+                "temperature": self.temperature,
+                "max_side": max_side,
+                "jpeg_quality": jpeg_quality,
+            },
+        )
+
+    @property
+    def base_url(self) -> str:
+        return self._client.base_url
+
+    def __repr__(self) -> str:
+        return (
+            f"OpenAICaptioner(model={self.model!r}, base_url={self.base_url!r}, "
+            f"fingerprint={self.identity.fingerprint()!r})"
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> OpenAICaptioner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def image_url(self, item: CaptionInput) -> str:
+        """The JPEG data URL sent for an input (bounded side, fixed quality)."""
+        return image_to_data_url(load_caption_image(item, self.max_side), self.jpeg_quality)
+
+    def request_body(self, data_url: str) -> dict[str, Any]:
+        """The chat-completions body for one image (public so it can be inspected)."""
+        return {
+            "model": self.model,
+            "messages": [
+                {"role": "system", "content": CAPTION_SYSTEM_PROMPT},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": data_url}},
+                        {"type": "text", "text": CAPTION_USER_PROMPT},
+                    ],
+                },
+            ],
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+        }
+
+    def _one(self, job: tuple[CaptionInput, str], cancel: threading.Event) -> CaptionResult:
+        item, data_url = job
+        body = self.request_body(data_url)
+
+        def parse(data: dict[str, Any]) -> tuple[str, str | None]:
+            content, finish = message_text(data)
+            text = clean_caption(content)
+            if not text:
+                raise EmptyContentError("completion content is empty")
+            return text, finish
+
+        text, finish = self._client.complete(
+            body, parse, label=f"caption {item.key}", cancel=cancel
+        )
+        return CaptionResult(
+            key=item.key,
+            caption=text,
+            kind=self.identity.kind,
+            model_id=self.model,
+            prompt_version=CAPTION_PROMPT_VERSION,
+            finish_reason=finish,
+        )
+
+    def caption(self, images: Sequence[CaptionInput]) -> list[CaptionResult]:
+        items = check_caption_inputs(images)
+        # Encode everything first: a bad image fails the batch before any request is sent,
+        # and only the small JPEGs stay in memory.
+        jobs = [(item, self.image_url(item)) for item in items]
+        return self._client.map(self._one, jobs)
+
+
+class TransformersCaptioner:
+    """A local VLM via ``AutoProcessor`` + ``AutoModelForImageTextToText``.
+
+    ``model_id`` is a hub id or a local directory. bf16 on CUDA, float32 on CPU; greedy
+    decoding by default; batches are left-padded so every row's new tokens start at the
+    same column and only those are decoded.
+    """
+
+    def __init__(
+        self,
+        model_id: str | Path = DEFAULT_VLM_ID,
+        *,
+        max_new_tokens: int = 384,
+        do_sample: bool = False,
+        batch_size: int = 8,
+        max_side: int = 1024,
+        device: str | None = None,
+        dtype: str | None = None,
+    ) -> None:
+        if max_new_tokens < 1 or batch_size < 1:
+            raise BackendConfigError("max_new_tokens and batch_size must be >= 1")
+        self.model_id = str(model_id)
+        self.max_new_tokens = max_new_tokens
+        self.do_sample = do_sample
+        self.batch_size = batch_size
+        self.max_side = max_side
+        self._device = device
+        self._dtype = dtype
+        self._model: Any = None
+        self._processor: Any = None
+        self._lock = threading.Lock()
+        self.identity = BackendIdentity.create(
+            kind="transformers_vlm",
+            model_id=self.model_id,
+            prompt_version=CAPTION_PROMPT_VERSION,
+            prompt_hash=CAPTION_PROMPT_HASH,
+            params={"max_new_tokens": max_new_tokens, "do_sample": do_sample, "max_side": max_side},
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"TransformersCaptioner(model_id={self.model_id!r}, "
+            f"fingerprint={self.identity.fingerprint()!r})"
+        )
+
+    def _load(self) -> tuple[Any, Any]:
+        with self._lock:
+            if self._model is None:
+                from transformers import AutoModelForImageTextToText, AutoProcessor
+
+                device, dtype = resolve_device_dtype(self._device, self._dtype)
+                try:
+                    processor = AutoProcessor.from_pretrained(self.model_id)
+                    model = AutoModelForImageTextToText.from_pretrained(self.model_id, dtype=dtype)
+                except (OSError, ValueError) as exc:
+                    raise BackendConfigError(
+                        f"cannot load VLM {self.model_id!r}: {type(exc).__name__}: {exc}"
+                    ) from exc
+                processor.tokenizer.padding_side = "left"
+                model.to(device).eval()
+                self._processor, self._model = processor, model
+            return self._processor, self._model
+
+    @property
+    def device(self) -> str:
+        return str(self._load()[1].device)
+
+    def caption(self, images: Sequence[CaptionInput]) -> list[CaptionResult]:
+        items = check_caption_inputs(images)
+        if not items:
+            return []
+        pixels = [load_caption_image(item, self.max_side) for item in items]
+        processor, model = self._load()
+        out: list[CaptionResult] = []
+        for start in range(0, len(items), self.batch_size):
+            chunk = items[start : start + self.batch_size]
+            texts = self._generate(processor, model, pixels[start : start + self.batch_size])
+            for item, (text, finish) in zip(chunk, texts, strict=True):
+                if not text:
+                    raise EmptyContentError(f"caption {item.key}: the model generated no text")
+                out.append(
+                    CaptionResult(
+                        key=item.key,
+                        caption=text,
+                        kind=self.identity.kind,
+                        model_id=self.model_id,
+                        prompt_version=CAPTION_PROMPT_VERSION,
+                        finish_reason=finish,
+                    )
+                )
+        return out
+
+    def _generate(
+        self, processor: Any, model: Any, imgs: list[Image.Image]
+    ) -> list[tuple[str, str]]:
+        import torch
+
+        messages = [
+            {"role": "system", "content": CAPTION_SYSTEM_PROMPT},
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": CAPTION_USER_PROMPT}],
+            },
+        ]
+        prompt = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        inputs = processor(
+            text=[prompt] * len(imgs), images=imgs, padding=True, return_tensors="pt"
+        ).to(model.device)
+        gen_kwargs: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "do_sample": self.do_sample,
+        }
+        if not self.do_sample:  # silence the checkpoint's sampling defaults under greedy
+            gen_kwargs.update(temperature=None, top_p=None, top_k=None)
+        with torch.inference_mode():
+            generated = model.generate(**inputs, **gen_kwargs)
+        new_tokens = generated[:, inputs["input_ids"].shape[1] :]
+        eos = model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        decoded = processor.batch_decode(new_tokens, skip_special_tokens=True)
+        results = []
+        for row, text in zip(new_tokens.tolist(), decoded, strict=True):
+            finish = "stop" if eos_ids.intersection(row) else "length"
+            results.append((clean_caption(text), finish))
+        return results
+
+
+def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[str, Any]:
+    """CUDA + bf16 when available, else CPU + float32 (bf16 matmuls are slow on CPU)."""
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype is None:
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    try:
+        torch_dtype = getattr(torch, dtype)
+    except AttributeError:
+        raise BackendConfigError(f"unknown torch dtype {dtype!r}") from None
+    if not isinstance(torch_dtype, torch.dtype):
+        raise BackendConfigError(f"unknown torch dtype {dtype!r}")
+    return device, torch_dtype
+
+
+class AltTextCaptioner:
+    """The offline fallback: the source's alt text, flagged as such.
+
+    Whitespace is collapsed; a missing or blank alt text gives an empty caption with
+    ``reason="no_alt_text"`` (the caller decides whether to keep such rows).
+    """
+
+    def __init__(self) -> None:
+        self.identity = BackendIdentity.create(
+            kind="alt_text",
+            model_id=ALT_TEXT_MODEL_ID,
+            params={"normalise_whitespace": True},
+        )
+
+    def __repr__(self) -> str:
+        return f"AltTextCaptioner(fingerprint={self.identity.fingerprint()!r})"
+
+    def caption(self, images: Sequence[CaptionInput]) -> list[CaptionResult]:
+        out = []
+        for item in check_caption_inputs(images):
+            alt = item.alt_text
+            if alt is not None and not isinstance(alt, str):
+                raise BackendInputError(
+                    item.key, f"alt_text must be str or None, got {type(alt).__name__}"
+                )
+            text = " ".join((alt or "").split())
+            out.append(
+                CaptionResult(
+                    key=item.key,
+                    caption=text,
+                    kind="alt_text",
+                    model_id=ALT_TEXT_MODEL_ID,
+                    prompt_version=self.identity.prompt_version,
+                    is_fallback=True,
+                    reason=None if text else "no_alt_text",
+                )
+            )
+        return out

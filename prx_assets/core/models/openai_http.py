@@ -1,0 +1,334 @@
+"""A small, strict client for OpenAI-compatible chat-completions servers (vLLM, SGLang).
+
+Why not the ``openai`` SDK: it is not a dependency, and the pipeline needs exactly one
+behaviour, spelled out here:
+
+- bounded concurrency (a thread pool of ``max_concurrency`` over one ``httpx.Client``);
+- per-attempt timeouts; retries with exponential backoff and jitter, bounded by
+  ``max_attempts``, on 408/429/5xx, timeouts and connection errors, and on 2xx bodies
+  that are not a usable completion (truncated JSON, no choices, empty content);
+  a ``Retry-After`` header is honoured (capped at ``max_retry_after_s``);
+- other 4xx fail at once (:class:`BackendRequestError`): retrying a bad request is waste;
+- fail-fast batches: when one item fails for good, the others stop retrying and the
+  whole batch raises, so callers never write a partial result;
+- the API key lives in a :class:`Secret`, is sent only as the ``Authorization`` header,
+  and never appears in reprs, identities, exceptions or logs.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import httpx
+
+from prx_assets.core.models.base import (
+    BackendCancelledError,
+    BackendConfigError,
+    BackendRequestError,
+    BackendTimeoutError,
+    BackendUnavailableError,
+    EmptyContentError,
+    MalformedResponseError,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+I = TypeVar("I")  # noqa: E741
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class Secret:
+    """A string that does not print itself."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('***')"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> Any:
+        raise TypeError("Secret values are not picklable")
+
+
+def resolve_api_key(explicit: str | None, env_names: Sequence[str]) -> Secret | None:
+    """The explicit key, else the first non-empty environment variable; None means no auth."""
+    if explicit:
+        return Secret(explicit)
+    for name in env_names:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return Secret(value)
+    return None
+
+
+def resolve_base_url(explicit: str | None, env_names: Sequence[str]) -> str:
+    """Validated base URL (``.../v1``); credentials in the URL are refused, use the key."""
+    url = explicit
+    if not url:
+        url = next((os.environ[n] for n in env_names if os.environ.get(n, "").strip()), None)
+    url = (url or DEFAULT_BASE_URL).strip().rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BackendConfigError(f"base_url must be an http(s) URL with a host, got {url!r}")
+    if parts.username or parts.password:
+        raise BackendConfigError("base_url must not embed credentials; pass api_key instead")
+    if parts.query or parts.fragment:
+        raise BackendConfigError("base_url must not have a query string or fragment")
+    return url
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or HTTP date)."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        ref = datetime.fromtimestamp(now if now is not None else time.time(), tz=UTC)
+        seconds = (when - ref).total_seconds()
+    return max(0.0, seconds) if seconds == seconds else None  # NaN guard
+
+
+class _Retry(Exception):
+    """Internal: one attempt failed in a retryable way."""
+
+    def __init__(self, why: str, status: int | None = None, retry_after: float | None = None):
+        super().__init__(why)
+        self.why = why
+        self.status = status
+        self.retry_after = retry_after
+
+
+class OpenAIChatClient:
+    """POST ``/chat/completions`` with retries; map a function over items concurrently."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: Secret | None,
+        *,
+        timeout_s: float = 120.0,
+        connect_timeout_s: float = 10.0,
+        max_attempts: int = 5,
+        backoff_base_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        max_retry_after_s: float = 60.0,
+        max_concurrency: int = 8,
+    ) -> None:
+        if max_attempts < 1:
+            raise BackendConfigError(f"max_attempts must be >= 1, got {max_attempts}")
+        if max_concurrency < 1:
+            raise BackendConfigError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if timeout_s <= 0 or connect_timeout_s <= 0:
+            raise BackendConfigError("timeouts must be positive")
+        if backoff_base_s < 0 or backoff_max_s < 0 or max_retry_after_s < 0:
+            raise BackendConfigError("backoff durations must be >= 0")
+        self.base_url = base_url
+        self.url = f"{base_url}/chat/completions"
+        self._api_key = api_key
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_attempts = max_attempts
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self.max_retry_after_s = max_retry_after_s
+        self.max_concurrency = max_concurrency
+        self._client: httpx.Client | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        auth = "set" if self._api_key else "none"
+        return f"OpenAIChatClient(url={self.url!r}, api_key={auth})"
+
+    # -- lifecycle
+
+    def _http(self) -> httpx.Client:
+        with self._lock:
+            if self._client is None:
+                self._client = httpx.Client(
+                    timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s),
+                    limits=httpx.Limits(
+                        max_connections=self.max_concurrency,
+                        max_keepalive_connections=self.max_concurrency,
+                    ),
+                )
+            return self._client
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+    # -- one request
+
+    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        delay = min(self.backoff_max_s, self.backoff_base_s * (2 ** (attempt - 1)))
+        delay *= 0.5 + random.random() * 0.5  # jitter: spread synchronized retries
+        if retry_after is not None:
+            delay = max(delay, min(retry_after, self.max_retry_after_s))
+        return delay
+
+    def _attempt(self, body: dict[str, Any], parse: Callable[[dict[str, Any]], T]) -> T:
+        headers = {"Content-Type": "application/json"}
+        if self._api_key is not None:
+            headers["Authorization"] = f"Bearer {self._api_key.reveal()}"
+        try:
+            resp = self._http().post(self.url, content=json.dumps(body), headers=headers)
+        except httpx.TimeoutException as exc:
+            raise _Retry(f"timeout ({type(exc).__name__})") from None
+        except httpx.TransportError as exc:
+            raise _Retry(f"connection error ({type(exc).__name__}: {exc})") from None
+        if resp.status_code in RETRY_STATUSES or resp.status_code >= 500:
+            raise _Retry(
+                f"HTTP {resp.status_code}: {_snippet(resp.text)}",
+                status=resp.status_code,
+                retry_after=parse_retry_after(resp.headers.get("retry-after")),
+            )
+        if resp.status_code >= 400:
+            raise BackendRequestError(
+                f"HTTP {resp.status_code} from {self.url}: {_snippet(resp.text)}",
+                resp.status_code,
+            )
+        try:
+            data = resp.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise _Retry(f"malformed JSON body: {_snippet(resp.text)!r}") from None
+        if not isinstance(data, dict):
+            raise _Retry(f"JSON body is a {type(data).__name__}, not an object")
+        try:
+            return parse(data)
+        except EmptyContentError as exc:
+            raise _Retry(f"empty: {exc}") from None
+        except MalformedResponseError as exc:
+            raise _Retry(f"malformed: {exc}") from None
+
+    def complete(
+        self,
+        body: dict[str, Any],
+        parse: Callable[[dict[str, Any]], T],
+        *,
+        label: str = "request",
+        cancel: threading.Event | None = None,
+    ) -> T:
+        """One completion, parsed by ``parse`` (which raises MalformedResponseError if unusable)."""
+        last: _Retry | None = None
+        for attempt in range(1, self.max_attempts + 1):
+            if cancel is not None and cancel.is_set():
+                raise BackendCancelledError(f"{label}: cancelled, another item failed")
+            try:
+                return self._attempt(body, parse)
+            except _Retry as exc:
+                last = exc
+                if attempt == self.max_attempts:
+                    break
+                delay = self._backoff(attempt, exc.retry_after)
+                log.warning(
+                    "%s: attempt %d/%d failed (%s); retrying in %.2fs",
+                    label,
+                    attempt,
+                    self.max_attempts,
+                    exc.why,
+                    delay,
+                )
+                if cancel is not None:
+                    if cancel.wait(delay):
+                        raise BackendCancelledError(
+                            f"{label}: cancelled, another item failed"
+                        ) from None
+                else:
+                    time.sleep(delay)
+        assert last is not None
+        msg = f"{label}: failed after {self.max_attempts} attempts to {self.url}; last: {last.why}"
+        if last.why.startswith("empty"):
+            raise EmptyContentError(msg, attempts=self.max_attempts)
+        if last.why.startswith("malformed"):
+            raise MalformedResponseError(msg, attempts=self.max_attempts)
+        if last.why.startswith("timeout"):
+            raise BackendTimeoutError(msg, attempts=self.max_attempts, status=last.status)
+        raise BackendUnavailableError(msg, attempts=self.max_attempts, status=last.status)
+
+    # -- many requests
+
+    def map(self, fn: Callable[[I, threading.Event], T], items: Sequence[I]) -> list[T]:
+        """``fn`` over ``items`` with at most ``max_concurrency`` in flight, order kept.
+
+        Fail-fast: the first error cancels queued items, stops retries of running ones
+        and is raised; no partial list is ever returned.
+        """
+        items = list(items)
+        if not items:
+            return []
+        cancel = threading.Event()
+        results: list[Any] = [None] * len(items)
+        workers = min(self.max_concurrency, len(items))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prx-openai") as pool:
+            futures = [pool.submit(fn, item, cancel) for item in items]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = [f for f in futures if f.done() and f.exception() is not None]
+            if failed:
+                cancel.set()
+                for f in futures:
+                    f.cancel()
+                # Report the first real failure, not a cancellation it caused.
+                real = [f for f in failed if not isinstance(f.exception(), BackendCancelledError)]
+                raise (real or failed)[0].exception()  # type: ignore[misc]
+            for i, f in enumerate(futures):
+                results[i] = f.result()
+        return results
+
+
+def _snippet(text: str, n: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def message_text(data: dict[str, Any]) -> tuple[str, str | None]:
+    """Content and finish_reason of the first choice; MalformedResponseError if absent."""
+    if "error" in data and "choices" not in data:
+        raise MalformedResponseError(f"server returned an error object: {_snippet(str(data))}")
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise MalformedResponseError("response has no choices")
+    choice = choices[0]
+    if not isinstance(choice, dict) or not isinstance(choice.get("message"), dict):
+        raise MalformedResponseError("first choice has no message")
+    content = choice["message"].get("content")
+    if isinstance(content, list):  # content parts
+        content = "".join(
+            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise MalformedResponseError(f"message content is a {type(content).__name__}")
+    finish = choice.get("finish_reason")
+    return content, finish if isinstance(finish, str) else None
