@@ -14,7 +14,7 @@ LOCK_HASH := $(shell cat requirements.lock pyproject.toml | sha256sum | cut -c1-
 STAMP := $(VENV)/.prx-installed-$(LOCK_HASH)
 UI_PORT ?= 3000
 
-.PHONY: venv demo test ui browser lint format bench lock clean-data
+.PHONY: venv sysdeps demo test ui browser lint format bench lock clean-data
 
 venv: $(STAMP)
 
@@ -31,8 +31,12 @@ demo: venv
 	@cp -n dagster.yaml $(DAGSTER_HOME)/dagster.yaml 2>/dev/null || true
 	$(VENV)/bin/prx-assets demo --data-root $(PRX_DATA_ROOT)
 
+## System packages some tests use (PostgreSQL server, chromium); a no-op when present.
+sysdeps:
+	@bash .ci/system-deps
+
 ## The test suite (what CI runs).
-test: venv
+test: venv sysdeps
 	@mkdir -p $(DAGSTER_HOME)
 	$(VENV)/bin/ruff check prx_assets prx_assets_tests benchmarks
 	$(VENV)/bin/ruff format --check prx_assets prx_assets_tests benchmarks

@@ -4,7 +4,7 @@ Why a policy module: ingest, hashing and resizing must agree on what an image *i
 (orientation, colour conversion, which frame), and untrusted bytes must never be able
 to exhaust memory or reach an exotic decoder.
 
-Policy (documented in docs/decoding.md):
+Policy (also in the README, "Decoding and bad input"):
 - Only real photo formats are opened: JPEG (and MPO, its multi-picture variant),
   PNG, WebP, TIFF, BMP and GIF. Everything else is rejected by name.
 - Dimensions are read from the header first; more than ``max_pixels`` (default

@@ -12,6 +12,8 @@ def png_markdown(png: bytes, alt: str) -> MetadataValue:
     return MetadataValue.md(f"![{alt}](data:image/png;base64,{b64})")
 
 
-def counts_table(counts: Mapping[str, int], key: str = "value") -> MetadataValue:
-    rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(counts.items()))
+def counts_table(counts: Mapping[str, int], key: str = "value", sort: bool = True) -> MetadataValue:
+    """A two-column markdown table; ``sort=False`` keeps the mapping's order (e.g. tiers)."""
+    items = sorted(counts.items()) if sort else list(counts.items())
+    rows = "\n".join(f"| {k} | {v} |" for k, v in items)
     return MetadataValue.md(f"| {key} | count |\n|---|---|\n{rows}")

@@ -39,7 +39,7 @@ def resolution_profile(context: AssetExecutionContext, lab: LabResource) -> Mate
             "eligible": summary.eligible,
             "ineligible": summary.images - summary.eligible,
             "ineligible_reasons": counts_table(summary.ineligible_reasons, "reason"),
-            "images_per_max_tier": counts_table(summary.tier_counts, "tier"),
+            "images_per_max_tier": counts_table(summary.tier_counts, "tier", sort=False),
             "megapixels_percentiles": MetadataValue.json(summary.megapixel_percentiles),
             "aspect_percentiles": MetadataValue.json(summary.aspect_percentiles),
             "histogram": png_markdown(png, "resolution histogram"),

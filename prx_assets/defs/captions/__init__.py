@@ -1,0 +1,1 @@
+"""The caption stage: captions, caption classes and caption embeddings, and model swaps."""

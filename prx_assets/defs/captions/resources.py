@@ -1,0 +1,206 @@
+"""Resources that choose and configure the caption stage's model backends.
+
+Each resource builds one backend of ``prx_assets.core.models``. ``identity()`` is computed
+from configuration alone (no model load, no network, no secret), so ``build_caption_assets``
+can derive code versions from it when the graph is defined, and the swap sensor can compare
+it with the fingerprints stored in the lab. API keys come from the environment
+(``api_key=EnvVar("PRX_CAPTION_API_KEY")`` or, unset, the variables the backend reads); they
+are sent as a header and never reach metadata, identities or tables.
+"""
+
+from typing import Any, Literal
+
+from dagster import ConfigurableResource, EnvVar
+
+from prx_assets.core.caption_tables import VECTOR_INDEX_MIN_ROWS
+from prx_assets.core.models import (
+    AltTextCaptioner,
+    BackendIdentity,
+    CaptionClassifier,
+    Captioner,
+    EmbeddingClassifier,
+    MiniLMEmbedder,
+    OpenAICaptioner,
+    OpenAIClassifier,
+    TextEmbedder,
+    TransformersCaptioner,
+    TransformersClassifier,
+)
+from prx_assets.core.models.captioners import DEFAULT_VLM_ID
+from prx_assets.core.models.classifiers import DEFAULT_LM_ID
+from prx_assets.core.models.embeddings import MINILM_MODEL_ID
+
+ALT_TEXT_NOTE = "offline fallback: source alt text, not a VLM caption"
+EMBEDDING_NOTE = "offline fallback: embedding zero-shot"
+
+
+def _plain(value: Any) -> Any:
+    """A field's value outside a run: an ``EnvVar`` is read now (inside a run it already is)."""
+    return value.get_value() if isinstance(value, EnvVar) else value
+
+
+class CaptionerResource(ConfigurableResource):
+    """The captioning backend: ``alt_text`` (offline fallback), ``openai`` or ``transformers``.
+
+    ``model`` defaults to Qwen3-VL-8B-Instruct for the model backends. ``openai`` talks to a
+    vLLM/SGLang server at ``base_url`` (``.../v1``); ``transformers`` loads ``model`` in
+    process. Decoding parameters are part of the identity; deployment ones (URL, key,
+    concurrency, timeouts, retries, device) are not.
+    """
+
+    backend: Literal["alt_text", "openai", "transformers"] = "alt_text"
+    model: str | None = None
+    base_url: str | None = None
+    api_key: str | None = None
+    max_tokens: int = 384
+    temperature: float = 0.0
+    do_sample: bool = False
+    max_side: int = 1024
+    jpeg_quality: int = 90
+    max_concurrency: int = 8
+    timeout_s: float = 120.0
+    max_attempts: int = 5
+    backoff_base_s: float = 0.5
+    batch_size: int = 8
+    device: str | None = None
+    dtype: str | None = None
+    chunk_size: int = 256  # images read (bytes) and captioned at a time
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.backend == "alt_text"
+
+    def _make(self, secrets: bool) -> Captioner:
+        model = _plain(self.model) or DEFAULT_VLM_ID
+        if self.backend == "alt_text":
+            return AltTextCaptioner()
+        if self.backend == "openai":
+            return OpenAICaptioner(
+                model,
+                base_url=self.base_url if secrets else None,
+                api_key=self.api_key if secrets else None,
+                max_tokens=self.max_tokens,
+                temperature=self.temperature,
+                max_side=self.max_side,
+                jpeg_quality=self.jpeg_quality,
+                max_concurrency=self.max_concurrency,
+                timeout_s=self.timeout_s,
+                max_attempts=self.max_attempts,
+                backoff_base_s=self.backoff_base_s,
+            )
+        return TransformersCaptioner(
+            model,
+            max_new_tokens=self.max_tokens,
+            do_sample=self.do_sample,
+            batch_size=self.batch_size,
+            max_side=self.max_side,
+            device=self.device,
+            dtype=self.dtype,
+        )
+
+    def identity(self) -> BackendIdentity:
+        """What the captions depend on; safe outside a run (no URL or key is resolved)."""
+        return self._make(secrets=False).identity
+
+    def build(self) -> Captioner:
+        """The backend for a run (models load lazily on first use)."""
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        return self._make(secrets=True)
+
+
+class ClassifierResource(ConfigurableResource):
+    """The caption classifier: ``embedding`` (offline fallback), ``transformers`` or ``openai``.
+
+    ``model`` defaults to Qwen3-8B for the LM backends; the embedding backend always uses
+    the bundled all-MiniLM-L6-v2 (``embedding_model_path`` overrides its directory).
+    """
+
+    backend: Literal["embedding", "transformers", "openai"] = "embedding"
+    model: str | None = None
+    base_url: str | None = None
+    api_key: str | None = None
+    temperature: float = 0.05  # embedding zero-shot softmax temperature
+    score: Literal["mean", "first"] = "mean"  # transformers label scoring
+    mode: Literal["auto", "logprobs", "choice"] = "auto"  # openai
+    top_logprobs: int = 10
+    choice_field: Literal["structured_outputs", "guided_choice"] = "structured_outputs"
+    max_concurrency: int = 16
+    timeout_s: float = 60.0
+    max_attempts: int = 5
+    backoff_base_s: float = 0.5
+    batch_size: int = 16
+    device: str | None = None
+    dtype: str | None = None
+    embedding_model_path: str | None = None
+    chunk_size: int = 512
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.backend == "embedding"
+
+    def _make(self, secrets: bool) -> CaptionClassifier:
+        model = _plain(self.model) or DEFAULT_LM_ID
+        if self.backend == "embedding":
+            embedder = MiniLMEmbedder(_plain(self.embedding_model_path), device=self.device)
+            return EmbeddingClassifier(embedder, temperature=self.temperature)
+        if self.backend == "openai":
+            return OpenAIClassifier(
+                model,
+                base_url=self.base_url if secrets else None,
+                api_key=self.api_key if secrets else None,
+                mode=self.mode,
+                top_logprobs=self.top_logprobs,
+                choice_field=self.choice_field,
+                max_concurrency=self.max_concurrency,
+                timeout_s=self.timeout_s,
+                max_attempts=self.max_attempts,
+                backoff_base_s=self.backoff_base_s,
+            )
+        return TransformersClassifier(
+            model,
+            score=self.score,
+            batch_size=self.batch_size,
+            device=self.device,
+            dtype=self.dtype,
+        )
+
+    def identity(self) -> BackendIdentity:
+        return self._make(secrets=False).identity
+
+    def build(self) -> CaptionClassifier:
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        return self._make(secrets=True)
+
+
+class EmbedderResource(ConfigurableResource):
+    """all-MiniLM-L6-v2 caption embeddings (bundled weights; ``model_path`` overrides).
+
+    ``index_min_rows``: the table gets a cosine ``index_type`` vector index once it holds
+    that many rows (see ``VECTOR_INDEX_MIN_ROWS`` for why not sooner).
+    """
+
+    model_path: str | None = None
+    model_id: str = MINILM_MODEL_ID
+    device: str | None = None
+    batch_size: int = 64
+    chunk_size: int = 2048
+    index_min_rows: int = VECTOR_INDEX_MIN_ROWS
+    index_type: Literal["IVF_HNSW_SQ", "IVF_PQ"] = "IVF_HNSW_SQ"
+
+    def _make(self) -> TextEmbedder:
+        return MiniLMEmbedder(
+            _plain(self.model_path),
+            model_id=_plain(self.model_id),
+            device=self.device,
+            batch_size=self.batch_size,
+        )
+
+    def identity(self) -> BackendIdentity:
+        return self._make().identity
+
+    def build(self) -> TextEmbedder:
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        return self._make()
