@@ -2,6 +2,7 @@
 
 from dagster import Definitions
 
+from prx_assets.defs.executors import configured_executor
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.ingest.sensors import landing_sensor
 from prx_assets.defs.jobs import batch_pipeline_job
@@ -18,6 +19,7 @@ def build_defs(data_root: str) -> Definitions:
         sensors=[landing_sensor],
         schedules=[lance_maintenance_schedule],
         resources={"lab": LabResource(data_root=data_root)},
+        executor=configured_executor(),
     )
 
 

@@ -32,3 +32,31 @@ def test_jobs_sensors_and_the_maintenance_schedule_is_off_by_default():
     assert defs.get_sensor_def("landing_sensor") is not None
     schedule = defs.get_schedule_def("lance_maintenance_schedule")
     assert schedule.default_status == DefaultScheduleStatus.STOPPED
+
+
+def test_definitions_load_with_the_k8s_executor(monkeypatch):
+    from prx_assets.definitions import build_defs
+
+    monkeypatch.setenv("PRX_EXECUTOR", "k8s")
+    monkeypatch.setenv("PRX_K8S_IMAGE", "registry.example.invalid/prx-assets:1")
+    k8s_defs = build_defs("s3://bucket/prx")
+    Definitions.validate_loadable(k8s_defs)
+    job = k8s_defs.resolve_job_def("batch_pipeline")
+    assert job.executor_def.name == "k8s_job_executor"
+    from prx_assets.defs.executors import k8s_executor_config
+
+    config = k8s_executor_config()
+    assert config["job_image"] == "registry.example.invalid/prx-assets:1"
+    assert config["per_step_k8s_config"]["captions"]["container_config"]["resources"]["limits"] == {
+        "nvidia.com/gpu": "1"
+    }
+
+
+def test_unknown_executor_is_a_clear_error(monkeypatch):
+    import pytest
+
+    from prx_assets.definitions import build_defs
+
+    monkeypatch.setenv("PRX_EXECUTOR", "spark")
+    with pytest.raises(ValueError, match="PRX_EXECUTOR"):
+        build_defs("data")

@@ -1,0 +1,46 @@
+"""Executors: in-process/multiprocess here, one Kubernetes job per step in a cluster.
+
+``PRX_EXECUTOR=k8s`` switches the Definitions to dagster-k8s's ``k8s_job_executor``. Each
+step (one asset partition) then runs in its own pod from ``PRX_K8S_IMAGE``; GPU-bound steps
+(pool "gpu": captions, caption classes) get a GPU through ``per_step_k8s_config`` so a
+fleet of captioning pods scales independently of the CPU stages.
+"""
+
+import os
+
+from dagster import ExecutorDefinition, multiprocess_executor
+from dagster_k8s import k8s_job_executor
+
+GPU_STEPS = ("captions", "caption_classes")
+
+
+def k8s_executor_config() -> dict:
+    gpu = {
+        "container_config": {
+            "resources": {"limits": {"nvidia.com/gpu": "1"}, "requests": {"cpu": "4"}}
+        }
+    }
+    return {
+        "job_image": os.environ.get("PRX_K8S_IMAGE", "prx-assets:latest"),
+        "job_namespace": os.environ.get("PRX_K8S_NAMESPACE", "prx-data"),
+        "env_config_maps": ["prx-assets-env"],
+        "env_secrets": ["prx-assets-secrets"],  # API keys live in a Secret, never in config
+        "max_concurrent": int(os.environ.get("PRX_K8S_MAX_CONCURRENT", "64")),
+        "step_k8s_config": {
+            "container_config": {"resources": {"requests": {"cpu": "2", "memory": "8Gi"}}}
+        },
+        "per_step_k8s_config": {step: gpu for step in GPU_STEPS},
+    }
+
+
+def k8s_executor() -> ExecutorDefinition:
+    return k8s_job_executor.configured(k8s_executor_config(), name="k8s_job_executor")
+
+
+def configured_executor() -> ExecutorDefinition:
+    kind = os.environ.get("PRX_EXECUTOR", "multiprocess")
+    if kind == "k8s":
+        return k8s_executor()
+    if kind == "multiprocess":
+        return multiprocess_executor.configured({"max_concurrent": 2}, name="multiprocess")
+    raise ValueError(f"PRX_EXECUTOR must be 'multiprocess' or 'k8s', not {kind!r}")
