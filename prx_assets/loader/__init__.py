@@ -1,0 +1,53 @@
+"""Training-side loader for the MDS shards: skip-lists applied, single-shape batches.
+
+Usable from a training script without Dagster (nothing here imports it). Entry points:
+``discover_streams`` → ``ShapeBatchedLoader`` (one ``SkipListDataset`` per shape), with
+``ImageTextCollate`` + ``HFTextEncoder`` for on-the-fly text latents::
+
+    buckets = discover_streams("/data/prx", tiers=[0, 1])           # or a URL + cache_dir
+    loader = ShapeBatchedLoader(
+        buckets, batch_size=32, num_workers=8, num_canonical_nodes=8,
+        collate_fn=ImageTextCollate(HFTextEncoder.from_pretrained("/models/text-enc")),
+    )
+    if checkpoint:
+        loader.load_state_dict(checkpoint["data"])                  # SkipListChanged if edited
+    for batch in loader:                                            # one (H, W) per batch
+        step(batch["image"], batch["text_latents"], batch["attention_mask"])
+        if time_to_save:
+            save({"data": loader.state_dict(), ...})
+
+Run one process per device (torchrun sets WORLD_SIZE/RANK/LOCAL_WORLD_SIZE/LOCAL_RANK) and
+keep ``num_canonical_nodes`` fixed for the whole run: a checkpoint then resumes at another
+world size with no sample lost or repeated in the epoch.
+"""
+
+from prx_assets.loader.collate import HFTextEncoder, ImageTextCollate, TextEncoder
+from prx_assets.loader.dataset import (
+    FilteredShard,
+    SkipListChanged,
+    SkipListDataset,
+    SkipListMismatchAcrossRanks,
+    SkipListStream,
+    SmallBucketWarning,
+    small_bucket_problems,
+)
+from prx_assets.loader.discover import BucketStream, discover_streams, group_by_shape
+from prx_assets.loader.shape_loader import ShapeBatchedLoader, collate_samples
+
+__all__ = [
+    "BucketStream",
+    "FilteredShard",
+    "HFTextEncoder",
+    "ImageTextCollate",
+    "ShapeBatchedLoader",
+    "SkipListChanged",
+    "SkipListDataset",
+    "SkipListMismatchAcrossRanks",
+    "SkipListStream",
+    "SmallBucketWarning",
+    "TextEncoder",
+    "collate_samples",
+    "discover_streams",
+    "group_by_shape",
+    "small_bucket_problems",
+]

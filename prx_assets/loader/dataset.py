@@ -1,0 +1,395 @@
+"""A ``StreamingDataset`` whose sample space is the shards *minus their skip-lists*.
+
+Why filter at shard level, before partitioning
+----------------------------------------------
+mosaicml-streaming derives everything that makes multi-rank training deterministic from
+one list: the number of samples in each shard. From it come the global sample ids (the
+``Spanner``), the epoch size, the shuffle units (``py1e`` shuffles within shard-sized
+blocks), the split over canonical nodes, ranks and workers, the rank padding that keeps
+every rank's count equal, and the meaning of ``sample_in_epoch`` in a checkpoint.
+
+Dropping skipped samples *while iterating* (yield-time filtering) would break all of it:
+ranks that happen to hit more skips run short (a DDP hang at the end of the epoch),
+``len()`` lies, and a checkpoint's "N samples seen" no longer names a position in the
+order. So the skip-lists are applied where streaming reads the shard list:
+``SkipListStream.get_shards`` wraps each shard reader in a ``FilteredShard`` whose
+``samples`` is the *kept* count and whose index ``i`` maps to the i-th kept row of the
+real shard; a shard with nothing left is not returned at all (never downloaded, never
+partitioned, no empty yields). ``StreamingDataset.__init__`` then builds its spanner,
+offsets, epoch size, shuffle and partitions over the filtered counts with its own code, so
+every guarantee streaming gives (equal per-rank counts, elastic resumption across world
+sizes with the same ``num_canonical_nodes``, exact ``state_dict`` resumption) holds in the
+filtered sample space. No streaming module is patched.
+
+Skip-lists change over time (shards never do), so a checkpoint records the digest of the
+skip-lists it was taken against; resuming against a different digest raises
+``SkipListChanged`` unless ``allow_skiplist_change=True`` (then the position is reused in
+the new space: exact from the next epoch on, approximate for the rest of this one).
+
+Sidecars of remote streams are fetched fresh on every dataset construction (they are small
+and may have changed) with streaming's own downloader for the remote's scheme (s3://, gs://,
+oci://, a local path, ...), mirrored into the local cache beside ``index.json``; a sidecar
+absent on the remote is an empty skip set unless ``require_skiplists=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from streaming import Stream, StreamingDataset
+from streaming.base.storage import CloudDownloader
+from streaming.base.world import World
+
+from prx_assets.core.skiplists import (
+    INDEX_BASENAME,
+    SIDECAR_SUFFIX,
+    SkipList,
+    SkipListError,
+    digest_skip_sets,
+    parse_skiplist,
+    sidecar_name,
+)
+
+
+class SkipListChanged(RuntimeError):
+    """A checkpoint was taken against other skip-lists than the ones loaded now."""
+
+    def __init__(self, saved: str | None, current: str) -> None:
+        saved_txt = saved[:16] if saved else "none (checkpoint predates skip-lists)"
+        super().__init__(
+            f"skip-lists changed since the checkpoint (saved digest {saved_txt}, current "
+            f"{current[:16]}): resuming would replay or drop samples of this epoch. Pass "
+            f"allow_skiplist_change=True to resume anyway."
+        )
+        self.saved = saved
+        self.current = current
+
+
+class SkipListMismatchAcrossRanks(RuntimeError):
+    """Ranks loaded different skip-lists (a sidecar changed while the job was starting)."""
+
+
+class SmallBucketWarning(UserWarning):
+    """A bucket with fewer kept samples than ``num_canonical_nodes * batch_size`` or fewer
+    kept shards than ``num_canonical_nodes`` (see ``small_bucket_problems``)."""
+
+
+class FilteredShard:
+    """A shard reader seen through its skip-list.
+
+    ``samples``/``len``/indexing are in kept space; every other attribute (files, sizes,
+    download and eviction) is the real reader's, so caching works on whole shard files.
+    The kept rows are a Python list: one list lookup is the whole per-sample overhead.
+    """
+
+    def __init__(self, reader: Any, keep: np.ndarray) -> None:
+        self.reader = reader
+        self.keep = [int(i) for i in keep]
+        self.samples = len(self.keep)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        reader = self.__dict__.get("reader")
+        if reader is None:
+            raise AttributeError(name)
+        return getattr(reader, name)
+
+    @property
+    def size(self) -> int:
+        return self.samples
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def real_index(self, idx: int) -> int:
+        return self.keep[idx]
+
+    def get_item(self, idx: int) -> dict[str, Any]:
+        return self.reader.get_item(self.keep[idx])
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        # List indexing gives negative indices and IndexError for free.
+        return self.reader.get_item(self.keep[idx])
+
+
+def _shard_name(reader: Any) -> str:
+    return reader.raw_data.basename
+
+
+class SkipListStream(Stream):
+    """A ``Stream`` that applies its partition's skip-list sidecars when listing shards.
+
+    Arguments are streaming's ``Stream`` ones (``remote`` may be any URL streaming can read,
+    or a local path it copies from; ``local`` is the cache, or the data itself when there is
+    no remote), plus ``require_skiplists`` (a missing sidecar is then an error instead of an
+    empty skip set). After ``get_shards``: ``skip_sets`` (every shard with its skipped
+    indices, for the digest), ``dropped_shards``, ``raw_samples`` and ``kept_samples``.
+    """
+
+    def __init__(
+        self,
+        *,
+        remote: str | None = None,
+        local: str | None = None,
+        split: str | None = None,
+        proportion: float | None = None,
+        repeat: float | None = None,
+        choose: int | None = None,
+        download_retry: int | None = None,
+        download_timeout: float | None = None,
+        validate_hash: str | None = None,
+        keep_zip: bool | None = None,
+        require_skiplists: bool = False,
+    ) -> None:
+        super().__init__(
+            remote=remote,
+            local=local,
+            split=split,
+            proportion=proportion,
+            repeat=repeat,
+            choose=choose,
+            download_retry=download_retry,
+            download_timeout=download_timeout,
+            validate_hash=validate_hash,
+            keep_zip=keep_zip,
+        )
+        self.require_skiplists = require_skiplists
+        self.skip_sets: list[tuple[str, tuple[int, ...]]] | None = None
+        self.dropped_shards: list[str] = []
+        self.raw_samples = 0
+        self.kept_samples = 0
+
+    @classmethod
+    def from_stream(cls, stream: Stream, require_skiplists: bool = False) -> SkipListStream:
+        """The same stream (paths, weights, download settings) with skip-lists applied."""
+        return cls(
+            remote=stream.remote,
+            local=stream.local,
+            split=stream.split or None,
+            proportion=stream._proportion,
+            repeat=stream._repeat,
+            choose=stream._choose,
+            download_retry=stream._download_retry,
+            download_timeout=stream._download_timeout,
+            validate_hash=stream.validate_hash,
+            keep_zip=stream._keep_zip,
+            require_skiplists=require_skiplists,
+        )
+
+    @property
+    def local_dir(self) -> str:
+        return os.path.normpath(os.path.join(self.local, self.split))
+
+    def _reads_local(self) -> bool:
+        return self.remote is None or os.path.abspath(self.remote) == os.path.abspath(self.local)
+
+    def _fetch_sidecar(self, shard: str) -> tuple[bytes | None, str]:
+        """Sidecar bytes (None when absent) and where they came from."""
+        name = sidecar_name(shard)
+        local_path = os.path.join(self.local_dir, name)
+        if self._reads_local():
+            try:
+                with open(local_path, "rb") as fh:
+                    return fh.read(), local_path
+            except FileNotFoundError:
+                return None, local_path
+        remote_path = os.path.join(self.remote, self.split, name)
+        tmp = f"{local_path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.download"
+        timeout = getattr(self, "download_timeout", 60.0)
+        attempts = 1 + int(getattr(self, "download_retry", 2))
+        for attempt in range(attempts):
+            downloader = CloudDownloader.get(self.remote)
+            try:
+                downloader.download(remote_path, tmp, timeout)
+                break
+            except FileNotFoundError:
+                # Absent on the remote: drop any stale mirror so the cache tells the truth.
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(local_path)
+                return None, remote_path
+            except Exception:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(min(0.5 * 2**attempt, 8.0))
+            finally:
+                downloader.clean_up()
+        with open(tmp, "rb") as fh:
+            data = fh.read()
+        os.replace(tmp, local_path)  # atomic; concurrent ranks write identical mirrors
+        return data, remote_path
+
+    def _check_orphans(self, names: set[str]) -> None:
+        if not self._reads_local() or not os.path.isdir(self.local_dir):
+            return
+        for entry in os.listdir(self.local_dir):
+            if entry.endswith(SIDECAR_SUFFIX) and entry[: -len(SIDECAR_SUFFIX)] not in names:
+                raise SkipListError(
+                    f"{os.path.join(self.local_dir, entry)}: sidecar for a shard that is not "
+                    f"in {INDEX_BASENAME}"
+                )
+
+    def get_shards(self, world: World, allow_unsafe_types: bool) -> list[Any]:
+        readers = super().get_shards(world, allow_unsafe_types)
+        self._check_orphans({_shard_name(r) for r in readers})
+        skip_sets: list[tuple[str, tuple[int, ...]]] = []
+        kept_readers: list[Any] = []
+        self.dropped_shards = []
+        for reader in readers:
+            name = _shard_name(reader)
+            data, source = self._fetch_sidecar(name)
+            if data is None:
+                if self.require_skiplists:
+                    raise SkipListError(f"{source}: sidecar missing and require_skiplists=True")
+                skiplist = SkipList.empty(name)
+            else:
+                skiplist = parse_skiplist(data, source, expected_shard=name)
+            keep = skiplist.keep_indices(reader.samples)
+            skip_sets.append((name, skiplist.indices))
+            if len(keep) == reader.samples:
+                kept_readers.append(reader)
+            elif len(keep):
+                kept_readers.append(FilteredShard(reader, keep))
+            else:
+                self.dropped_shards.append(name)
+        self.skip_sets = skip_sets
+        self.raw_samples = int(sum(r.samples for r in readers))
+        self.kept_samples = int(sum(r.samples for r in kept_readers))
+        if not kept_readers:
+            raise SkipListError(
+                f"every sample of {self.remote or self.local_dir} is skipped "
+                f"({self.raw_samples} samples in {len(readers)} shards): leave this stream out"
+            )
+        return kept_readers
+
+
+def small_bucket_problems(
+    kept_samples: int, kept_shards: int, num_canonical_nodes: int, batch_size: int
+) -> list[str]:
+    """Why a bucket is too small: the rule behind ``SmallBucketWarning``.
+
+    A bucket needs at least ``num_canonical_nodes * batch_size`` kept samples (else
+    streaming repeats samples so every canonical node gets a full device batch) and at least
+    ``num_canonical_nodes`` kept shards (else several canonical nodes read the same shards,
+    so each node downloads more than its share).
+    """
+    problems = []
+    if kept_samples < num_canonical_nodes * batch_size:
+        problems.append(
+            f"{kept_samples} kept samples < num_canonical_nodes × batch_size = "
+            f"{num_canonical_nodes} × {batch_size}"
+        )
+    if kept_shards < num_canonical_nodes:
+        problems.append(f"{kept_shards} kept shards < num_canonical_nodes = {num_canonical_nodes}")
+    return problems
+
+
+def default_num_canonical_nodes(shuffle_algo: str = "py1e") -> int:
+    """What streaming picks when none is given (fix it for the whole run to resume elastically)."""
+    nodes = World.detect().num_nodes
+    return 64 * nodes if shuffle_algo in ("py1s", "py2s") else nodes
+
+
+class SkipListDataset(StreamingDataset):
+    """``StreamingDataset`` over ``SkipListStream``s: the sample space excludes skipped rows.
+
+    Takes every ``StreamingDataset`` keyword. Plain ``Stream``s are converted with
+    ``SkipListStream.from_stream``; ``remote``/``local`` make one stream. Adds
+    ``allow_skiplist_change`` and ``require_skiplists``. ``skiplist_digest`` identifies the
+    filtered sample space and travels in ``state_dict``. ``bucket_name`` labels warnings.
+    """
+
+    def __init__(
+        self,
+        *,
+        streams: Sequence[Stream] | None = None,
+        remote: str | None = None,
+        local: str | None = None,
+        split: str | None = None,
+        allow_skiplist_change: bool = False,
+        require_skiplists: bool = False,
+        bucket_name: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if streams:
+            if remote or local:
+                raise ValueError("pass either streams or remote/local, not both")
+            streams = [
+                s
+                if isinstance(s, SkipListStream)
+                else SkipListStream.from_stream(s, require_skiplists)
+                for s in streams
+            ]
+        else:
+            if not (remote or local):
+                raise ValueError("pass streams, or remote and/or local")
+            streams = [
+                SkipListStream(
+                    remote=remote, local=local, split=split, require_skiplists=require_skiplists
+                )
+            ]
+        if kwargs.get("replication") not in (None, 1):
+            raise ValueError("replication is not supported with skip-lists (untested)")
+        super().__init__(streams=streams, **kwargs)
+        self.allow_skiplist_change = allow_skiplist_change
+        self.bucket_name = bucket_name or ", ".join(s.remote or s.local_dir for s in streams)
+        self.skiplist_digest = digest_skip_sets([s.skip_sets or [] for s in streams])
+        self.raw_num_samples = int(sum(s.raw_samples for s in streams))
+        self.dropped_shards = [(s.local_dir, name) for s in streams for name in s.dropped_shards]
+        self._check_ranks_agree()
+        self._warn_if_small()
+
+    def _check_ranks_agree(self) -> None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        digests: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, self.skiplist_digest)
+        if len(set(digests)) != 1:
+            raise SkipListMismatchAcrossRanks(
+                f"ranks loaded different skip-lists for {self.bucket_name}: "
+                f"{[d[:12] for d in digests]}; do not rewrite sidecars while a job starts"
+            )
+
+    def _warn_if_small(self) -> None:
+        if not isinstance(self.batch_size, int):
+            return
+        ncn = self.num_canonical_nodes or default_num_canonical_nodes(self.shuffle_algo)
+        problems = small_bucket_problems(self.num_samples, self.num_shards, ncn, self.batch_size)
+        if problems and World.detect().rank == 0:
+            warnings.warn(
+                f"bucket {self.bucket_name} is small: " + "; ".join(problems),
+                SmallBucketWarning,
+                stacklevel=3,
+            )
+
+    def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
+        state = super().state_dict(num_samples, from_beginning)
+        state["skiplist_digest"] = self.skiplist_digest
+        return state
+
+    def check_resume_digest(self, obj: dict[str, Any]) -> None:
+        """Raise ``SkipListChanged`` if ``obj`` was saved against other skip-lists."""
+        saved = obj.get("skiplist_digest")
+        if saved == self.skiplist_digest:
+            return
+        if not self.allow_skiplist_change:
+            raise SkipListChanged(saved, self.skiplist_digest)
+        warnings.warn(
+            f"resuming {self.bucket_name} against changed skip-lists "
+            f"({str(saved)[:12]} -> {self.skiplist_digest[:12]}); the rest of this epoch "
+            f"is approximate, later epochs are exact",
+            stacklevel=3,
+        )
+
+    def load_state_dict(self, obj: dict[str, Any]) -> None:
+        self.check_resume_digest(obj)
+        super().load_state_dict({k: v for k, v in obj.items() if k != "skiplist_digest"})

@@ -1,0 +1,208 @@
+"""Find the bucket partitions of an MDS root and turn each into one skip-list stream.
+
+Layout (written by ``prx_assets.core.mds``): ``<root>/mds/<tier>/<H>x<W>/<batch>/`` holds one
+``index.json`` and its shards. One stream per partition keeps shape buckets apart (a batch
+must be one tensor shape) and lets the caller weight tiers, batches or whole roots (e.g. a
+public and an internal root) with streaming's ``repeat`` per stream.
+
+Where the data lives:
+- ``discover_streams(root)``: ``root`` is a local directory, read in place.
+- ``discover_streams(root, cache_dir=...)``: ``root`` is the *remote*; streaming copies the
+  shards it needs into ``cache_dir`` and ``SkipListStream`` fetches the sidecars beside
+  ``index.json``. ``root`` may be a local path or an object-store URL (``s3://``, ``gs://``,
+  ``oci://``, ... anything streaming's downloaders handle, with their usual credentials); a
+  URL cannot be listed, so pass ``partitions=["<tier>/<H>x<W>/<batch>", ...]``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+import re
+import urllib.parse
+import warnings
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from prx_assets.core.skiplists import INDEX_BASENAME, PartitionCounts, partition_counts
+from prx_assets.loader.dataset import SkipListStream
+
+_SHAPE_RE = re.compile(r"^(\d+)x(\d+)$")
+
+
+@dataclass(frozen=True)
+class BucketStream:
+    """One ``<tier>/<H>x<W>/<batch>`` partition, ready to become a ``SkipListStream``.
+
+    A spec, not a ``Stream``: streaming mutates the weights of the streams it is given, so
+    each dataset gets fresh ones from ``to_stream``. ``counts`` is known for local roots.
+    """
+
+    relpath: str
+    tier: str
+    height: int
+    width: int
+    batch: str
+    local: str
+    remote: str | None = None
+    repeat: float | None = None
+    source: str | None = None
+    counts: PartitionCounts | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.height, self.width)
+
+    @property
+    def shape_name(self) -> str:
+        return f"{self.height}x{self.width}"
+
+    def to_stream(self, require_skiplists: bool = False) -> SkipListStream:
+        return SkipListStream(
+            remote=self.remote,
+            local=self.local,
+            repeat=self.repeat,
+            require_skiplists=require_skiplists,
+        )
+
+
+def parse_shape(name: str) -> tuple[int, int]:
+    """``"<H>x<W>"`` → (H, W); the directory naming convention of the MDS layout."""
+    m = _SHAPE_RE.match(name)
+    if not m:
+        raise ValueError(f"bucket directory {name!r} is not named <H>x<W>")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _is_url(root: str) -> bool:
+    return bool(urllib.parse.urlparse(root).scheme) and not os.path.exists(root)
+
+
+def _shape_filter(shapes: Collection[str | tuple[int, int]] | None) -> set[tuple[int, int]] | None:
+    if shapes is None:
+        return None
+    return {parse_shape(s) if isinstance(s, str) else (int(s[0]), int(s[1])) for s in shapes}
+
+
+def _subdirs(path: Path) -> list[Path]:
+    # Hidden entries are the writer's in-flight or superseded copies (".b0.tmp-<uuid>").
+    return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def _scan(mds_root: Path) -> list[str]:
+    found = []
+    for tier in _subdirs(mds_root):
+        for shape in _subdirs(tier):
+            parse_shape(shape.name)
+            for batch in _subdirs(shape):
+                if (batch / INDEX_BASENAME).exists():
+                    found.append(f"{tier.name}/{shape.name}/{batch.name}")
+    return found
+
+
+def _natural(name: str) -> tuple[int, int, str]:
+    return (0, int(name), "") if name.isdigit() else (1, 0, name)
+
+
+def _repeat_for(relpath: str, weights: Mapping[str, float] | None) -> float | None:
+    for pattern, repeat in (weights or {}).items():
+        if fnmatch.fnmatchcase(relpath, pattern):
+            if repeat < 0:
+                raise ValueError(f"weight for {pattern!r} must be >= 0, got {repeat}")
+            return float(repeat)
+    return None
+
+
+def discover_streams(
+    root: str | os.PathLike[str],
+    tiers: Collection[str | int] | None = None,
+    shapes: Collection[str | tuple[int, int]] | None = None,
+    batches: Collection[str] | None = None,
+    weights: Mapping[str, float] | None = None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    partitions: Sequence[str] | None = None,
+    source: str | None = None,
+    drop_empty: bool = True,
+) -> list[BucketStream]:
+    """Bucket partitions under ``root/mds`` (or ``root`` itself if it has no ``mds/``).
+
+    Filters keep partitions whose tier / shape ((H, W) or ``"HxW"``) / batch is listed.
+    ``weights`` maps fnmatch patterns over ``"<tier>/<H>x<W>/<batch>"`` to streaming's
+    ``repeat`` (first match wins; unmatched partitions get 1). With ``drop_empty`` a local
+    partition whose every sample is skipped is left out with a warning (streaming cannot
+    hold an empty stream). Sorted by tier, shape, batch.
+    """
+    root_str = os.fspath(root)
+    is_url = _is_url(root_str)
+    if is_url and cache_dir is None:
+        raise ValueError(f"{root_str} is a URL: pass cache_dir (streaming needs a local cache)")
+    if is_url:
+        if partitions is None:
+            raise ValueError(f"{root_str} cannot be listed: pass partitions=[tier/HxW/batch,...]")
+        mds_root_str = root_str.rstrip("/") + "/mds"
+        relpaths = list(partitions)
+    else:
+        base = Path(root_str)
+        mds_root = base / "mds" if (base / "mds").is_dir() else base
+        if not mds_root.is_dir():
+            raise FileNotFoundError(f"no MDS root at {mds_root}")
+        mds_root_str = str(mds_root)
+        relpaths = list(partitions) if partitions is not None else _scan(mds_root)
+
+    tier_set = None if tiers is None else {str(t) for t in tiers}
+    shape_set = _shape_filter(shapes)
+    batch_set = None if batches is None else {str(b) for b in batches}
+    cache_tag = source or hashlib.blake2s(root_str.encode(), digest_size=4).hexdigest()
+
+    out: list[BucketStream] = []
+    for relpath in relpaths:
+        parts = relpath.strip("/").split("/")
+        if len(parts) != 3:
+            raise ValueError(f"partition {relpath!r} is not <tier>/<H>x<W>/<batch>")
+        tier, shape_name, batch = parts
+        shape = parse_shape(shape_name)
+        if tier_set is not None and tier not in tier_set:
+            continue
+        if shape_set is not None and shape not in shape_set:
+            continue
+        if batch_set is not None and batch not in batch_set:
+            continue
+        where = f"{mds_root_str}/{relpath}" if is_url else os.path.join(mds_root_str, relpath)
+        counts = None if is_url else partition_counts(where)
+        if counts is not None and counts.kept_samples == 0 and drop_empty:
+            warnings.warn(
+                f"{where}: all {counts.samples} samples are skipped; partition left out",
+                stacklevel=2,
+            )
+            continue
+        if cache_dir is None:
+            remote, local = None, where
+        else:
+            remote, local = where, os.path.join(os.fspath(cache_dir), cache_tag, relpath)
+        out.append(
+            BucketStream(
+                relpath=relpath,
+                tier=tier,
+                height=shape[0],
+                width=shape[1],
+                batch=batch,
+                local=local,
+                remote=remote,
+                repeat=_repeat_for(relpath, weights),
+                source=source,
+                counts=counts,
+            )
+        )
+    out.sort(key=lambda b: (_natural(b.tier), b.height, b.width, _natural(b.batch), b.source or ""))
+    return out
+
+
+def group_by_shape(buckets: Sequence[BucketStream]) -> dict[str, list[BucketStream]]:
+    """Buckets of the same (H, W), whatever their tier, batch or source, train together."""
+    groups: dict[str, list[BucketStream]] = {}
+    for b in sorted(buckets, key=lambda b: (b.height, b.width)):
+        groups.setdefault(b.shape_name, []).append(b)
+    return groups

@@ -1,0 +1,256 @@
+"""SkipListDataset: skips applied before partitioning, exact resume, digest guard, remotes."""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from streaming import Stream, StreamingDataLoader
+from torch.utils.data import DataLoader
+
+from prx_assets.core.skiplists import (
+    SkipListCorrupt,
+    SkipListError,
+    sidecar_path,
+    skiplist_digest,
+    write_skiplist,
+)
+from prx_assets.loader import (
+    FilteredShard,
+    SkipListChanged,
+    SkipListDataset,
+    SkipListStream,
+    SmallBucketWarning,
+    small_bucket_problems,
+)
+from prx_assets.loader.shape_loader import collate_samples
+
+from .conftest import MdsRoot
+
+RELPATHS = ("0/16x24/b0", "0/16x24/b1", "1/24x16/b0")
+
+
+def _dataset(m: MdsRoot, **kwargs) -> SkipListDataset:
+    kwargs.setdefault("batch_size", 4)
+    kwargs.setdefault("num_canonical_nodes", 1)
+    kwargs.setdefault("shuffle", True)
+    streams = [SkipListStream(local=str(m.dir(r))) for r in RELPATHS]
+    return SkipListDataset(streams=streams, **kwargs)
+
+
+def _epoch_keys(ds: SkipListDataset, num_workers: int) -> list[str]:
+    if num_workers == 0:
+        return [s["key"] for s in ds]
+    loader = DataLoader(ds, batch_size=4, num_workers=num_workers, collate_fn=collate_samples)
+    return [k for batch in loader for k in batch["key"]]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_random_skips_are_never_yielded(mds_root: MdsRoot, num_workers: int):
+    for seed in range(3):
+        skipped = mds_root.random_skips(random.Random(seed))
+        kept = mds_root.all_keys() - skipped
+        ds = _dataset(mds_root, shuffle_seed=seed)
+        assert ds.num_samples == len(ds) == len(kept)
+        assert ds.raw_num_samples == 120
+        assert len(ds.dropped_shards) == 1  # random_skips empties one whole shard
+        orders = []
+        for _ in range(2):  # two epochs
+            keys = _epoch_keys(ds, num_workers)
+            assert Counter(keys) == Counter(kept)  # every kept sample exactly once
+            orders.append(keys)
+        assert orders[0] != orders[1]  # reshuffled per epoch, still in the filtered space
+        del ds
+        gc.collect()
+
+
+def test_all_skipped_shard_is_dropped_cleanly(mds_root: MdsRoot):
+    rel = RELPATHS[0]
+    names = mds_root.shard_names(rel)
+    n1 = len(mds_root.shards[rel][1])
+    skipped = mds_root.apply_skips({rel: {1: dict.fromkeys(range(n1), ["duplicate"])}})
+    ds = _dataset(mds_root, shuffle=False)
+    assert ds.dropped_shards == [(str(mds_root.dir(rel)), names[1])]
+    assert ds.num_shards == sum(len(s) for s in mds_root.shards.values()) - 1
+    keys = [s["key"] for s in ds]
+    assert len(keys) == 120 - n1 and not set(keys) & skipped
+    # The remaining shard of that partition is a plain reader (no skips), others unchanged.
+    assert not any(isinstance(s, FilteredShard) for s in ds.shards)
+
+
+def test_every_sample_skipped_is_a_clear_error(mds_root: MdsRoot):
+    rel = RELPATHS[2]
+    mds_root.apply_skips(
+        {
+            rel: {
+                i: dict.fromkeys(range(len(k)), ["opt_out"])
+                for i, k in enumerate(mds_root.shards[rel])
+            }
+        }
+    )
+    with pytest.raises(SkipListError, match="every sample of .* is skipped"):
+        _dataset(mds_root)
+
+
+def test_filtered_shard_maps_kept_indices_to_real_rows(mds_root: MdsRoot):
+    rel = RELPATHS[1]
+    mds_root.apply_skips({rel: {0: {0: ["quality"], 3: ["class_text"], 7: ["opt_out"]}}})
+    ds = _dataset(mds_root)
+    shard = ds.shards[ds.shard_offset_per_stream[1]]
+    assert isinstance(shard, FilteredShard)
+    expected = [k for i, k in enumerate(mds_root.shards[rel][0]) if i not in (0, 3, 7)]
+    assert len(shard) == shard.samples == len(expected)
+    assert [shard[i]["key"] for i in range(len(shard))] == expected
+    assert shard[-1]["key"] == expected[-1]
+    assert shard.real_index(0) == 1
+    with pytest.raises(IndexError):
+        shard[len(expected)]
+    assert shard.file_pairs == shard.reader.file_pairs  # files are the real shard's
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_after_n_batches_continues_exactly(mds_root: MdsRoot, num_workers: int):
+    mds_root.random_skips(random.Random(11))
+
+    def loader(ds):
+        return StreamingDataLoader(
+            ds, batch_size=4, num_workers=num_workers, collate_fn=collate_samples
+        )
+
+    full = [b["key"] for b in loader(_dataset(mds_root))]
+    ds = _dataset(mds_root)
+    dl = loader(ds)
+    it = iter(dl)
+    head = [next(it)["key"] for _ in range(5)]
+    state = dl.state_dict()
+    del it
+    assert head == full[:5]
+    assert state["sample_in_epoch"] == 20 and state["skiplist_digest"] == ds.skiplist_digest
+
+    resumed = _dataset(mds_root)
+    dl2 = loader(resumed)
+    dl2.load_state_dict(state)
+    rest = [b["key"] for b in dl2]
+    assert rest == full[5:]
+
+
+def test_skiplist_change_is_detected_on_resume(mds_root: MdsRoot):
+    ds = _dataset(mds_root)
+    it = iter(ds)
+    seen = [next(it)["key"] for _ in range(6)]
+    state = ds.state_dict(6, True)
+    del it
+
+    # Opt out one sample that was not yet seen.
+    rel = RELPATHS[2]
+    victim_shard, victim_idx = 2, 1
+    victim = mds_root.shards[rel][victim_shard][victim_idx]
+    assert victim not in seen
+    mds_root.apply_skips({rel: {victim_shard: {victim_idx: ["opt_out"]}}})
+
+    changed = _dataset(mds_root)
+    assert changed.skiplist_digest != state["skiplist_digest"]
+    with pytest.raises(SkipListChanged, match="allow_skiplist_change=True"):
+        changed.load_state_dict(state)
+    legacy = {k: v for k, v in state.items() if k != "skiplist_digest"}
+    with pytest.raises(SkipListChanged, match="predates skip-lists"):
+        changed.load_state_dict(legacy)
+
+    allowed = _dataset(mds_root, allow_skiplist_change=True)
+    with pytest.warns(UserWarning, match="changed skip-lists"):
+        allowed.load_state_dict(state)
+    rest = [s["key"] for s in allowed]
+    assert victim not in rest
+    assert len(rest) == allowed.num_samples - 6
+
+
+def test_tampered_sidecar_stops_the_dataset(mds_root: MdsRoot):
+    rel = RELPATHS[0]
+    mds_root.apply_skips({rel: {0: {2: ["opt_out"]}}})
+    path = sidecar_path(mds_root.dir(rel), mds_root.shard_names(rel)[0])
+    obj = json.loads(path.read_bytes())
+    obj["indices"] = []
+    obj["reasons"] = []
+    path.write_text(json.dumps(obj))
+    with pytest.raises(SkipListCorrupt, match="hash mismatch"):
+        _dataset(mds_root)
+
+
+def test_orphan_sidecar_is_an_error(mds_root: MdsRoot):
+    (mds_root.dir(RELPATHS[0]) / "shard.00042.mds.skip.json").write_text("{}")
+    with pytest.raises(SkipListError, match="not in index.json"):
+        _dataset(mds_root)
+
+
+def test_plain_streams_are_converted_and_digest_matches_offline_tool(mds_root: MdsRoot):
+    skipped = mds_root.random_skips(random.Random(5), drop_whole_shard=False)
+    streams = [Stream(local=str(mds_root.dir(r)), repeat=1) for r in RELPATHS]
+    ds = SkipListDataset(streams=streams, batch_size=4, num_canonical_nodes=1)
+    assert all(isinstance(s, SkipListStream) for s in ds.streams)
+    assert not {s["key"] for s in ds} & skipped
+    assert ds.skiplist_digest == skiplist_digest([mds_root.dir(r) for r in RELPATHS])
+
+
+def test_remote_stream_copies_shards_and_fetches_sidecars(mds_root: MdsRoot, tmp_path: Path):
+    rel = RELPATHS[0]
+    remote = mds_root.dir(rel)
+    names = mds_root.shard_names(rel)
+    skipped = mds_root.apply_skips(
+        {
+            rel: {
+                0: {1: ["duplicate"]},
+                2: dict.fromkeys(range(len(mds_root.shards[rel][2])), ["class_nsfw"]),
+            }
+        }
+    )
+    local = tmp_path / "cache" / rel
+
+    def build(**kw) -> SkipListDataset:
+        gc.collect()  # a live dataset keeps its local dir registered
+        return SkipListDataset(
+            remote=str(remote), local=str(local), batch_size=4, num_canonical_nodes=1, **kw
+        )
+
+    ds = build()
+    keys = {s["key"] for s in ds}
+    assert keys == {k for s in mds_root.shards[rel] for k in s} - skipped
+    cached = set(p.name for p in local.iterdir())
+    assert f"{names[0]}.skip.json" in cached  # mirrored beside index.json
+    assert names[0] in cached and names[2] not in cached  # the all-skipped shard never copied
+    assert ds.skiplist_digest == skiplist_digest([remote])
+    del ds
+
+    # Sidecars change on the remote: the next job sees the new skips, not the stale mirror.
+    write_skiplist(remote, names[0], {})
+    new_victim = mds_root.shards[rel][1][4]
+    write_skiplist(remote, names[1], {4: ["opt_out"]})
+    ds = build()
+    keys = {s["key"] for s in ds}
+    assert mds_root.shards[rel][0][1] in keys and new_victim not in keys
+    del ds
+
+    sidecar_path(remote, names[1]).unlink()
+    ds = build()
+    assert new_victim in {s["key"] for s in ds}
+    assert not (local / f"{names[1]}.skip.json").exists()
+    del ds
+
+    with pytest.raises(SkipListError, match="require_skiplists"):
+        build(require_skiplists=True)
+
+
+def test_small_bucket_warning_states_the_rule(mds_root: MdsRoot):
+    assert small_bucket_problems(100, 10, 4, 16) == []
+    problems = small_bucket_problems(30, 2, 4, 16)
+    assert "30 kept samples < num_canonical_nodes × batch_size = 4 × 16" in problems[0]
+    assert "2 kept shards < num_canonical_nodes = 4" in problems[1]
+    with pytest.warns(SmallBucketWarning, match="kept samples < num_canonical_nodes"):
+        _dataset(mds_root, num_canonical_nodes=8, batch_size=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SmallBucketWarning)
+        _dataset(mds_root, num_canonical_nodes=2, batch_size=4)
