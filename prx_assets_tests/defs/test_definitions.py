@@ -60,3 +60,26 @@ def test_unknown_executor_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("PRX_EXECUTOR", "spark")
     with pytest.raises(ValueError, match="PRX_EXECUTOR"):
         build_defs("data")
+
+
+def test_the_projects_dagster_yaml_loads_with_pool_and_partition_limits(tmp_path, monkeypatch):
+    import shutil
+    from pathlib import Path
+
+    from dagster import DagsterInstance
+
+    shutil.copy(Path(__file__).resolve().parents[2] / "dagster.yaml", tmp_path / "dagster.yaml")
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path))
+    instance = DagsterInstance.get()
+    try:
+        config = instance.get_concurrency_config()
+        assert config.pool_config.default_pool_limit == 1
+        limits = config.run_queue_config.tag_concurrency_limits
+        assert {
+            "key": "dagster/partition",
+            "limit": 1,
+            "value": {"applyLimitPerUniqueValue": True},
+        } in limits
+        assert not instance.telemetry_enabled
+    finally:
+        instance.dispose()
