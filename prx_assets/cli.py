@@ -51,6 +51,16 @@ def register_batch(args: argparse.Namespace) -> int:
     return 0
 
 
+def audit(args: argparse.Namespace) -> int:
+    from prx_assets.core.audit import audit_image
+    from prx_assets.defs.resources import LabResource, default_data_root
+
+    lab = LabResource(data_root=args.data_root or default_data_root()).lab()
+    trail = audit_image(lab, args.query)
+    print(trail.to_json() if args.json else trail.to_markdown())
+    return 0 if trail.found else 1
+
+
 def demo(args: argparse.Namespace) -> int:
     from prx_assets.demo.runner import run_demo
 
@@ -69,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-root", default=None)
     p.add_argument("--materialize", action="store_true", help="also run its stages now")
     p.set_defaults(func=register_batch)
+    p = sub.add_parser("audit", help="the whole trail of one image (key, URL or source id)")
+    p.add_argument("query")
+    p.add_argument("--data-root", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=audit)
     args = parser.parse_args(argv)
     started = time.time()
     code = args.func(args)

@@ -2,6 +2,7 @@
 
 from dagster import Definitions
 
+from prx_assets.defs.audit.jobs import image_audit
 from prx_assets.defs.executors import configured_executor
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.ingest.sensors import landing_sensor
@@ -15,7 +16,7 @@ def build_defs(data_root: str) -> Definitions:
     """Definitions bound to one data root (the CLI and tests bind their own)."""
     return Definitions(
         assets=[raw_images, resolution_profile],
-        jobs=[batch_pipeline_job, lance_maintenance],
+        jobs=[batch_pipeline_job, lance_maintenance, image_audit],
         sensors=[landing_sensor],
         schedules=[lance_maintenance_schedule],
         resources={"lab": LabResource(data_root=data_root)},
