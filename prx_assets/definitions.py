@@ -1,8 +1,17 @@
 """The single Definitions object that workspace.yaml loads."""
 
+import os
+
 from dagster import Definitions
 
 from prx_assets.defs.audit.jobs import image_audit
+from prx_assets.defs.captions.assets import build_caption_assets
+from prx_assets.defs.captions.reconcile import build_model_swap_sensor
+from prx_assets.defs.captions.resources import (
+    CaptionerResource,
+    ClassifierResource,
+    EmbedderResource,
+)
 from prx_assets.defs.executors import configured_executor
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.ingest.sensors import landing_sensor
@@ -12,14 +21,66 @@ from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.resources import LabResource, default_data_root
 
 
-def build_defs(data_root: str) -> Definitions:
-    """Definitions bound to one data root (the CLI and tests bind their own)."""
+def backends_from_env() -> tuple[CaptionerResource, ClassifierResource]:
+    """Choose the model backends from the environment (defaults: the offline fallbacks).
+
+    PRX_CAPTIONER=alt_text|openai|transformers, PRX_CAPTION_MODEL, PRX_CAPTION_BASE_URL;
+    PRX_CLASSIFIER=embedding|openai|transformers, PRX_CLASSIFIER_MODEL,
+    PRX_CLASSIFIER_BASE_URL. API keys are read by the backends from PRX_CAPTION_API_KEY /
+    PRX_CLASSIFIER_API_KEY (or OPENAI_API_KEY) at run time and never stored.
+    """
+    env = os.environ
+    captioner = CaptionerResource(
+        backend=env.get("PRX_CAPTIONER", "alt_text"),
+        model=env.get("PRX_CAPTION_MODEL") or None,
+        base_url=env.get("PRX_CAPTION_BASE_URL") or None,
+    )
+    classifier = ClassifierResource(
+        backend=env.get("PRX_CLASSIFIER", "embedding"),
+        model=env.get("PRX_CLASSIFIER_MODEL") or None,
+        base_url=env.get("PRX_CLASSIFIER_BASE_URL") or None,
+    )
+    return captioner, classifier
+
+
+# Assets that consume captions: a captioner swap reruns them too.
+DOWNSTREAM_OF_CAPTIONS = ("caption_classes", "caption_embeddings")
+
+
+def build_defs(
+    data_root: str,
+    captioner: CaptionerResource | None = None,
+    classifier: ClassifierResource | None = None,
+    embedder: EmbedderResource | None = None,
+) -> Definitions:
+    """Definitions bound to one data root and one set of model backends.
+
+    The backends' identities become the model-backed assets' code versions, so a swap
+    (a different resource here) makes exactly those assets and their dependents stale.
+    Defaults are the offline fallbacks (alt text, embedding zero-shot, bundled MiniLM).
+    """
+    env_captioner, env_classifier = backends_from_env()
+    captioner = captioner or env_captioner
+    classifier = classifier or env_classifier
+    embedder = embedder or EmbedderResource()
     return Definitions(
-        assets=[raw_images, resolution_profile],
+        assets=[
+            raw_images,
+            resolution_profile,
+            *build_caption_assets(captioner, classifier, embedder),
+        ],
         jobs=[batch_pipeline_job, lance_maintenance, image_audit],
-        sensors=[landing_sensor],
+        sensors=[
+            landing_sensor,
+            build_model_swap_sensor(downstream_of_captions=DOWNSTREAM_OF_CAPTIONS),
+        ],
         schedules=[lance_maintenance_schedule],
-        resources={"lab": LabResource(data_root=data_root)},
+        resources={
+            "lab": LabResource(data_root=data_root),
+            "captioner": captioner,
+            "classifier": classifier,
+            "embedder": embedder,
+        },
         executor=configured_executor(),
     )
 

@@ -61,6 +61,32 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
         reasons[r] = reasons.get(r, 0) + 1
     for reason, n in sorted(reasons.items()):
         print(f"  {reason:28} {n}")
+    if store.exists("captions"):
+        caps = store.read("captions", ["backend", "model_id", "is_fallback", "length_ok"])
+        n = caps.num_rows
+        fallback = sum(caps.column("is_fallback").to_pylist())
+        backends = sorted(set(caps.column("backend").to_pylist()))
+        print(f"\nCaptions: {n} (backend: {', '.join(backends)})")
+        if fallback:
+            print(
+                f"  {fallback} of them are the OFFLINE FALLBACK: the source's alt text, "
+                "not a VLM caption."
+            )
+        print(f"  outside the 100-200 word window: {n - sum(caps.column('length_ok').to_pylist())}")
+    if store.exists("caption_classes"):
+        labels: dict[str, int] = {}
+        for lab_ in store.read("caption_classes", ["label"]).column("label").to_pylist():
+            labels[str(lab_)] = labels.get(str(lab_), 0) + 1
+        print(f"Caption classes (embedding zero-shot fallback): {labels}")
+    if store.exists("caption_embeddings"):
+        print(f"Caption embeddings: {store.dataset('caption_embeddings').count_rows()}")
+    print(
+        "\nTo caption with a real VLM: serve Qwen/Qwen3-VL-8B-Instruct with vLLM or SGLang, then\n"
+        "  PRX_CAPTIONER=openai PRX_CAPTION_BASE_URL=http://127.0.0.1:8000/v1 \\\n"
+        "  PRX_CAPTION_API_KEY=... make demo\n"
+        "or load it in-process on a GPU: PRX_CAPTIONER=transformers "
+        "PRX_CAPTION_MODEL=/path/to/Qwen3-VL-8B-Instruct make demo"
+    )
     print(f"\nLance lab: {store.root}")
     print("Open the Dagster UI with `make ui`, then http://127.0.0.1:3000 (assets, partitions,")
     print("metadata such as the resolution histogram).")

@@ -108,6 +108,10 @@ def _captions(
 ) -> MaterializeResult:
     store = lab.lab()
     batch = context.partition_key
+    if not store.exists(RESOLUTION.name):
+        raise Failure(
+            description=f"no resolution table yet: materialise resolution_profile for {batch}"
+        )
     profile = store.read_batch(RESOLUTION.name, batch, ["key", "eligible"])
     keys = sorted(
         k

@@ -203,4 +203,6 @@ class EmbedderResource(ConfigurableResource):
     def build(self) -> TextEmbedder:
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.index_min_rows < 256:
+            raise ValueError(f"index_min_rows must be >= 256, got {self.index_min_rows}")
         return self._make()

@@ -14,7 +14,7 @@ from dagster import (
 )
 
 from prx_assets.core.lab import TARGET_ROWS_PER_FRAGMENT
-from prx_assets.core.tables import ALL_TABLES
+from prx_assets.core.table_registry import LAB_TABLES
 from prx_assets.defs.resources import LabResource
 
 
@@ -30,7 +30,7 @@ def compact_lab_tables(
 ) -> Output[list]:
     store = lab.lab()
     results = []
-    for spec in ALL_TABLES:
+    for spec in LAB_TABLES:
         result = store.maintain(
             spec,
             target_rows_per_fragment=config.target_rows_per_fragment,

@@ -1,0 +1,15 @@
+"""Every lab table, for maintenance and docs (stage modules own their specs)."""
+
+from __future__ import annotations
+
+from prx_assets.core.caption_tables import CAPTION_EMBEDDINGS
+from prx_assets.core.dedup_tables import IMAGE_HASHES, PHASH_CLUSTERS
+from prx_assets.core.lab import TableSpec
+from prx_assets.core.tables import ALL_TABLES
+
+LAB_TABLES: tuple[TableSpec, ...] = (
+    *ALL_TABLES,
+    CAPTION_EMBEDDINGS,
+    IMAGE_HASHES,
+    PHASH_CLUSTERS,
+)
