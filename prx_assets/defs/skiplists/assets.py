@@ -1,0 +1,270 @@
+"""skip_lists: one partition's skip-list sidecars and its ``skip_audit`` rows.
+
+Built by :func:`build_skiplist_assets` so the policy fingerprint is part of the code version:
+a policy change makes ``skip_lists`` (and nothing else) stale. The opt-out lists are *not* a
+Dagster dependency: ``opt_outs`` is read at run time, so a new list never fans out over every
+partition under eager automation; the opt-out sensor requests the affected partitions.
+
+Order of effects: sidecars first (what training obeys), then the audit table (what it
+records). A crash in between leaves the audit one run behind; the rerun repairs it.
+"""
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from dagster import (
+    AssetExecutionContext,
+    AssetsDefinition,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+)
+
+from prx_assets.core.dedup_tables import PHASH_CLUSTERS
+from prx_assets.core.lab import Lab
+from prx_assets.core.mds import list_partition_dirs, partition_digest, partition_dir
+from prx_assets.core.optouts import opted_out_keys
+from prx_assets.core.shard_tables import SHARD_SAMPLES
+from prx_assets.core.skip_policy import (
+    SKIP_AUDIT,
+    DedupDecision,
+    PartitionDecisions,
+    SkipPolicyError,
+    audit_rows,
+    decide,
+    exclusion_changes,
+    samples_from_rows,
+)
+from prx_assets.core.skiplists import SkipListError, skiplist_digest, write_partition_skiplists
+from prx_assets.core.tables import CAPTION_CLASSES, IMAGES
+from prx_assets.defs.metadata import counts_table
+from prx_assets.defs.partitions import BATCHES
+from prx_assets.defs.resources import LabResource
+from prx_assets.defs.skiplists.config import SkipPolicyResource
+
+SKIP_LISTS_ASSET = "skip_lists"
+GROUP = "skiplists"
+UPSTREAM: tuple[str, ...] = ("mds_shards", "caption_classes", "phash_clusters")
+# Table read -> the asset that writes it (for the "materialise X first" message).
+_REQUIRED_TABLES: tuple[tuple[str, str], ...] = (
+    (SHARD_SAMPLES.name, "mds_shards"),
+    (CAPTION_CLASSES.name, "caption_classes"),
+    (PHASH_CLUSTERS.name, "phash_clusters"),
+    (IMAGES.name, "raw_images"),
+)
+MAX_LISTED = 50
+
+
+def _require_tables(store: Lab, batch: str) -> None:
+    missing = [(t, a) for t, a in _REQUIRED_TABLES if not store.exists(t)]
+    if missing:
+        raise Failure(
+            description=(
+                "skip_lists needs its upstream tables; missing: "
+                + ", ".join(f"`{t}` (materialise {a} for {batch} first)" for t, a in missing)
+            )
+        )
+
+
+def _shard_dirs(shards_root: str, batch: str, rows: list[dict[str, Any]]) -> dict[str, Path]:
+    """relative_dir -> directory, after checking the tree is what shard_samples describes."""
+    dirs: dict[str, Path] = {}
+    digests: dict[str, str] = {}
+    for r in rows:
+        rel = r["relative_dir"]
+        if rel in dirs:
+            continue
+        expected = partition_dir(shards_root, int(r["tier"]), r["shape"], batch)
+        path = Path(shards_root) / rel
+        if path != expected:
+            raise Failure(
+                description=f"shard_samples row of {r['key']} names {rel}, expected "
+                f"{expected.relative_to(shards_root)}"
+            )
+        if not (path / "index.json").is_file():
+            raise Failure(
+                description=f"{path} is missing but shard_samples lists samples there: "
+                f"rerun mds_shards for {batch}"
+            )
+        dirs[rel] = path
+        digests[rel] = r["dir_digest"]
+    for rel, path in dirs.items():
+        if partition_digest(path) != digests[rel]:
+            raise Failure(
+                description=f"{path} was rewritten after shard_samples recorded it (dir_digest "
+                f"differs): rerun mds_shards for {batch}, then skip_lists"
+            )
+    on_disk = {d.path for d in list_partition_dirs(shards_root, batch)}
+    stray = sorted(str(p) for p in on_disk - set(dirs.values()))
+    if stray:
+        raise Failure(
+            description=f"MDS directories of {batch} with no shard_samples rows: {stray[:5]}; "
+            "shard_samples is stale: rerun mds_shards"
+        )
+    return dirs
+
+
+def _inputs(store: Lab, batch: str, keys: set[str]) -> tuple[dict, dict, dict[str, tuple]]:
+    classes = store.read_batch(CAPTION_CLASSES.name, batch, ["key", "label"]).to_pylist()
+    labels = {r["key"]: r["label"] for r in classes if r["key"] in keys}
+    clusters = store.read_batch(
+        PHASH_CLUSTERS.name, batch, ["key", "is_keeper", "keeper_key", "low_information"]
+    ).to_pylist()
+    dedup = {
+        r["key"]: DedupDecision(
+            is_keeper=bool(r["is_keeper"]),
+            keeper_key=r["keeper_key"],
+            low_information=bool(r["low_information"]),
+        )
+        for r in clusters
+        if r["key"] in keys and r["is_keeper"] is not None
+    }
+    images = store.read_batch(IMAGES.name, batch, ["key", "url", "source", "source_id"])
+    missing = keys - set(images.column("key").to_pylist()) if images.num_rows else keys
+    if missing:
+        raise Failure(
+            description=f"{len(missing)} sharded image(s) of {batch} are not in `images` "
+            f"(e.g. {sorted(missing)[0]}): rerun raw_images and the stages after it"
+        )
+    return labels, dedup, opted_out_keys(store, images)
+
+
+def _previous(store: Lab, batch: str) -> dict[str, tuple[bool, datetime | None]]:
+    if not store.exists(SKIP_AUDIT.name):
+        return {}
+    rows = store.read_batch(SKIP_AUDIT.name, batch, ["key", "excluded", "first_excluded_at"])
+    return {r["key"]: (bool(r["excluded"]), r["first_excluded_at"]) for r in rows.to_pylist()}
+
+
+def _buckets_markdown(decisions: PartitionDecisions) -> MetadataValue:
+    lines = ["| bucket directory | samples | kept | skipped |", "|---|---|---|---|"]
+    for rel, (kept, skipped) in decisions.bucket_counts().items():
+        lines.append(f"| {rel} | {kept + skipped} | {kept} | {skipped} |")
+    return MetadataValue.md("\n".join(lines))
+
+
+def _skip_lists(
+    context: AssetExecutionContext, lab: LabResource, skip_policy: SkipPolicyResource, built_fp: str
+) -> MaterializeResult:
+    try:
+        policy = skip_policy.policy()
+    except SkipPolicyError as exc:
+        raise Failure(description=f"invalid skip policy: {exc}") from None
+    if policy.fingerprint() != built_fp:
+        raise Failure(
+            description=(
+                f"skip_policy resource {policy.as_dict()} (fingerprint {policy.fingerprint()}) "
+                f"differs from the policy the asset was built with ({built_fp}): pass the same "
+                "SkipPolicyResource to build_skiplist_assets and to Definitions"
+            )
+        )
+    store = lab.lab()
+    batch = context.partition_key
+    _require_tables(store, batch)
+    rows = store.read_batch(
+        SHARD_SAMPLES.name,
+        batch,
+        ["key", "tier", "shape", "relative_dir", "shard", "index_in_shard", "dir_digest"],
+    ).to_pylist()
+    dirs = _shard_dirs(lab.shards_root, batch, rows)
+    samples = samples_from_rows(rows)
+    keys = {s.key for s in samples}
+    labels, dedup, opt_outs = _inputs(store, batch, keys)
+    try:
+        decisions = decide(samples, labels, dedup, opt_outs, policy)
+    except SkipPolicyError as exc:
+        raise Failure(description=f"{batch}: {exc}") from None
+
+    skips = decisions.skips_by_dir()
+    sidecars = []
+    try:
+        for rel in sorted(dirs):
+            sidecars += write_partition_skiplists(dirs[rel], skips.get(rel, {}))
+    except SkipListError as exc:
+        raise Failure(
+            description=f"{batch}: shard_samples does not match the MDS tree ({exc}): "
+            "rerun mds_shards, then skip_lists"
+        ) from None
+    for rel, path in dirs.items():  # a concurrent mds_shards rewrite would void the sidecars
+        if partition_digest(path) != next(
+            r["dir_digest"] for r in rows if r["relative_dir"] == rel
+        ):
+            raise Failure(description=f"{path} was rewritten while skip_lists ran: rerun it")
+
+    previous = _previous(store, batch)
+    decided_at = datetime.now(UTC)
+    audit = audit_rows(batch, decisions, previous, decided_at)
+    written = store.replace_partition(SKIP_AUDIT, batch, audit)
+    newly, gone = exclusion_changes(decisions, previous)
+    lists = sorted({i for d in decisions.decisions for i in d.opt_out_list_ids})
+    kept = sum(k for k, _ in decisions.bucket_counts().values())
+    context.log.info(
+        f"{batch}: {len(samples)} samples in {len(dirs)} directories, "
+        f"skipped {len(samples) - kept} ({newly} newly, {gone} no longer)"
+    )
+    if decisions.unclassified or decisions.undecided:
+        context.log.warning(
+            f"{batch}: {decisions.unclassified} sample(s) without a caption class, "
+            f"{decisions.undecided} without a dedup decision: kept unless opted out"
+        )
+    excluded = sorted(decisions.excluded_keys)
+    return MaterializeResult(
+        metadata={
+            "samples": len(samples),
+            "kept": kept,
+            "skipped": len(samples) - kept,
+            "skip_reasons": counts_table(decisions.reason_counts(), "reason", sort=False),
+            "buckets": _buckets_markdown(decisions),
+            "sidecars": len(sidecars),
+            "directories": len(dirs),
+            "newly_excluded": newly,
+            "no_longer_excluded": gone,
+            "unclassified": decisions.unclassified,
+            "no_dedup_decision": decisions.undecided,
+            "opt_out_lists_applied": MetadataValue.json(lists),
+            "skipped_keys": MetadataValue.json(excluded[:MAX_LISTED]),
+            "policy": MetadataValue.json(policy.as_dict()),
+            "policy_fingerprint": policy.fingerprint(),
+            "skiplist_digest": skiplist_digest([dirs[r] for r in sorted(dirs)]),
+            "skip_audit_lance_version": written["version"],
+        }
+    )
+
+
+def build_skiplist_assets(policy: SkipPolicyResource | None = None) -> list[AssetsDefinition]:
+    """``skip_lists`` versioned by ``policy``'s fingerprint (default policy when None).
+
+    Pass the same ``SkipPolicyResource`` that ``Definitions`` binds to ``skip_policy``; a run
+    whose resource disagrees fails before writing anything.
+    """
+    policy = policy or SkipPolicyResource()
+    try:
+        fp = policy.fingerprint()
+    except SkipPolicyError as exc:
+        raise ValueError(f"invalid skip policy: {exc}") from None
+    what = policy.policy().as_dict()
+
+    @asset(
+        name=SKIP_LISTS_ASSET,
+        partitions_def=BATCHES,
+        deps=list(UPSTREAM),
+        group_name=GROUP,
+        kinds={"json", "lance"},
+        code_version=f"skip_lists-v1-{fp}",
+        description=(
+            "Per-shard skip-list sidecars (<shard>.skip.json) for every MDS directory of the "
+            "batch, and one `skip_audit` row per written sample (reasons, opt-out list ids, "
+            f"since when). Policy: excluded classes {what['excluded_classes']}, duplicates "
+            f"{'skipped' if what['skip_duplicates'] else 'kept'}, quality flags "
+            f"{what['quality_flags'] or 'none'}; opt-outs always. Reads `opt_outs` at run time "
+            "(not a dependency): the opt-out sensor requests affected partitions."
+        ),
+    )
+    def skip_lists(
+        context: AssetExecutionContext, lab: LabResource, skip_policy: SkipPolicyResource
+    ) -> MaterializeResult:
+        return _skip_lists(context, lab, skip_policy, fp)
+
+    return [skip_lists]

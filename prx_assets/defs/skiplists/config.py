@@ -1,0 +1,63 @@
+"""Resources of the skip-list stage: the skip policy, and where opt-out lists land.
+
+The policy's fingerprint is part of ``skip_lists``' code version (see
+``build_skiplist_assets``), so changing it marks exactly that asset stale; the policy
+sensor then reruns it for the partitions decided under another policy.
+"""
+
+import os
+from pathlib import Path
+
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from prx_assets.core.skip_policy import (
+    DEFAULT_EXCLUDED_CLASSES,
+    EXCLUDABLE_CLASSES,
+    QUALITY_FLAGS,
+    SkipPolicy,
+)
+from prx_assets.defs.resources import LabResource
+
+DEFAULT_OPTOUTS_DIRNAME = "optouts"
+
+
+class SkipPolicyResource(ConfigurableResource):
+    """What, besides opt-outs (always applied), removes a written sample from training."""
+
+    excluded_classes: list[str] = Field(
+        default=sorted(DEFAULT_EXCLUDED_CLASSES),
+        description=f"Caption classes to skip, from {list(EXCLUDABLE_CLASSES)}.",
+    )
+    skip_duplicates: bool = Field(
+        default=True, description="Skip images that phash_clusters marks as non-keepers."
+    )
+    quality_flags: list[str] = Field(
+        default=[],
+        description=f"Quality flags that skip a sample (reason 'quality'), from {list(QUALITY_FLAGS)}.",
+    )
+
+    def policy(self) -> SkipPolicy:
+        return SkipPolicy(
+            excluded_classes=frozenset(self.excluded_classes),
+            skip_duplicates=self.skip_duplicates,
+            quality_flags=frozenset(self.quality_flags),
+        )
+
+    def fingerprint(self) -> str:
+        return self.policy().fingerprint()
+
+
+class OptOutResource(ConfigurableResource):
+    """Where the opt-out sensor looks for new lists, and how many it takes per tick."""
+
+    landing_dir: str | None = Field(
+        default=None,
+        description="Directory of opt-out list files; default <data_root>/optouts.",
+    )
+    max_lists_per_tick: int = Field(
+        default=8, description="New lists handled per tick; the rest wait for the next one."
+    )
+
+    def directory(self, lab: LabResource) -> Path:
+        return Path(self.landing_dir or os.path.join(lab.data_root, DEFAULT_OPTOUTS_DIRNAME))

@@ -1,0 +1,390 @@
+"""skip_lists on a real demo partition: sidecars, the loader, the audit, policy changes."""
+
+import gc
+import io
+import warnings
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from dagster import AssetKey, SensorResult, SkipReason, build_sensor_context, materialize
+from PIL import Image
+
+from prx_assets.core.buckets import assign_bucket
+from prx_assets.core.dedup_tables import PHASH_CLUSTERS
+from prx_assets.core.mds import MDSSample, partition_digest, write_partition_buckets
+from prx_assets.core.optouts import OPT_OUTS, opt_out_rows, parse_identifier, replace_rows
+from prx_assets.core.shard_tables import SHARD_SAMPLES
+from prx_assets.core.skip_policy import SKIP_AUDIT
+from prx_assets.core.skiplists import load_skiplists, read_skiplist, sidecar_path
+from prx_assets.core.tables import CAPTION_CLASSES, IMAGES, RESOLUTION
+from prx_assets.defs.ingest.assets import raw_images
+from prx_assets.defs.partitions import BATCHES
+from prx_assets.defs.resolution.assets import resolution_profile
+from prx_assets.defs.skiplists.assets import build_skiplist_assets
+from prx_assets.defs.skiplists.config import SkipPolicyResource
+from prx_assets.defs.skiplists.sensors import skip_policy_sensor
+
+KEY = "public-skimage.000"
+T0 = datetime(2024, 1, 1, tzinfo=UTC)
+
+
+def _thumb(data: bytes) -> bytes:
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    img.thumbnail((48, 48))
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=80)
+    return buf.getvalue()
+
+
+class Built:
+    """The demo batch ingested, sharded (small shards) and classified/deduplicated."""
+
+    def __init__(self, store, root: Path, keys: list[str], placements, urls: dict[str, str]):
+        self.store = store
+        self.root = root
+        self.keys = keys  # sorted sharded keys
+        self.where = {p.key: p for p in placements}
+        self.urls = urls
+        # The smallest group of images sharing a URL (>= 2): one URL opt-out removes all.
+        groups: dict[str, set[str]] = {}
+        for k in keys:
+            if urls.get(k):
+                groups.setdefault(urls[k], set()).add(k)
+        self.url_group = min((g for g in groups.values() if len(g) >= 2), key=len)
+        self.url_key = min(self.url_group)
+        others = [k for k in keys if k not in self.url_group]
+        assert len(others) >= 7, "the demo batch needs more eligible images for this test"
+        self.text, self.nsfw, self.dup, self.keeper, self.flat, self.unclassified = others[:6]
+
+    def dirs(self) -> list[Path]:
+        return sorted({self.root / p.relative_dir for p in self.where.values()})
+
+
+def _classes(store, b: Built) -> None:
+    labels = {b.text: "text", b.nsfw: "nsfw"}
+    rows = [
+        {"key": k, "batch": KEY, "label": labels.get(k, "visual"), "created_at": T0}
+        for k in b.keys
+        if k != b.unclassified
+    ]
+    store.replace_partition(
+        CAPTION_CLASSES, KEY, pa.Table.from_pylist(rows, schema=CAPTION_CLASSES.schema)
+    )
+
+
+def _clusters(store, b: Built) -> None:
+    rows = []
+    for k in b.keys:
+        keeper = b.keeper if k == b.dup else k
+        rows.append(
+            {
+                "key": k,
+                "batch": KEY,
+                "cluster_id": keeper,
+                "cluster_size": 2 if k in (b.dup, b.keeper) else 1,
+                "keeper_key": keeper,
+                "keeper_batch": KEY,
+                "is_keeper": k != b.dup,
+                "low_information": k == b.flat,
+                "radius": 0,
+                "phash_version": "fast-v1",
+            }
+        )
+    store.replace_partition(
+        PHASH_CLUSTERS, KEY, pa.Table.from_pylist(rows, schema=PHASH_CLUSTERS.schema)
+    )
+
+
+def _build(instance, lab_resource, with_phash: bool = True) -> Built:
+    instance.add_dynamic_partitions(BATCHES.name, [KEY])
+    ok = materialize(
+        [raw_images, resolution_profile],
+        partition_key=KEY,
+        instance=instance,
+        resources={"lab": lab_resource},
+    )
+    assert ok.success
+    store = lab_resource.lab()
+    res = store.read_batch(RESOLUTION.name, KEY, ["key", "width", "height", "eligible"])
+    eligible = {r["key"]: r for r in res.to_pylist() if r["eligible"]}
+    images = store.read_batch(IMAGES.name, KEY, ["key", "image", "url", "source", "license"])
+    samples = []
+    urls = {}
+    for row in images.to_pylist():
+        if row["key"] not in eligible:
+            continue
+        r = eligible[row["key"]]
+        a = assign_bucket(r["width"], r["height"])
+        urls[row["key"]] = row["url"]
+        samples.append(
+            MDSSample(
+                key=row["key"],
+                image=_thumb(row["image"]),
+                caption=f"a photo {row['key'][:8]}",
+                orig_width=r["width"],
+                orig_height=r["height"],
+                # Coarse buckets (one square shape per tier) so that a directory holds
+                # several shards of several samples; skip_lists only follows shard_samples.
+                tier=a.tier,
+                shape=f"{a.tier}x{a.tier}",
+                source=row["source"] or "",
+                license=row["license"] or "",
+            )
+        )
+    assert len(samples) >= 9
+    root = Path(lab_resource.shards_root)
+    limit = 2 * max(len(x.image) for x in samples) + 1500  # about two samples per shard
+    placements = write_partition_buckets(root, KEY, samples, size_limit=limit, hashes=("sha256",))
+    digests = {p.relative_dir: partition_digest(root / p.relative_dir) for p in placements}
+    rows = [
+        {
+            "key": p.key,
+            "batch": KEY,
+            "tier": p.tier,
+            "shape": p.shape,
+            "relative_dir": p.relative_dir,
+            "shard": p.shard,
+            "index_in_shard": p.index_in_shard,
+            "sample_index": p.sample_index,
+            "dir_digest": digests[p.relative_dir],
+        }
+        for p in placements
+    ]
+    store.replace_partition(
+        SHARD_SAMPLES, KEY, pa.Table.from_pylist(rows, schema=SHARD_SAMPLES.schema)
+    )
+    b = Built(store, root, sorted(p.key for p in placements), placements, urls)
+    assert len({p.relative_dir for p in placements}) >= 2  # several bucket directories
+    assert any(p.shard != "shard.00000.mds" for p in placements)  # several shards
+    assert any(p.index_in_shard > 0 for p in placements)  # several samples per shard
+    _classes(store, b)
+    if with_phash:
+        _clusters(store, b)
+    return b
+
+
+@pytest.fixture
+def built(instance, lab_resource) -> Built:
+    return _build(instance, lab_resource)
+
+
+def _opt_out(store, list_id: str, identifiers: list[str], when: datetime) -> None:
+    ids = [parse_identifier(i) for i in identifiers]
+    # No resolution needed: skip_lists matches from the partition side.
+    replace_rows(
+        store, OPT_OUTS, "list_id", list_id, opt_out_rows(list_id, dict.fromkeys(ids, []), when)
+    )
+
+
+def _run(instance, lab_resource, policy: SkipPolicyResource | None = None, built_with=None):
+    policy = policy or SkipPolicyResource()
+    assets = build_skiplist_assets(built_with or policy)
+    return materialize(
+        assets,
+        partition_key=KEY,
+        instance=instance,
+        resources={"lab": lab_resource, "skip_policy": policy},
+        raise_on_error=False,
+    )
+
+
+def _sidecar_skips(b: Built) -> dict[str, tuple[str, ...]]:
+    """Key -> reasons, read back from the sidecars through ``read_skiplist``."""
+    out = {}
+    for d in b.dirs():
+        for shard, sl in load_skiplists(d).items():
+            assert read_skiplist(sidecar_path(d, shard)) == sl  # every shard has a sidecar
+            by_index = sl.as_mapping()
+            for key, p in b.where.items():
+                if (
+                    b.root / p.relative_dir == d
+                    and p.shard == shard
+                    and p.index_in_shard in by_index
+                ):
+                    out[key] = by_index[p.index_in_shard]
+    return out
+
+
+def _loader_keys(root: Path) -> list[str]:
+    from prx_assets.loader import ShapeBatchedLoader, discover_streams
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tiny buckets: small-bucket warnings are expected
+        buckets = discover_streams(root)
+        loader = ShapeBatchedLoader(buckets, batch_size=1, shuffle=False, num_canonical_nodes=1)
+        keys = [k for batch in loader for k in batch["key"]]
+    del loader
+    gc.collect()
+    return keys
+
+
+def _audit(store) -> dict[str, dict]:
+    return {r["key"]: r for r in store.read_batch(SKIP_AUDIT.name, KEY).to_pylist()}
+
+
+def test_skip_lists_end_to_end(instance, lab_resource, built):
+    b = built
+    store = b.store
+    _opt_out(store, "legal.txt@1", [b.urls[b.url_key], b.dup], T0)
+    result = _run(instance, lab_resource)
+    assert result.success
+    expected = {
+        b.text: ("class_text",),
+        b.nsfw: ("class_nsfw",),
+        b.dup: ("duplicate", "opt_out"),
+        **{k: ("opt_out",) for k in b.url_group},
+    }
+    assert b.flat not in expected and b.unclassified not in expected  # quality off by default
+
+    # Sidecars: exactly the expected indices with their reasons, one per shard.
+    assert _sidecar_skips(b) == expected
+    # The real loader never yields a skipped key and yields every other one once.
+    keys = _loader_keys(b.root)
+    assert sorted(keys) == sorted(set(b.keys) - set(expected))
+
+    audit = _audit(store)
+    assert sorted(audit) == b.keys
+    for key, row in audit.items():
+        assert tuple(row["reasons"]) == expected.get(key, ())
+        assert row["excluded"] == (key in expected)
+        p = b.where[key]
+        assert (row["relative_dir"], row["shard"], row["index_in_shard"]) == (
+            p.relative_dir,
+            p.shard,
+            p.index_in_shard,
+        )
+        if key in expected:
+            assert row["first_excluded_at"] == row["decided_at"]
+        else:
+            assert row["first_excluded_at"] is None
+    assert audit[b.dup]["opt_out_list_ids"] == ["legal.txt@1"]
+    assert audit[b.dup]["duplicate_of"] == b.keeper
+    assert audit[b.text]["opt_out_list_ids"] == []
+
+    md = result.asset_materializations_for_node("skip_lists")[0].metadata
+    shards = sum(len(load_skiplists(d)) for d in b.dirs())
+    assert md["sidecars"].value == shards and md["directories"].value == len(b.dirs())
+    assert md["samples"].value == len(b.keys)
+    assert md["skipped"].value == len(expected) and md["kept"].value == len(b.keys) - len(expected)
+    assert f"| opt_out | {len(b.url_group) + 1} |" in md["skip_reasons"].value
+    assert "| duplicate | 1 |" in md["skip_reasons"].value
+    assert "| quality | 0 |" in md["skip_reasons"].value
+    for rel in {p.relative_dir for p in b.where.values()}:
+        assert f"| {rel} |" in md["buckets"].value
+    assert md["unclassified"].value == 1 and md["no_dedup_decision"].value == 0
+    assert md["opt_out_lists_applied"].value == ["legal.txt@1"]
+    assert md["newly_excluded"].value == len(expected)
+    first = {k: audit[k]["first_excluded_at"] for k in expected}
+    sidecar_bytes = {p: p.read_bytes() for d in b.dirs() for p in d.glob("*.skip.json")}
+
+    # Rerun with nothing changed: byte-identical sidecars, exclusion dates kept.
+    assert _run(instance, lab_resource).success
+    assert {p: p.read_bytes() for p in sidecar_bytes} == sidecar_bytes
+    assert {k: _audit(store)[k]["first_excluded_at"] for k in expected} == first
+
+    # A second list names an already-excluded (text) image and a kept one: the text image
+    # gains the reason but keeps its first exclusion date; the kept one starts now.
+    kept = next(k for k in b.keys if k not in expected and k not in (b.flat, b.unclassified))
+    _opt_out(store, "second.csv@2", [b.text, kept], T0)
+    result = _run(instance, lab_resource)
+    assert result.success
+    audit = _audit(store)
+    assert audit[b.text]["reasons"] == ["class_text", "opt_out"]
+    assert audit[b.text]["first_excluded_at"] == first[b.text]
+    assert audit[kept]["reasons"] == ["opt_out"] and audit[kept]["opt_out_list_ids"] == [
+        "second.csv@2"
+    ]
+    assert audit[kept]["first_excluded_at"] == audit[kept]["decided_at"] > first[b.text]
+    md = result.asset_materializations_for_node("skip_lists")[0].metadata
+    assert md["newly_excluded"].value == 1 and md["no_longer_excluded"].value == 0
+    assert kept not in _loader_keys(b.root)
+
+
+def test_policy_change_reruns_only_skip_lists_with_new_decisions(instance, lab_resource, built):
+    b = built
+    default = build_skiplist_assets()[0]
+    nsfw_only = SkipPolicyResource(excluded_classes=["nsfw"], quality_flags=["low_information"])
+    changed = build_skiplist_assets(nsfw_only)[0]
+    cv = {next(iter(a.specs)).code_version for a in (default, changed)}
+    assert len(cv) == 2 and all(v.startswith("skip_lists-v1-") for v in cv)
+    spec = next(iter(default.specs))
+    assert {d.asset_key for d in spec.deps} == {
+        AssetKey("mds_shards"),
+        AssetKey("caption_classes"),
+        AssetKey("phash_clusters"),
+    }
+    assert default.partitions_def == BATCHES and spec.group_name == "skiplists"
+
+    assert _run(instance, lab_resource).success
+    before = _audit(b.store)
+    assert before[b.text]["excluded"]
+
+    # The policy sensor sees the partition as decided under another policy, once per state.
+    def tick(policy):
+        with build_sensor_context(
+            instance=instance, resources={"lab": lab_resource, "skip_policy": policy}
+        ) as ctx:
+            return skip_policy_sensor(ctx)
+
+    assert isinstance(tick(SkipPolicyResource()), SkipReason)
+    res = tick(nsfw_only)
+    assert isinstance(res, SensorResult)
+    assert [r.partition_key for r in res.run_requests] == [KEY]
+    assert res.run_requests[0].asset_selection == [AssetKey("skip_lists")]
+    assert nsfw_only.fingerprint() in res.run_requests[0].run_key
+
+    # Resource and built policy disagree: refused before anything is written.
+    bad = _run(instance, lab_resource, policy=nsfw_only, built_with=SkipPolicyResource())
+    assert not bad.success
+    assert _audit(b.store) == before
+
+    assert _run(instance, lab_resource, policy=nsfw_only).success
+    after = _audit(b.store)
+    assert not after[b.text]["excluded"] and after[b.text]["first_excluded_at"] is None
+    assert after[b.nsfw]["first_excluded_at"] == before[b.nsfw]["first_excluded_at"]
+    assert after[b.flat]["reasons"] == ["quality"]
+    assert {r["policy_fingerprint"] for r in after.values()} == {nsfw_only.fingerprint()}
+    assert b.text not in _sidecar_skips(b) and b.flat in _sidecar_skips(b)
+    assert isinstance(tick(nsfw_only), SkipReason)
+
+
+def _failure_text(result) -> str:
+    event = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    return str(event.event_specific_data.error)
+
+
+def test_missing_upstream_table_fails_clearly(instance, lab_resource):
+    _build(instance, lab_resource, with_phash=False)
+    result = _run(instance, lab_resource)
+    assert not result.success
+    text = _failure_text(result)
+    assert "`phash_clusters` (materialise phash_clusters" in text
+    assert not list(Path(lab_resource.shards_root).rglob("*.skip.json"))
+
+
+def test_stale_shard_samples_fail_clearly(instance, lab_resource, built):
+    b = built
+    rows = b.store.read_batch(SHARD_SAMPLES.name, KEY)
+    digests = pa.array(["0" * 64] * rows.num_rows)
+    rows = rows.set_column(rows.schema.get_field_index("dir_digest"), "dir_digest", digests)
+    b.store.replace_partition(SHARD_SAMPLES, KEY, rows)
+    result = _run(instance, lab_resource)
+    assert not result.success
+    assert "rerun mds_shards" in _failure_text(result)
+    assert not list(b.root.rglob("*.skip.json"))
+
+
+def test_a_batch_without_shards_writes_an_empty_audit(instance, lab_resource, built):
+    b = built
+    b.store.replace_partition(SHARD_SAMPLES, KEY, SHARD_SAMPLES.schema.empty_table())
+    for d in b.dirs():  # mds_shards removed the directories of an empty batch
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+    result = _run(instance, lab_resource)
+    assert result.success
+    md = result.asset_materializations_for_node("skip_lists")[0].metadata
+    assert md["samples"].value == 0 and md["sidecars"].value == 0
+    assert _audit(b.store) == {}
