@@ -5,6 +5,8 @@ from __future__ import annotations
 from prx_assets.core.caption_tables import CAPTION_EMBEDDINGS
 from prx_assets.core.dedup_tables import IMAGE_HASHES, PHASH_CLUSTERS
 from prx_assets.core.lab import TableSpec
+from prx_assets.core.optouts import OPT_OUT_LISTS, OPT_OUTS
+from prx_assets.core.skip_policy import SKIP_AUDIT
 from prx_assets.core.tables import ALL_TABLES
 
 LAB_TABLES: tuple[TableSpec, ...] = (
@@ -12,4 +14,7 @@ LAB_TABLES: tuple[TableSpec, ...] = (
     CAPTION_EMBEDDINGS,
     IMAGE_HASHES,
     PHASH_CLUSTERS,
+    OPT_OUTS,
+    OPT_OUT_LISTS,
+    SKIP_AUDIT,
 )

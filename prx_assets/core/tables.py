@@ -30,7 +30,8 @@ IMAGES = TableSpec(
         ]
     ),
     identity=("batch", "key"),
-    indexes=(("key", "BTREE"), ("batch", "BITMAP")),
+    # url / source_id: opt-out lists name images by them; the audit looks them up too.
+    indexes=(("key", "BTREE"), ("batch", "BITMAP"), ("url", "BTREE"), ("source_id", "BTREE")),
 )
 
 REJECTS = TableSpec(
