@@ -19,6 +19,7 @@ from prx_assets.defs.jobs import batch_pipeline_job
 from prx_assets.defs.maintenance.jobs import lance_maintenance, lance_maintenance_schedule
 from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.resources import LabResource, default_data_root
+from prx_assets.defs.shards.assets import bucket_assignments, mds_shards
 
 
 def backends_from_env() -> tuple[CaptionerResource, ClassifierResource]:
@@ -44,7 +45,7 @@ def backends_from_env() -> tuple[CaptionerResource, ClassifierResource]:
 
 
 # Assets that consume captions: a captioner swap reruns them too.
-DOWNSTREAM_OF_CAPTIONS = ("caption_classes", "caption_embeddings")
+DOWNSTREAM_OF_CAPTIONS = ("caption_classes", "caption_embeddings", "mds_shards")
 
 
 def build_defs(
@@ -68,6 +69,8 @@ def build_defs(
             raw_images,
             resolution_profile,
             *build_caption_assets(captioner, classifier, embedder),
+            bucket_assignments,
+            mds_shards,
         ],
         jobs=[batch_pipeline_job, lance_maintenance, image_audit],
         sensors=[

@@ -22,12 +22,13 @@ Not for concurrent writers of the same partition (one run per partition at a tim
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,14 +251,23 @@ def _placements(
 
 def _write_mds(
     out: Path,
-    rows: list[dict[str, Any]],
+    samples: Iterable[MDSSample],
     columns: dict[str, str],
     size_limit: int,
     hashes: Sequence[str],
-) -> None:
+    tier: int,
+    shape: str,
+    taken: Set[str] = frozenset(),
+) -> list[str]:
+    """Stream ``samples`` (strictly increasing keys) into an MDS directory; the keys written.
+
+    Samples are encoded one at a time, so only the shard being filled is held in memory.
+    ``taken``: keys already written to another bucket of the partition (refused).
+    """
     # Imported here: streaming pulls in torch (seconds), which listing/cleanup never need.
     from streaming import MDSWriter
 
+    extra_names = set(columns) - set(BASE_COLUMNS)
     writer = MDSWriter(
         out=str(out),
         columns=columns,
@@ -265,8 +275,24 @@ def _write_mds(
         hashes=list(hashes),
         size_limit=size_limit,
     )
+    keys: list[str] = []
     try:
-        for row in rows:
+        for s in samples:
+            if s.tier != tier or s.shape != shape:
+                raise ValueError(
+                    f"sample {s.key!r} is for bucket {s.tier}/{s.shape}, not {tier}/{shape}"
+                )
+            if s.key in taken:
+                raise ValueError(
+                    f"sample key {s.key!r} appears in more than one bucket "
+                    f"(again in {tier}/{shape})"
+                )
+            if keys and s.key <= keys[-1]:
+                raise ValueError(
+                    f"sample keys must be strictly increasing: {s.key!r} after {keys[-1]!r} "
+                    "(duplicate sample key or unsorted stream)"
+                )
+            row = _row(s, extra_names)
             encoded = writer.encode_sample(row)
             if len(encoded) + writer.extra_bytes_per_sample + writer.extra_bytes_per_shard > (
                 size_limit
@@ -276,53 +302,39 @@ def _write_mds(
                     f"shard size limit {size_limit}"
                 )
             writer.write(row)
+            keys.append(s.key)
     except BaseException:
         writer.cancel_future_jobs()
         raise
     writer.finish()
+    return keys
 
 
-def write_bucket_partition(
+def _stream_bucket(
     root: str | os.PathLike[str],
     batch: str,
     tier: int,
     shape: str,
     samples: Iterable[MDSSample],
-    *,
-    extra_columns: Mapping[str, str] | None = None,
-    size_limit: int = DEFAULT_SIZE_LIMIT,
-    hashes: Sequence[str] = (),
+    columns: dict[str, str],
+    size_limit: int,
+    hashes: Sequence[str],
+    taken: Set[str] = frozenset(),
 ) -> list[Placement]:
-    """Atomically (re)write ``<root>/mds/<tier>/<shape>/<batch>/``; placements in write order.
-
-    ``extra_columns``: name -> MDS encoding; every sample's ``extra`` must have exactly
-    these keys. ``hashes``: optional MDS shard hash algorithms recorded in index.json.
-    """
-    final = partition_dir(root, tier, shape, batch)
-    items = sorted(samples, key=lambda s: s.key)
-    if not items:
-        raise ValueError(f"no samples for bucket {tier}/{shape} of batch {batch!r}")
+    """Write one bucket directory from a key-sorted stream; an empty stream removes it."""
     if size_limit <= 0:
         raise ValueError(f"size_limit must be positive, got {size_limit}")
-    keys = [s.key for s in items]
-    dupes = sorted({k for k, n in zip(keys, keys[1:], strict=False) if k == n})
-    if dupes:
-        raise ValueError(f"duplicate sample keys in batch {batch!r}: {dupes[:5]}")
-    for s in items:
-        if s.tier != tier or s.shape != shape:
-            raise ValueError(
-                f"sample {s.key!r} is for bucket {s.tier}/{s.shape}, not {tier}/{shape}"
-            )
-    columns = _columns(extra_columns)
-    extra_names = set(columns) - set(BASE_COLUMNS)
-    rows = [_row(s, extra_names) for s in items]
-
+    final = partition_dir(root, tier, shape, batch)
     bucket = final.parent
     _makedirs_durable(bucket)
     _recover(bucket, batch)
     tmp = bucket / f".{batch}{_TMP_MARK}{uuid.uuid4().hex}"
     try:
-        _write_mds(tmp, rows, columns, size_limit, hashes)
+        keys = _write_mds(tmp, samples, columns, size_limit, hashes, tier, shape, taken)
+        if not keys:
+            if final.exists():
+                _remove_atomically(final)
+            return []
         _fsync_tree(tmp)
         placements = _placements(tmp, keys, tier, shape, batch)
         if final.exists():
@@ -344,6 +356,43 @@ def write_bucket_partition(
     return placements
 
 
+def write_bucket_partition(
+    root: str | os.PathLike[str],
+    batch: str,
+    tier: int,
+    shape: str,
+    samples: Iterable[MDSSample],
+    *,
+    extra_columns: Mapping[str, str] | None = None,
+    size_limit: int = DEFAULT_SIZE_LIMIT,
+    hashes: Sequence[str] = (),
+) -> list[Placement]:
+    """Atomically (re)write ``<root>/mds/<tier>/<shape>/<batch>/``; placements in write order.
+
+    ``extra_columns``: name -> MDS encoding; every sample's ``extra`` must have exactly
+    these keys. ``hashes``: optional MDS shard hash algorithms recorded in index.json.
+    Holds every sample in memory to sort them; ``write_partition_streams`` does not.
+    """
+    partition_dir(root, tier, shape, batch)  # validates batch and shape before anything else
+    items = sorted(samples, key=lambda s: s.key)
+    if not items:
+        raise ValueError(f"no samples for bucket {tier}/{shape} of batch {batch!r}")
+    keys = [s.key for s in items]
+    dupes = sorted({k for k, n in zip(keys, keys[1:], strict=False) if k == n})
+    if dupes:
+        raise ValueError(f"duplicate sample keys in batch {batch!r}: {dupes[:5]}")
+    for s in items:
+        if s.tier != tier or s.shape != shape:
+            raise ValueError(
+                f"sample {s.key!r} is for bucket {s.tier}/{s.shape}, not {tier}/{shape}"
+            )
+    columns = _columns(extra_columns)
+    extra_names = set(columns) - set(BASE_COLUMNS)
+    for s in items:
+        _row(s, extra_names)  # refuse bad samples before the write starts
+    return _stream_bucket(root, batch, tier, shape, items, columns, size_limit, hashes)
+
+
 def list_partition_dirs(root: str | os.PathLike[str], batch: str) -> list[PartitionDir]:
     """Every complete directory of ``batch`` under ``<root>/mds``, ordered by tier and shape."""
     _check_batch(batch)
@@ -360,6 +409,58 @@ def _shape_key(shape: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def write_partition_streams(
+    root: str | os.PathLike[str],
+    batch: str,
+    streams: Mapping[tuple[int, str], Iterable[MDSSample]],
+    *,
+    extra_columns: Mapping[str, str] | None = None,
+    size_limit: int = DEFAULT_SIZE_LIMIT,
+    hashes: Sequence[str] = (),
+) -> list[Placement]:
+    """Write every bucket of one partition from lazy, key-sorted streams, one at a time.
+
+    ``streams`` maps (tier, "<H>x<W>") to an iterable of that bucket's samples in strictly
+    increasing key order (checked while writing; a violation fails that bucket, leaving its
+    previous version in place). Each stream is consumed only while its bucket is written,
+    so a generator that renders images on demand keeps memory to one shard plus whatever
+    it buffers. A stream that yields nothing, and every bucket of ``batch`` absent from
+    ``streams``, loses its directory. New directories are written before stale ones are
+    removed, so a crash in between can leave an image in two buckets until the rerun, but
+    never in none. The same key in two buckets is refused before the second one is in place.
+    """
+    _check_batch(batch)
+    if size_limit <= 0:
+        raise ValueError(f"size_limit must be positive, got {size_limit}")
+    for _tier, shape in streams:
+        _check_shape(shape)
+    columns = _columns(extra_columns)
+    recover_partition(root, batch)
+    placements: list[Placement] = []
+    seen: set[str] = set()
+    written: set[tuple[int, str]] = set()
+    for tier, shape in sorted(streams, key=lambda g: (int(g[0]), _shape_key(g[1]))):
+        out = _stream_bucket(
+            root,
+            batch,
+            int(tier),
+            shape,
+            streams[(tier, shape)],
+            columns,
+            size_limit,
+            hashes,
+            taken=seen,
+        )
+        seen.update(p.key for p in out)
+        if out:
+            written.add((int(tier), shape))
+        placements += out
+    for d in list_partition_dirs(root, batch):
+        if (d.tier, d.shape) not in written:
+            _remove_atomically(d.path)
+    return placements
+
+
 def write_partition_buckets(
     root: str | os.PathLike[str],
     batch: str,
@@ -369,13 +470,11 @@ def write_partition_buckets(
     size_limit: int = DEFAULT_SIZE_LIMIT,
     hashes: Sequence[str] = (),
 ) -> list[Placement]:
-    """Write every bucket of one partition and drop its directories in buckets now empty.
+    """Write every bucket of one partition from samples held in memory (any order).
 
-    New directories are written before stale ones are removed, so a crash in between can
-    leave an image in two buckets until the rerun, but never in none.
+    See ``write_partition_streams`` for the guarantees; this one groups and sorts first.
     """
     _check_batch(batch)
-    recover_partition(root, batch)
     groups: dict[tuple[int, str], list[MDSSample]] = {}
     seen: set[str] = set()
     for s in samples:
@@ -384,19 +483,60 @@ def write_partition_buckets(
         seen.add(s.key)
         _check_shape(s.shape)
         groups.setdefault((int(s.tier), s.shape), []).append(s)
-    placements: list[Placement] = []
-    for tier, shape in sorted(groups, key=lambda g: (g[0], _shape_key(g[1]))):
-        placements += write_bucket_partition(
-            root,
-            batch,
-            tier,
-            shape,
-            groups[(tier, shape)],
-            extra_columns=extra_columns,
-            size_limit=size_limit,
-            hashes=hashes,
+    streams = {g: sorted(items, key=lambda s: s.key) for g, items in groups.items()}
+    return write_partition_streams(
+        root, batch, streams, extra_columns=extra_columns, size_limit=size_limit, hashes=hashes
+    )
+
+
+def partition_digest(directory: str | os.PathLike[str]) -> str:
+    """sha256 identifying the exact content of one written partition directory.
+
+    It is the hash of ``index.json`` when every shard's sha256 is recorded there (the
+    index then commits to the shard bytes), else of ``index.json`` and every shard's bytes.
+    An audit compares it with the digest recorded at write time to detect a rewrite.
+    """
+    directory = Path(directory)
+    raw = (directory / "index.json").read_bytes()
+    h = hashlib.sha256(raw)
+    shards = json.loads(raw)["shards"]
+    if all("sha256" in (s["raw_data"].get("hashes") or {}) for s in shards):
+        return h.hexdigest()
+    for s in shards:
+        name = s["raw_data"]["basename"]
+        h.update(b"\0" + name.encode() + b"\0")
+        with open(directory / name, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def directory_bytes(directory: str | os.PathLike[str]) -> int:
+    """Bytes of the regular files directly inside ``directory`` (shards and index)."""
+    return sum(p.stat().st_size for p in Path(directory).iterdir() if p.is_file())
+
+
+def small_bucket_hazards(
+    samples: int, shards: int, canonical_nodes: int, device_batch_size: int = 1
+) -> list[str]:
+    """Why a bucket is too small to train on cleanly with streaming (empty: fine).
+
+    Rule (the same as the loader's): a bucket needs at least ``canonical_nodes x
+    device_batch_size`` samples, else streaming repeats samples to give every canonical
+    node a full batch, and at least ``canonical_nodes`` shards, else canonical nodes share
+    shards and the shard locality that makes elastic resumption cheap is lost.
+    """
+    if canonical_nodes < 1 or device_batch_size < 1:
+        raise ValueError(
+            f"canonical_nodes and device_batch_size must be >= 1, got "
+            f"{canonical_nodes} and {device_batch_size}"
         )
-    for d in list_partition_dirs(root, batch):
-        if (d.tier, d.shape) not in groups:
-            _remove_atomically(d.path)
-    return placements
+    problems = []
+    if samples < canonical_nodes * device_batch_size:
+        problems.append(
+            f"{samples} samples < canonical nodes x device batch = "
+            f"{canonical_nodes} x {device_batch_size}"
+        )
+    if shards < canonical_nodes:
+        problems.append(f"{shards} shards < canonical nodes = {canonical_nodes}")
+    return problems

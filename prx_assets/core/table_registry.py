@@ -6,6 +6,7 @@ from prx_assets.core.caption_tables import CAPTION_EMBEDDINGS
 from prx_assets.core.dedup_tables import IMAGE_HASHES, PHASH_CLUSTERS
 from prx_assets.core.lab import TableSpec
 from prx_assets.core.optouts import OPT_OUT_LISTS, OPT_OUTS
+from prx_assets.core.shard_tables import BUCKET_ASSIGNMENTS, SHARD_SAMPLES
 from prx_assets.core.skip_policy import SKIP_AUDIT
 from prx_assets.core.tables import ALL_TABLES
 
@@ -14,6 +15,8 @@ LAB_TABLES: tuple[TableSpec, ...] = (
     CAPTION_EMBEDDINGS,
     IMAGE_HASHES,
     PHASH_CLUSTERS,
+    BUCKET_ASSIGNMENTS,
+    SHARD_SAMPLES,
     OPT_OUTS,
     OPT_OUT_LISTS,
     SKIP_AUDIT,

@@ -80,6 +80,16 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
         print(f"Caption classes (embedding zero-shot fallback): {labels}")
     if store.exists("caption_embeddings"):
         print(f"Caption embeddings: {store.dataset('caption_embeddings').count_rows()}")
+    if store.exists("shard_samples"):
+        rows = store.read("shard_samples", ["relative_dir"]).column("relative_dir").to_pylist()
+        per_dir: dict[str, int] = {}
+        for d in rows:
+            per_dir[d] = per_dir.get(d, 0) + 1
+        print(f"\nMDS shards under {lab.shards_root} (JPEG q92, one directory per bucket x batch):")
+        for d in sorted(
+            per_dir, key=lambda x: [int(p) if p.isdigit() else p for p in x.split("/")]
+        ):
+            print(f"  {d}/  {per_dir[d]} samples")
     print(
         "\nTo caption with a real VLM: serve Qwen/Qwen3-VL-8B-Instruct with vLLM or SGLang, then\n"
         "  PRX_CAPTIONER=openai PRX_CAPTION_BASE_URL=http://127.0.0.1:8000/v1 \\\n"

@@ -14,10 +14,13 @@ from prx_assets.core.buckets import assign_bucket
 from prx_assets.core.mds import (
     MDSSample,
     list_partition_dirs,
+    partition_digest,
     partition_dir,
     recover_partition,
+    small_bucket_hazards,
     write_bucket_partition,
     write_partition_buckets,
+    write_partition_streams,
 )
 from prx_assets.core.resize import encode_jpeg, resize_to_bucket
 
@@ -243,3 +246,68 @@ def test_bad_input(tmp_path: Path, samples: list[MDSSample]) -> None:
     with pytest.raises(ValueError, match="<H>x<W>"):
         write_bucket_partition(tmp_path, "b", 512, "big", [s])
     assert list_partition_dirs(tmp_path, "b") == []
+
+
+def _by_bucket(samples: list[MDSSample]) -> dict[tuple[int, str], list[MDSSample]]:
+    out: dict[tuple[int, str], list[MDSSample]] = {}
+    for s in sorted(samples, key=lambda s: s.key):
+        out.setdefault((s.tier, s.shape), []).append(s)
+    return out
+
+
+def test_streams_are_consumed_lazily_and_checked(tmp_path: Path, samples: list[MDSSample]) -> None:
+    groups = _by_bucket(samples)
+    consumed: list[str] = []
+
+    def lazy(items: list[MDSSample]):  # noqa: ANN202
+        for s in items:
+            consumed.append(s.key)
+            yield s
+
+    placements = write_partition_streams(tmp_path, "b", {g: lazy(v) for g, v in groups.items()})
+    assert sorted(consumed) == sorted(p.key for p in placements) == sorted(s.key for s in samples)
+    assert write_partition_buckets(tmp_path / "other", "b", samples) == placements
+    before = _hashes(tmp_path)
+    (big, items), (other, _) = sorted(groups.items(), key=lambda kv: -len(kv[1]))[:2]
+    assert len(items) >= 2
+    with pytest.raises(ValueError, match="strictly increasing"):
+        write_partition_streams(tmp_path, "b", {big: list(reversed(items))})
+    assert _hashes(tmp_path) == before  # the failed bucket kept its previous version
+    # Buckets are written in (tier, H, W) order; a key already written is refused in a later one.
+    first, second = sorted([big, other], key=lambda g: (g[0], *map(int, g[1].split("x"))))
+    dup = MDSSample(**{**groups[first][0].__dict__, "tier": second[0], "shape": second[1]})
+    with pytest.raises(ValueError, match="more than one bucket"):
+        write_partition_streams(tmp_path, "b", {first: groups[first], second: [dup]})
+    # The first bucket was rewritten (same content), the offending one kept its old version.
+    assert _hashes(tmp_path) == before
+    # An empty stream, and a bucket left out, both lose their directory.
+    write_partition_streams(tmp_path, "b", {big: iter(()), other: groups[other]})
+    assert {(d.tier, d.shape) for d in list_partition_dirs(tmp_path, "b")} == {other}
+
+
+def test_partition_digest_pins_the_content(tmp_path: Path, samples: list[MDSSample]) -> None:
+    s = samples[0]
+    write_bucket_partition(tmp_path, "b", s.tier, s.shape, [s], hashes=("sha256",))
+    d = partition_dir(tmp_path, s.tier, s.shape, "b")
+    # With sha256 in index.json the index alone commits to every shard byte.
+    assert partition_digest(d) == hashlib.sha256((d / "index.json").read_bytes()).hexdigest()
+    write_bucket_partition(tmp_path, "plain", s.tier, s.shape, [s])
+    plain = partition_dir(tmp_path, s.tier, s.shape, "plain")
+    digest = partition_digest(plain)
+    shard = plain / "shard.00000.mds"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, so index.json cannot notice
+    shard.write_bytes(bytes(data))
+    assert partition_digest(plain) != digest
+
+
+def test_small_bucket_rule() -> None:
+    assert small_bucket_hazards(64, 64, 64) == []
+    assert small_bucket_hazards(8 * 32, 8, 8, 32) == []
+    problems = small_bucket_hazards(63, 2, 64)
+    assert len(problems) == 2 and "63 samples" in problems[0] and "2 shards" in problems[1]
+    assert small_bucket_hazards(100, 8, 8, 16) == [
+        "100 samples < canonical nodes x device batch = 8 x 16"
+    ]
+    with pytest.raises(ValueError, match=">= 1"):
+        small_bucket_hazards(1, 1, 0)

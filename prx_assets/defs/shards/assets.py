@@ -14,13 +14,20 @@ from prx_assets.core.mds import (
     write_partition_streams,
 )
 from prx_assets.core.plots import bar_chart
-from prx_assets.core.resize import JPEG_QUALITY, JPEG_SUBSAMPLING, JPEG_SUBSAMPLING_REASON
+from prx_assets.core.resize import (
+    JPEG_QUALITY,
+    JPEG_SUBSAMPLING,
+    JPEG_SUBSAMPLING_REASON,
+    RESAMPLE,
+    RESAMPLE_DESCRIPTION,
+)
 from prx_assets.core.shard_tables import (
     BUCKET_ASSIGNMENTS,
     CAPTION_COLUMNS,
     MDS_EXTRA_COLUMNS,
     SHARD_SAMPLES,
     BucketRenderer,
+    BucketTotals,
     assignment_rows,
     bucket_totals,
     placement_rows,
@@ -106,11 +113,22 @@ def bucket_assignments(context: AssetExecutionContext, lab: LabResource) -> Mate
 
 
 class MDSShardsConfig(Config):
-    """Run settings of ``mds_shards``; only the shard size changes what is written."""
+    """Run settings of ``mds_shards``; shard size and resample change what is written."""
 
     shard_size_limit: int = Field(
         default=DEFAULT_SIZE_LIMIT,
         description="Bytes per MDS shard (MDSWriter size_limit); 128 MiB by default.",
+    )
+    resample: str = Field(
+        default=RESAMPLE,
+        description=(
+            "'bicubic-aa' (default; torch uint8 kernel, differs from Lanczos by less than "
+            "the q92 loss) or 'lanczos' (Pillow; faster on CPUs without AVX2)."
+        ),
+    )
+    max_render_failures: int = Field(
+        default=20,
+        description="Images that may fail to render (skipped, reported) before the run fails.",
     )
     read_chunk: int = Field(
         default=32, description="Images whose source bytes are read from Lance at once."
@@ -127,6 +145,44 @@ class MDSShardsConfig(Config):
     )
 
 
+def _bucket_report(
+    batch: str,
+    mine: dict[tuple[int, str], BucketTotals],
+    everywhere: dict[tuple[int, str], BucketTotals],
+    mb: dict[str, float],
+    config: MDSShardsConfig,
+) -> tuple[MetadataValue, dict[str, list[str]], dict[str, list[str]]]:
+    """Per-bucket table, and small-bucket hazards for this batch and for all batches."""
+    rule = (config.canonical_nodes, config.device_batch_size)
+    lines = ["| bucket | samples | shards | MB | hazard (this batch) |", "|---|---|---|---|---|"]
+    hazards: dict[str, list[str]] = {}
+    for (tier, shape), t in mine.items():
+        rel = f"mds/{tier}/{shape}/{batch}"
+        problems = small_bucket_hazards(t.samples, t.shards, *rule)
+        if problems:
+            hazards[rel] = problems
+        cells = f"{t.samples} | {t.shards} | {mb[rel]:.2f} | {'; '.join(problems) or 'ok'}"
+        lines.append(f"| {tier}/{shape} | {cells} |")
+    hazards_all = {
+        f"{tier}/{shape}": problems
+        for (tier, shape), t in everywhere.items()
+        if (tier, shape) in mine and (problems := small_bucket_hazards(t.samples, t.shards, *rule))
+    }
+    return MetadataValue.md("\n".join(lines)), hazards, hazards_all
+
+
+def _skips(
+    skipped: dict[str, list[str]], failures: dict[str, str]
+) -> tuple[dict[str, int], dict[str, list[str]]]:
+    """Counts per reason, and (up to MAX_LISTED_KEYS) the keys, with the error for failures."""
+    counts = {reason: len(keys) for reason, keys in skipped.items()}
+    keys = {reason: sorted(k)[:MAX_LISTED_KEYS] for reason, k in skipped.items()}
+    if failures:
+        counts["render_failed"] = len(failures)
+        keys["render_failed"] = [f"{k}: {v}" for k, v in sorted(failures.items())][:MAX_LISTED_KEYS]
+    return counts, keys
+
+
 @asset(
     partitions_def=BATCHES,
     deps=[bucket_assignments, "captions"],
@@ -136,7 +192,8 @@ class MDSShardsConfig(Config):
     description=(
         "Every assigned, captioned image resized to its bucket, JPEG q92, written as MDS "
         "under <shards_root>/mds/<tier>/<H>x<W>/<batch>/; each sample's location in Lance "
-        "`shard_samples`."
+        "`shard_samples` (committed after the directories are in place; a crash in between "
+        "leaves it stale, which its `dir_digest` reveals and a rerun repairs)."
     ),
 )
 def mds_shards(
@@ -156,6 +213,8 @@ def mds_shards(
         chunk_size=config.read_chunk,
         threads=config.render_threads,
         max_pixels=lab.max_pixels,
+        resample=config.resample,
+        max_failures=config.max_render_failures,
     )
     placements = write_partition_streams(
         lab.shards_root,
@@ -170,46 +229,18 @@ def mds_shards(
     rows = placement_rows(placements, batch, digests, renderer.log, plan.captions)
     written = store.replace_partition(SHARD_SAMPLES, batch, rows)
 
-    mine = bucket_totals(rows)
+    mb = {f"mds/{d.tier}/{d.shape}/{batch}": directory_bytes(d.path) / 1e6 for d in dirs}
     everywhere = bucket_totals(
         store.read(SHARD_SAMPLES.name, columns=["tier", "shape", "relative_dir", "shard"])
     )
-    mb = {f"mds/{d.tier}/{d.shape}/{batch}": directory_bytes(d.path) / 1e6 for d in dirs}
-    lines = ["| bucket | samples | shards | MB | hazard (this batch) |", "|---|---|---|---|---|"]
-    hazard_dirs = {}
-    for (tier, shape), t in mine.items():
-        rel = f"mds/{tier}/{shape}/{batch}"
-        problems = small_bucket_hazards(
-            t.samples, t.shards, config.canonical_nodes, config.device_batch_size
-        )
-        if problems:
-            hazard_dirs[rel] = problems
-        lines.append(
-            f"| {tier}/{shape} | {t.samples} | {t.shards} | {mb[rel]:.2f} | "
-            f"{'; '.join(problems) or 'ok'} |"
-        )
-    bucket_wide = {
-        f"{tier}/{shape}": small_bucket_hazards(
-            t.samples, t.shards, config.canonical_nodes, config.device_batch_size
-        )
-        for (tier, shape), t in everywhere.items()
-        if (tier, shape) in mine
-    }
-    skipped = {reason: len(keys) for reason, keys in plan.skipped.items()}
-    failures = renderer.log.failures
-    for key, why in failures.items():
+    table, hazards, hazards_all = _bucket_report(batch, bucket_totals(rows), everywhere, mb, config)
+    skipped, skipped_keys = _skips(plan.skipped, renderer.log.failures)
+    for key, why in renderer.log.failures.items():
         context.log.warning(f"{batch}: image {key} not written: {why}")
-    if failures:
-        skipped["render_failed"] = len(failures)
     context.log.info(
         f"{batch}: wrote {len(placements)} samples in {len(dirs)} bucket directories, "
         f"skipped {sum(skipped.values())}"
     )
-    skipped_keys = {r: sorted(k)[:MAX_LISTED_KEYS] for r, k in plan.skipped.items()}
-    if failures:
-        skipped_keys["render_failed"] = [
-            f"{k}: {v}" for k, v in sorted(failures.items())[:MAX_LISTED_KEYS]
-        ]
     return MaterializeResult(
         metadata={
             "assigned": assignments.num_rows,
@@ -217,7 +248,7 @@ def mds_shards(
             "skipped": sum(skipped.values()),
             "skip_reasons": counts_table(skipped, "reason"),
             "skipped_keys": MetadataValue.json(skipped_keys),
-            "buckets": MetadataValue.md("\n".join(lines)),
+            "buckets": table,
             "mb_written": round(sum(mb.values()), 3),
             "hazard_rule": (
                 f"hazard when samples < canonical_nodes x device_batch_size = "
@@ -225,12 +256,12 @@ def mds_shards(
                 f"samples) or shards < canonical_nodes = {config.canonical_nodes} (nodes "
                 "share shards)"
             ),
-            "small_bucket_hazards": MetadataValue.json(hazard_dirs),
-            "small_bucket_hazards_all_batches": MetadataValue.json(
-                {b: p for b, p in bucket_wide.items() if p}
-            ),
+            "small_bucket_hazards": MetadataValue.json(hazards),
+            "small_bucket_hazards_all_batches": MetadataValue.json(hazards_all),
             "tree": MetadataValue.json(sorted(mb)),
             "jpeg": f"quality {JPEG_QUALITY}, subsampling {JPEG_SUBSAMPLING}",
+            "resample": config.resample
+            + (f": {RESAMPLE_DESCRIPTION}" if config.resample == RESAMPLE else ""),
             "jpeg_subsampling_reason": JPEG_SUBSAMPLING_REASON,
             "shard_size_limit": config.shard_size_limit,
             "shards_root": MetadataValue.path(lab.shards_root),
