@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import streaming
 from PIL import Image
-from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.core.buckets import assign_bucket
 from prx_assets.core.mds import (
@@ -58,7 +57,6 @@ def samples() -> list[MDSSample]:
 
 def _read_all(directory: Path) -> list[dict]:
     """Read a directory back with the official reader, as the trainer would."""
-    clean_stale_shared_memory()
     ds = streaming.StreamingDataset(local=str(directory), batch_size=1, shuffle=False)
     try:
         rows = [dict(row) for row in ds]

@@ -10,7 +10,6 @@ import pytest
 import streaming
 from dagster import materialize
 from PIL import Image
-from streaming.base.util import clean_stale_shared_memory
 
 from prx_assets.core.buckets import assign_bucket
 from prx_assets.core.mds import partition_digest
@@ -61,7 +60,6 @@ def _write_captions(store, keys: list[str]) -> None:
 
 def _read_dir(directory: Path) -> list[dict]:
     """Every sample of one directory with the official reader, in index order."""
-    clean_stale_shared_memory()
     ds = streaming.StreamingDataset(local=str(directory), batch_size=1, shuffle=False)
     try:
         rows = [dict(ds[i]) for i in range(len(ds))]
