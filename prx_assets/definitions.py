@@ -12,6 +12,9 @@ from prx_assets.defs.captions.resources import (
     ClassifierResource,
     EmbedderResource,
 )
+from prx_assets.defs.dedup.assets import build_dedup_assets
+from prx_assets.defs.dedup.config import DedupConfigResource
+from prx_assets.defs.dedup.sensors import build_dedup_sensor
 from prx_assets.defs.executors import configured_executor
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.ingest.sensors import landing_sensor
@@ -20,6 +23,9 @@ from prx_assets.defs.maintenance.jobs import lance_maintenance, lance_maintenanc
 from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.resources import LabResource, default_data_root
 from prx_assets.defs.shards.assets import bucket_assignments, mds_shards
+from prx_assets.defs.skiplists.assets import build_skiplist_assets
+from prx_assets.defs.skiplists.config import OptOutResource, SkipPolicyResource
+from prx_assets.defs.skiplists.sensors import build_opt_out_sensor, build_skip_policy_sensor
 
 
 def backends_from_env() -> tuple[CaptionerResource, ClassifierResource]:
@@ -44,8 +50,10 @@ def backends_from_env() -> tuple[CaptionerResource, ClassifierResource]:
     return captioner, classifier
 
 
-# Assets that consume captions: a captioner swap reruns them too.
-DOWNSTREAM_OF_CAPTIONS = ("caption_classes", "caption_embeddings", "mds_shards")
+# What each kind of change must rerun, besides the asset it changes (lineage for swaps).
+DOWNSTREAM_OF_CAPTIONS = ("caption_classes", "caption_embeddings", "mds_shards", "skip_lists")
+DOWNSTREAM_OF_CLASSES = ("skip_lists",)
+DOWNSTREAM_OF_DEDUP = ("skip_lists",)
 
 
 def build_defs(
@@ -53,29 +61,43 @@ def build_defs(
     captioner: CaptionerResource | None = None,
     classifier: ClassifierResource | None = None,
     embedder: EmbedderResource | None = None,
+    dedup: DedupConfigResource | None = None,
+    skip_policy: SkipPolicyResource | None = None,
 ) -> Definitions:
-    """Definitions bound to one data root and one set of model backends.
+    """Definitions bound to one data root, one set of model backends and one policy.
 
-    The backends' identities become the model-backed assets' code versions, so a swap
-    (a different resource here) makes exactly those assets and their dependents stale.
-    Defaults are the offline fallbacks (alt text, embedding zero-shot, bundled MiniLM).
+    Each configuration's fingerprint becomes the code version of the assets it drives and
+    is stored on every row they write, so a swap (a different resource here) makes exactly
+    those assets stale, and the project's sensors rerun exactly the partitions whose rows
+    were made otherwise. Defaults are the offline fallbacks (alt text, embedding zero-shot,
+    bundled MiniLM), dedup at Hamming radius 0, and excluding the text and nsfw classes.
     """
     env_captioner, env_classifier = backends_from_env()
     captioner = captioner or env_captioner
     classifier = classifier or env_classifier
     embedder = embedder or EmbedderResource()
+    dedup = dedup or DedupConfigResource()
+    skip_policy = skip_policy or SkipPolicyResource()
     return Definitions(
         assets=[
             raw_images,
             resolution_profile,
             *build_caption_assets(captioner, classifier, embedder),
+            *build_dedup_assets(dedup),
             bucket_assignments,
             mds_shards,
+            *build_skiplist_assets(skip_policy),
         ],
         jobs=[batch_pipeline_job, lance_maintenance, image_audit],
         sensors=[
             landing_sensor,
-            build_model_swap_sensor(downstream_of_captions=DOWNSTREAM_OF_CAPTIONS),
+            build_model_swap_sensor(
+                downstream_of_captions=DOWNSTREAM_OF_CAPTIONS,
+                downstream_of_classes=DOWNSTREAM_OF_CLASSES,
+            ),
+            build_dedup_sensor(downstream=DOWNSTREAM_OF_DEDUP),
+            build_opt_out_sensor(),
+            build_skip_policy_sensor(),
         ],
         schedules=[lance_maintenance_schedule],
         resources={
@@ -83,6 +105,9 @@ def build_defs(
             "captioner": captioner,
             "classifier": classifier,
             "embedder": embedder,
+            "dedup": dedup,
+            "skip_policy": skip_policy,
+            "optouts": OptOutResource(),
         },
         executor=configured_executor(),
     )

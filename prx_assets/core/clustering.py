@@ -187,7 +187,8 @@ def _groups(values: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray
 # Radius search (multi-index hashing)
 
 
-def _chunk_masks(radius: int) -> list[np.uint64]:
+def chunk_masks(radius: int) -> list[np.uint64]:
+    """The r + 1 bit masks of multi-index hashing: a pair within r agrees on one of them."""
     parts = radius + 1
     widths = [64 // parts + (1 if i < 64 % parts else 0) for i in range(parts)]
     masks, shift = [], 0
@@ -228,7 +229,7 @@ def radius_pairs(hashes: HashesLike, radius: int) -> tuple[np.ndarray, np.ndarra
     if not 0 <= radius <= MAX_RADIUS:
         raise ValueError(f"radius must be in 0..{MAX_RADIUS}, got {radius}")
     h = _as_hashes(hashes)
-    masks = _chunk_masks(radius)
+    masks = chunk_masks(radius)
     out_i, out_j, out_d = [], [], []
     for c, mask in enumerate(masks):
         for i, j in _bucket_pairs(h & mask):

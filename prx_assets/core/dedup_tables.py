@@ -16,7 +16,9 @@ IMAGE_HASHES = TableSpec(
             pa.field("phash_mode", pa.string()),  # fast | reference
             pa.field("phash_version", pa.string()),  # e.g. fast-v1: a change means rehash all
             pa.field("ac_energy", pa.float32()),
-            pa.field("low_information", pa.bool_()),  # never merged on the hash alone
+            # At the threshold configured when hashed; phash_clusters re-derives the flag
+            # from ac_energy with its own (configured) threshold.
+            pa.field("low_information", pa.bool_()),
             pa.field("pixels", pa.int64()),  # width * height, for the keeper rule
             pa.field("file_size", pa.int64()),
         ]
@@ -31,7 +33,11 @@ PHASH_CLUSTERS = TableSpec(
         [
             pa.field("key", pa.string(), nullable=False),
             pa.field("batch", pa.string(), nullable=False),
-            pa.field("cluster_id", pa.string()),  # stable: the keeper's key (see core docs)
+            # The keeper's key: unchanged while the keeper is, so a lower-resolution copy
+            # joining later changes no stored row of the batches already decided.
+            pa.field("cluster_id", pa.string()),
+            # Members when this batch was decided. It can lag behind (by copies that change
+            # no decision of this batch); count rows by cluster_id for the current size.
             pa.field("cluster_size", pa.int32()),
             pa.field("keeper_key", pa.string()),
             pa.field("keeper_batch", pa.string()),
@@ -39,8 +45,49 @@ PHASH_CLUSTERS = TableSpec(
             pa.field("low_information", pa.bool_()),  # flagged for review, never merged
             pa.field("radius", pa.int32()),  # Hamming radius the decision used (0 = exact)
             pa.field("phash_version", pa.string()),
+            # Radius, low-information threshold, hash version and keeper rule together: rows
+            # with another value were decided under another configuration.
+            pa.field("config_fingerprint", pa.string()),
         ]
     ),
     identity=("batch", "key"),
     indexes=(("key", "BTREE"), ("batch", "BITMAP"), ("cluster_id", "BTREE")),
+)
+
+DEDUP_DIRTY = TableSpec(
+    name="dedup_dirty",
+    schema=pa.schema(
+        [
+            pa.field("dirty_id", pa.string(), nullable=False),  # digest of the other columns
+            pa.field("batch", pa.string(), nullable=False),  # the batch whose rows are stale
+            pa.field("key", pa.string(), nullable=False),
+            pa.field("cluster_id", pa.string()),  # the cluster it now belongs to
+            pa.field("change", pa.string()),  # stored -> current decision, human-readable
+            pa.field("detected_by", pa.string()),  # the batch whose phash_clusters saw it
+            pa.field("detected_at", pa.timestamp("us", tz="UTC")),
+        ]
+    ),
+    identity=("dirty_id",),
+    indexes=(),  # a handful of pending rows at any time: scans are cheaper than indexes
+)
+
+DEDUP_STATE = TableSpec(
+    name="dedup_state",
+    schema=pa.schema(
+        [
+            pa.field("batch", pa.string(), nullable=False),
+            pa.field("config_fingerprint", pa.string()),  # what the batch was decided under
+            pa.field("radius", pa.int32()),
+            pa.field("phash_version", pa.string()),
+            pa.field("images", pa.int64()),
+            pa.field("kept", pa.int64()),
+            pa.field("duplicates", pa.int64()),  # non-keepers (skipped in training)
+            pa.field("low_information", pa.int64()),
+            pa.field("decided_at", pa.timestamp("us", tz="UTC")),
+        ]
+    ),
+    # One row per decided batch, written with its phash_clusters rows: the dedup sensor finds
+    # batches decided under another configuration by reading these rows only.
+    identity=("batch",),
+    indexes=(),
 )

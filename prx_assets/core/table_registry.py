@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prx_assets.core.caption_tables import CAPTION_EMBEDDINGS
-from prx_assets.core.dedup_tables import IMAGE_HASHES, PHASH_CLUSTERS
+from prx_assets.core.dedup_tables import DEDUP_DIRTY, DEDUP_STATE, IMAGE_HASHES, PHASH_CLUSTERS
 from prx_assets.core.lab import TableSpec
 from prx_assets.core.optouts import OPT_OUT_LISTS, OPT_OUTS
 from prx_assets.core.shard_tables import BUCKET_ASSIGNMENTS, SHARD_SAMPLES
@@ -15,6 +15,8 @@ LAB_TABLES: tuple[TableSpec, ...] = (
     CAPTION_EMBEDDINGS,
     IMAGE_HASHES,
     PHASH_CLUSTERS,
+    DEDUP_DIRTY,
+    DEDUP_STATE,
     BUCKET_ASSIGNMENTS,
     SHARD_SAMPLES,
     OPT_OUTS,

@@ -5,7 +5,7 @@ from dagster import AssetSelection, define_asset_job
 from prx_assets.defs.partitions import BATCHES
 
 # Every per-batch stage; later stages join by their group.
-BATCH_STAGE_GROUPS = ("ingest", "captions", "shards")
+BATCH_STAGE_GROUPS = ("ingest", "captions", "dedup", "shards", "skiplists")
 
 batch_pipeline_job = define_asset_job(
     "batch_pipeline",

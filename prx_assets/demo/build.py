@@ -279,7 +279,10 @@ def build_demo_landing(landing: Path, size: str = "full", seed: int = 0) -> Demo
     b003 = landing / "public-skimage" / ".003.partial"
     b003.mkdir(parents=True)
     count = 0
-    dup_sources = skimage_photos[: max(2, len(skimage_photos) // 2)]
+    if size == "full":  # copies that stay over the 384 px cutoff, so dedup can see them
+        dup_sources = [p for p in skimage_photos if min(_rgb(p).size) * 3 // 4 >= 384]
+    else:
+        dup_sources = skimage_photos[:2]
     for name in dup_sources:
         m = meta[name]
         img = _rgb(name)

@@ -19,6 +19,7 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
     from prx_assets.defs.ingest.sensors import landing_sensor
     from prx_assets.defs.partitions import BATCHES
     from prx_assets.defs.resources import LabResource
+    from prx_assets.defs.run_requests import evaluate_sensor, execute_run_request
 
     lab = LabResource(data_root=str(data_root))
     print(f"Building the demo landing zone in {lab.landing} ...")
@@ -47,6 +48,19 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
             failed.append(key)
 
     store = lab.lab()
+    # A later batch can hold a bigger copy of an earlier image: the dedup sensor then asks
+    # for that earlier batch's cluster decisions and skip-lists (never its shards) again.
+    defs = build_defs(str(data_root))
+    for _ in range(3):
+        requests, _ = evaluate_sensor(defs, instance, "dedup_sensor")
+        if not requests:
+            break
+        for req in requests:
+            selection = ", ".join(k.to_user_string() for k in req.asset_selection or [])
+            print(f"dedup_sensor: rerunning {selection} for {req.partition_key}")
+            if not execute_run_request(defs, instance, req, "batch_pipeline"):
+                failed.append(req.partition_key)
+
     print("\nPer-partition results (from the Lance lab):")
     print(f"  {'partition':24} {'files':>6} {'accepted':>9} {'rejected':>9} {'eligible':>9}")
     for key in manifest.batches:
@@ -80,6 +94,18 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
         print(f"Caption classes (embedding zero-shot fallback): {labels}")
     if store.exists("caption_embeddings"):
         print(f"Caption embeddings: {store.dataset('caption_embeddings').count_rows()}")
+    if store.exists("phash_clusters"):
+        from prx_assets.core.dedup import summarise_planted
+
+        planted = summarise_planted(store, manifest)
+        clusters = store.read("phash_clusters", ["is_keeper", "low_information"])
+        dups = clusters.num_rows - sum(clusters.column("is_keeper").to_pylist())
+        print(
+            f"\nDedup (pHash, Hamming 0): {dups} duplicates marked non-keeper; planted duplicate "
+            f"pairs found {planted['found']} of {planted['planted']} "
+            f"(keeper = higher resolution: {planted['keeper_is_higher_resolution']}; "
+            f"copies under the size cutoff, never hashed: {planted['not_hashed']})"
+        )
     if store.exists("shard_samples"):
         rows = store.read("shard_samples", ["relative_dir"]).column("relative_dir").to_pylist()
         per_dir: dict[str, int] = {}
@@ -90,6 +116,36 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
             per_dir, key=lambda x: [int(p) if p.isdigit() else p for p in x.split("/")]
         ):
             print(f"  {d}/  {per_dir[d]} samples")
+    if store.exists("skip_audit"):
+        audit = store.read("skip_audit", ["reasons", "excluded"])
+        reasons: dict[str, int] = {}
+        for rs in audit.column("reasons").to_pylist():
+            for r in rs or []:
+                reasons[r] = reasons.get(r, 0) + 1
+        excluded = sum(audit.column("excluded").to_pylist())
+        print(
+            f"Skip-lists: {excluded} of {audit.num_rows} shard samples skipped; reasons {reasons}"
+        )
+        from prx_assets.demo.train_loop import run_training_loop
+
+        print("\nTraining-style loop over the shards (prx_assets.loader, no Dagster):")
+        loop = run_training_loop(lab.shards_root, store)
+        print(
+            f"  {loop['samples']} samples in {loop['batch_shapes']} batch shapes, "
+            f"{loop['samples_per_s']:.0f} samples/s incl. decode + on-the-fly text encoding"
+        )
+        if loop["small_bucket_warnings"]:
+            print(
+                f"  {loop['small_bucket_warnings']} buckets are smaller than canonical nodes x "
+                "batch size (expected on a demo; a training hazard at scale)"
+            )
+        for w in loop["other_warnings"]:
+            print(f"  note: {w}")
+        if loop["skipped_sample_yielded"]:
+            print(f"  ERROR: skipped samples were yielded: {loop['skipped_sample_yielded']}")
+            failed.append("loader")
+        else:
+            print(f"  no skipped sample appeared ({loop['excluded_keys']} keys excluded)")
     print(
         "\nTo caption with a real VLM: serve Qwen/Qwen3-VL-8B-Instruct with vLLM or SGLang, then\n"
         "  PRX_CAPTIONER=openai PRX_CAPTION_BASE_URL=http://127.0.0.1:8000/v1 \\\n"
