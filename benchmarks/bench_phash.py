@@ -328,6 +328,12 @@ class GpuHasher:
     def _thumb(self, img):
         y = (img.float() * self.luma).sum(0)  # (H, W) luma in [0, 255]
         if self.resize == "bicubic":
+            # The antialiased CUDA kernel refuses very large factors (shared memory):
+            # box-average down to at most 8x the target first (an integer reduce, like
+            # Pillow's reduce()), then the antialiased bicubic step.
+            k = max(1, min(y.shape[0], y.shape[1]) // (8 * P.THUMB_SIZE))
+            if k > 1:
+                y = self.F.avg_pool2d(y[None, None], k, k, ceil_mode=True)[0, 0]
             t = self.F.interpolate(
                 y[None, None],
                 size=(P.THUMB_SIZE, P.THUMB_SIZE),
