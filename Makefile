@@ -13,6 +13,7 @@ export DAGSTER_DISABLE_TELEMETRY ?= 1
 LOCK_HASH := $(shell cat requirements.lock pyproject.toml | sha256sum | cut -c1-12)
 STAMP := $(VENV)/.prx-installed-$(LOCK_HASH)
 UI_PORT ?= 3000
+BROWSER_PORT ?= 8765
 
 .PHONY: venv sysdeps demo test ui browser lint format bench lock clean-data
 
@@ -47,6 +48,10 @@ ui: venv
 	@mkdir -p $(DAGSTER_HOME)
 	@cp -n dagster.yaml $(DAGSTER_HOME)/dagster.yaml 2>/dev/null || true
 	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(UI_PORT)
+
+## The curation browser on 127.0.0.1 (after `make demo`): search, filters, audit trail.
+browser: venv
+	$(PY) -m prx_assets.browser --data-root $(PRX_DATA_ROOT) --port $(BROWSER_PORT)
 
 lint: venv
 	$(VENV)/bin/ruff check prx_assets prx_assets_tests benchmarks

@@ -79,11 +79,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-root", default=None)
     p.add_argument("--materialize", action="store_true", help="also run its stages now")
     p.set_defaults(func=register_batch)
+    p = sub.add_parser("browser", help="the curation browser on 127.0.0.1", add_help=False)
+    p.set_defaults(func=None)
     p = sub.add_parser("audit", help="the whole trail of one image (key, URL or source id)")
     p.add_argument("query")
     p.add_argument("--data-root", default=None)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=audit)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["browser"]:  # its own argument parser: python -m prx_assets.browser
+        from prx_assets.browser.__main__ import main as browser_main
+
+        return browser_main(argv[1:])
     args = parser.parse_args(argv)
     started = time.time()
     code = args.func(args)

@@ -1,0 +1,80 @@
+"""Start the curation browser: ``python -m prx_assets.browser --data-root data --port 8765``.
+
+Binds 127.0.0.1 by default. ``--host`` may name another interface, but the server still
+answers only requests addressed to a loopback name unless ``--allow-host`` lists more
+(the DNS-rebinding guard); it never writes a row, only adds missing indexes at start
+(``--no-index`` to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from prx_assets.browser.app import LOOPBACK_HOSTS, BrowserApp, make_server
+from prx_assets.browser.queries import LabQueries, ensure_browser_indexes
+from prx_assets.browser.thumbs import ThumbnailCache
+from prx_assets.core.lab import Lab
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m prx_assets.browser", description=__doc__)
+    p.add_argument("--data-root", default=os.environ.get("PRX_DATA_ROOT", "data"))
+    p.add_argument("--lab", default=None, help="the Lance lab (default: <data-root>/lab)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8765, help="0: any free port")
+    p.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        help="another Host header name to answer (repeatable); loopback names always are",
+    )
+    p.add_argument("--no-index", action="store_true", help="do not add missing indexes")
+    p.add_argument("--thumb-cache-mb", type=int, default=64)
+    p.add_argument("--quiet", action="store_true", help="no per-request log lines")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    lab_root = args.lab or str(Path(args.data_root) / "lab")
+    if "://" not in lab_root and not Path(lab_root).is_dir():
+        print(f"error: no lab at {lab_root} (run `make demo` or pass --data-root)", file=sys.stderr)
+        return 2
+    lab = Lab(lab_root)
+    if not args.no_index:
+        report = ensure_browser_indexes(lab)
+        created = sorted(k for k, v in report.items() if v == "created")
+        failed = {k: v for k, v in report.items() if v.startswith(("failed", "deferred"))}
+        if created:
+            print(f"added indexes: {', '.join(created)}", file=sys.stderr)
+        for name, why in failed.items():
+            print(f"warning: index {name} {why} (queries still answer, slower)", file=sys.stderr)
+    if args.host not in LOOPBACK_HOSTS:
+        print(
+            f"warning: listening on {args.host}; only Host names "
+            f"{sorted(LOOPBACK_HOSTS | set(args.allow_host))} are answered",
+            file=sys.stderr,
+        )
+    app = BrowserApp(
+        LabQueries(lab),
+        ThumbnailCache(args.thumb_cache_mb * 1024 * 1024),
+        allowed_hosts=LOOPBACK_HOSTS | frozenset(args.allow_host),
+    )
+    server = make_server(app, args.host, args.port, quiet=args.quiet)
+    host, port = server.server_address[:2]
+    shown = f"[{host}]" if ":" in str(host) else host
+    print(f"curation browser on http://{shown}:{port}/  (lab {lab_root}; Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
