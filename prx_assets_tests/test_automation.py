@@ -180,3 +180,13 @@ def test_new_opt_out_list_reruns_only_the_affected_skip_lists(platform):
         zip(audit.column("key").to_pylist(), audit.column("reasons").to_pylist(), strict=True)
     )
     assert all("opt_out" in reasons[k] for k in keys)
+
+    # The training loader never yields the opted-out images (nor anything else skipped).
+    from prx_assets.demo.train_loop import run_training_loop
+
+    shards_root = platform.defs().resources["lab"].shards_root
+    loop = run_training_loop(shards_root, lab, batch_size=2)
+    excluded = set(lab.read("skip_audit", ["key"], "excluded = true").column("key").to_pylist())
+    assert set(keys) <= excluded
+    assert loop["skipped_sample_yielded"] == []
+    assert loop["samples"] > 0 and loop["excluded_keys"] == len(excluded)
