@@ -92,3 +92,17 @@ def test_maintenance_compacts_fragments_and_keeps_indexes(tmp_path):
     plan = ds.scanner(columns=["key"], filter="batch = 'b3'").explain_plan()
     assert "ScalarIndexQuery" in plan
     assert ds.count_rows("batch = 'b3'") == 20
+
+
+def test_the_lab_works_through_a_uri_as_on_object_storage(tmp_path):
+    # Object stores are reached by URI (s3://, gs://); file:// takes the same code path
+    # (no local lock, no mkdir) without a network.
+    lab = Lab(f"file://{tmp_path}/lab")
+    assert lab.uri("t") == f"file://{tmp_path}/lab/t.lance"
+    lab.replace_partition(SPEC, "a", _rows("a", 3))
+    lab.replace_partition(SPEC, "a", _rows("a", 2, v=5))
+    assert _content(lab) == [
+        {"batch": "a", "key": "a-0", "v": 5},
+        {"batch": "a", "key": "a-1", "v": 5},
+    ]
+    assert not (tmp_path / "lab" / ".locks").exists()

@@ -83,3 +83,10 @@ def test_the_projects_dagster_yaml_loads_with_pool_and_partition_limits(tmp_path
         assert not instance.telemetry_enabled
     finally:
         instance.dispose()
+
+
+def test_gpu_bound_assets_are_in_the_gpu_pool():
+    graph = defs.resolve_asset_graph()
+    pools = {k.to_user_string(): graph.get(k).pools for k in graph.get_all_asset_keys()}
+    assert pools["captions"] == {"gpu"} and pools["caption_classes"] == {"gpu"}
+    assert not pools["raw_images"] and not pools["mds_shards"]
