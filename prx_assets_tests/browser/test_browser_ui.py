@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import http.client
 import io
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,7 +17,7 @@ from selenium.webdriver.common.keys import Keys
 
 from prx_assets.core.lab import Lab, sql_literal
 from prx_assets_tests.browser.conftest import copy_lab
-from prx_assets_tests.ops.browser import chrome, screenshot, wait_for_text
+from prx_assets_tests.ops.browser import chrome, screenshot, serve, wait_for_text
 from prx_assets_tests.ops.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,33 +41,18 @@ def server(browser_data_root, tmp_path_factory):
         {"caption": sql_literal(HOSTILE)}, where=f"key = {sql_literal(hostile_key)}"
     )
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "prx_assets.browser", "--data-root", str(root), "--port", str(port)],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/api/facets", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                out = proc.stdout.read().decode() if proc.stdout else ""
-                raise RuntimeError(f"the browser did not start:\n{out[-3000:]}")
-            time.sleep(0.3)
+    cmd = [
+        sys.executable,
+        "-m",
+        "prx_assets.browser",
+        "--data-root",
+        str(root),
+        "--port",
+        str(port),
+    ]
+    with serve(cmd, f"{url}/api/facets", {"PYTHONPATH": str(REPO)}, "the browser", timeout=60):
         yield url, port, lab, hostile_key
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")

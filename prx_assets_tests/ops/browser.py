@@ -53,33 +53,39 @@ def dismiss_dialogs(driver: webdriver.Chrome) -> None:
 
 
 @contextmanager
-def dagster_webserver(port: int, env: dict[str, str]):
-    """`dagster-webserver` on 127.0.0.1 over this project's workspace.yaml."""
+def serve(cmd: list[str], health_url: str, env: dict[str, str], name: str, timeout: float = 120):
+    """Run a local server process until ``health_url`` answers 200; stop it afterwards."""
     repo = Path(__file__).resolve().parents[2]
-    exe = Path(sys.executable).parent / "dagster-webserver"
     proc = subprocess.Popen(
-        [str(exe), "-h", "127.0.0.1", "-p", str(port), "-w", str(repo / "workspace.yaml")],
-        cwd=repo,
-        env={**os.environ, **env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        cmd, cwd=repo, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     try:
-        deadline = time.time() + 120
+        deadline = time.time() + timeout
         while True:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=2).status_code == 200:
+                if httpx.get(health_url, timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if proc.poll() is not None or time.time() > deadline:
                 out = proc.stdout.read().decode() if proc.stdout else ""
-                raise RuntimeError(f"dagster-webserver did not start:\n{out[-3000:]}")
-            time.sleep(1)
-        yield f"http://127.0.0.1:{port}"
+                raise RuntimeError(f"{name} did not start:\n{out[-3000:]}")
+            time.sleep(0.5)
+        yield proc
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@contextmanager
+def dagster_webserver(port: int, env: dict[str, str]):
+    """`dagster-webserver` on 127.0.0.1 over this project's workspace.yaml."""
+    repo = Path(__file__).resolve().parents[2]
+    exe = Path(sys.executable).parent / "dagster-webserver"
+    cmd = [str(exe), "-h", "127.0.0.1", "-p", str(port), "-w", str(repo / "workspace.yaml")]
+    url = f"http://127.0.0.1:{port}"
+    with serve(cmd, f"{url}/server_info", env, "dagster-webserver"):
+        yield url
