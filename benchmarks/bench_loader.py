@@ -34,6 +34,7 @@ from PIL import Image  # noqa: E402
 from streaming import MDSWriter, StreamingDataset  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+from prx_assets.core.mds import BASE_COLUMNS
 from prx_assets.core.skiplists import read_index_shards, write_skiplist  # noqa: E402
 from prx_assets.loader import HFTextEncoder, ImageTextCollate, SkipListDataset  # noqa: E402
 from prx_assets.loader.collate import jpeg_bytes  # noqa: E402
@@ -45,17 +46,7 @@ WORDS = (
     "a photo of the red cat dog sitting on green grass near brick wall with coffee cup and "
     "old coins under a bright flower in soft morning light studio portrait of street"
 ).split()
-COLUMNS = {
-    "image": "bytes",
-    "caption": "str",
-    "key": "str",
-    "orig_width": "int",
-    "orig_height": "int",
-    "tier": "int",
-    "shape": "str",
-    "source": "str",
-    "license": "str",
-}
+COLUMNS = dict(BASE_COLUMNS)  # the shard contract written by core/mds.py
 
 
 def _jpeg_pool(size: int, n: int, rng: random.Random) -> list[bytes]:

@@ -19,18 +19,10 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from prx_assets.core.mds import BASE_COLUMNS
+
 PHOTOS = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos"
-COLUMNS_BYTES = {
-    "image": "bytes",
-    "caption": "str",
-    "key": "str",
-    "orig_width": "int",
-    "orig_height": "int",
-    "tier": "int",
-    "shape": "str",
-    "source": "str",
-    "license": "str",
-}
+COLUMNS_BYTES = dict(BASE_COLUMNS)  # the shard contract written by core/mds.py
 WORDS = "a photo of the red cat dog on grass brick wall coffee cup coins flower".split()
 
 # Three partitions, two shapes: (tier, "HxW", batch, samples).
