@@ -81,6 +81,8 @@ def test_the_projects_dagster_yaml_loads_with_pool_and_partition_limits(tmp_path
             "value": {"applyLimitPerUniqueValue": True},
         } in limits
         assert not instance.telemetry_enabled
+        assert type(instance.run_storage).__name__ == "SqliteRunStorage"
+        assert str(tmp_path) in instance.run_storage._conn_string
     finally:
         instance.dispose()
 
