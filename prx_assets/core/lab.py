@@ -22,6 +22,7 @@ from typing import Any
 
 import lance
 import pyarrow as pa
+from lance.commit import CommitConflictError
 from lance.fragment import write_fragments
 
 TARGET_ROWS_PER_FRAGMENT = 1_048_576
@@ -201,21 +202,36 @@ class Lab:
         assert last is not None
         raise last
 
-    def _ensure_indexes(self, spec: TableSpec) -> None:
+    def _ensure_indexes(self, spec: TableSpec, attempts: int = 8) -> None:
+        """Create the spec's missing scalar indexes, tolerating concurrent writers.
+
+        Two partitions committing at once may both try to create the same index: Lance
+        then rejects one CreateIndex as preempted (retryable) or says it already exists.
+        Either way the other writer's index serves; re-read and carry on.
+        """
         if not spec.indexes:
             return
+        for attempt in range(attempts):
+            ds = self.dataset(spec.name)
+            if ds.count_rows() == 0:
+                return
+            have = {tuple(ix["fields"]) for ix in ds.list_indices()}
+            missing = [(c, k) for c, k in spec.indexes if (c,) not in have]
+            if not missing:
+                return
+            column, kind = missing[0]
+            try:
+                ds.create_scalar_index(column, kind)
+            except CommitConflictError:
+                time.sleep(0.05 * (2**attempt))
+            except (OSError, ValueError) as exc:
+                if "already exists" not in str(exc):
+                    raise
         ds = self.dataset(spec.name)
-        if ds.count_rows() == 0:
-            return
         have = {tuple(ix["fields"]) for ix in ds.list_indices()}
-        for column, kind in spec.indexes:
-            if (column,) not in have:
-                try:
-                    ds.create_scalar_index(column, kind)
-                except (OSError, ValueError) as exc:
-                    # A concurrent writer created it; anything else is real.
-                    if "already exists" not in str(exc):
-                        raise
+        still = [c for c, _ in spec.indexes if (c,) not in have]
+        if still:
+            raise RuntimeError(f"{spec.name}: could not create indexes on {still} (conflicts)")
 
     def read(
         self,

@@ -106,3 +106,21 @@ def test_the_lab_works_through_a_uri_as_on_object_storage(tmp_path):
         {"batch": "a", "key": "a-1", "v": 5},
     ]
     assert not (tmp_path / "lab" / ".locks").exists()
+
+
+def _ensure(root: str) -> bool:
+    Lab(root)._ensure_indexes(SPEC)
+    return True
+
+
+def test_concurrent_index_creation_tolerates_preempted_commits(tmp_path):
+    # Writers racing to create the same index: Lance preempts all but one CreateIndex.
+    lab = Lab(tmp_path)
+    unindexed = TableSpec(SPEC.name, SPEC.schema, SPEC.identity, indexes=())
+    for i in range(3):
+        lab.replace_partition(unindexed, f"b{i}", _rows(f"b{i}", 30))
+    assert lab.dataset("t").list_indices() == []
+    with mp.get_context("spawn").Pool(4) as pool:
+        assert pool.map(_ensure, [str(tmp_path)] * 8) == [True] * 8
+    names = {ix["name"] for ix in lab.dataset("t").list_indices()}
+    assert names == {"key_idx", "batch_idx"}
