@@ -346,6 +346,23 @@ def _concat(parts: list[pa.Table], schema: pa.Schema, columns: Sequence[str]) ->
     return pa.concat_tables(parts)
 
 
+def _cluster_members(
+    lab: Lab, cluster_ids: Sequence[str], columns: list[str], condition: str, chunk: int
+) -> pa.Table:
+    """Stored decisions of the given clusters (BTREE on cluster_id), read in IN-list chunks."""
+    parts = [
+        _read(
+            lab,
+            PHASH_CLUSTERS.name,
+            PHASH_CLUSTERS.schema,
+            columns,
+            f"{in_list('cluster_id', part)} AND {condition}",
+        )
+        for part in _chunks(cluster_ids, chunk)
+    ]
+    return _concat(parts, PHASH_CLUSTERS.schema, columns)
+
+
 def lookup_by_hashes(
     lab: Lab, hashes: Iterable[int], version: str, chunk: int = DEFAULT_LOOKUP_CHUNK
 ) -> pa.Table:
@@ -447,17 +464,9 @@ def gather_corpus(
         f"batch = {sql_literal(batch)}",
     )
     old_ids = sorted({c for c in old.column("cluster_id").to_pylist() if c is not None})
-    former_parts = [
-        _read(
-            lab,
-            PHASH_CLUSTERS.name,
-            PHASH_CLUSTERS.schema,
-            list(STORED_COLUMNS),
-            f"{in_list('cluster_id', part)} AND batch != {sql_literal(batch)}",
-        )
-        for part in _chunks(old_ids, chunk)
-    ]
-    former = _concat(former_parts, PHASH_CLUSTERS.schema, STORED_COLUMNS)
+    former = _cluster_members(
+        lab, old_ids, list(STORED_COLUMNS), f"batch != {sql_literal(batch)}", chunk
+    )
     former_hashes = lookup_by_keys(
         lab,
         IMAGE_HASHES.name,
@@ -704,17 +713,7 @@ def read_cluster_members(
     cols = ["cluster_id", "batch", "key", "is_keeper", "low_information"]
     ids = sorted(set(cluster_ids))
     fp = sql_literal(settings.fingerprint())
-    parts = [
-        _read(
-            lab,
-            PHASH_CLUSTERS.name,
-            PHASH_CLUSTERS.schema,
-            cols,
-            f"{in_list('cluster_id', part)} AND config_fingerprint = {fp}",
-        )
-        for part in _chunks(ids, chunk)
-    ]
-    members = _concat(parts, PHASH_CLUSTERS.schema, cols)
+    members = _cluster_members(lab, ids, cols, f"config_fingerprint = {fp}", chunk)
     px = lookup_by_keys(
         lab,
         IMAGE_HASHES.name,

@@ -245,16 +245,15 @@ class TransformersCaptioner:
             if self._model is None:
                 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-                device, dtype = resolve_device_dtype(self._device, self._dtype)
-                try:
-                    processor = AutoProcessor.from_pretrained(self.model_id)
-                    model = AutoModelForImageTextToText.from_pretrained(self.model_id, dtype=dtype)
-                except (OSError, ValueError) as exc:
-                    raise BackendConfigError(
-                        f"cannot load VLM {self.model_id!r}: {type(exc).__name__}: {exc}"
-                    ) from exc
+                processor, model = load_pretrained(
+                    AutoProcessor,
+                    AutoModelForImageTextToText,
+                    self.model_id,
+                    self._device,
+                    self._dtype,
+                    "VLM",
+                )
                 processor.tokenizer.padding_side = "left"
-                model.to(device).eval()
                 self._processor, self._model = processor, model
             return self._processor, self._model
 
@@ -377,3 +376,28 @@ class AltTextCaptioner:
                 )
             )
         return out
+
+
+def load_pretrained(
+    preprocessor_cls: Any,
+    model_cls: Any,
+    model_id: str,
+    device: str | None,
+    dtype: str | None,
+    what: str,
+) -> tuple[Any, Any]:
+    """A preprocessor (processor or tokenizer) and an eval-mode model on the chosen device.
+
+    Shared by the local backends so a missing or broken checkpoint is one clear
+    ``BackendConfigError`` whichever backend loads it.
+    """
+    device, torch_dtype = resolve_device_dtype(device, dtype)
+    try:
+        preprocessor = preprocessor_cls.from_pretrained(model_id)
+        model = model_cls.from_pretrained(model_id, dtype=torch_dtype)
+    except (OSError, ValueError) as exc:
+        raise BackendConfigError(
+            f"cannot load {what} {model_id!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    model.to(device).eval()
+    return preprocessor, model

@@ -136,17 +136,16 @@ class TransformersClassifier:
             if self._model is None:
                 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-                from prx_assets.core.models.captioners import resolve_device_dtype
+                from prx_assets.core.models.captioners import load_pretrained
 
-                device, dtype = resolve_device_dtype(self._device, self._dtype)
-                try:
-                    tok = AutoTokenizer.from_pretrained(self.model_id)
-                    model = AutoModelForCausalLM.from_pretrained(self.model_id, dtype=dtype)
-                except (OSError, ValueError) as exc:
-                    raise BackendConfigError(
-                        f"cannot load LM {self.model_id!r}: {type(exc).__name__}: {exc}"
-                    ) from exc
-                model.to(device).eval()
+                tok, model = load_pretrained(
+                    AutoTokenizer,
+                    AutoModelForCausalLM,
+                    self.model_id,
+                    self._device,
+                    self._dtype,
+                    "LM",
+                )
                 self._label_ids = [tok(lbl, add_special_tokens=False).input_ids for lbl in LABELS]
                 if any(len(ids) == 0 for ids in self._label_ids):
                     raise BackendConfigError(f"{self.model_id}: a label tokenises to nothing")
