@@ -17,13 +17,21 @@ BROWSER_PORT ?= 8765
 
 .PHONY: venv sysdeps demo test ui browser lint format bench lock clean-data
 
-venv: $(STAMP)
+# The editable install points at one checkout; a venv shared by several clones (CI keeps
+# one per lock outside the clone) is re-pointed at this one when it differs.
+EDITABLE := $(VENV)/.prx-editable-$(shell echo $(CURDIR) | sha256sum | cut -c1-12)
+
+venv: $(STAMP) $(EDITABLE)
 
 $(STAMP): requirements.lock pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c requirements.lock -r requirements.lock
-	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	@rm -f $(VENV)/.prx-installed-*
+	@touch $@
+
+$(EDITABLE): $(STAMP)
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	@rm -f $(VENV)/.prx-editable-*
 	@touch $@
 
 ## The demo: build the landing zone from the bundled photos, materialise every stage.
