@@ -47,7 +47,16 @@ SKIPLIST_FORMAT = "prx-skiplist"
 SKIPLIST_VERSION = 1
 SIDECAR_SUFFIX = ".skip.json"
 INDEX_BASENAME = "index.json"
-REASON_CODES: tuple[str, ...] = ("opt_out", "duplicate", "class_text", "class_nsfw", "quality")
+REASON_CODES: tuple[str, ...] = (
+    "opt_out",
+    "duplicate",
+    "class_text",
+    "class_nsfw",
+    "quality",
+    "low_information",
+    "no_caption",
+    "pending",  # a decision it depends on is not known yet: skipped until it is
+)
 _DIGEST_FORMAT = "prx-skiplist-digest/1"
 
 

@@ -25,15 +25,13 @@ from dagster import (
 from prx_assets.core.dedup_tables import PHASH_CLUSTERS
 from prx_assets.core.lab import Lab
 from prx_assets.core.mds import list_partition_dirs, partition_digest, partition_dir
-from prx_assets.core.optouts import opted_out_keys
 from prx_assets.core.shard_tables import SHARD_SAMPLES
+from prx_assets.core.skip_decisions import decide_partition
 from prx_assets.core.skip_policy import (
     SKIP_AUDIT,
-    DedupDecision,
     PartitionDecisions,
     SkipPolicyError,
     audit_rows,
-    decide,
     exclusion_changes,
     samples_from_rows,
 )
@@ -106,31 +104,6 @@ def _shard_dirs(shards_root: str, batch: str, rows: list[dict[str, Any]]) -> dic
     return dirs
 
 
-def _inputs(store: Lab, batch: str, keys: set[str]) -> tuple[dict, dict, dict[str, tuple]]:
-    classes = store.read_batch(CAPTION_CLASSES.name, batch, ["key", "label"]).to_pylist()
-    labels = {r["key"]: r["label"] for r in classes if r["key"] in keys}
-    clusters = store.read_batch(
-        PHASH_CLUSTERS.name, batch, ["key", "is_keeper", "keeper_key", "low_information"]
-    ).to_pylist()
-    dedup = {
-        r["key"]: DedupDecision(
-            is_keeper=bool(r["is_keeper"]),
-            keeper_key=r["keeper_key"],
-            low_information=bool(r["low_information"]),
-        )
-        for r in clusters
-        if r["key"] in keys and r["is_keeper"] is not None
-    }
-    images = store.read_batch(IMAGES.name, batch, ["key", "url", "source", "source_id"])
-    missing = keys - set(images.column("key").to_pylist()) if images.num_rows else keys
-    if missing:
-        raise Failure(
-            description=f"{len(missing)} sharded image(s) of {batch} are not in `images` "
-            f"(e.g. {sorted(missing)[0]}): rerun raw_images and the stages after it"
-        )
-    return labels, dedup, opted_out_keys(store, images)
-
-
 def _previous(store: Lab, batch: str) -> dict[str, tuple[bool, datetime | None]]:
     if not store.exists(SKIP_AUDIT.name):
         return {}
@@ -170,10 +143,8 @@ def _skip_lists(
     ).to_pylist()
     dirs = _shard_dirs(lab.shards_root, batch, rows)
     samples = samples_from_rows(rows)
-    keys = {s.key for s in samples}
-    labels, dedup, opt_outs = _inputs(store, batch, keys)
     try:
-        decisions = decide(samples, labels, dedup, opt_outs, policy)
+        decisions = decide_partition(store, batch, samples, policy)
     except SkipPolicyError as exc:
         raise Failure(description=f"{batch}: {exc}") from None
 
