@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import random
+import signal
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,68 @@ def test_index_errors_are_clear(tmp_path):
     (tmp_path / "index.json").write_text("{not json")
     with pytest.raises(SkipListError, match="not valid JSON"):
         read_index_shards(tmp_path)
+
+
+# -- findings of issue 10: a directory's sidecar set changes as one unit -------------------
+
+
+def _killed_after_replaces(n: int, fn) -> int:  # noqa: ANN001
+    """Run ``fn`` in a forked child that is SIGKILLed right after its ``n``-th ``os.replace``.
+
+    A fork, so the child starts with everything imported; SIGKILL, so no ``finally`` or
+    atexit handler runs: what the directory holds afterwards is what a crash leaves.
+    """
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            done = [0]
+            real_replace = os.replace
+
+            def replace(src, dst):  # noqa: ANN001, ANN202
+                real_replace(src, dst)
+                done[0] += 1
+                if done[0] >= n:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            os.replace = replace
+            fn()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _view(d: Path) -> dict[str, tuple[int, ...]]:
+    return {name: sl.indices for name, sl in load_skiplists(d).items()}
+
+
+def test_a_killed_rewrite_leaves_the_old_or_the_new_set_never_a_mix(part):
+    """Finding: killed part-way, a directory held some old-policy and some new-policy
+    sidecars (neither decision set)."""
+    d, shards = part
+    old = {name: {0: ["duplicate"]} for name, _ in shards}
+    new = {name: {1: ["opt_out"], 2: ["quality"]} for name, _ in shards}
+    write_partition_skiplists(d, new)
+    new_view = _view(d)
+    write_partition_skiplists(d, old)
+    old_view = _view(d)
+    assert old_view != new_view
+    seen = []
+    for n in range(1, len(shards) + 2):
+        code = _killed_after_replaces(n, lambda: write_partition_skiplists(d, new))
+        view = _view(d)
+        assert view in (old_view, new_view), f"killed after {n} renames: a mix {view}"
+        seen.append((code, view == new_view))
+        write_partition_skiplists(d, old)  # the next write repairs and starts from old
+    assert (-signal.SIGKILL, False) in seen  # some kills landed before the switch ...
+    assert (-signal.SIGKILL, True) in seen  # ... and one right after it
+
+
+def test_stray_temporaries_are_swept_by_the_next_write(part):
+    """Finding: ``.skip.json.*.tmp`` files of killed writers were never removed."""
+    d, shards = part
+    stray = d / f".{shards[0][0]}.skip.json.4242.0badc0de.tmp"
+    stray.write_bytes(b'{"format": "prx-skip')  # what a writer killed mid-write leaves
+    write_partition_skiplists(d, {})
+    assert not stray.exists()
+    assert not [p for p in os.listdir(d) if p.endswith(".tmp")]

@@ -20,6 +20,7 @@ from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.shards.assets import bucket_assignments, mds_shards
+from prx_assets.defs.skiplists.config import SkipPolicyResource
 
 PHOTOS = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos"
 KEY = "public-skimage.000"
@@ -112,7 +113,7 @@ def _shards(instance, lab_resource):
         [bucket_assignments, mds_shards],
         partition_key=KEY,
         instance=instance,
-        resources={"lab": lab_resource},
+        resources={"lab": lab_resource, "skip_policy": SkipPolicyResource()},
         run_config=RUN_CONFIG,
     )
     assert result.success
@@ -328,3 +329,88 @@ def test_renderer_skips_a_broken_image_and_keeps_the_rest(tmp_path: Path) -> Non
     tiny = pa.table({"key": ["k"], "batch": ["b0"], "width": [100], "height": [100]})
     with pytest.raises(ValueError, match="under the bucket cutoff"):
         assignment_rows(tiny)
+
+
+# -- findings of issue 10 ----------------------------------------------------------------
+
+
+def _plant_decisions(store, keys: list[str]) -> dict[str, str]:
+    """Class labels and dedup decisions for ``keys``: one text image, one duplicate."""
+    from prx_assets.core.dedup_tables import PHASH_CLUSTERS
+    from prx_assets.core.tables import CAPTION_CLASSES
+
+    text, dup, keeper = keys[1], keys[2], keys[3]
+    now = datetime(2024, 1, 1, tzinfo=UTC)
+    classes = [
+        {"key": k, "batch": KEY, "label": "text" if k == text else "visual", "created_at": now}
+        for k in keys
+    ]
+    store.replace_partition(
+        CAPTION_CLASSES, KEY, pa.Table.from_pylist(classes, schema=CAPTION_CLASSES.schema)
+    )
+    clusters = [
+        {
+            "key": k,
+            "batch": KEY,
+            "cluster_id": keeper if k == dup else k,
+            "cluster_size": 2 if k in (dup, keeper) else 1,
+            "keeper_key": keeper if k == dup else k,
+            "keeper_batch": KEY,
+            "is_keeper": k != dup,
+            "low_information": False,
+            "radius": 0,
+            "phash_version": "fast-v1",
+        }
+        for k in keys
+    ]
+    store.replace_partition(
+        PHASH_CLUSTERS, KEY, pa.Table.from_pylist(clusters, schema=PHASH_CLUSTERS.schema)
+    )
+    return {text: "class_text", dup: "duplicate"}
+
+
+def _default_loader_keys(root: Path) -> list[str]:
+    import warnings
+
+    from prx_assets.loader import ShapeBatchedLoader, discover_streams
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tiny buckets: small-bucket warnings are expected
+        loader = ShapeBatchedLoader(
+            discover_streams(root), batch_size=1, shuffle=False, num_canonical_nodes=1
+        )
+        keys = [k for batch in loader for k in batch["key"]]
+    del loader
+    gc.collect()
+    return keys
+
+
+def test_mds_shards_alone_never_exposes_unscreened_samples(instance, lab_resource, built) -> None:
+    """Finding: mds_shards rewrote directories without sidecars and the default loader then
+    trained on duplicates and excluded classes until skip_lists ran again."""
+    store, eligible, _, uncaptioned = built
+    planted = _plant_decisions(store, eligible)
+    _shards(instance, lab_resource)
+    root = Path(lab_resource.shards_root)
+    written = {r["key"] for r in _shard_rows(store)}
+    assert set(planted) <= written
+    yielded = _default_loader_keys(root)
+    assert len(yielded) == len(set(yielded))
+    assert not set(yielded) & set(planted)
+    assert uncaptioned not in yielded
+    assert set(yielded) == written - set(planted) - {uncaptioned}
+
+
+def test_an_image_without_caption_is_written_and_skipped_as_no_caption(
+    instance, lab_resource, built
+) -> None:
+    """Finding: images without a usable caption were silently left out of every shard."""
+    store, eligible, _, uncaptioned = built
+    _shards(instance, lab_resource)
+    root = Path(lab_resource.shards_root)
+    rows = {r["key"]: r for r in _shard_rows(store)}
+    assert uncaptioned in rows  # written ...
+    r = rows[uncaptioned]
+    raw = _read_dir(root / r["relative_dir"])[r["sample_index"]]
+    assert raw["key"] == uncaptioned and raw["caption"] == ""
+    assert uncaptioned not in _default_loader_keys(root)  # ... and never trained on

@@ -254,3 +254,12 @@ def test_small_bucket_warning_states_the_rule(mds_root: MdsRoot):
     with warnings.catch_warnings():
         warnings.simplefilter("error", SmallBucketWarning)
         _dataset(mds_root, num_canonical_nodes=2, batch_size=4)
+
+
+def test_a_directory_without_skiplists_is_refused_by_default(tmp_path: Path):
+    """Finding: a missing sidecar read as "skip nothing", so unscreened shards trained."""
+    from .conftest import write_partition
+
+    write_partition(tmp_path / "mds", "0", "16x24", "raw", 24)  # MDS only, never screened
+    with pytest.raises(SkipListError, match="no skip-list manifest"):
+        SkipListDataset(local=str(tmp_path / "mds" / "0" / "16x24" / "raw"), batch_size=4)

@@ -181,3 +181,24 @@ def test_mixed_sources_share_shape_buckets_with_weights(mds_root: MdsRoot, tmp_p
     assert {c for k, c in counts.items() if not k.endswith("-int")} == {1}
     # The internal stream read through its cache (remote = the internal root).
     assert any((tmp_path / "cache" / "internal" / "0/16x24/b0").glob("shard.*.mds"))
+
+
+def test_the_package_docstring_example_finds_real_buckets(tmp_path: Path):
+    """Finding: the documented ``discover_streams(..., tiers=[0, 1])`` returned nothing."""
+    import re
+
+    import prx_assets.loader
+    from prx_assets.core.buckets import DEFAULT_TIERS
+
+    from .conftest import write_partition
+
+    match = re.search(
+        r"discover_streams\(\"[^\"]+\", tiers=\[([\d, ]+)\]\)", prx_assets.loader.__doc__
+    )
+    assert match, "the package docstring shows discover_streams with a tier filter"
+    tiers = [int(t) for t in match.group(1).split(",")]
+    assert set(tiers) <= set(DEFAULT_TIERS)  # the tiers the bucket table really writes
+    for tier in (*tiers, 4096):
+        write_partition(tmp_path / "mds", str(tier), "16x24", "b0", 24)
+    found = discover_streams(tmp_path, tiers=tiers, skiplists="ignore-UNSAFE")
+    assert sorted(int(b.tier) for b in found) == sorted(tiers)
