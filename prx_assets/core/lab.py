@@ -25,6 +25,8 @@ import pyarrow as pa
 from lance.commit import CommitConflictError
 from lance.fragment import write_fragments
 
+from prx_assets.core.crashpoints import crashpoint
+
 TARGET_ROWS_PER_FRAGMENT = 1_048_576
 
 
@@ -72,6 +74,7 @@ class _CountingBatches:
                     raise self.error
                 self.rows += part.num_rows
                 yield part
+                crashpoint("lab.fragment_batch")
 
 
 class Lab:
@@ -137,6 +140,7 @@ class Lab:
             if counted.error is not None:  # our own refusal, wrapped by Lance: surface it
                 raise counted.error from None
             raise
+        crashpoint("lab.fragments_written")
         predicate = f"batch = {sql_literal(batch)}"
         with self._partition_lock(spec.name, batch):
             return self._commit_replacement(spec, predicate, new_fragments, counted.rows, attempts)
@@ -193,6 +197,7 @@ class Lab:
                 last = exc
                 time.sleep(0.05 * (2**attempt))
                 continue
+            crashpoint("lab.committed")
             self._ensure_indexes(spec)
             return {
                 "rows_written": rows,

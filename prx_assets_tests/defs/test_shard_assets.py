@@ -14,7 +14,12 @@ from PIL import Image
 from prx_assets.core.buckets import assign_bucket
 from prx_assets.core.mds import partition_digest
 from prx_assets.core.resize import estimate_jpeg_quality
-from prx_assets.core.shard_tables import BUCKET_ASSIGNMENTS, SHARD_SAMPLES
+from prx_assets.core.shard_tables import (
+    BUCKET_ASSIGNMENTS,
+    SHARD_SAMPLES,
+    written_without_caption,
+)
+from prx_assets.core.skiplists import current_generation, load_generation, read_index_shards
 from prx_assets.core.tables import CAPTIONS, IMAGES, RESOLUTION
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.partitions import BATCHES
@@ -122,6 +127,7 @@ def _shards(instance, lab_resource):
 
 def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> None:
     store, eligible, ineligible, uncaptioned = built
+    planted = _plant_decisions(store, eligible)
     result = _shards(instance, lab_resource)
     root = Path(lab_resource.shards_root)
 
@@ -149,8 +155,9 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
             "| **total** |" in md_a["bucket_fill"].value and str(total) in md_a["bucket_fill"].value
         )
 
-    # Shards: every directory reads back with StreamingDataset; each sample is right.
-    expected_keys = set(eligible) - {uncaptioned}
+    # Shards: every directory reads back with StreamingDataset; each sample is right. Every
+    # assigned image is written, the one without a caption with an empty one.
+    expected_keys = set(eligible)
     dirs = _partition_dirs(root)
     assert {f"mds/{d.parent.parent.name}/{d.parent.name}/{KEY}" for d in dirs} == {
         f"mds/{r['tier']}/{r['shape']}/{KEY}" for k, r in assigned.items() if k in expected_keys
@@ -167,7 +174,7 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
             a = assigned[key]
             assert key not in seen
             seen[key] = (d, i)
-            assert row["caption"] == _caption(key)
+            assert row["caption"] == ("" if key == uncaptioned else _caption(key))
             assert (d.parent.parent.name, d.parent.name) == (str(a["tier"]), a["shape"])
             assert (row["tier"], row["shape"]) == (a["tier"], a["shape"])
             assert (row["orig_width"], row["orig_height"]) == sizes[key]
@@ -175,7 +182,8 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
                 images[key]["source"] or "",
                 images[key]["license"] or "",
             )
-            assert row["caption_model"] == "test-model" and row["caption_fingerprint"]
+            if key != uncaptioned:
+                assert row["caption_model"] == "test-model" and row["caption_fingerprint"]
             assert row["upscaled"] == int(a["upscaled"])
             img = Image.open(io.BytesIO(row["image"]))
             assert img.format == "JPEG" and img.mode == "RGB"
@@ -183,7 +191,18 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
             assert estimate_jpeg_quality(row["image"]) == 92
     assert set(seen) == expected_keys
     assert not set(seen) & set(ineligible)  # nothing under the cutoff is written
-    assert uncaptioned not in seen
+
+    # Each directory came with its first skip-list generation: the planted decisions and
+    # the missing caption, at the samples' exact positions.
+    excluded = {**{k: (r,) for k, r in planted.items()}, uncaptioned: ("no_caption",)}
+    found = {}
+    for d in dirs:
+        live = load_generation(d).skiplists
+        for i, row in enumerate(read[d]):
+            shard, index = _position(d, i)
+            if index in live[shard].as_mapping():
+                found[row["key"]] = live[shard].as_mapping()[index]
+    assert found == excluded
 
     # The configured shard size limit reached the writer (splitting at it: core tests).
     for d in dirs:
@@ -215,9 +234,16 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
 
     md = result.asset_materializations_for_node("mds_shards")[0].metadata
     assert md["samples_written"].value == len(expected_keys)
-    assert md["skipped"].value == 1
-    assert md["skipped_keys"].value == {"no_caption": [uncaptioned]}
-    assert "no_caption | 1" in md["skip_reasons"].value
+    assert md["not_written"].value == 0 and md["not_written_keys"].value == []
+    assert md["written_without_caption"].value == 1
+    assert md["uncaptioned_keys"].value == {"no caption row": [uncaptioned]}
+    assert md["excluded_by_first_skiplists"].value == len(excluded)
+    for reason in ("no_caption", "class_text", "duplicate"):
+        assert f"| {reason} | 1 |" in md["first_skiplist_reasons"].value
+    assert md["skip_policy_fingerprint"].value == SkipPolicyResource().fingerprint()
+    assert md["skiplist_generations"].value == {
+        str(d.relative_to(root)): current_generation(d) for d in dirs
+    }
     assert sorted(md["tree"].value) == sorted(str(d.relative_to(root)) for d in dirs)
     assert md["jpeg"].value == "quality 92, subsampling 4:4:4"
     assert "4:4:4" in md["jpeg_subsampling_reason"].value
@@ -232,32 +258,70 @@ def test_rerun_is_byte_identical_and_a_bucket_can_empty(instance, lab_resource, 
     _shards(instance, lab_resource)
     root = Path(lab_resource.shards_root)
     first = _tree_hashes(root)
+    assert any(k.endswith("/skiplists.json") for k in first)  # skip-lists are in the tree
     first_rows = _shard_rows(store)
     result = _shards(instance, lab_resource)
     assert _tree_hashes(root) == first
     assert _shard_rows(store) == first_rows
     assert not [p for p in root.rglob(".*")]  # no temporaries left behind
-    assert result.asset_materializations_for_node("mds_shards")[0].metadata["skipped"].value == 1
+    md = result.asset_materializations_for_node("mds_shards")[0].metadata
+    assert md["written_without_caption"].value == 1
 
-    # Captions vanish for every image of one bucket: its directory goes, the rest stays.
-    gone = first_rows[0]["relative_dir"]
-    keep = [r["key"] for r in first_rows if r["relative_dir"] != gone]
-    _write_captions(store, keep)
+    # Captions vanish for every image of one bucket: its directory is rewritten with empty
+    # captions and every sample of it is skipped; the rest of the tree is untouched.
+    gone = next(r["relative_dir"] for r in first_rows if r["key"] != uncaptioned)
+    lost = {r["key"] for r in first_rows if r["relative_dir"] == gone}
+    _write_captions(store, [k for k in eligible if k not in lost and k != uncaptioned])
     _shards(instance, lab_resource)
-    assert not (root / gone).exists()
-    after = _shard_rows(store)
-    assert [r["key"] for r in after] == sorted(keep)
+    assert all(len(sl) == sl_samples for sl, sl_samples in _skip_counts(root / gone))
+    live = load_generation(root / gone).skiplists.values()
+    assert {code for sl in live for codes in sl.reasons for code in codes} == {"no_caption"}
+    assert not lost & set(_default_loader_keys(root))
     assert {k: v for k, v in _tree_hashes(root).items() if not k.startswith(gone)} == {
         k: v for k, v in first.items() if not k.startswith(gone)
     }
 
-    # No captions at all: nothing is written, every eligible image is reported.
+    # No captions at all: everything is still written and accounted for, nothing trains.
     _write_captions(store, [])
     result = _shards(instance, lab_resource)
     md = result.asset_materializations_for_node("mds_shards")[0].metadata
-    assert md["samples_written"].value == 0 and md["skipped"].value == len(eligible)
-    assert _partition_dirs(root) == [] and _shard_rows(store) == []
-    assert uncaptioned in md["skipped_keys"].value["no_caption"]
+    assert md["samples_written"].value == len(eligible)
+    assert md["written_without_caption"].value == len(eligible)
+    assert md["excluded_by_first_skiplists"].value == len(eligible)
+    assert [r["key"] for r in _shard_rows(store)] == sorted(eligible)
+    assert all(written_without_caption(r) for r in _shard_rows(store))
+
+    # A bucket nobody is assigned to any more loses its directory.
+    _write_captions(store, eligible)
+    rows = store.read_batch(BUCKET_ASSIGNMENTS.name, KEY)
+    keep = [r for r in rows.to_pylist() if f"mds/{r['tier']}/{r['shape']}/{KEY}" != gone]
+    store.replace_partition(
+        BUCKET_ASSIGNMENTS, KEY, pa.Table.from_pylist(keep, schema=BUCKET_ASSIGNMENTS.schema)
+    )
+    assert materialize(
+        [mds_shards],
+        partition_key=KEY,
+        instance=instance,
+        resources={"lab": lab_resource, "skip_policy": SkipPolicyResource()},
+        run_config=RUN_CONFIG,
+    ).success
+    assert not (root / gone).exists()
+    assert [r["key"] for r in _shard_rows(store)] == sorted(r["key"] for r in keep)
+
+
+def _skip_counts(d: Path) -> list[tuple[object, int]]:
+    """(skip list, samples in its shard) per shard of a directory's live generation."""
+    sizes = dict(read_index_shards(d))
+    return [(sl, sizes[name]) for name, sl in load_generation(d).skiplists.items()]
+
+
+def _position(d: Path, sample_index: int) -> tuple[str, int]:
+    """(shard, index in shard) of the ``sample_index``-th sample of a directory."""
+    for name, n in read_index_shards(d):
+        if sample_index < n:
+            return name, sample_index
+        sample_index -= n
+    raise IndexError(sample_index)
 
 
 def test_stage_contract() -> None:

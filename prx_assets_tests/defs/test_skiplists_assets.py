@@ -13,11 +13,17 @@ from PIL import Image
 
 from prx_assets.core.buckets import assign_bucket
 from prx_assets.core.dedup_tables import PHASH_CLUSTERS
-from prx_assets.core.mds import MDSSample, partition_digest, write_partition_buckets
+from prx_assets.core.mds import MDSSample, partition_digest, skip_nothing, write_partition_buckets
 from prx_assets.core.optouts import OPT_OUTS, opt_out_rows, parse_identifier, replace_rows
 from prx_assets.core.shard_tables import SHARD_SAMPLES
 from prx_assets.core.skip_policy import SKIP_AUDIT
-from prx_assets.core.skiplists import load_skiplists, read_skiplist, sidecar_path
+from prx_assets.core.skiplists import (
+    MANIFEST_BASENAME,
+    current_generation,
+    load_generation,
+    load_skiplists,
+    read_skiplist,
+)
 from prx_assets.core.tables import CAPTION_CLASSES, IMAGES, RESOLUTION
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.partitions import BATCHES
@@ -57,6 +63,7 @@ class Built:
         others = [k for k in keys if k not in self.url_group]
         assert len(others) >= 7, "the demo batch needs more eligible images for this test"
         self.text, self.nsfw, self.dup, self.keeper, self.flat, self.unclassified = others[:6]
+        self.uncaptioned = others[6]  # written with an empty caption (shard_samples says so)
 
     def dirs(self) -> list[Path]:
         return sorted({self.root / p.relative_dir for p in self.where.values()})
@@ -136,8 +143,11 @@ def _build(instance, lab_resource, with_phash: bool = True) -> Built:
     assert len(samples) >= 9
     root = Path(lab_resource.shards_root)
     limit = 2 * max(len(x.image) for x in samples) + 1500  # about two samples per shard
-    placements = write_partition_buckets(root, KEY, samples, size_limit=limit, hashes=("sha256",))
+    placements = write_partition_buckets(
+        root, KEY, samples, size_limit=limit, hashes=("sha256",), skips_for=skip_nothing
+    )
     digests = {p.relative_dir: partition_digest(root / p.relative_dir) for p in placements}
+    b = Built(store, root, sorted(p.key for p in placements), placements, urls)
     rows = [
         {
             "key": p.key,
@@ -149,13 +159,14 @@ def _build(instance, lab_resource, with_phash: bool = True) -> Built:
             "index_in_shard": p.index_in_shard,
             "sample_index": p.sample_index,
             "dir_digest": digests[p.relative_dir],
+            # null: written without a usable caption (what mds_shards records for one)
+            "caption_fingerprint": None if p.key == b.uncaptioned else "fp-test",
         }
         for p in placements
     ]
     store.replace_partition(
         SHARD_SAMPLES, KEY, pa.Table.from_pylist(rows, schema=SHARD_SAMPLES.schema)
     )
-    b = Built(store, root, sorted(p.key for p in placements), placements, urls)
     assert len({p.relative_dir for p in placements}) >= 2  # several bucket directories
     assert any(p.shard != "shard.00000.mds" for p in placements)  # several shards
     assert any(p.index_in_shard > 0 for p in placements)  # several samples per shard
@@ -190,12 +201,25 @@ def _run(instance, lab_resource, policy: SkipPolicyResource | None = None, built
     )
 
 
+def _skiplist_files(b: Built) -> dict[Path, bytes]:
+    """Every skip-list file (sidecars and manifests) of the batch's directories."""
+    return {
+        p: p.read_bytes()
+        for d in b.dirs()
+        for p in sorted(d.iterdir())
+        if p.name.endswith(".skip.json") or p.name == MANIFEST_BASENAME
+    }
+
+
 def _sidecar_skips(b: Built) -> dict[str, tuple[str, ...]]:
-    """Key -> reasons, read back from the sidecars through ``read_skiplist``."""
+    """Key -> reasons, read back from the live generations (every sidecar re-read too)."""
     out = {}
     for d in b.dirs():
-        for shard, sl in load_skiplists(d).items():
-            assert read_skiplist(sidecar_path(d, shard)) == sl  # every shard has a sidecar
+        live = load_generation(d)
+        assert len(_skiplist_files(b)) == sum(len(load_skiplists(x)) + 1 for x in b.dirs())
+        for entry in live.manifest.entries:  # one sidecar per shard, named by the manifest
+            assert read_skiplist(d / entry.sidecar) == live.skiplists[entry.shard]
+        for shard, sl in live.skiplists.items():
             by_index = sl.as_mapping()
             for key, p in b.where.items():
                 if (
@@ -235,6 +259,7 @@ def test_skip_lists_end_to_end(instance, lab_resource, built):
         b.nsfw: ("class_nsfw",),
         b.dup: ("duplicate", "opt_out"),
         **{k: ("opt_out",) for k in b.url_group},
+        b.uncaptioned: ("no_caption",),
     }
     assert b.flat not in expected and b.unclassified not in expected  # quality off by default
 
@@ -271,17 +296,20 @@ def test_skip_lists_end_to_end(instance, lab_resource, built):
     assert f"| opt_out | {len(b.url_group) + 1} |" in md["skip_reasons"].value
     assert "| duplicate | 1 |" in md["skip_reasons"].value
     assert "| quality | 0 |" in md["skip_reasons"].value
+    assert "| no_caption | 1 |" in md["skip_reasons"].value
     for rel in {p.relative_dir for p in b.where.values()}:
         assert f"| {rel} |" in md["buckets"].value
     assert md["unclassified"].value == 1 and md["no_dedup_decision"].value == 0
     assert md["opt_out_lists_applied"].value == ["legal.txt@1"]
     assert md["newly_excluded"].value == len(expected)
     first = {k: audit[k]["first_excluded_at"] for k in expected}
-    sidecar_bytes = {p: p.read_bytes() for d in b.dirs() for p in d.glob("*.skip.json")}
+    files = _skiplist_files(b)
+    generations = md["skiplist_generations"].value
+    assert generations == {str(d.relative_to(b.root)): current_generation(d) for d in b.dirs()}
 
-    # Rerun with nothing changed: byte-identical sidecars, exclusion dates kept.
+    # Rerun with nothing changed: byte-identical skip-list files, exclusion dates kept.
     assert _run(instance, lab_resource).success
-    assert {p: p.read_bytes() for p in sidecar_bytes} == sidecar_bytes
+    assert _skiplist_files(b) == files
     assert {k: _audit(store)[k]["first_excluded_at"] for k in expected} == first
 
     # A second list names an already-excluded (text) image and a kept one: the text image
@@ -357,11 +385,12 @@ def _failure_text(result) -> str:
 
 def test_missing_upstream_table_fails_clearly(instance, lab_resource):
     _build(instance, lab_resource, with_phash=False)
+    before = {d: current_generation(d) for d in Path(lab_resource.shards_root).glob("mds/*/*/*")}
     result = _run(instance, lab_resource)
     assert not result.success
     text = _failure_text(result)
     assert "`phash_clusters` (materialise phash_clusters" in text
-    assert not list(Path(lab_resource.shards_root).rglob("*.skip.json"))
+    assert before and {d: current_generation(d) for d in before} == before  # nothing changed
 
 
 def test_stale_shard_samples_fail_clearly(instance, lab_resource, built):
@@ -370,10 +399,11 @@ def test_stale_shard_samples_fail_clearly(instance, lab_resource, built):
     digests = pa.array(["0" * 64] * rows.num_rows)
     rows = rows.set_column(rows.schema.get_field_index("dir_digest"), "dir_digest", digests)
     b.store.replace_partition(SHARD_SAMPLES, KEY, rows)
+    files = _skiplist_files(b)
     result = _run(instance, lab_resource)
     assert not result.success
     assert "rerun mds_shards" in _failure_text(result)
-    assert not list(b.root.rglob("*.skip.json"))
+    assert _skiplist_files(b) == files  # the first generation stays, untouched
 
 
 def test_a_batch_without_shards_writes_an_empty_audit(instance, lab_resource, built):

@@ -5,8 +5,15 @@ a policy change makes ``skip_lists`` (and nothing else) stale. The opt-out lists
 Dagster dependency: ``opt_outs`` is read at run time, so a new list never fans out over every
 partition under eager automation; the opt-out sensor requests the affected partitions.
 
-Order of effects: sidecars first (what training obeys), then the audit table (what it
-records). A crash in between leaves the audit one run behind; the rerun repairs it.
+Order of effects: every directory's new skip-list generation is written first (sidecars,
+not yet live), then each directory's manifest flips (one atomic rename each), then the audit
+table (what it records) is committed. What a reader can see at any instant, crashes
+included: every directory on exactly one complete generation, either the one it had before
+this run (consistent with the ``skip_audit`` rows committed before it) or the one this run
+decided (consistent with the audit this run commits, or its rerun commits after a crash);
+never a directory with a mix of the two and never one without a generation. A crash between
+two flips leaves some directories on each; the rerun brings every one to the new decisions
+and commits the audit.
 """
 
 from datetime import UTC, datetime
@@ -25,7 +32,8 @@ from dagster import (
 from prx_assets.core.dedup_tables import PHASH_CLUSTERS
 from prx_assets.core.lab import Lab
 from prx_assets.core.mds import list_partition_dirs, partition_digest, partition_dir
-from prx_assets.core.shard_tables import SHARD_SAMPLES
+from prx_assets.core.shard_screening import add_no_caption
+from prx_assets.core.shard_tables import SHARD_SAMPLES, written_without_caption
 from prx_assets.core.skip_decisions import decide_partition
 from prx_assets.core.skip_policy import (
     SKIP_AUDIT,
@@ -35,7 +43,12 @@ from prx_assets.core.skip_policy import (
     exclusion_changes,
     samples_from_rows,
 )
-from prx_assets.core.skiplists import SkipListError, skiplist_digest, write_partition_skiplists
+from prx_assets.core.skiplists import (
+    SkipListError,
+    publish_partition_skiplists,
+    read_index_shards,
+    skiplist_digest,
+)
 from prx_assets.core.tables import CAPTION_CLASSES, IMAGES
 from prx_assets.defs.metadata import counts_table
 from prx_assets.defs.partitions import BATCHES
@@ -104,6 +117,10 @@ def _shard_dirs(shards_root: str, batch: str, rows: list[dict[str, Any]]) -> dic
     return dirs
 
 
+def _shards_per_dir(dirs: dict[str, Path]) -> list[list[str]]:
+    return [[name for name, _ in read_index_shards(dirs[rel])] for rel in sorted(dirs)]
+
+
 def _previous(store: Lab, batch: str) -> dict[str, tuple[bool, datetime | None]]:
     if not store.exists(SKIP_AUDIT.name):
         return {}
@@ -139,20 +156,32 @@ def _skip_lists(
     rows = store.read_batch(
         SHARD_SAMPLES.name,
         batch,
-        ["key", "tier", "shape", "relative_dir", "shard", "index_in_shard", "dir_digest"],
+        [
+            "key",
+            "tier",
+            "shape",
+            "relative_dir",
+            "shard",
+            "index_in_shard",
+            "dir_digest",
+            "caption_fingerprint",
+        ],
     ).to_pylist()
     dirs = _shard_dirs(lab.shards_root, batch, rows)
     samples = samples_from_rows(rows)
     try:
-        decisions = decide_partition(store, batch, samples, policy)
+        decisions = add_no_caption(
+            decide_partition(store, batch, samples, policy),
+            {r["key"] for r in rows if written_without_caption(r)},
+        )
     except SkipPolicyError as exc:
         raise Failure(description=f"{batch}: {exc}") from None
 
     skips = decisions.skips_by_dir()
-    sidecars = []
     try:
-        for rel in sorted(dirs):
-            sidecars += write_partition_skiplists(dirs[rel], skips.get(rel, {}))
+        generations = publish_partition_skiplists(
+            {dirs[rel]: skips.get(rel, {}) for rel in sorted(dirs)}
+        )
     except SkipListError as exc:
         raise Failure(
             description=f"{batch}: shard_samples does not match the MDS tree ({exc}): "
@@ -188,7 +217,10 @@ def _skip_lists(
             "skipped": len(samples) - kept,
             "skip_reasons": counts_table(decisions.reason_counts(), "reason", sort=False),
             "buckets": _buckets_markdown(decisions),
-            "sidecars": len(sidecars),
+            "sidecars": sum(len(ds) for ds in _shards_per_dir(dirs)),
+            "skiplist_generations": MetadataValue.json(
+                {rel: generations[str(dirs[rel])] for rel in sorted(dirs)}
+            ),
             "directories": len(dirs),
             "newly_excluded": newly,
             "no_longer_excluded": gone,
@@ -225,8 +257,9 @@ def build_skiplist_assets(policy: SkipPolicyResource | None = None) -> list[Asse
         kinds={"json", "lance"},
         code_version=f"skip_lists-v1-{fp}",
         description=(
-            "Per-shard skip-list sidecars (<shard>.skip.json) for every MDS directory of the "
-            "batch, and one `skip_audit` row per written sample (reasons, opt-out list ids, "
+            "A new skip-list generation (per-shard sidecars + skiplists.json manifest, "
+            "published by one rename per directory) for every MDS directory of the batch, "
+            "and one `skip_audit` row per written sample (reasons, opt-out list ids, "
             f"since when). Policy: excluded classes {what['excluded_classes']}, duplicates "
             f"{'skipped' if what['skip_duplicates'] else 'kept'}, quality flags "
             f"{what['quality_flags'] or 'none'}; opt-outs always. Reads `opt_outs` at run time "
