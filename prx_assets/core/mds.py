@@ -37,6 +37,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -269,6 +270,32 @@ def _placements(
     return out
 
 
+class _InlineUploads:
+    """MDSWriter's per-shard "uploads", run in the calling thread.
+
+    Writing to a local directory they are no-ops, but streaming 0.13 queues each on a thread
+    pool and its ``finish()`` sleeps a whole second whenever one is still queued, which it
+    usually is: a second per bucket directory for nothing. Run inline, none is ever queued.
+    """
+
+    class _EmptyQueue:
+        def qsize(self) -> int:
+            return 0
+
+    _work_queue = _EmptyQueue()  # what MDSWriter polls before writing index.json
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - reported through the future, as before
+            future.set_exception(exc)
+        return future
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        return None
+
+
 def _write_mds(
     out: Path,
     samples: Iterable[MDSSample],
@@ -295,6 +322,9 @@ def _write_mds(
         hashes=list(hashes),
         size_limit=size_limit,
     )
+    if writer.remote is None:
+        writer.executor.shutdown(wait=False)
+        writer.executor = _InlineUploads()
     keys: list[str] = []
     try:
         for s in samples:
