@@ -12,6 +12,7 @@ import atexit
 import gc
 import json
 import os
+import time
 import traceback
 import warnings
 from collections.abc import Mapping, Sequence
@@ -94,6 +95,20 @@ def materialize_asset(
             raise RuntimeError(f"{asset} failed for {batch}")
 
 
+def _construct(buckets: list) -> ShapeBatchedLoader:
+    """The default loader; streaming registers its shared-memory prefix by "first free
+    number", which races with any other process on the machine doing the same (the loser
+    gets FileExistsError): retry that, and only that."""
+    for attempt in range(20):
+        try:
+            return ShapeBatchedLoader(buckets, batch_size=1, shuffle=False, num_canonical_nodes=1)
+        except FileExistsError:
+            if attempt == 19:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def loader_keys(shards_root: str, out: str) -> None:
     """The keys the default loader yields over ``shards_root`` (or its error), as JSON.
 
@@ -111,9 +126,7 @@ def loader_keys(shards_root: str, out: str) -> None:
             buckets = discover_streams(shards_root)
             keys: list[str] = []
             if buckets:
-                loader = ShapeBatchedLoader(
-                    buckets, batch_size=1, shuffle=False, num_canonical_nodes=1
-                )
+                loader = _construct(buckets)
                 keys = [k for batch in loader for k in batch["key"]]
         result: dict[str, Any] = {"keys": keys}
     except Exception:  # noqa: BLE001 - reported to the parent, which fails the trial
@@ -141,6 +154,7 @@ JOBS = {
 
 def run_job(job: str, crash_at: str | None, kwargs: dict[str, Any]) -> None:
     """Child entry point: arm the crashpoint (if any), then run the writer."""
+    gc.freeze()  # the inherited heap is not this child's garbage: keep collections cheap
     if crash_at:
         os.environ[crashpoints.ENV_VAR] = crash_at
         crashpoints.parse_spec(crash_at)  # a bad spec fails loudly, not "never crashed"

@@ -35,9 +35,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 from PIL import Image
 
@@ -210,9 +212,13 @@ def check_readers(
     old: Mapping[str, DirVersion],
     new: Mapping[str, DirVersion],
     never: set[str],
-) -> Counter[str]:
-    """After a kill: old-or-new per directory, each complete; the loader agrees exactly."""
+) -> dict[str, bool]:
+    """After a kill: old-or-new per directory, each complete; the loader agrees exactly.
+
+    Returns, per visible directory, whether it is on its new version.
+    """
     expected: Counter[str] = Counter()
+    on_new = {}
     for rel in visible_dirs(shards_root):
         d = shards_root / rel
         load_generation(d)  # a complete, verified generation (raises otherwise)
@@ -220,10 +226,11 @@ def check_readers(
         match = [v for v in (old.get(rel), new.get(rel)) if v and (v.index, v.manifest) == now]
         assert match, f"{rel}: neither its old nor its new version (a mix, or unknown)"
         expected.update(match[0].kept)
+        on_new[rel] = match[-1] is new.get(rel)
     yielded = Counter(default_loader_keys(ctx, shards_root))
     assert yielded == expected
     assert not set(yielded) & never, "a sample excluded before and after was yielded"
-    return yielded
+    return on_new
 
 
 def _jpeg(img: Image.Image) -> bytes:
@@ -484,7 +491,14 @@ def test_kill_skiplists_writer(forkserver, skip_states: SkipStates, workdir: Pat
         trials.append(
             run_trial(forkserver, "refresh_skiplists", {"skips_by_dir": skips}, crash_at, watch)
         )
-        check_readers(forkserver, root, s.old, s.new, NEVER)
+        on_new = check_readers(forkserver, root, s.old, s.new, NEVER)
+        flags = [on_new[rel] for rel in s.new_skips]  # in publishing order
+        assert flags == sorted(flags, reverse=True), f"flipped out of order: {flags}"
+        point, n = parse_spec(crash_at) if crash_at else (None, 0)
+        if point in ("skiplists.sidecar_written", "skiplists.generation_written"):
+            assert not any(flags), "a manifest flipped before every generation was staged"
+        elif point in ("skiplists.manifest_staged", "skiplists.manifest_published"):
+            assert sum(flags) == n - (point == "skiplists.manifest_staged"), (crash_at, flags)
         kill_jobs.refresh_skiplists(skips)  # the rerun
         assert tree_files(root) == reference, f"rerun after {crash_at} differs"
         assert hidden_entries(root) == []
@@ -597,3 +611,236 @@ def test_kill_lance_partition_replacement(forkserver, lance_states: LanceStates,
             expected = s.new_rows if b == batch else s.old_rows
             assert now == expected[(table, b)], f"{table}/{b}: rerun after {crash_at} differs"
     assert_enough_kills(trials)
+
+
+# -- real Dagster runs: materialize(mds_shards) and materialize(skip_lists) ---------------------
+
+DEMO_BATCH = "public-skimage.000"
+PIPELINE_CONFIG = {"ops": {"mds_shards": {"config": {"shard_size_limit": 600_000}}}}
+SNAPSHOT_PARTS = ("lab", "shards")
+
+
+def _materialize_here(data_root: Path, assets: list, policy=None) -> None:  # noqa: ANN001
+    from dagster import DagsterInstance, materialize
+
+    from prx_assets.defs.partitions import BATCHES
+    from prx_assets.defs.resources import LabResource
+    from prx_assets.defs.skiplists.config import SkipPolicyResource
+
+    with DagsterInstance.ephemeral() as instance:
+        instance.add_dynamic_partitions(BATCHES.name, [DEMO_BATCH])
+        result = materialize(
+            assets,
+            partition_key=DEMO_BATCH,
+            instance=instance,
+            resources={
+                "lab": LabResource(data_root=str(data_root)),
+                "skip_policy": policy or SkipPolicyResource(),
+            },
+            run_config=PIPELINE_CONFIG if any(a.key.path == ["mds_shards"] for a in assets) else {},
+        )
+    assert result.success
+
+
+def _snapshot(data_root: Path, dest: Path) -> Path:
+    for part in SNAPSHOT_PARTS:
+        shutil.copytree(data_root / part, dest / part)
+    return dest
+
+
+def _restore(snapshot: Path, data_root: Path) -> None:
+    for part in SNAPSHOT_PARTS:
+        shutil.rmtree(data_root / part, ignore_errors=True)
+        shutil.copytree(snapshot / part, data_root / part)
+
+
+def _lab_rows(data_root: Path, table: str, drop: tuple[str, ...] = ()) -> list[dict]:
+    from prx_assets.core.lab import Lab
+
+    rows = Lab(data_root / "lab").read_batch(table, DEMO_BATCH).to_pylist()
+    return sorted(({k: v for k, v in r.items() if k not in drop} for r in rows), key=str)
+
+
+@dataclass
+class PipelineStates:
+    mds_old: Path  # shards under decisions A, the lab already at decisions B
+    mds_new: Path  # after mds_shards under B
+    skip_old: Path  # mds_new plus an opt-out list (decisions C)
+    skip_new: Path  # after skip_lists under C
+    never: set[str]  # excluded under A, B and C
+
+
+def _caption_rows(keys: list[str], version: str) -> pa.Table:
+    from prx_assets.core.tables import CAPTIONS
+
+    when = datetime(2024, 1, 1, tzinfo=UTC)
+    rows = [
+        {
+            "key": k,
+            "batch": DEMO_BATCH,
+            "caption": f"{version} caption of {k[:10]}",
+            "is_fallback": True,
+            "backend": "alt_text",
+            "model_id": "",
+            "prompt_version": "",
+            "backend_fingerprint": "fp-test",
+            "created_at": when,
+        }
+        for k in keys
+    ]
+    return pa.Table.from_pylist(rows, schema=CAPTIONS.schema)
+
+
+def _class_rows(keys: list[str], labels: Mapping[str, str]) -> pa.Table:
+    from prx_assets.core.tables import CAPTION_CLASSES
+
+    when = datetime(2024, 1, 1, tzinfo=UTC)
+    rows = [
+        {"key": k, "batch": DEMO_BATCH, "label": labels.get(k, "visual"), "created_at": when}
+        for k in keys
+    ]
+    return pa.Table.from_pylist(rows, schema=CAPTION_CLASSES.schema)
+
+
+def _cluster_rows(keys: list[str], dup: str, keeper: str) -> pa.Table:
+    from prx_assets.core.dedup_tables import PHASH_CLUSTERS
+
+    rows = [
+        {
+            "key": k,
+            "batch": DEMO_BATCH,
+            "cluster_id": keeper if k == dup else k,
+            "cluster_size": 2 if k in (dup, keeper) else 1,
+            "keeper_key": keeper if k == dup else k,
+            "keeper_batch": DEMO_BATCH,
+            "is_keeper": k != dup,
+            "low_information": False,
+            "radius": 0,
+            "phash_version": "fast-v1",
+        }
+        for k in keys
+    ]
+    return pa.Table.from_pylist(rows, schema=PHASH_CLUSTERS.schema)
+
+
+@pytest.fixture(scope="module")
+def pipeline_states(workdir: Path, demo_source) -> PipelineStates:
+    """The demo batch through every stage, by real materialisations, to four states."""
+    from prx_assets.core.dedup_tables import PHASH_CLUSTERS
+    from prx_assets.core.lab import Lab
+    from prx_assets.core.optouts import OPT_OUTS, content_key, opt_out_rows, replace_rows
+    from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS, RESOLUTION
+    from prx_assets.defs.ingest.assets import raw_images
+    from prx_assets.defs.resolution.assets import resolution_profile
+    from prx_assets.defs.shards.assets import bucket_assignments, mds_shards
+    from prx_assets.defs.skiplists.assets import build_skiplist_assets
+
+    landing, _ = demo_source
+    root = workdir / "pipeline"
+    shutil.copytree(landing, root / "landing", symlinks=True)
+    _materialize_here(root, [raw_images, resolution_profile])
+    lab = Lab(root / "lab")
+    eligible = sorted(
+        r["key"] for r in lab.read_batch(RESOLUTION.name, DEMO_BATCH).to_pylist() if r["eligible"]
+    )
+    assert len(eligible) >= 8
+    uncaptioned, text, dup, keeper, nsfw, *rest = eligible
+    captioned = [k for k in eligible if k != uncaptioned]
+    # A: one text image, one duplicate, one without a caption.
+    lab.replace_partition(CAPTIONS, DEMO_BATCH, _caption_rows(captioned, "first"))
+    lab.replace_partition(CAPTION_CLASSES, DEMO_BATCH, _class_rows(eligible, {text: "text"}))
+    lab.replace_partition(PHASH_CLUSTERS, DEMO_BATCH, _cluster_rows(eligible, dup, keeper))
+    _materialize_here(root, [bucket_assignments, mds_shards])
+    _materialize_here(root, build_skiplist_assets())
+    # B: every caption rewritten (every directory's shards change), one more class excluded.
+    lab.replace_partition(CAPTIONS, DEMO_BATCH, _caption_rows(captioned, "second"))
+    labels = {text: "text", nsfw: "nsfw"}
+    lab.replace_partition(CAPTION_CLASSES, DEMO_BATCH, _class_rows(eligible, labels))
+    mds_old = _snapshot(root, workdir / "mds-old")
+    _materialize_here(root, [mds_shards])
+    mds_new = _snapshot(root, workdir / "mds-new")
+    # C: an opt-out list naming images in two different directories.
+    where = {r["key"]: r["relative_dir"] for r in _lab_rows(root, "shard_samples")}
+    first, second = rest[0], next(k for k in rest if where[k] != where[rest[0]])
+    ids = {content_key(first): [], content_key(second): []}
+    when = datetime(2024, 1, 2, tzinfo=UTC)
+    replace_rows(lab, OPT_OUTS, "list_id", "kill.txt@1", opt_out_rows("kill.txt@1", ids, when))
+    skip_old = _snapshot(root, workdir / "skip-old")
+    _materialize_here(root, build_skiplist_assets())
+    skip_new = _snapshot(root, workdir / "skip-new")
+    shutil.rmtree(root / "landing")
+    return PipelineStates(mds_old, mds_new, skip_old, skip_new, {uncaptioned, text, dup})
+
+
+def test_kill_materialize_mds_shards(forkserver, pipeline_states: PipelineStates, workdir: Path):
+    s = pipeline_states
+    root = workdir / "trial-pipeline"
+    old, new = versions(s.mds_old / "shards"), versions(s.mds_new / "shards")
+    assert set(old) == set(new) and sum(old[r].index != new[r].index for r in old) >= 2
+    reference = tree_files(s.mds_new / "shards")
+    rows = _lab_rows(s.mds_new, "shard_samples")
+    crashes = [
+        "mds.sample_written:2",  # rendering into the first temporary directory
+        "skiplists.sidecar_written:1",  # its first generation half written
+        "mds.tmp_screened:1",
+        "mds.old_moved_away:1",  # between the two renames
+        "mds.dir_in_place:2",  # some directories new, the rest old
+        "lab.fragments_written:1",  # every directory new, shard_samples not committed
+    ]
+    trials = []
+    for crash_at in crashes:
+        _restore(s.mds_old, root)
+        kwargs = {
+            "asset": "mds_shards",
+            "data_root": str(root),
+            "batch": DEMO_BATCH,
+            "policy": {},
+            "run_config": PIPELINE_CONFIG,
+        }
+        trials.append(run_trial(forkserver, "materialize_asset", kwargs, crash_at))
+        check_readers(forkserver, root / "shards", old, new, s.never)
+        from prx_assets.defs.shards.assets import mds_shards
+
+        _materialize_here(root, [mds_shards])  # the rerun: a real materialisation again
+        assert tree_files(root / "shards") == reference, f"rerun after {crash_at} differs"
+        assert _lab_rows(root, "shard_samples") == rows
+        assert hidden_entries(root / "shards") == []
+    assert_enough_kills(trials, at_least=len(crashes))
+
+
+def test_kill_materialize_skip_lists(forkserver, pipeline_states: PipelineStates, workdir: Path):
+    from prx_assets.defs.skiplists.assets import build_skiplist_assets
+
+    s = pipeline_states
+    root = workdir / "trial-pipeline-skip"
+    old, new = versions(s.skip_old / "shards"), versions(s.skip_new / "shards")
+    changed = [r for r in old if old[r].manifest != new[r].manifest]
+    assert len(changed) == 2
+    reference = tree_files(s.skip_new / "shards")
+    stamps = ("decided_at", "first_excluded_at")  # wall-clock by design
+    audits = [_lab_rows(p, "skip_audit", stamps) for p in (s.skip_old, s.skip_new)]
+    assert audits[0] != audits[1]
+    crashes = [
+        "skiplists.sidecar_written:1",  # a new generation half staged
+        "skiplists.manifest_published:1",  # between the two directories' flips
+        "skiplists.stale_removed:1",
+        "lab.fragments_written:1",  # both generations live, skip_audit not committed
+        "lab.committed:1",
+    ]
+    trials = []
+    for crash_at in crashes:
+        _restore(s.skip_old, root)
+        kwargs = {
+            "asset": "skip_lists",
+            "data_root": str(root),
+            "batch": DEMO_BATCH,
+            "policy": {},
+            "run_config": {},
+        }
+        trials.append(run_trial(forkserver, "materialize_asset", kwargs, crash_at))
+        check_readers(forkserver, root / "shards", old, new, s.never)
+        assert _lab_rows(root, "skip_audit", stamps) in audits  # the old or the new audit
+        _materialize_here(root, build_skiplist_assets())  # the rerun
+        assert tree_files(root / "shards") == reference, f"rerun after {crash_at} differs"
+        assert _lab_rows(root, "skip_audit", stamps) == audits[1]
+    assert_enough_kills(trials, at_least=len(crashes))

@@ -291,17 +291,20 @@ def test_a_partition_is_staged_whole_before_any_manifest_flips(tmp_path):
     dirs = [tmp_path / f"d{i}" for i in range(3)]
     for d in dirs:
         _partition(d)
-        write_partition_skiplists(d, {})
+    first = read_index_shards(dirs[0])[0][0]
+    for d in dirs:
+        write_partition_skiplists(d, {first: {0: ["opt_out"]}})
     before = {d: current_generation(d) for d in dirs}
-    bad = {d: {} for d in dirs}
+    bad = {d: {} for d in dirs}  # new decisions for the first two, then an invalid one
     bad[dirs[2]] = {"shard.77777.mds": {0: ["opt_out"]}}
     with pytest.raises(SkipListError, match="not shards of"):
         publish_partition_skiplists(bad)
     assert {d: current_generation(d) for d in dirs} == before  # nothing flipped
-    first = read_index_shards(dirs[0])[0][0]
-    out = publish_partition_skiplists({d: {first: {0: ["opt_out"]}} for d in dirs})
-    assert list(out) == [str(d) for d in dirs]
     assert all(load_skiplists(d)[first].indices == (0,) for d in dirs)
+    out = publish_partition_skiplists({d: {} for d in dirs})
+    assert list(out) == [str(d) for d in dirs]
+    assert all(current_generation(d) == out[str(d)] != before[d] for d in dirs)
+    assert all(load_skiplists(d)[first].indices == () for d in dirs)
     # A directory rewritten between staging and publishing is refused, not mislabelled.
     staged = stage_generation(dirs[0], {})
     rewritten = tmp_path / "rewritten"
