@@ -3,10 +3,10 @@
 Why at write time: a bucket x batch directory must never become visible without a complete,
 current skip-list generation (a directory without one would be trained on whole). So
 ``core/mds.py`` calls a ``skips_for(placements)`` callback once a directory's shards are in
-its temporary directory; ``ShardScreener`` is that callback. It turns the placements into
-``SampleRef``s at their *final* ``relative_dir`` and decides with the same entry point as
-``skip_lists`` (``skip_decisions.decide_partition``, the lab's decisions at that moment), so
-``skip_lists`` later refreshes the same decisions, not different ones.
+its temporary directory; ``ShardScreener`` is that callback. It decides with the same entry
+point as ``skip_lists`` (``skip_decisions.decide_partition``, the lab's decisions at that
+moment, ``SampleRef``s at their *final* ``relative_dir``), so ``skip_lists`` later refreshes
+the same decisions, not different ones.
 
 ``no_caption``: a sample written without a usable caption (``shard_tables.plan_shards``) is
 always excluded. ``add_no_caption`` adds the reason at both call sites from what was written
@@ -17,10 +17,10 @@ whatever the policy's ``decide`` knows about captions.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from prx_assets.core.lab import Lab
-from prx_assets.core.mds import Placement
+from prx_assets.core.mds import MDS_DIRNAME, Placement
 from prx_assets.core.shard_tables import NO_CAPTION
 from prx_assets.core.skip_decisions import decide_partition
 from prx_assets.core.skip_policy import (
@@ -28,6 +28,7 @@ from prx_assets.core.skip_policy import (
     SampleDecision,
     SampleRef,
     SkipPolicy,
+    SkipPolicyError,
 )
 
 
@@ -60,40 +61,60 @@ def sample_refs(placements: Sequence[Placement]) -> list[SampleRef]:
     ]
 
 
-class ShardScreener:
-    """``skips_for`` for ``mds.write_partition_streams``: decides each directory as written.
+PLANNED_SHARD = "(planned)"  # a sample's shard before it is written (positions do not decide)
 
-    Keeps every directory's decisions so the asset can report what the first generation
-    excluded (``decisions()``).
+
+class ShardScreener:
+    """``skips_for`` for ``mds.write_partition_streams``: the first generation's decisions.
+
+    The whole partition is decided once, before rendering, exactly as ``skip_lists`` decides
+    it (one ``decide_partition`` call over every planned sample, at its final directory), so
+    decisions that look across samples of the batch see all of them and the first
+    generation is the one ``skip_lists`` would write from the same lab state. Each call then
+    places those decisions at the positions the writer reports; a written sample that was
+    never decided is an error (fail closed), never kept.
     """
 
     def __init__(
-        self, lab: Lab, batch: str, policy: SkipPolicy, uncaptioned: Collection[str]
+        self,
+        lab: Lab,
+        batch: str,
+        policy: SkipPolicy,
+        planned: Mapping[tuple[int, str], Sequence[str]],
+        uncaptioned: Collection[str],
     ) -> None:
-        self.lab = lab
-        self.batch = batch
+        refs = [
+            SampleRef(
+                key=key,
+                relative_dir=f"{MDS_DIRNAME}/{tier}/{shape}/{batch}",
+                shard=PLANNED_SHARD,
+                index_in_shard=i,
+                tier=tier,
+                shape=shape,
+            )
+            for (tier, shape), keys in sorted(planned.items())
+            for i, key in enumerate(keys)
+        ]
         self.policy = policy
-        self.uncaptioned = frozenset(uncaptioned)
-        self._decided: list[PartitionDecisions] = []
+        self.planned = add_no_caption(decide_partition(lab, batch, refs, policy), uncaptioned)
+        self._reasons = {d.sample.key: d for d in self.planned.decisions}
+        self._placed: list[SampleDecision] = []
 
     def __call__(self, placements: Sequence[Placement]) -> dict[str, dict[int, list[str]]]:
-        if not placements:
-            return {}
-        decided = add_no_caption(
-            decide_partition(self.lab, self.batch, sample_refs(placements), self.policy),
-            self.uncaptioned,
-        )
-        self._decided.append(decided)
-        by_dir = decided.skips_by_dir()
-        (relative_dir,) = {p.relative_dir for p in placements}
-        return by_dir.get(relative_dir, {})
+        undecided = sorted(p.key for p in placements if p.key not in self._reasons)
+        if undecided:
+            raise SkipPolicyError(
+                f"{len(undecided)} sample(s) written without a skip decision (e.g. "
+                f"{undecided[0]}): refusing to publish their directory"
+            )
+        out: dict[str, dict[int, list[str]]] = {}
+        for ref in sample_refs(placements):
+            decided = dataclasses.replace(self._reasons[ref.key], sample=ref)
+            self._placed.append(decided)
+            if decided.excluded:
+                out.setdefault(ref.shard, {})[ref.index_in_shard] = list(decided.reasons)
+        return out
 
     def decisions(self) -> PartitionDecisions:
-        """Every directory's decisions so far, as one partition's."""
-        merged: list[SampleDecision] = [d for part in self._decided for d in part.decisions]
-        return PartitionDecisions(
-            decisions=merged,
-            unclassified=sum(p.unclassified for p in self._decided),
-            undecided=sum(p.undecided for p in self._decided),
-            policy=self.policy,
-        )
+        """The decisions of every sample written so far, at its written position."""
+        return dataclasses.replace(self.planned, decisions=list(self._placed))

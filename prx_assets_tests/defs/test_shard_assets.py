@@ -478,3 +478,29 @@ def test_an_image_without_caption_is_written_and_skipped_as_no_caption(
     raw = _read_dir(root / r["relative_dir"])[r["sample_index"]]
     assert raw["key"] == uncaptioned and raw["caption"] == ""
     assert uncaptioned not in _default_loader_keys(root)  # ... and never trained on
+
+
+def test_the_screener_decides_the_whole_partition_and_refuses_undecided_samples(built) -> None:
+    from prx_assets.core.mds import Placement
+    from prx_assets.core.shard_screening import ShardScreener
+    from prx_assets.core.skip_policy import SkipPolicy, SkipPolicyError
+
+    store, eligible, _, uncaptioned = built
+    planted = _plant_decisions(store, eligible)
+    text = next(k for k, r in planted.items() if r == "class_text")
+    planned = {(512, "16x24"): [k for k in eligible if k != text], (1024, "32x16"): [text]}
+    screener = ShardScreener(store, KEY, SkipPolicy(), planned, {uncaptioned})
+    assert {d.sample.key for d in screener.planned.decisions} == set(eligible)
+    # Decisions land at the positions the writer reports, in the final directory.
+    placed = [Placement(text, 1024, "32x16", KEY, "shard.00003.mds", 5, 17)]
+    assert screener(placed) == {"shard.00003.mds": {5: ["class_text"]}}
+    (decided,) = screener.decisions().decisions
+    assert (decided.sample.relative_dir, decided.sample.index_in_shard) == (
+        f"mds/1024/32x16/{KEY}",
+        5,
+    )
+    no_caption = Placement(uncaptioned, 512, "16x24", KEY, "shard.00000.mds", 0, 0)
+    assert screener([no_caption]) == {"shard.00000.mds": {0: ["no_caption"]}}
+    stranger = Placement("f" * 64, 512, "16x24", KEY, "shard.00000.mds", 1, 1)
+    with pytest.raises(SkipPolicyError, match="without a skip decision"):
+        screener([stranger])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import os
 import random
 import warnings
 from collections import Counter
@@ -24,6 +25,7 @@ from prx_assets.core.skiplists import (
     load_generation,
     skiplist_digest,
     update_skiplists,
+    write_partition_skiplists,
 )
 from prx_assets.loader import (
     IGNORE_SKIPLISTS_UNSAFE,
@@ -288,6 +290,18 @@ def test_remote_stream_copies_shards_and_fetches_skiplists(mds_root: MdsRoot, tm
         ds = build(skiplists=IGNORE_SKIPLISTS_UNSAFE)
     assert new_victim in {s["key"] for s in ds}  # unscreened: everything, as announced
     del ds
+
+    # The remote directory is rewritten (new shards, new generation) after it was cached:
+    # the cache's index.json no longer matches the skip-lists, so nothing is read from it.
+    from .conftest import write_partition
+
+    fresh = tmp_path / "rewrite"
+    write_partition(fresh, "0", "16x24", "b0", 30, key_suffix="-v2")
+    for f in (fresh / "0" / "16x24" / "b0").iterdir():
+        os.replace(f, remote / f.name)
+    write_partition_skiplists(remote, {})
+    with pytest.raises(SkipListStale, match="clear that cache directory"):
+        build()
 
 
 def test_small_bucket_warning_states_the_rule(mds_root: MdsRoot):

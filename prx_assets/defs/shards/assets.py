@@ -229,7 +229,16 @@ def mds_shards(
         resample=config.resample,
         max_failures=config.max_render_failures,
     )
-    screener = ShardScreener(store, batch, policy, plan.uncaptioned)
+    try:
+        screener = ShardScreener(
+            store,
+            batch,
+            policy,
+            {bucket: [r["key"] for r in rows] for bucket, rows in plan.buckets.items()},
+            plan.uncaptioned,
+        )
+    except SkipPolicyError as exc:
+        raise Failure(description=f"{batch}: cannot decide its skip-lists: {exc}") from None
     placements = write_partition_streams(
         lab.shards_root,
         batch,

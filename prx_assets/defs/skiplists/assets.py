@@ -117,10 +117,6 @@ def _shard_dirs(shards_root: str, batch: str, rows: list[dict[str, Any]]) -> dic
     return dirs
 
 
-def _shards_per_dir(dirs: dict[str, Path]) -> list[list[str]]:
-    return [[name for name, _ in read_index_shards(dirs[rel])] for rel in sorted(dirs)]
-
-
 def _previous(store: Lab, batch: str) -> dict[str, tuple[bool, datetime | None]]:
     if not store.exists(SKIP_AUDIT.name):
         return {}
@@ -217,7 +213,7 @@ def _skip_lists(
             "skipped": len(samples) - kept,
             "skip_reasons": counts_table(decisions.reason_counts(), "reason", sort=False),
             "buckets": _buckets_markdown(decisions),
-            "sidecars": sum(len(ds) for ds in _shards_per_dir(dirs)),
+            "sidecars": sum(len(read_index_shards(p)) for p in dirs.values()),
             "skiplist_generations": MetadataValue.json(
                 {rel: generations[str(dirs[rel])] for rel in sorted(dirs)}
             ),
