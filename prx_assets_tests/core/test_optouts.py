@@ -35,7 +35,7 @@ from prx_assets.core.optouts import (
     sharded_batches,
 )
 from prx_assets.core.tables import IMAGES
-from prx_assets_tests.memory import MIB, peak_rss_growth, sparse_file
+from prx_assets_tests.bounds import MIB, peak_rss_growth, sparse_file
 
 PHOTOS = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos"
 KEY_A = "a" * 64

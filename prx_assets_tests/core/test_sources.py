@@ -1,10 +1,8 @@
 import io
 import json
 import os
-import signal
 import socket
 import tarfile
-from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import unquote_to_bytes
 
@@ -21,7 +19,7 @@ from prx_assets.core.sources import (
     iter_candidates,
     resolve_batch,
 )
-from prx_assets_tests.memory import MIB, peak_rss_growth, sparse_file
+from prx_assets_tests.bounds import MIB, fail_after, peak_rss_growth, sparse_file
 
 
 def _jpeg(color=(10, 20, 30), size=(400, 400)) -> bytes:
@@ -364,22 +362,6 @@ def test_the_file_size_limit_is_configurable_and_inclusive(tmp_path):
 # --------------------------------------------------------------------------- issue 10: kinds
 
 
-@contextmanager
-def _alarm(seconds: int):
-    """Turn a blocking read (a FIFO opened for reading) into a test failure, not a hang."""
-
-    def _fail(*_):
-        raise TimeoutError("blocked: the reader waited on a FIFO")
-
-    old = signal.signal(signal.SIGALRM, _fail)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
 def test_manifest_rows_naming_directories_or_fifos_are_not_a_file(tmp_path, fmt):
     src = tmp_path / "s"
@@ -390,7 +372,7 @@ def test_manifest_rows_naming_directories_or_fifos_are_not_a_file(tmp_path, fmt)
         (src / "008.csv").write_text("path\n" + "\n".join(paths) + "\n")
     else:
         pq.write_table(pa.table({"path": paths}), src / "008.parquet")
-    with _alarm(10):
+    with fail_after(10):
         cands = {c.path: c for c in iter_candidates(resolve_batch(tmp_path, "s.008"))}
     assert cands["_files/a-dir.jpg"].error[0] == "not_a_file"
     assert "directory" in cands["_files/a-dir.jpg"].error[1]
@@ -414,7 +396,7 @@ def test_folder_special_files_and_symlinks_are_counted_as_rejections(tmp_path):
     with socket.socket(socket.AF_UNIX) as sock:
         sock.bind(str(b / "sock.jpg"))
         (b / "ok.jpg").write_bytes(_jpeg(color=(9, 9, 9)))
-        with _alarm(10):
+        with fail_after(10):
             cands = {c.path: c for c in iter_candidates(resolve_batch(tmp_path, "s.000"))}
     reasons = {p: (c.error[0] if c.error else None) for p, c in cands.items()}
     assert reasons == {

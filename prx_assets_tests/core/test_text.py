@@ -1,17 +1,21 @@
 """Bounded quotes and the printable file-name rule."""
 
+import io
 import unicodedata
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from prx_assets.core.text import (
+    Line,
     bound_text,
     clean_text,
     name_bytes,
     printable_name,
     quote_bounded,
+    read_lines,
 )
+from prx_assets_tests.bounds import MIB, peak_rss_growth
 
 
 def test_short_values_are_quoted_like_repr():
@@ -63,3 +67,34 @@ def test_printable_name_is_lossless_and_printable(raw):
     assert not {unicodedata.category(c) for c in text} & {"Cc", "Cf", "Zl", "Zp", "Cs"}
     assert name_bytes(text) == raw
     assert printable_name(raw.decode("utf-8", "surrogateescape")) == text
+
+
+def test_read_lines_caps_each_line_and_counts_what_it_skipped():
+    long = "é" * 5_000  # 10,000 bytes, 5,000 characters
+    stream = io.BytesIO(f"short\r\n{long}\nafter\nlast-without-newline".encode())
+    lines = list(read_lines(stream, max_line_bytes=100))
+    assert [line.number for line in lines] == [1, 2, 3, 4]
+    assert lines[0] == Line(1, b"short")
+    assert lines[1].truncated and lines[1].total_chars == 5_000 and len(lines[1].data) == 100
+    assert lines[2] == Line(3, b"after") and lines[3] == Line(4, b"last-without-newline")
+
+
+def test_read_lines_holds_at_most_the_cap_of_a_huge_line():
+    class Zeros(io.RawIOBase):
+        """200 MiB of one line, generated: nothing but the reader holds it."""
+
+        def __init__(self) -> None:
+            self.left = 200 * 1024 * 1024
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buf) -> int:
+            n = min(len(buf), self.left)
+            buf[:n] = b"a" * n
+            self.left -= n
+            return n
+
+    ((line,), growth) = peak_rss_growth(lambda: list(read_lines(io.BufferedReader(Zeros()), 1_000)))
+    assert growth < 32 * MIB
+    assert line.truncated and line.total_chars == 200 * 1024 * 1024 and line.data == b"a" * 1_000

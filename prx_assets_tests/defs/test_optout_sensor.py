@@ -25,7 +25,7 @@ from prx_assets.defs.resources import LabResource
 from prx_assets.defs.skiplists.assets import build_skiplist_assets
 from prx_assets.defs.skiplists.config import OptOutResource, SkipPolicyResource
 from prx_assets.defs.skiplists.sensors import build_opt_out_sensor, opt_out_sensor
-from prx_assets_tests.memory import MIB, peak_rss_growth, sparse_file
+from prx_assets_tests.bounds import MIB, peak_rss_growth, sparse_file
 
 PUBLIC = "public-skimage.000"
 STUDIO = "internal-studio.002"

@@ -1,4 +1,6 @@
-"""Peak memory of a piece of work, measured from the kernel's own counters (Linux).
+"""Test helpers for bounded behaviour: peak memory, sparse inputs, reads that must not block.
+
+Peak memory of a piece of work is measured from the kernel's own counters (Linux).
 
 Why not wall clock or tracemalloc: the findings were about resident memory (a 1.5 GB file
 read whole before being refused), which includes buffers Python's allocator never sees.
@@ -9,7 +11,9 @@ and the new peak (``VmHWM``) is compared with the resident size at the reset.
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -41,3 +45,19 @@ def sparse_file(path: Path, size: int, prefix: bytes = b"") -> Path:
         fh.write(prefix)
         fh.truncate(size)
     return path
+
+
+@contextmanager
+def fail_after(seconds: int) -> Iterator[None]:
+    """Turn a read that blocks (a FIFO opened for reading) into a test failure, not a hang."""
+
+    def _fail(*_: object) -> None:
+        raise TimeoutError(f"blocked for {seconds} s: the reader waited on something")
+
+    old = signal.signal(signal.SIGALRM, _fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
