@@ -223,11 +223,20 @@ def test_folder_names_that_are_not_utf8_or_hold_controls_get_printable_lossless_
     assert cands["caf%E9.jpg"].alt_text == "alt text of the Latin-1 name"
 
 
-@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
-def test_tar_member_names_that_are_not_utf8_get_printable_lossless_paths(tmp_path, fmt):
+@pytest.mark.parametrize(
+    ("fmt", "suffix"),
+    [
+        (tarfile.PAX_FORMAT, ".tar"),
+        (tarfile.GNU_FORMAT, ".tar"),
+        (tarfile.USTAR_FORMAT, ".tar"),
+        (tarfile.PAX_FORMAT, ".tar.gz"),
+    ],
+)
+def test_tar_member_names_that_are_not_utf8_get_printable_lossless_paths(tmp_path, fmt, suffix):
     (tmp_path / "s").mkdir()
-    path = tmp_path / "s" / "001.tar"
-    with tarfile.open(path, "w", format=fmt, encoding="utf-8", errors="surrogateescape") as tar:
+    path = tmp_path / "s" / f"001{suffix}"
+    mode = "w:gz" if suffix == ".tar.gz" else "w"
+    with tarfile.open(path, mode, format=fmt, encoding="utf-8", errors="surrogateescape") as tar:
         for i, raw in enumerate(HOSTILE_NAMES):
             data = _jpeg(color=(0, i * 30, 0))
             info = tarfile.TarInfo(raw.decode("utf-8", "surrogateescape"))
