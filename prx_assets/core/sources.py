@@ -266,6 +266,10 @@ def describe_batch(path: Path, landing: Path) -> BatchRef:
 # --------------------------------------------------------------------------- reading files
 
 
+def _where(path: Path) -> str:
+    return printable_name(os.fsencode(path))
+
+
 def _file_kind(mode: int) -> str:
     if stat.S_ISDIR(mode):
         return "a directory"
@@ -840,6 +844,13 @@ def iter_candidates(
     ``max_file_bytes``: the per-file limit (and per WebDataset sample), checked before
     reading; over it a file is refused as ``too_large``.
     """
+    if ref.kind in ("archive", "manifest"):
+        try:
+            st = os.stat(ref.path)
+        except OSError as exc:
+            raise BatchError(f"{_where(ref.path)}: cannot be read: {exc.strerror}") from None
+        if not stat.S_ISREG(st.st_mode):  # a FIFO named x.tar would block the reader
+            raise BatchError(f"{_where(ref.path)} is {_file_kind(st.st_mode)}, not a file")
     if ref.kind == "folder":
         yield from _iter_folder(ref, max_file_bytes)
     elif ref.kind == "archive":

@@ -437,3 +437,12 @@ def test_a_malformed_json_sidecar_refuses_its_image(tmp_path):
     cands = {c.path: c for c in iter_candidates(resolve_batch(tmp_path, "s.000"))}
     assert cands["x.json"].error[0] == "bad_sidecar"
     assert cands["x.jpg"].error[0] == "bad_sidecar" and cands["x.jpg"].data is None
+
+
+def test_a_fifo_named_like_an_archive_or_manifest_is_a_clear_batch_error(tmp_path):
+    (tmp_path / "s").mkdir()
+    for name in ("009.tar", "010.csv"):
+        os.mkfifo(tmp_path / "s" / name)
+    for key in ("s.009", "s.010"):
+        with fail_after(10), pytest.raises(BatchError, match="FIFO"):
+            list(iter_candidates(resolve_batch(tmp_path, key)))
