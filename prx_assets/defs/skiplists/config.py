@@ -11,6 +11,7 @@ from pathlib import Path
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from prx_assets.core.optouts import DEFAULT_MAX_LINE_BYTES, DEFAULT_MAX_LIST_BYTES
 from prx_assets.core.skip_policy import (
     DEFAULT_EXCLUDED_CLASSES,
     EXCLUDABLE_CLASSES,
@@ -57,6 +58,14 @@ class OptOutResource(ConfigurableResource):
     )
     max_lists_per_tick: int = Field(
         default=8, description="New lists handled per tick; the rest wait for the next one."
+    )
+    max_list_bytes: int = Field(
+        default=DEFAULT_MAX_LIST_BYTES,
+        description="A list file over this size is rejected whole (too_large), unparsed.",
+    )
+    max_line_bytes: int = Field(
+        default=DEFAULT_MAX_LINE_BYTES,
+        description="A txt/CSV line or parquet cell over this rejects the list (entry_too_long).",
     )
 
     def directory(self, lab: LabResource) -> Path:

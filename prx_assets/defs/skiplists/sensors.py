@@ -14,6 +14,7 @@ Opt-out formats and rules: see :mod:`prx_assets.core.optouts`.
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -33,21 +34,25 @@ from dagster import (
 
 from prx_assets.core.lab import Lab, sql_literal
 from prx_assets.core.optouts import (
+    DEFAULT_MAX_LINE_BYTES,
+    DEFAULT_MAX_LIST_BYTES,
     OPT_OUT_LISTS,
     OPT_OUTS,
     OptOutListError,
     discover_lists,
     ensure_image_lookup_indexes,
+    file_sha256,
     list_row,
     make_list_id,
     opt_out_rows,
-    parse_list_bytes,
+    parse_list_file,
     recorded_list,
     replace_rows,
     resolve_identifiers,
     sharded_batches,
 )
 from prx_assets.core.skip_policy import SKIP_AUDIT
+from prx_assets.core.text import printable_name
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
 from prx_assets.defs.skiplists.assets import SKIP_LISTS_ASSET
@@ -90,7 +95,6 @@ class Cursor:
 @dataclass(frozen=True)
 class NewList:
     path: Path
-    data: bytes
     sha256: str
     list_id: str
 
@@ -105,7 +109,8 @@ class Intake:
 
 
 def new_lists(directory: Path, cursor: Cursor, limit: int) -> list[NewList]:
-    """Up to ``limit`` unprocessed list files, by name; hashed from the bytes then parsed."""
+    """Up to ``limit`` unprocessed list files, by name, hashed as a stream (never read whole:
+    a 200 MB file costs a 1 MiB buffer); ``intake`` parses them from the file."""
     out: list[NewList] = []
     present = set()
     for path in discover_lists(directory):
@@ -121,32 +126,44 @@ def new_lists(directory: Path, cursor: Cursor, limit: int) -> list[NewList]:
                 continue
             if len(out) >= limit:
                 continue
-            data = path.read_bytes()
-        except FileNotFoundError:  # renamed away between listing and reading
+            sha = file_sha256(path)
+        except (FileNotFoundError, OptOutListError):  # renamed away, or no longer a file
             continue
-        sha = hashlib.sha256(data).hexdigest()
         list_id = make_list_id(path.name, sha)
         cursor.seen[path.name] = (st.st_size, st.st_mtime_ns, list_id)
         if list_id not in cursor.processed:
-            out.append(NewList(path, data, sha, list_id))
+            out.append(NewList(path, sha, list_id))
     for name in set(cursor.seen) - present:
         del cursor.seen[name]
     return out
 
 
-def intake(lab: Lab, item: NewList, now: datetime) -> Intake:
-    """Parse, resolve and record one list (idempotent: a replay rewrites the same rows)."""
+def intake(
+    lab: Lab,
+    item: NewList,
+    now: datetime,
+    max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+) -> Intake:
+    """Parse (as a stream, within the size caps), resolve and record one list (idempotent:
+    a replay rewrites the same rows)."""
     prior = recorded_list(lab, item.list_id)
     received_at = prior["received_at"] if prior else now
+    shown = printable_name(os.fsencode(item.path))
     try:
-        parsed = parse_list_bytes(item.data, str(item.path))
+        parsed = parse_list_file(
+            item.path,
+            max_list_bytes=max_list_bytes,
+            max_line_bytes=max_line_bytes,
+            expected_sha256=item.sha256,
+        )
     except OptOutListError as exc:
         replace_rows(
             lab,
             OPT_OUT_LISTS,
             "list_id",
             item.list_id,
-            list_row(item.list_id, str(item.path), item.sha256, received_at, fmt=None, error=exc),
+            list_row(item.list_id, shown, item.sha256, received_at, fmt=None, error=exc),
         )
         return Intake(item.list_id, False, exc.reason, 0, frozenset())
     matches = resolve_identifiers(lab, parsed.identifiers)
@@ -161,7 +178,7 @@ def intake(lab: Lab, item: NewList, now: datetime) -> Intake:
         item.list_id,
         list_row(
             item.list_id,
-            str(item.path),
+            shown,
             item.sha256,
             received_at,
             fmt=parsed.format,
@@ -212,7 +229,7 @@ def build_opt_out_sensor(
         now = datetime.now(UTC)
         results = []
         for item in found:
-            result = intake(store, item, now)
+            result = intake(store, item, now, optouts.max_list_bytes, optouts.max_line_bytes)
             results.append(result)
             cursor.processed.add(item.list_id)
             if result.accepted:
