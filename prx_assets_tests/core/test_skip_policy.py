@@ -76,12 +76,8 @@ K, C1, C2 = "K", "C1", "C2"
 
 
 def three(**changes: dict) -> list[Copy]:
-    """K (3000 px), C1 (2000 px), C2 (1000 px) in batch b, each changed by ``changes``."""
-    return [
-        cp(K, 3000, **changes.get(K, {})),
-        cp(C1, 2000, **changes.get(C1, {})),
-        cp(C2, 1000, **changes.get(C2, {})),
-    ]
+    """K (3000 px), C1 (2000 px), C2 (1000 px), in batch b unless changed by ``changes``."""
+    return [cp(n, px, **changes.get(n, {})) for n, px in ((K, 3000), (C1, 2000), (C2, 1000))]
 
 
 DUP_OF_K = (("duplicate",), K, ())
@@ -209,6 +205,25 @@ TABLE = {
         SkipPolicy(skip_duplicates=False),
         {K: (("opt_out",), None, ()), C1: (("opt_out",), None, ()), C2: (("opt_out",), None, ())},
     ),
+    "keeper in another batch: this batch's copies are its duplicates": (
+        three(K={"batch": "a"}),
+        DEFAULT,
+        {K: KEPT, C1: DUP_OF_K, C2: DUP_OF_K},
+    ),
+    "keeper in another batch, excluded: this batch's best copy trains": (
+        three(K={"batch": "a", "label": "nsfw"}),
+        DEFAULT,
+        {K: (("class_nsfw", "duplicate"), C1, ()), C1: KEPT, C2: DUP_OF_C1},
+    ),
+    "keeper in another batch, pending: this batch's copies wait for it": (
+        three(K={"batch": "a", "label": None}),
+        DEFAULT,
+        {
+            K: (("pending",), None, ("caption_classes",)),
+            C1: (("pending",), None, ("copy a:K",)),
+            C2: (("pending",), None, ("copy a:K",)),
+        },
+    ),
     "opt-out and class together: both reasons, no training copy": (
         three(K={"label": "text"}, C2={"lists": ("l1",)}),
         DEFAULT,
@@ -233,8 +248,8 @@ def test_policy_table(case):
         o = out[c.ref]
         assert o.opt_out_list_ids == tuple(lists)
         assert o.opt_out_via == tuple(sorted(x.key for x in copies if x.opt_out_lists))
-        if o.duplicate_of:
-            assert o.duplicate_of == ("b", kept[0])  # names the copy actually used
+        if o.duplicate_of:  # names the copy actually used
+            assert o.duplicate_of == next(x.ref for x in copies if x.key == kept[0])
         assert set(o.reasons) <= set(REASON_CODES)
 
 
