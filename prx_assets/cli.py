@@ -47,6 +47,13 @@ def register_batch(args: argparse.Namespace) -> int:
     if args.materialize:
         ok = _run_partition(instance, ref.key, lab.data_root)
         print(f"{ref.key}: {'materialised' if ok else 'FAILED (see the run in the UI)'}")
+        from prx_assets.core.skip_decisions import caption_coverage
+
+        cov = caption_coverage(lab.lab(), ref.key)
+        print(
+            f"{ref.key}: {cov.without_caption} of {cov.eligible} eligible image(s) have no "
+            "usable caption (skipped as no_caption)"
+        )
         return 0 if ok else 1
     return 0
 

@@ -1,5 +1,12 @@
-"""The opt-out sensor (each new list once -> skip_lists for the affected partitions only) and
-the skip-policy sensor (partitions decided under another policy -> skip_lists).
+"""The skip-list stage's sensors, each requesting ``skip_lists`` for exactly the partitions
+a change affects:
+
+- the opt-out sensor: each new list once -> the partitions holding a copy it names, or any
+  other copy of that picture (its pHash cluster, any batch);
+- the skip-policy sensor: partitions decided under another policy;
+- the skip-dirty sensor: partitions whose recorded decisions another batch's ``skip_lists``
+  run found contradicted (``skip_dirty``: e.g. their copy became the training copy because
+  the keeper was reclassified).
 
 Why a sensor and one run per partition (measured with Dagster 1.13.27): with the opt-outs as
 an upstream asset of ``skip_lists`` under eager automation every new list reran
@@ -32,6 +39,7 @@ from dagster import (
     sensor,
 )
 
+from prx_assets.core.dedup import read_dirty
 from prx_assets.core.lab import Lab, sql_literal
 from prx_assets.core.optouts import (
     DEFAULT_MAX_LINE_BYTES,
@@ -51,6 +59,7 @@ from prx_assets.core.optouts import (
     resolve_identifiers,
     sharded_batches,
 )
+from prx_assets.core.skip_decisions import cluster_copies, read_skip_dirty
 from prx_assets.core.skip_policy import SKIP_AUDIT
 from prx_assets.core.text import printable_name
 from prx_assets.defs.partitions import BATCHES
@@ -209,8 +218,9 @@ def build_opt_out_sensor(
         default_status=default_status,
         description=(
             "Records each new opt-out list once (opt_outs, opt_out_lists; malformed lists are "
-            "rejected with a reason), resolves the images it names through Lance scalar "
-            "indexes, and requests skip_lists for the affected partitions only."
+            "rejected with a reason), resolves the images it names and their pHash clusters "
+            "through Lance scalar indexes, and requests skip_lists for the partitions holding "
+            "any copy of them, only."
         ),
     )
     def _opt_out_sensor(
@@ -241,12 +251,15 @@ def build_opt_out_sensor(
                 context.log.warning(f"opt-out list {item.list_id} rejected: {result.reason}")
 
         registered = set(context.instance.get_dynamic_partitions(BATCHES.name))
-        matched = {p for r in results for p in r.matched}
-        sharded = sharded_batches(store, matched)
+        # A list naming one copy excludes every copy of the picture: add the clusters.
+        affected: set[tuple[str, str]] = set()
         lists_by_batch: dict[str, set[str]] = {}
         for r in results:
-            for batch, _ in r.matched:
+            copies = cluster_copies(store, r.matched)
+            affected |= copies
+            for batch, _ in copies:
                 lists_by_batch.setdefault(batch, set()).add(r.list_id)
+        sharded = sharded_batches(store, affected)
         waiting = sorted(b for b in lists_by_batch if b not in sharded or b not in registered)
         if waiting:
             context.log.info(
@@ -350,3 +363,109 @@ def build_skip_policy_sensor(
 
 
 skip_policy_sensor = build_skip_policy_sensor()
+
+
+# --------------------------------------------------------------------------- skip_dirty
+
+
+@dataclass(frozen=True)
+class SkipRerun:
+    batch: str
+    run_key: str
+    marks: int
+    reason: str  # human-readable, for the run's tags and the log
+
+
+def skip_dirty_reruns(
+    lab: Lab, registered: set[str] | None = None, defer_to_dedup: bool = True
+) -> dict[str, SkipRerun]:
+    """Batch -> its skip_lists rerun, for every partition with ``skip_dirty`` marks.
+
+    ``defer_to_dedup``: a partition with pending ``dedup_dirty`` marks is left to the dedup
+    sensor, whose rerun includes skip_lists (and clears these marks too). ``registered``:
+    the partitions that exist (a deleted partition's leftover marks resurrect nothing).
+    """
+    waiting_for_dedup = (
+        {r["batch"] for r in read_dirty(lab).to_pylist()} if defer_to_dedup else set()
+    )
+    by_batch: dict[str, list[dict]] = {}
+    for row in read_skip_dirty(lab).to_pylist():
+        by_batch.setdefault(row["batch"], []).append(row)
+    out = {}
+    for batch, rows in sorted(by_batch.items()):
+        if batch in waiting_for_dedup or (registered is not None and batch not in registered):
+            continue
+        ids = sorted(r["dirty_id"] for r in rows)
+        digest = hashlib.sha256("\0".join(ids).encode()).hexdigest()[:16]
+        by = ", ".join(sorted({r["detected_by"] for r in rows}))
+        out[batch] = SkipRerun(
+            batch=batch,
+            run_key=f"skip_dirty:{batch}:{digest}",
+            marks=len(rows),
+            reason=f"{len(rows)} recorded decision(s) contradicted by {by}",
+        )
+    return out
+
+
+def build_skip_dirty_sensor(
+    *,
+    name: str = "skip_dirty_sensor",
+    max_runs_per_tick: int = 25,
+    minimum_interval_seconds: int = 60,
+    default_status: DefaultSensorStatus = DefaultSensorStatus.RUNNING,
+) -> SensorDefinition:
+    """Reruns skip_lists of exactly the partitions ``skip_dirty`` lists (see the module doc).
+
+    One run per partition; the run key digests its marks, so the same state is requested
+    once and a new mark gives a new request. The cursor keeps the keys still marked, so
+    partitions beyond ``max_runs_per_tick`` are requested on later ticks. A failed rerun is
+    not requested again until its marks change: rerun it by hand.
+    """
+    if max_runs_per_tick < 1:
+        raise ValueError(f"max_runs_per_tick must be >= 1, got {max_runs_per_tick}")
+
+    @sensor(
+        name=name,
+        target=AssetSelection.assets(SKIP_LISTS_ASSET),
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=default_status,
+        description=(
+            "Reruns skip_lists for the partitions whose recorded skip decisions another "
+            "batch's skip_lists run contradicts (skip_dirty): e.g. a copy that must now be "
+            "the training copy because its cluster's keeper was excluded, or stop being it."
+        ),
+    )
+    def _skip_dirty_sensor(context: SensorEvaluationContext, lab: LabResource) -> SensorResult:
+        registered = set(context.instance.get_dynamic_partitions(BATCHES.name))
+        wanted = skip_dirty_reruns(lab.lab(), registered)
+        keys = {r.run_key for r in wanted.values()}
+        pending = set(json.loads(context.cursor)) & keys if context.cursor else set()
+        requests = []
+        for rerun in wanted.values():
+            if rerun.run_key in pending:
+                continue
+            if len(requests) == max_runs_per_tick:
+                break
+            requests.append(
+                RunRequest(
+                    run_key=rerun.run_key,
+                    partition_key=rerun.batch,
+                    asset_selection=[AssetKey(SKIP_LISTS_ASSET)],
+                    tags={TRIGGER_TAG: "skip_dirty", "prx/skip_dirty_reason": rerun.reason[:200]},
+                )
+            )
+            pending.add(rerun.run_key)
+        cursor = json.dumps(sorted(pending))
+        if not requests:
+            why = f"{len(wanted)} marked partition(s), all requested" if wanted else "none marked"
+            return SensorResult(skip_reason=SkipReason(why), cursor=cursor)
+        for r in requests:
+            context.log.info(
+                f"skip_lists rerun of {r.partition_key}: {r.tags['prx/skip_dirty_reason']}"
+            )
+        return SensorResult(run_requests=requests, cursor=cursor)
+
+    return _skip_dirty_sensor
+
+
+skip_dirty_sensor = build_skip_dirty_sensor()
