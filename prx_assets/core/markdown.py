@@ -59,8 +59,8 @@ def md_code(value: object, limit: int = MAX_VALUE_CHARS, cell: bool = False) -> 
     text = visible(bounded(str(value), limit))
     longest = max((len(m) for m in _BACKTICK_RUN.findall(text)), default=0)
     fence = "`" * (longest + 1)
-    if text[0] in "` " or text[-1] in "` ":
-        text = f" {text} "
+    if text.strip(" ") and (text[0] in "` " or text[-1] in "` "):
+        text = f" {text} "  # CommonMark strips one space each side (unless all spaces)
     if cell:
         text = text.replace("|", "\\|")
     return f"{fence}{text}{fence}"

@@ -30,7 +30,7 @@ HOSTILE_LICENSE = "<script>alert(1)</script> [CC](https://evil.example/licence)"
 HOSTILE_ID = "![](</graphql?query=mutation { setAutoMaterializePaused(paused: false) }>)"
 HOSTILE_IMAGE_NAME = "<img src=x>[a](b)"  # + ".jpg": a legal file name
 HOSTILE_REJECT_NAME = "![](x) [y](javascript:z).jpg"
-PAYLOADS = (HOSTILE_ALT, HOSTILE_URL, HOSTILE_LICENSE, HOSTILE_ID, HOSTILE_IMAGE_NAME)
+PAYLOADS = (HOSTILE_ALT, HOSTILE_URL, HOSTILE_LICENSE, HOSTILE_ID, f"{HOSTILE_IMAGE_NAME}.jpg")
 
 
 @dataclass
@@ -82,6 +82,8 @@ def audit_world(tmp_path_factory) -> World:
 
     root = tmp_path_factory.mktemp("audit-world")
     data_root, home = root / "data", root / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     mp = pytest.MonkeyPatch()
     mp.setenv("DAGSTER_HOME", str(home))
     mp.setenv("PRX_DATA_ROOT", str(data_root))

@@ -268,11 +268,11 @@ def test_skip_lists_end_to_end(instance, lab_resource, built):
     assert md["sidecars"].value == shards and md["directories"].value == len(b.dirs())
     assert md["samples"].value == len(b.keys)
     assert md["skipped"].value == len(expected) and md["kept"].value == len(b.keys) - len(expected)
-    assert f"| opt_out | {len(b.url_group) + 1} |" in md["skip_reasons"].value
-    assert "| duplicate | 1 |" in md["skip_reasons"].value
-    assert "| quality | 0 |" in md["skip_reasons"].value
+    assert f"| `opt_out` | {len(b.url_group) + 1} |" in md["skip_reasons"].value
+    assert "| `duplicate` | 1 |" in md["skip_reasons"].value
+    assert "| `quality` | 0 |" in md["skip_reasons"].value
     for rel in {p.relative_dir for p in b.where.values()}:
-        assert f"| {rel} |" in md["buckets"].value
+        assert f"| `{rel}` |" in md["buckets"].value
     assert md["unclassified"].value == 1 and md["no_dedup_decision"].value == 0
     assert md["opt_out_lists_applied"].value == ["legal.txt@1"]
     assert md["newly_excluded"].value == len(expected)
