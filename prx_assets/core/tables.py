@@ -63,7 +63,8 @@ RESOLUTION = TableSpec(
             pa.field("aspect", pa.float64()),  # width / height
             pa.field("eligible", pa.bool_()),
             pa.field("ineligible_reason", pa.string()),
-            pa.field("max_tier", pa.int32()),  # highest tier filled without upscaling
+            # assign_bucket's tier: the highest filled without upscaling, else 512 (upscaled)
+            pa.field("max_tier", pa.int32()),
         ]
     ),
     identity=("batch", "key"),
