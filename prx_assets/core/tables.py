@@ -30,8 +30,14 @@ IMAGES = TableSpec(
         ]
     ),
     identity=("batch", "key"),
-    # url / source_id: opt-out lists name images by them; the audit looks them up too.
-    indexes=(("key", "BTREE"), ("batch", "BITMAP"), ("url", "BTREE"), ("source_id", "BTREE")),
+    # url / source_id: opt-out lists name images by them; the audit looks them up (and path).
+    indexes=(
+        ("key", "BTREE"),
+        ("batch", "BITMAP"),
+        ("url", "BTREE"),
+        ("source_id", "BTREE"),
+        ("path", "BTREE"),
+    ),
 )
 
 REJECTS = TableSpec(
@@ -48,7 +54,7 @@ REJECTS = TableSpec(
         ]
     ),
     identity=("batch", "path"),
-    indexes=(("batch", "BITMAP"),),
+    indexes=(("batch", "BITMAP"), ("path", "BTREE"), ("key", "BTREE")),  # audit look-ups
 )
 
 RESOLUTION = TableSpec(

@@ -18,6 +18,7 @@ from prx_assets.core.audit import (
     NEVER_SHARDED,
     REJECTED,
     audit_image,
+    path_conditions,
 )
 from prx_assets.core.lab import sql_literal
 from prx_assets_tests.defs.conftest import (
@@ -142,6 +143,16 @@ def test_every_identifier_form_the_readme_lists(audit_world: World):
         trail = audit_image(lab, query, landing=w.landing)
         assert trail.keys == [key], form
         assert trail.copies[0].batch == HOSTILE_BATCH, form
+
+    # Each form is a scalar-index look-up, rejected files' paths included.
+    for table, predicate in (
+        ("images", path_conditions(forms["landing path"])[-1][1]),
+        ("images", f"url = {sql_literal(HOSTILE_URL)}"),
+        ("images", f"source_id = {sql_literal(HOSTILE_ID)}"),
+        ("rejects", f"path = {sql_literal(HOSTILE_REJECT_NAME)}"),
+    ):
+        plan = lab.dataset(table).scanner(columns=["key"], filter=predicate).explain_plan()
+        assert "ScalarIndexQuery" in plan, (table, predicate, plan)
 
     # Manifest rows: `source:id` and the landing path relative to the source folder.
     studio = lab.read(
