@@ -131,7 +131,7 @@ class AuditTrail:
     versions: dict[str, int] = field(default_factory=dict)
     matched_by: list[str] = field(default_factory=list)
     copies: list[CopyVerdict] = field(default_factory=list)
-    keys_not_listed: int = 0  # matches beyond MAX_KEYS
+    keys_not_listed: int = 0  # matches (images or rejected files) beyond MAX_KEYS
 
     @property
     def found(self) -> bool:
@@ -198,7 +198,7 @@ class AuditTrail:
         lines.append(f"Keys: {', '.join(md_code(k) for k in self.keys) or '*(none)*'}")
         if self.keys_not_listed:
             lines.append("")
-            lines.append(f"{self.keys_not_listed} more matching image(s) not listed.")
+            lines.append(f"{self.keys_not_listed} more match(es) not listed: narrow the query.")
         lines.append("")
         for table, rows in self.tables.items():
             lines.append(f"## {md_code(table)} (Lance version {self.versions.get(table)})")
@@ -361,11 +361,6 @@ def _resolve(snap: _Snapshot, query: str, landing: Path | None) -> _Matches:
             m.matched_by.append(f"{how} (rejects)")
             m.keys |= {r["key"] for r in rejected if r.get("key")}
     return m
-
-
-def resolve_keys(lab: Lab, query: str, landing: Path | None = None) -> list[str]:
-    """The image keys an identifier names (any form the README lists), sorted."""
-    return sorted(_resolve(_Snapshot(lab), query, landing).keys)
 
 
 def _rows_by_key(snap: _Snapshot, table: str, keys: Iterable[str]) -> list[dict[str, Any]]:
@@ -532,7 +527,9 @@ def audit_image(lab: Lab, query: str, landing: Path | str | None = None) -> Audi
     matches = _resolve(snap, query, Path(landing) if landing is not None else None)
     keys = sorted(matches.keys)
     trail = AuditTrail(query=query, keys=keys[:MAX_KEYS], matched_by=matches.matched_by)
-    trail.keys_not_listed = max(0, len(keys) - MAX_KEYS)
+    rejects = sorted(matches.rejects, key=lambda r: (r["batch"], r["path"]))
+    matches.rejects = rejects[:MAX_KEYS]
+    trail.keys_not_listed = max(0, len(keys) - MAX_KEYS) + max(0, len(rejects) - MAX_KEYS)
     if not keys and not matches.rejects:
         return trail
     for table, ds in snap.datasets.items():
