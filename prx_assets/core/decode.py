@@ -94,9 +94,12 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
                 "format_not_allowed", f"{fmt} is not an accepted photo format"
             ) from None
         raise DecodeRejected("not_an_image", "no image decoder recognises these bytes") from None
-    except Image.DecompressionBombError as exc:
-        # Pillow's own header check (at twice its limit) fired first; same outcome.
-        raise DecodeRejected("decompression_bomb", f"{exc} (checked before decoding)") from None
+    except Image.DecompressionBombError:
+        # Pillow's own header check (at twice its limit) fired first; same outcome, and the
+        # detail names the limit that applies, not Pillow's 2x threshold (179 MP).
+        limit = min(max_pixels, 2 * Image.MAX_IMAGE_PIXELS)
+        detail = f"more pixels than the limit of {limit} px (checked before decoding)"
+        raise DecodeRejected("decompression_bomb", detail) from None
     except Exception as exc:  # noqa: BLE001 - malformed headers raise many types
         raise DecodeRejected("corrupt_header", f"{type(exc).__name__}: {exc}") from None
     w, h = img.size

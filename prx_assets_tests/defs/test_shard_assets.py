@@ -145,7 +145,7 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
     for tier in tiers_used:
         total = sum(r["tier"] == tier for r in assigned.values())
         assert (
-            "| **total** |" in md_a["bucket_fill"].value and str(total) in md_a["bucket_fill"].value
+            "| `total` |" in md_a["bucket_fill"].value and str(total) in md_a["bucket_fill"].value
         )
 
     # Shards: every directory reads back with StreamingDataset; each sample is right.
@@ -216,7 +216,7 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
     assert md["samples_written"].value == len(expected_keys)
     assert md["skipped"].value == 1
     assert md["skipped_keys"].value == {"no_caption": [uncaptioned]}
-    assert "no_caption | 1" in md["skip_reasons"].value
+    assert "`no_caption` | 1" in md["skip_reasons"].value
     assert sorted(md["tree"].value) == sorted(str(d.relative_to(root)) for d in dirs)
     assert md["jpeg"].value == "quality 92, subsampling 4:4:4"
     assert "4:4:4" in md["jpeg_subsampling_reason"].value

@@ -313,12 +313,12 @@ def test_skip_lists_end_to_end(instance, lab_resource, built):
     assert md["sidecars"].value == shards and md["directories"].value == len(b.dirs())
     assert md["samples"].value == len(b.keys)
     assert md["skipped"].value == len(expected) and md["kept"].value == len(b.keys) - len(expected)
-    assert f"| opt_out | {len(b.url_group)} |" in md["skip_reasons"].value
-    assert "| duplicate | 2 |" in md["skip_reasons"].value
-    assert "| low_information | 1 |" in md["skip_reasons"].value
-    assert "| pending | 1 |" in md["skip_reasons"].value
+    assert f"| `opt_out` | {len(b.url_group)} |" in md["skip_reasons"].value
+    assert "| `duplicate` | 2 |" in md["skip_reasons"].value
+    assert "| `low_information` | 1 |" in md["skip_reasons"].value
+    assert "| `pending` | 1 |" in md["skip_reasons"].value
     for rel in {p.relative_dir for p in b.where.values()}:
-        assert f"| {rel} |" in md["buckets"].value
+        assert f"| `{rel}` |" in md["buckets"].value
     assert md["pending"].value == 1 and md["pending_on_class_label"].value == 1
     assert md["pending_on_dedup_decision"].value == 0 and md["no_caption"].value == 0
     assert md["opt_out_lists_applied"].value == ["legal.txt@1"]
@@ -370,7 +370,7 @@ def test_no_caption_is_skipped_counted_and_checked(instance, lab_resource, built
     assert audit[b.dup]["reasons"] == []  # its keeper has no caption: the copy trains
     assert audit[b.keeper]["duplicate_of"] == b.dup
     md = result.asset_materializations_for_node("skip_lists")[0].metadata
-    assert md["no_caption"].value == 3 and "| no_caption | 3 |" in md["skip_reasons"].value
+    assert md["no_caption"].value == 3 and "| `no_caption` | 3 |" in md["skip_reasons"].value
     eligible = b.store.dataset(RESOLUTION.name).count_rows(f"batch = '{KEY}' AND eligible")
     assert md["eligible_without_caption"].value == 3
     (check,) = result.get_asset_check_evaluations()

@@ -52,7 +52,7 @@ from prx_assets.core.skip_policy import (
 )
 from prx_assets.core.skiplists import SkipListError, skiplist_digest, write_partition_skiplists
 from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS, IMAGES
-from prx_assets.defs.metadata import counts_table
+from prx_assets.defs.metadata import counts_table, md_table
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
 from prx_assets.defs.skiplists.checks import caption_coverage_result, caption_coverage_spec
@@ -129,10 +129,8 @@ def _previous(store: Lab, batch: str) -> dict[str, tuple[bool, datetime | None]]
 
 
 def _buckets_markdown(decisions: PartitionDecisions) -> MetadataValue:
-    lines = ["| bucket directory | samples | kept | skipped |", "|---|---|---|---|"]
-    for rel, (kept, skipped) in decisions.bucket_counts().items():
-        lines.append(f"| {rel} | {kept + skipped} | {kept} | {skipped} |")
-    return MetadataValue.md("\n".join(lines))
+    rows = [(rel, k + s, k, s) for rel, (k, s) in decisions.bucket_counts().items()]
+    return MetadataValue.md(md_table(["bucket directory", "samples", "kept", "skipped"], rows))
 
 
 def _skip_lists(

@@ -62,6 +62,7 @@ from prx_assets.core.optouts import (
 from prx_assets.core.skip_decisions import cluster_copies, read_skip_dirty
 from prx_assets.core.skip_policy import SKIP_AUDIT
 from prx_assets.core.text import printable_name
+from prx_assets.defs.metadata import bounded
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
 from prx_assets.defs.skiplists.assets import SKIP_LISTS_ASSET
@@ -248,7 +249,8 @@ def build_opt_out_sensor(
                     f"{len(result.matched)} image(s) matched"
                 )
             else:
-                context.log.warning(f"opt-out list {item.list_id} rejected: {result.reason}")
+                reason = bounded(result.reason or "", 400)
+                context.log.warning(f"opt-out list {item.list_id} rejected: {reason}")
 
         registered = set(context.instance.get_dynamic_partitions(BATCHES.name))
         # A list naming one copy excludes every copy of the picture: add the clusters.
