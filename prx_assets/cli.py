@@ -47,6 +47,13 @@ def register_batch(args: argparse.Namespace) -> int:
     if args.materialize:
         ok = _run_partition(instance, ref.key, lab.data_root)
         print(f"{ref.key}: {'materialised' if ok else 'FAILED (see the run in the UI)'}")
+        from prx_assets.core.skip_decisions import caption_coverage
+
+        cov = caption_coverage(lab.lab(), ref.key)
+        print(
+            f"{ref.key}: {cov.without_caption} of {cov.eligible} eligible image(s) have no "
+            "usable caption (skipped as no_caption)"
+        )
         return 0 if ok else 1
     return 0
 
@@ -55,8 +62,8 @@ def audit(args: argparse.Namespace) -> int:
     from prx_assets.core.audit import audit_image
     from prx_assets.defs.resources import LabResource, default_data_root
 
-    lab = LabResource(data_root=args.data_root or default_data_root()).lab()
-    trail = audit_image(lab, args.query)
+    resource = LabResource(data_root=args.data_root or default_data_root())
+    trail = audit_image(resource.lab(), args.query, landing=resource.landing)
     print(trail.to_json() if args.json else trail.to_markdown())
     return 0 if trail.found else 1
 
@@ -81,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=register_batch)
     p = sub.add_parser("browser", help="the curation browser on 127.0.0.1", add_help=False)
     p.set_defaults(func=None)
-    p = sub.add_parser("audit", help="the whole trail of one image (key, URL or source id)")
-    p.add_argument("query")
+    p = sub.add_parser("audit", help="one image's verdict and whole trail")
+    p.add_argument(
+        "query", help="content key, URL, source:id, <source>/<chunk>/<path> or path in batch"
+    )
     p.add_argument("--data-root", default=None)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=audit)

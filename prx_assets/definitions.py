@@ -25,7 +25,11 @@ from prx_assets.defs.resources import LabResource, default_data_root
 from prx_assets.defs.shards.assets import bucket_assignments, mds_shards
 from prx_assets.defs.skiplists.assets import build_skiplist_assets
 from prx_assets.defs.skiplists.config import OptOutResource, SkipPolicyResource
-from prx_assets.defs.skiplists.sensors import build_opt_out_sensor, build_skip_policy_sensor
+from prx_assets.defs.skiplists.sensors import (
+    build_opt_out_sensor,
+    build_skip_dirty_sensor,
+    build_skip_policy_sensor,
+)
 
 
 def backends_from_env() -> tuple[CaptionerResource, ClassifierResource]:
@@ -98,6 +102,7 @@ def build_defs(
             build_dedup_sensor(downstream=DOWNSTREAM_OF_DEDUP),
             build_opt_out_sensor(),
             build_skip_policy_sensor(),
+            build_skip_dirty_sensor(),
         ],
         schedules=[lance_maintenance_schedule],
         resources={

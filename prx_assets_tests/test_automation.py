@@ -10,6 +10,7 @@ import io
 import shutil
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from dagster import DagsterEventType, DagsterInstance, instance_for_test
 from PIL import Image
@@ -190,3 +191,127 @@ def test_new_opt_out_list_reruns_only_the_affected_skip_lists(platform):
     assert set(keys) <= excluded
     assert loop["skipped_sample_yielded"] == []
     assert loop["samples"] > 0 and loop["excluded_keys"] == len(excluded)
+
+
+# --------------------------------------------------------------------------- copies across batches
+
+
+def _lab(platform: Platform):
+    return platform.defs().resources["lab"].lab()
+
+
+def _cross_batch_clusters(lab) -> dict[str, list[dict]]:
+    """Clusters with sharded members in at least two batches, none opted out."""
+    decided = lab.read(
+        "phash_clusters",
+        ["batch", "key", "cluster_id", "low_information"],
+        "low_information = false",
+    ).to_pylist()
+    sharded = {
+        (b, k)
+        for b, k in zip(
+            *(lab.read("shard_samples", ["batch", "key"]).column(c).to_pylist() for c in ("batch", "key")),
+            strict=True,
+        )
+    }  # fmt: skip
+    audit = {(r["batch"], r["key"]): r for r in lab.read("skip_audit").to_pylist()}
+    groups: dict[str, list[dict]] = {}
+    for r in decided:
+        if (r["batch"], r["key"]) in sharded:
+            groups.setdefault(r["cluster_id"], []).append(r)
+    return {
+        cid: rows
+        for cid, rows in sorted(groups.items())
+        if len({r["batch"] for r in rows}) >= 2
+        and not any("opt_out" in audit[(r["batch"], r["key"])]["reasons"] for r in rows)
+    }
+
+
+def _ranked(lab, rows: list[dict]) -> list[tuple[str, str]]:
+    """The cluster's members in keeper order (most pixels, larger file, key, batch)."""
+    from prx_assets.core.dedup import keeper_order
+
+    hashes = {
+        (r["batch"], r["key"]): r
+        for r in lab.read("image_hashes", ["batch", "key", "pixels", "file_size"]).to_pylist()
+    }
+    refs = [(r["batch"], r["key"]) for r in rows]
+    return sorted(
+        refs,
+        key=lambda ref: keeper_order(
+            hashes[ref]["pixels"], hashes[ref]["file_size"], ref[1], ref[0]
+        ),
+    )
+
+
+def _audit_of(lab, refs) -> dict[tuple[str, str], dict]:
+    rows = {(r["batch"], r["key"]): r for r in lab.read("skip_audit").to_pylist()}
+    return {ref: rows[ref] for ref in refs}
+
+
+def test_a_reclassified_keeper_reruns_exactly_the_batches_whose_training_copy_changes(platform):
+    from dagster import AssetKey, RunRequest
+
+    from prx_assets.core.tables import CAPTION_CLASSES
+
+    lab = _lab(platform)
+    clusters = _cross_batch_clusters(lab)
+    assert clusters, "the demo plants copies of batch-000 photos in batch 003"
+    rows = max(clusters.values(), key=len)
+    ranked = _ranked(lab, rows)
+    keeper, heir = ranked[0], ranked[1]
+    before = _audit_of(lab, ranked)
+    assert before[keeper]["reasons"] == [] and all(
+        before[r]["reasons"] == ["duplicate"] and before[r]["duplicate_of"] == keeper[1]
+        for r in ranked[1:]
+    )
+    # caption_classes(keeper's batch) reran and now labels the keeper "nsfw"; its skip_lists
+    # reruns (as the lineage would have it). Nothing else was touched.
+    classes = lab.read_batch(CAPTION_CLASSES.name, keeper[0]).to_pylist()
+    for r in classes:
+        if r["key"] == keeper[1]:
+            r["label"] = "nsfw"  # excluded by every policy this module sets
+    lab.replace_partition(
+        CAPTION_CLASSES, keeper[0], pa.Table.from_pylist(classes, schema=CAPTION_CLASSES.schema)
+    )
+    request = RunRequest(partition_key=keeper[0], asset_selection=[AssetKey("skip_lists")])
+    assert execute_run_request(platform.defs(), platform.instance, request, None)
+
+    # Every other batch holding a copy reruns skip_lists, and nothing else runs.
+    others = {b for b, _ in ranked[1:]} - {keeper[0]}
+    assert others
+    assert platform.settle() == {("skip_lists", b) for b in others}
+    after = _audit_of(lab, ranked)
+    assert after[keeper]["reasons"] == ["class_nsfw", "duplicate"]
+    assert after[heir]["reasons"] == [] and not after[heir]["excluded"]
+    for ref in ranked:
+        if ref != heir:
+            assert (after[ref]["duplicate_of"], after[ref]["duplicate_of_batch"]) == heir[::-1]
+    assert lab.read("skip_dirty").num_rows == 0
+    assert platform.settle() == set()
+
+
+def test_an_opt_out_of_a_smaller_copy_reruns_every_batch_holding_a_copy(platform):
+    import os
+
+    lab = _lab(platform)
+    clusters = _cross_batch_clusters(lab)
+    assert clusters
+    rows = max(clusters.values(), key=len)
+    ranked = _ranked(lab, rows)
+    smallest = ranked[-1]
+    os.makedirs(platform.data_root + "/optouts", exist_ok=True)
+    with open(platform.data_root + "/optouts/smaller-copy.txt", "w") as f:
+        f.write(smallest[1] + "\n")
+    assert platform.settle() == {("skip_lists", b) for b, _ in ranked}
+    for ref, row in _audit_of(lab, ranked).items():
+        assert row["excluded"] and "opt_out" in row["reasons"], ref
+        assert row["opt_out_via"] == [smallest[1]] and row["duplicate_of"] is None
+        assert row["opt_out_list_ids"] and row["opt_out_list_ids"][0].startswith(
+            "smaller-copy.txt@"
+        )
+
+    from prx_assets.demo.train_loop import run_training_loop
+
+    loop = run_training_loop(platform.defs().resources["lab"].shards_root, lab, batch_size=2)
+    assert loop["skipped_sample_yielded"] == []

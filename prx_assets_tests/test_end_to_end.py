@@ -52,6 +52,8 @@ def test_demo_materialises_every_stage(tmp_path, monkeypatch, capsys):
         instance.dispose()
     assert "no skipped sample appeared" in out
     assert "planted duplicate pairs found" in out
+    for key in partitions:  # the no-caption count per batch (the demo's photos all have one)
+        assert f"  {key}: 0 of " in out and "eligible without a caption" in out
 
     # Running the demo again registers nothing new and changes no counts.
     before = lab.dataset(IMAGES.name).count_rows()

@@ -691,49 +691,17 @@ def _caption_rows(keys: list[str], version: str) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=CAPTIONS.schema)
 
 
-def _class_rows(keys: list[str], labels: Mapping[str, str]) -> pa.Table:
-    from prx_assets.core.tables import CAPTION_CLASSES
-
-    when = datetime(2024, 1, 1, tzinfo=UTC)
-    rows = [
-        {"key": k, "batch": DEMO_BATCH, "label": labels.get(k, "visual"), "created_at": when}
-        for k in keys
-    ]
-    return pa.Table.from_pylist(rows, schema=CAPTION_CLASSES.schema)
-
-
-def _cluster_rows(keys: list[str], dup: str, keeper: str) -> pa.Table:
-    from prx_assets.core.dedup_tables import PHASH_CLUSTERS
-
-    rows = [
-        {
-            "key": k,
-            "batch": DEMO_BATCH,
-            "cluster_id": keeper if k == dup else k,
-            "cluster_size": 2 if k in (dup, keeper) else 1,
-            "keeper_key": keeper if k == dup else k,
-            "keeper_batch": DEMO_BATCH,
-            "is_keeper": k != dup,
-            "low_information": False,
-            "radius": 0,
-            "phash_version": "fast-v1",
-        }
-        for k in keys
-    ]
-    return pa.Table.from_pylist(rows, schema=PHASH_CLUSTERS.schema)
-
-
 @pytest.fixture(scope="module")
 def pipeline_states(workdir: Path, demo_source) -> PipelineStates:
     """The demo batch through every stage, by real materialisations, to four states."""
-    from prx_assets.core.dedup_tables import PHASH_CLUSTERS
     from prx_assets.core.lab import Lab
     from prx_assets.core.optouts import OPT_OUTS, content_key, opt_out_rows, replace_rows
-    from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS, RESOLUTION
+    from prx_assets.core.tables import CAPTIONS, RESOLUTION
     from prx_assets.defs.ingest.assets import raw_images
     from prx_assets.defs.resolution.assets import resolution_profile
     from prx_assets.defs.shards.assets import bucket_assignments, mds_shards
     from prx_assets.defs.skiplists.assets import build_skiplist_assets
+    from prx_assets_tests.facts import plant_decision_facts
 
     landing, _ = demo_source
     root = workdir / "pipeline"
@@ -746,16 +714,15 @@ def pipeline_states(workdir: Path, demo_source) -> PipelineStates:
     assert len(eligible) >= 8
     uncaptioned, text, dup, keeper, nsfw, *rest = eligible
     captioned = [k for k in eligible if k != uncaptioned]
-    # A: one text image, one duplicate, one without a caption.
+    # A: one text image, one duplicate, one without a caption; every other fact known.
     lab.replace_partition(CAPTIONS, DEMO_BATCH, _caption_rows(captioned, "first"))
-    lab.replace_partition(CAPTION_CLASSES, DEMO_BATCH, _class_rows(eligible, {text: "text"}))
-    lab.replace_partition(PHASH_CLUSTERS, DEMO_BATCH, _cluster_rows(eligible, dup, keeper))
+    facts = {"copies": {dup: keeper}}
+    plant_decision_facts(lab, DEMO_BATCH, eligible, labels={text: "text"}, **facts)
     _materialize_here(root, [bucket_assignments, mds_shards])
     _materialize_here(root, build_skiplist_assets())
     # B: every caption rewritten (every directory's shards change), one more class excluded.
     lab.replace_partition(CAPTIONS, DEMO_BATCH, _caption_rows(captioned, "second"))
-    labels = {text: "text", nsfw: "nsfw"}
-    lab.replace_partition(CAPTION_CLASSES, DEMO_BATCH, _class_rows(eligible, labels))
+    plant_decision_facts(lab, DEMO_BATCH, eligible, labels={text: "text", nsfw: "nsfw"}, **facts)
     mds_old = _snapshot(root, workdir / "mds-old")
     _materialize_here(root, [mds_shards])
     mds_new = _snapshot(root, workdir / "mds-new")
@@ -777,6 +744,7 @@ def test_kill_materialize_mds_shards(forkserver, pipeline_states: PipelineStates
     root = workdir / "trial-pipeline"
     old, new = versions(s.mds_old / "shards"), versions(s.mds_new / "shards")
     assert set(old) == set(new) and sum(old[r].index != new[r].index for r in old) >= 2
+    assert sum(len(v.kept) for v in new.values()) >= 4  # decided: most samples train
     reference = tree_files(s.mds_new / "shards")
     rows = _lab_rows(s.mds_new, "shard_samples")
     crashes = [

@@ -28,10 +28,12 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from prx_assets.browser.queries import (
     KEY_RE,
+    MAX_LIMIT,
     Filters,
     LabQueries,
     NotFound,
     QueryError,
+    parse_number,
 )
 from prx_assets.browser.thumbs import THUMB_SIZES, ThumbnailCache
 from prx_assets.core.decode import DecodeRejected
@@ -154,7 +156,7 @@ class BrowserApp:
     def _search(self, params: dict[str, list[str]]) -> Response:
         filters = Filters.from_params(params)
         text = _one(params, "q")
-        limit = _int(params, "limit", 60)
+        limit = _int(params, "limit", 60, MAX_LIMIT)
         explain = _one(params, "explain") in ("1", "true")
         if text.strip():
             result = self.queries.search(
@@ -168,12 +170,13 @@ class BrowserApp:
         filters = Filters.from_params(params)
         key = _key(_one(params, "key"))
         explain = _one(params, "explain") in ("1", "true")
-        result = self.queries.similar(key, filters, _int(params, "limit", 60), explain=explain)
+        limit = _int(params, "limit", 60, MAX_LIMIT)
+        result = self.queries.similar(key, filters, limit, explain=explain)
         return _json(200, {"filters": filters.to_dict(), **result.to_dict()})
 
     def _thumb(self, key: str, params: dict[str, list[str]]) -> Response:
         key = _key(key)
-        size = _int(params, "size", THUMB_SIZES[0])
+        size = _int(params, "size", THUMB_SIZES[0], max(THUMB_SIZES))
         if size not in THUMB_SIZES:
             raise QueryError(f"size must be one of {', '.join(map(str, THUMB_SIZES))}")
         body = self.thumbs.get(key, size, lambda: self.queries.image_bytes(key))
@@ -187,14 +190,9 @@ def _one(params: dict[str, list[str]], name: str) -> str:
     return values[-1]
 
 
-def _int(params: dict[str, list[str]], name: str, default: int) -> int:
+def _int(params: dict[str, list[str]], name: str, default: int, maximum: int) -> int:
     raw = _one(params, name).strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise QueryError(f"{name} must be an integer, got {raw[:40]!r}") from None
+    return parse_number(name, raw, int, maximum) if raw else default
 
 
 def _key(key: str) -> str:

@@ -60,6 +60,13 @@ _BATCH_RE = re.compile(r"^[A-Za-z0-9_-]{1,120}\.[A-Za-z0-9_-]{1,120}$")  # sourc
 _MAX_VALUE_CHARS = 200
 
 MAX_QUERY_CHARS = 400
+# Numbers a URL may give: ASCII digits only (int() also takes "1_000" and other scripts'
+# digits), bounded by what the columns hold, so no value reaches Lance's SQL out of range.
+MAX_SIDE = 2**31 - 1  # resolution.width/height are int32
+MAX_TIER = 2**31 - 1  # bucket_assignments.tier is int32
+MAX_MEGAPIXELS = 1e6
+_INT_RE = re.compile(r"[0-9]{1,10}")
+_FLOAT_RE = re.compile(r"(?:[0-9]{1,15}(?:\.[0-9]{0,15})?|\.[0-9]{1,15})(?:[eE][+-]?[0-9]{1,3})?")
 MAX_LIMIT = 200
 PREFILTER_MAX_KEYS = 5_000
 MAX_CANDIDATES = 20_000
@@ -90,6 +97,21 @@ BROWSER_INDEXES: tuple[tuple[str, str, str], ...] = (
 
 class QueryError(ValueError):
     """A request the browser cannot answer as asked; the message says what to change."""
+
+
+def parse_number(name: str, raw: str, kind: type[int] | type[float], maximum: float) -> Any:
+    """A URL parameter as a non-negative ``kind`` up to ``maximum``, or a QueryError that
+    names the parameter, the accepted range and (bounded) the value given."""
+    text = raw.strip()
+    pattern = _INT_RE if kind is int else _FLOAT_RE
+    what = "a whole number" if kind is int else "a number"
+    if pattern.fullmatch(text):
+        value = kind(text)
+        if np.isfinite(value) and 0 <= value <= maximum:
+            return value
+    shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
+    top = str(int(maximum)) if kind is int else f"{maximum:g}"
+    raise QueryError(f"{name} must be {what} from 0 to {top}, got {shown!r}")
 
 
 class NotFound(LookupError):
@@ -133,10 +155,19 @@ class Filters:
             raise QueryError(
                 f"unknown skip filter {bad[0]!r}; choose from {', '.join(SKIP_CHOICES)}"
             )
-        for name in ("min_short_side", "max_short_side", "min_megapixels", "max_megapixels"):
+        limits = {
+            "min_short_side": MAX_SIDE,
+            "max_short_side": MAX_SIDE,
+            "min_megapixels": MAX_MEGAPIXELS,
+            "max_megapixels": MAX_MEGAPIXELS,
+        }
+        for name, maximum in limits.items():
             v = getattr(self, name)
-            if v is not None and (not np.isfinite(v) or v < 0):
-                raise QueryError(f"{name} must be a non-negative number, got {v!r}")
+            if v is not None and (not np.isfinite(v) or not 0 <= v <= maximum):
+                raise QueryError(f"{name} must be a number from 0 to {maximum:g}, got {v!r}")
+        bad_tiers = [t for t in self.tiers if not 0 <= t <= MAX_TIER]
+        if bad_tiers:
+            raise QueryError(f"tier must be from 0 to {MAX_TIER}, got {bad_tiers[0]!r}")
         lo, hi = self.min_short_side, self.max_short_side
         if lo is not None and hi is not None and lo > hi:
             raise QueryError(f"min_short_side {lo} is above max_short_side {hi}")
@@ -158,31 +189,21 @@ class Filters:
                     out.extend(p.strip() for p in raw.split(",") if p.strip())
             return tuple(dict.fromkeys(out))
 
-        def number(name: str, kind: type) -> Any:
+        def number(name: str, kind: type[int] | type[float], maximum: float) -> Any:
             raw = [v for v in params.get(name, ()) if v.strip()]
-            if not raw:
-                return None
-            try:
-                return kind(raw[-1])
-            except ValueError:
-                raise QueryError(f"{name} must be a number, got {raw[-1]!r}") from None
+            return parse_number(name, raw[-1], kind, maximum) if raw else None
 
-        tiers = many("tier")
-        try:
-            tier_values = tuple(int(t) for t in tiers)
-        except ValueError:
-            raise QueryError(f"tier must be integers, got {', '.join(tiers)}") from None
         return cls(
             batches=many("batch"),
             sources=many("source"),
             labels=many("label"),
-            tiers=tier_values,
+            tiers=tuple(parse_number("tier", t, int, MAX_TIER) for t in many("tier")),
             shapes=many("shape"),
             skip=many("skip"),
-            min_short_side=number("min_side", int),
-            max_short_side=number("max_side", int),
-            min_megapixels=number("min_mp", float),
-            max_megapixels=number("max_mp", float),
+            min_short_side=number("min_side", int, MAX_SIDE),
+            max_short_side=number("max_side", int, MAX_SIDE),
+            min_megapixels=number("min_mp", float, MAX_MEGAPIXELS),
+            max_megapixels=number("max_mp", float, MAX_MEGAPIXELS),
         )
 
     def batch_clause(self) -> str | None:
@@ -805,7 +826,7 @@ class LabQueries:
         return rows.column("image")[0].as_py()
 
     def audit(self, key: str) -> dict[str, Any]:
-        """The image's audit trail (every lab table, with Lance versions), JSON-ready."""
+        """The image's verdict and audit trail (every lab table, with Lance versions)."""
         if not KEY_RE.match(key or ""):
             raise QueryError(f"not an image key (64 lowercase hex digits): {key[:80]!r}")
         trail = audit_image(self.lab, key)
@@ -813,6 +834,9 @@ class LabQueries:
             raise NotFound(f"{key} is in no lab table")
         return {
             "query": trail.query,
+            "verdict": trail.verdict,
+            "status": trail.status,
+            "copies": [c.to_dict() for c in trail.copies],
             "keys": trail.keys,
             "versions": trail.versions,
             "tables": {

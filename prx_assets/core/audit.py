@@ -1,21 +1,47 @@
-"""The per-image audit trail: everything the lab knows about one image, from every table.
+"""The per-image audit: a one-line verdict, then everything the lab knows, table by table.
 
-Why generic: each stage owns its table, and the audit must keep working as stages are
-added, so it reads every lab table that has a ``key`` column (through the BTREE index
-on ``key``), drops binary columns, and records the Lance version it read. A URL or a
-source id is first resolved to keys through the ``images`` table.
+Why a verdict first: the question a data lead brings is "is this image in training, and if
+not, since when and why?". The tables answer it only to someone who knows how they chain;
+the verdict states it, per copy of the image, from the same rows the trail shows:
+
+- ``in training: <relative_dir>/<shard> #<index_in_shard>``: in ``shard_samples`` and kept by
+  a ``skip_audit`` decision about that very slot;
+- ``not in training since <time>: <reason> (<list or keeper>), ...``: excluded by
+  ``skip_audit`` (reasons read generically, so new codes need no change here); for a
+  duplicate it says whether its keeper, the training copy, is itself in training;
+- ``undecided: ...``: sharded, but no skip decision about the current slot is recorded (the
+  audit does not guess; the loader skips such samples as ``pending``);
+- ``never sharded: <reason>``: accepted but not in any shard (ineligible, unassigned, no
+  caption, not written yet);
+- ``rejected at ingest: <reason> (<detail>)``: a ``rejects`` row.
+
+Identifiers (every form the README lists): a content key; an original URL; ``source:id``
+(or a bare source id); a landing path ``<source>/<chunk>/<path>`` (``<source>/<path>`` for
+manifest rows, absolute under the landing zone too) or the path inside the batch. Rejected
+files are found by path, and by key where their bytes were read. Look-ups are filtered
+Lance reads (BTREE on key, url, source_id, path); each table is read at one pinned version,
+recorded in the trail. Why generic tables: each stage owns its table, so every lab table
+with a ``key`` column is read, binary and vector columns dropped.
+
+No Dagster import: the CLI, the ``image_audit`` job and the curation browser share this.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import lance
 import pyarrow as pa
 
-from prx_assets.core.lab import Lab, sql_literal
+from prx_assets.core.lab import Lab, in_list, sql_literal
+from prx_assets.core.markdown import md_code
+from prx_assets.core.sources import ARCHIVE_SUFFIXES, MANIFEST_SUFFIXES, batch_key
 
 # The order a data lead reads a trail in: where it came from, to where it went.
 TABLE_ORDER = (
@@ -33,6 +59,68 @@ TABLE_ORDER = (
 )
 _HIDDEN_COLUMNS = {"image", "vector"}
 KEY_COLUMNS = ("key", "matched_key")  # opt_outs names the image it matched
+MAX_KEYS = 20  # images one query may list; the rest are counted
+MAX_COPIES_LISTED = 20
+MAX_ROWS_SHOWN = 20  # rows per table in the Markdown form (the JSON form has them all)
+
+IN_TRAINING = "in_training"
+EXCLUDED = "excluded"
+UNDECIDED = "undecided"
+NEVER_SHARDED = "never_sharded"
+REJECTED = "rejected"
+NOT_FOUND = "not_found"
+# The headline is the copy with the lowest rank: any copy in training answers "in training".
+_RANK = {IN_TRAINING: 0, EXCLUDED: 1, UNDECIDED: 2, NEVER_SHARDED: 3, REJECTED: 4, NOT_FOUND: 5}
+# skip_audit columns the verdict reads by name; any other column whose name starts with a
+# reason's code (e.g. ``opt_out_via`` for ``opt_out``) is quoted with that reason.
+_SKIP_CORE_COLUMNS = {
+    "key",
+    "batch",
+    "tier",
+    "shape",
+    "relative_dir",
+    "shard",
+    "index_in_shard",
+    "excluded",
+    "reasons",
+    "opt_out_list_ids",
+    "class_label",
+    "duplicate_of",
+    "decided_at",
+    "first_excluded_at",
+    "policy_fingerprint",
+}
+# Tables a copy's verdict reads (also for a duplicate's keeper).
+_VERDICT_TABLES = (
+    "images",
+    "resolution",
+    "bucket_assignments",
+    "captions",
+    "caption_classes",
+    "phash_clusters",
+    "shard_samples",
+    "skip_audit",
+)
+
+
+@dataclass(frozen=True)
+class CopyVerdict:
+    """The verdict on one copy: an ``images`` row (batch, key) or a ``rejects`` row."""
+
+    batch: str
+    key: str | None
+    path: str | None
+    status: str
+    line: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch": self.batch,
+            "key": self.key,
+            "path": self.path,
+            "status": self.status,
+            "verdict": self.line,
+        }
 
 
 @dataclass
@@ -41,37 +129,92 @@ class AuditTrail:
     keys: list[str]
     tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     versions: dict[str, int] = field(default_factory=dict)
+    matched_by: list[str] = field(default_factory=list)
+    copies: list[CopyVerdict] = field(default_factory=list)
+    keys_not_listed: int = 0  # matches (images or rejected files) beyond MAX_KEYS
 
     @property
     def found(self) -> bool:
-        return any(self.tables.values())
+        return bool(self.copies) or any(self.tables.values())
+
+    @property
+    def status(self) -> str:
+        return self.copies[0].status if self.copies else NOT_FOUND
+
+    @property
+    def verdict(self) -> str:
+        """One line: the best copy's verdict (copies are sorted best first)."""
+        if not self.copies:
+            named = self.tables.get("opt_outs")
+            if named:
+                return "not found: in no batch (only an opt-out list names it)"
+            return "not found: in no lab table"
+        head = self.copies[0].line
+        if len(self.copies) > 1:
+            head += f" (1 of {len(self.copies)} copies, each listed below)"
+        return head
 
     def to_json(self) -> str:
         return json.dumps(
-            {"query": self.query, "keys": self.keys, "versions": self.versions, **self.tables},
+            {
+                "query": self.query,
+                "verdict": self.verdict,
+                "status": self.status,
+                "copies": [c.to_dict() for c in self.copies],
+                "matched_by": self.matched_by,
+                "keys": self.keys,
+                "keys_not_listed": self.keys_not_listed,
+                "versions": self.versions,
+                **self.tables,
+            },
             indent=2,
             default=_jsonable,
             sort_keys=False,
         )
 
     def to_markdown(self) -> str:
-        lines = [f"# Audit trail for `{self.query}`", ""]
+        """The verdict, the copies, then every table's rows; every value from the lab is an
+        escaped code span (``core/markdown.md_code``), so no data becomes markup."""
+        lines = [
+            f"# Audit trail for {md_code(self.query)}",
+            "",
+            f"**Verdict:** {md_code(self.verdict)}",
+        ]
+        lines.append("")
         if not self.found:
-            lines.append("Not found in any lab table.")
             return "\n".join(lines)
-        lines.append(f"Keys: {', '.join(f'`{k}`' for k in self.keys)}")
+        if len(self.copies) > 1:
+            lines.append("**Copies:**")
+            lines.append("")
+            for c in self.copies[:MAX_COPIES_LISTED]:
+                where = f"{md_code(c.batch)} {md_code(c.key or c.path)}"
+                lines.append(f"- {where}: {md_code(c.line)}")
+            if len(self.copies) > MAX_COPIES_LISTED:
+                lines.append(f"- … and {len(self.copies) - MAX_COPIES_LISTED} more")
+            lines.append("")
+        if self.matched_by:
+            lines.append(f"Matched by: {', '.join(md_code(m) for m in self.matched_by)}")
+            lines.append("")
+        lines.append(f"Keys: {', '.join(md_code(k) for k in self.keys) or '*(none)*'}")
+        if self.keys_not_listed:
+            lines.append("")
+            lines.append(f"{self.keys_not_listed} more match(es) not listed: narrow the query.")
         lines.append("")
         for table, rows in self.tables.items():
-            lines.append(f"## {table} (Lance version {self.versions.get(table)})")
+            lines.append(f"## {md_code(table)} (Lance version {self.versions.get(table)})")
+            lines.append("")
             if not rows:
-                lines.append("_no rows_")
-            for row in rows:
-                lines.append("| column | value |")
-                lines.append("|---|---|")
-                for k, v in row.items():
-                    text = _jsonable(v) if not isinstance(v, str) else v
-                    text = str(text).replace("|", "\\|").replace("\n", " ")
-                    lines.append(f"| {k} | {text} |")
+                lines.append("*no rows*")
+                lines.append("")
+            for i, row in enumerate(rows[:MAX_ROWS_SHOWN], 1):
+                if len(rows) > 1:
+                    lines.append(f"Row {i} of {len(rows)}:")
+                    lines.append("")
+                for column, value in row.items():
+                    lines.append(f"- {md_code(column)}: {md_code(_display(value))}")
+                lines.append("")
+            if len(rows) > MAX_ROWS_SHOWN:
+                lines.append(f"{len(rows) - MAX_ROWS_SHOWN} more row(s): see the JSON form.")
                 lines.append("")
         return "\n".join(lines)
 
@@ -84,9 +227,49 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def _table_names(lab: Lab) -> list[str]:
-    import os
+def _display(v: Any) -> Any:
+    if v is None or isinstance(v, str):
+        return v
+    if isinstance(v, list | dict):
+        return json.dumps(v, default=_jsonable, ensure_ascii=False)
+    return _jsonable(v)
 
+
+# --------------------------------------------------------------------------- look-ups
+
+
+class _Snapshot:
+    """Every lab table opened once, at one version, for the whole audit."""
+
+    def __init__(self, lab: Lab) -> None:
+        self.lab = lab
+        self.datasets: dict[str, lance.LanceDataset] = {}
+        for table in _table_names(lab):
+            try:
+                self.datasets[table] = lab.dataset(table)
+            except (ValueError, OSError, FileNotFoundError):
+                continue
+
+    def read(self, table: str, flt: str, columns: Sequence[str] | None = None) -> list[dict]:
+        ds = self.datasets.get(table)
+        if ds is None:
+            return []
+        names = [
+            n
+            for n in (columns or ds.schema.names)
+            if n in ds.schema.names
+            and n not in _HIDDEN_COLUMNS
+            and not pa.types.is_binary(ds.schema.field(n).type)
+            and not pa.types.is_large_binary(ds.schema.field(n).type)
+        ]
+        return ds.to_table(columns=names, filter=flt).to_pylist()
+
+    def has(self, table: str, column: str) -> bool:
+        ds = self.datasets.get(table)
+        return ds is not None and column in ds.schema.names
+
+
+def _table_names(lab: Lab) -> list[str]:
     if "://" in lab.root:
         candidates = list(TABLE_ORDER)
     else:
@@ -95,37 +278,269 @@ def _table_names(lab: Lab) -> list[str]:
     return [t for t in candidates if lab.exists(t)]
 
 
-def resolve_keys(lab: Lab, query: str) -> list[str]:
-    """A sha256 key as is; otherwise look the URL / source id up in ``images`` and ``rejects``."""
+def _is_key(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text.lower())
+
+
+def _chunk_stem(name: str) -> str:
+    for suffix in (*ARCHIVE_SUFFIXES, *MANIFEST_SUFFIXES):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def path_conditions(query: str, landing: Path | None = None) -> list[tuple[str, str]]:
+    """(description, Lance predicate on ``batch``/``path``) for each way ``query`` can be a
+    file's path: ``<source>/<chunk>/<path>`` under the landing zone (absolute or relative),
+    ``<source>/<path>`` for a manifest row, or the path inside a batch."""
+    text = query.strip()
+    if landing is not None:
+        # Literally, without normalising: a refused member's path may hold "..".
+        for prefix in dict.fromkeys((str(landing), str(Path(landing).resolve()))):
+            if text.startswith(prefix.rstrip("/") + "/"):
+                text = text[len(prefix.rstrip("/")) + 1 :]
+                break
+    text = text.removeprefix("./")
+    out = [("path in batch", f"path = {sql_literal(text)}")]
+    parts = text.split("/")
+    if len(parts) >= 2 and all(parts[:2]):
+        source, rest = parts[0], "/".join(parts[1:])
+        prefix = batch_key(source, "x")[:-1]  # "<safe source>."
+        out.append(
+            (
+                "landing path (manifest)",
+                f"starts_with(batch, {sql_literal(prefix)}) AND path = {sql_literal(rest)}",
+            )
+        )
+    if len(parts) >= 3 and all(parts[:2]):
+        batch = batch_key(parts[0], _chunk_stem(parts[1]))
+        inner = "/".join(parts[2:])
+        out.append(
+            ("landing path", f"batch = {sql_literal(batch)} AND path = {sql_literal(inner)}")
+        )
+    return out
+
+
+@dataclass
+class _Matches:
+    keys: set[str] = field(default_factory=set)
+    rejects: list[dict[str, Any]] = field(default_factory=list)
+    matched_by: list[str] = field(default_factory=list)
+
+
+def _resolve(snap: _Snapshot, query: str, landing: Path | None) -> _Matches:
     q = query.strip()
-    if len(q) == 64 and all(c in "0123456789abcdef" for c in q.lower()):
-        return [q.lower()]
-    keys: set[str] = set()
-    if lab.exists("images"):
-        flt = f"url = {sql_literal(q)} OR source_id = {sql_literal(q)} OR path = {sql_literal(q)}"
-        keys |= set(lab.read("images", ["key"], flt).column("key").to_pylist())
-    return sorted(keys)
+    m = _Matches()
+
+    def image_keys(how: str, flt: str) -> None:
+        keys = {r["key"] for r in snap.read("images", flt, ["key"])}
+        if keys:
+            m.keys |= keys
+            m.matched_by.append(how)
+
+    if not q:
+        return m
+    if _is_key(q):
+        m.keys.add(q.lower())
+        m.matched_by.append("content key")
+        return m
+    if q.lower().startswith(("http://", "https://")):
+        image_keys("url", f"url = {sql_literal(q)}")
+    if ":" in q:
+        source, sid = (p.strip() for p in q.split(":", 1))
+        if source and sid:
+            image_keys(
+                "source:id", f"source = {sql_literal(source)} AND source_id = {sql_literal(sid)}"
+            )
+    image_keys("source id", f"source_id = {sql_literal(q)}")
+    for how, flt in path_conditions(q, landing):
+        image_keys(how, flt)
+        rejected = [r for r in snap.read("rejects", flt) if r not in m.rejects]
+        if rejected:
+            m.rejects += rejected
+            m.matched_by.append(f"{how} (rejects)")
+            m.keys |= {r["key"] for r in rejected if r.get("key")}
+    return m
 
 
-def audit_image(lab: Lab, query: str) -> AuditTrail:
-    keys = resolve_keys(lab, query)
-    trail = AuditTrail(query=query, keys=keys)
-    if not keys:
-        return trail
-    for table in _table_names(lab):
-        ds = lab.dataset(table)
-        names = [n for n in ds.schema.names if n not in _HIDDEN_COLUMNS]
-        key_column = next((c for c in KEY_COLUMNS if c in ds.schema.names), None)
-        if key_column is None:
-            continue
-        key_filter = " OR ".join(f"{key_column} = {sql_literal(k)}" for k in keys)
-        columns = [
-            n
-            for n in names
-            if not pa.types.is_binary(ds.schema.field(n).type)
-            and not pa.types.is_large_binary(ds.schema.field(n).type)
+def _rows_by_key(snap: _Snapshot, table: str, keys: Iterable[str]) -> list[dict[str, Any]]:
+    column = next((c for c in KEY_COLUMNS if snap.has(table, c)), None)
+    keys = sorted(set(keys))
+    if column is None or not keys:
+        return []
+    return snap.read(table, in_list(column, keys))
+
+
+# --------------------------------------------------------------------------- verdicts
+
+
+def _when(value: Any) -> str:
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is not None:
+            value = value.astimezone(dt.UTC)
+        return value.strftime("%Y-%m-%d %H:%M:%S UTC")
+    return "an unrecorded time"
+
+
+def _slot(row: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    return row.get("relative_dir"), row.get("shard"), row.get("index_in_shard")
+
+
+def _one(rows: Sequence[Mapping[str, Any]], batch: str, key: str) -> dict[str, Any] | None:
+    for r in rows:
+        if r.get("batch") == batch and r.get("key") == key:
+            return dict(r)
+    return None
+
+
+def _reason_text(
+    reason: str,
+    skip: Mapping[str, Any],
+    rows: Mapping[str, Sequence[Mapping[str, Any]]],
+    batch: str,
+    key: str,
+    keeper: str | None,
+) -> str:
+    details: list[str] = []
+    if reason == "opt_out":
+        lists = skip.get("opt_out_list_ids") or []
+        if lists:
+            details.append(("list " if len(lists) == 1 else "lists ") + ", ".join(lists))
+    elif reason == "duplicate":
+        if keeper:
+            details.append(keeper)
+    elif reason.startswith("class_"):
+        if skip.get("class_label"):
+            details.append(f"label {skip['class_label']}")
+    elif reason == "pending":
+        missing = [
+            what
+            for table, what in (("caption_classes", "class label"), ("phash_clusters", "dedup"))
+            if _one(rows.get(table, ()), batch, key) is None
         ]
-        rows = ds.to_table(columns=columns, filter=key_filter).to_pylist()
-        trail.tables[table] = rows
-        trail.versions[table] = ds.version
+        if missing:
+            details.append("waiting for " + " and ".join(missing))
+    for column, value in skip.items():
+        if column in _SKIP_CORE_COLUMNS or not column.startswith(reason) or value in (None, [], ""):
+            continue
+        shown = ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+        details.append(f"{column} {shown}")
+    return f"{reason} ({'; '.join(details)})" if details else reason
+
+
+def _copy_verdict(
+    snap: _Snapshot,
+    rows: Mapping[str, Sequence[Mapping[str, Any]]],
+    batch: str,
+    key: str,
+    path: str | None,
+    describe_keeper: bool = True,
+) -> CopyVerdict:
+    def verdict(status: str, line: str) -> CopyVerdict:
+        return CopyVerdict(batch, key, path, status, line)
+
+    placed = _one(rows.get("shard_samples", ()), batch, key)
+    skip = _one(rows.get("skip_audit", ()), batch, key)
+    if placed is not None:
+        loc = f"{placed['relative_dir']}/{placed['shard']} #{placed['index_in_shard']}"
+        if skip is None:
+            return verdict(
+                UNDECIDED,
+                f"undecided: sharded at {loc}, but no skip decision is recorded "
+                f"(run skip_lists for {batch})",
+            )
+        if _slot(skip) != _slot(placed):
+            return verdict(
+                UNDECIDED,
+                f"undecided: sharded at {loc}, but the recorded skip decision is about an "
+                f"earlier shard layout (rerun skip_lists for {batch})",
+            )
+        if not skip.get("excluded"):
+            return verdict(IN_TRAINING, f"in training: {loc}")
+        reasons = list(skip.get("reasons") or []) or ["unknown"]
+        keeper = None
+        if "duplicate" in reasons and describe_keeper:
+            keeper = _keeper_text(snap, rows, skip, batch, key)
+        texts = [_reason_text(r, skip, rows, batch, key, keeper) for r in reasons]
+        since = _when(skip.get("first_excluded_at") or skip.get("decided_at"))
+        return verdict(EXCLUDED, f"not in training since {since}: {', '.join(texts)}")
+    stale = " (a skip decision from an earlier shard layout remains)" if skip else ""
+    resolution = _one(rows.get("resolution", ()), batch, key)
+    if resolution is None:
+        why = f"not profiled yet (resolution_profile has not run for {batch})"
+    elif not resolution.get("eligible"):
+        why = f"ineligible ({resolution.get('ineligible_reason') or 'no reason recorded'})"
+    elif _one(rows.get("bucket_assignments", ()), batch, key) is None:
+        why = f"unassigned (bucket_assignments has not run for {batch})"
+    else:
+        caption = _one(rows.get("captions", ()), batch, key)
+        if caption is None:
+            why = "no_caption (no caption row)"
+        elif not (caption.get("caption") or "").strip():
+            why = "no_caption (the caption is empty)"
+        else:
+            why = f"not written (mds_shards has not run for {batch} since, or rendering failed)"
+    return verdict(NEVER_SHARDED, f"never sharded: {why}{stale}")
+
+
+def _keeper_text(
+    snap: _Snapshot,
+    rows: Mapping[str, Sequence[Mapping[str, Any]]],
+    skip: Mapping[str, Any],
+    batch: str,
+    key: str,
+) -> str:
+    """The keeper (the copy training keeps instead) and whether it is in training."""
+    cluster = _one(rows.get("phash_clusters", ()), batch, key) or {}
+    keeper_key = skip.get("duplicate_of") or cluster.get("keeper_key")
+    if not keeper_key:
+        return "keeper not recorded"
+    keeper_batch = skip.get("duplicate_of_batch") or (
+        cluster.get("keeper_batch") if cluster.get("keeper_key") == keeper_key else None
+    )
+    keeper_rows = {t: _rows_by_key(snap, t, [keeper_key]) for t in _VERDICT_TABLES}
+    batches = sorted({r["batch"] for r in keeper_rows["images"]})
+    if keeper_batch is None and batches:
+        keeper_batch = batches[0]
+    if keeper_batch is None or keeper_batch not in batches:
+        return f"keeper {keeper_key} is in no batch of the lab"
+    kept = _copy_verdict(snap, keeper_rows, keeper_batch, keeper_key, None, describe_keeper=False)
+    return f"keeper {keeper_key} of {keeper_batch} {kept.line}"
+
+
+def _verdicts(snap: _Snapshot, trail: AuditTrail) -> list[CopyVerdict]:
+    copies: list[CopyVerdict] = []
+    for image in trail.tables.get("images", ()):
+        copies.append(
+            _copy_verdict(snap, trail.tables, image["batch"], image["key"], image.get("path"))
+        )
+    for reject in trail.tables.get("rejects", ()):
+        detail = reject.get("detail")
+        line = f"rejected at ingest: {reject['reason']}" + (f" ({detail})" if detail else "")
+        copies.append(
+            CopyVerdict(reject["batch"], reject.get("key"), reject["path"], REJECTED, line)
+        )
+    return sorted(copies, key=lambda c: (_RANK[c.status], c.batch, c.key or "", c.path or ""))
+
+
+def audit_image(lab: Lab, query: str, landing: Path | str | None = None) -> AuditTrail:
+    """The trail of the image(s) ``query`` names, with one verdict per copy."""
+    snap = _Snapshot(lab)
+    matches = _resolve(snap, query, Path(landing) if landing is not None else None)
+    keys = sorted(matches.keys)
+    trail = AuditTrail(query=query, keys=keys[:MAX_KEYS], matched_by=matches.matched_by)
+    rejects = sorted(matches.rejects, key=lambda r: (r["batch"], r["path"]))
+    matches.rejects = rejects[:MAX_KEYS]
+    trail.keys_not_listed = max(0, len(keys) - MAX_KEYS) + max(0, len(rejects) - MAX_KEYS)
+    if not keys and not matches.rejects:
+        return trail
+    for table, ds in snap.datasets.items():
+        rows = _rows_by_key(snap, table, trail.keys)
+        if table == "rejects":
+            seen = {(r["batch"], r["path"]) for r in rows}
+            rows += [r for r in matches.rejects if (r["batch"], r["path"]) not in seen]
+        if rows or any(snap.has(table, c) for c in KEY_COLUMNS):
+            trail.tables[table] = rows
+            trail.versions[table] = ds.version
+    trail.copies = _verdicts(snap, trail)
     return trail

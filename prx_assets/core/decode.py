@@ -13,9 +13,15 @@ Policy (also in the README, "Decoding and bad input"):
   Pillow's own "image file is truncated" message (LOAD_TRUNCATED_IMAGES stays off).
 - EXIF orientation is applied; width/height are reported after orientation.
 - Animated images: the first frame is used and the frame count is recorded.
-- Colour: CMYK and YCbCr convert to RGB; 16/32-bit greyscale is scaled to 8 bit by
-  its full range; palette images are expanded; alpha is composited onto white
-  (a transparent product cut-out should look like a cut-out on white, not on black).
+- Colour: CMYK and YCbCr convert to RGB; palette images are expanded; alpha is composited
+  onto white (a transparent product cut-out should look like a cut-out on white, not on
+  black).
+- High bit depth greyscale is scaled by its bit depth, never stretched by the image's own
+  range (a constant mid grey stays mid grey, a dark ramp stays dark):
+  16-bit (modes ``I;16``, ``I;16L``, ``I;16B``, ``I;16N``): ``v * 255 / 65535``, rounded
+  half up. Mode ``I`` (32-bit integers; how some decoders hand over 16-bit samples) is read
+  on the same 16-bit scale, values outside 0..65535 clipped. Mode ``F`` (32-bit floats) is
+  read as 0..1: clipped to that range, NaN as 0, then ``* 255`` rounded half up.
 """
 
 from __future__ import annotations
@@ -88,9 +94,12 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
                 "format_not_allowed", f"{fmt} is not an accepted photo format"
             ) from None
         raise DecodeRejected("not_an_image", "no image decoder recognises these bytes") from None
-    except Image.DecompressionBombError as exc:
-        # Pillow's own header check (at twice its limit) fired first; same outcome.
-        raise DecodeRejected("decompression_bomb", f"{exc} (checked before decoding)") from None
+    except Image.DecompressionBombError:
+        # Pillow's own header check (at twice its limit) fired first; same outcome, and the
+        # detail names the limit that applies, not Pillow's 2x threshold (179 MP).
+        limit = min(max_pixels, 2 * Image.MAX_IMAGE_PIXELS)
+        detail = f"more pixels than the limit of {limit} px (checked before decoding)"
+        raise DecodeRejected("decompression_bomb", detail) from None
     except Exception as exc:  # noqa: BLE001 - malformed headers raise many types
         raise DecodeRejected("corrupt_header", f"{type(exc).__name__}: {exc}") from None
     w, h = img.size
@@ -112,6 +121,25 @@ def _orientation(img: Image.Image) -> int:
     return value if 1 <= value <= 8 else 1
 
 
+HIGH_BIT_DEPTH_MODES: tuple[str, ...] = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
+_ROWS_PER_STEP = 512  # rows converted at a time: a 89 MP image never needs a 64-bit copy
+
+
+def _high_bit_depth_to_l(img: Image.Image) -> Image.Image:
+    """8-bit greyscale by bit depth (the rule in the module docstring), in row blocks."""
+    arr = np.asarray(img)
+    out = np.empty(arr.shape, np.uint8)
+    for start in range(0, arr.shape[0], _ROWS_PER_STEP):
+        block = arr[start : start + _ROWS_PER_STEP]
+        if img.mode == "F":
+            unit = np.clip(np.nan_to_num(block.astype(np.float64), nan=0.0), 0.0, 1.0)
+            out[start : start + _ROWS_PER_STEP] = np.floor(unit * 255.0 + 0.5)
+        else:
+            v = np.clip(block, 0, 65535).astype(np.uint32)
+            out[start : start + _ROWS_PER_STEP] = (v * 255 + 32767) // 65535
+    return Image.fromarray(out, "L")
+
+
 def to_rgb(img: Image.Image) -> tuple[Image.Image, str]:
     """Convert a decoded frame to 8-bit RGB by the documented policy."""
     mode = img.mode
@@ -119,12 +147,8 @@ def to_rgb(img: Image.Image) -> tuple[Image.Image, str]:
         return img, "none"
     if mode in ("CMYK", "YCbCr", "LAB", "HSV"):
         return img.convert("RGB"), mode.lower()
-    if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
-        arr = np.asarray(img, dtype=np.float64)
-        lo, hi = float(arr.min()), float(arr.max())
-        scale = 255.0 / (hi - lo) if hi > lo else 0.0
-        arr8 = np.clip((arr - lo) * scale + 0.5, 0, 255).astype(np.uint8)
-        return Image.fromarray(arr8, "L").convert("RGB"), "high_bit_depth_to_8bit"
+    if mode in HIGH_BIT_DEPTH_MODES:
+        return _high_bit_depth_to_l(img).convert("RGB"), "high_bit_depth_to_8bit"
     if mode == "P":
         has_alpha = "transparency" in img.info
         img = img.convert("RGBA" if has_alpha else "RGB")
@@ -186,7 +210,7 @@ def _conversion_for_mode(mode: str, palette_alpha: bool) -> tuple[str, str]:
         return mode, "none"
     if mode in ("CMYK", "YCbCr", "LAB", "HSV"):
         return mode, mode.lower()
-    if mode.startswith("I") or mode == "F":
+    if mode in HIGH_BIT_DEPTH_MODES:
         return mode, "high_bit_depth_to_8bit"
     if mode == "P":
         return mode, "alpha_on_white" if palette_alpha else "palette"

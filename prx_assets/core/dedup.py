@@ -99,6 +99,13 @@ def _strings(table: pa.Table, name: str) -> np.ndarray:
     return values.astype(str) if len(values) else np.empty(0, dtype="U1")
 
 
+def keeper_order(pixels: int, file_size: int, key: str, batch: str) -> tuple[int, int, str, str]:
+    """Sort key of the keeper rule (the smallest sorts first): most pixels, then larger file,
+    then smaller key, then smaller batch; the order :func:`decide` ranks a cluster in. The
+    skip policy walks a cluster in this order to find its training copy."""
+    return (-int(pixels), -int(file_size), key, batch)
+
+
 def decide(rows: pa.Table, settings: DedupSettings) -> pa.Table:
     """Cluster ``rows`` (whole clusters, columns ``HASH_COLUMNS``) and apply the keeper rule.
 
@@ -128,7 +135,7 @@ def decide(rows: pa.Table, settings: DedupSettings) -> pa.Table:
     else:
         clusters = cluster_radius(hashes, settings.radius, singletons=low)
     cl = clusters.cluster_of.astype(np.int64)
-    # Per cluster, the first in this order is the keeper.
+    # Per cluster, the first in this order is the keeper (the order of keeper_order).
     order = np.lexsort((batches, keys, -sizes, -pixels, cl))
     starts = np.flatnonzero(np.r_[True, cl[order][1:] != cl[order][:-1]]) if n else order[:0]
     counts = np.diff(np.r_[starts, n])
@@ -361,6 +368,14 @@ def _cluster_members(
         for part in _chunks(cluster_ids, chunk)
     ]
     return _concat(parts, PHASH_CLUSTERS.schema, columns)
+
+
+def cluster_members(
+    lab: Lab, cluster_ids: Iterable[str], columns: Sequence[str], chunk: int = DEFAULT_LOOKUP_CHUNK
+) -> pa.Table:
+    """Stored ``phash_clusters`` rows of these clusters, every batch (``cluster_id`` BTREE)."""
+    ids = sorted(set(cluster_ids))
+    return _cluster_members(lab, ids, list(columns), "cluster_id IS NOT NULL", chunk)
 
 
 def lookup_by_hashes(

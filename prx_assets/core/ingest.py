@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from prx_assets.core.decode import DEFAULT_MAX_PIXELS, DecodeRejected, inspect_image
-from prx_assets.core.sources import BatchRef, Candidate, iter_candidates
+from prx_assets.core.sources import DEFAULT_MAX_FILE_BYTES, BatchRef, Candidate, iter_candidates
 from prx_assets.core.tables import IMAGES, REJECTS
+from prx_assets.core.text import bound_text, quote_bounded
 
 ROWS_PER_RECORD_BATCH = 256
+BYTES_PER_RECORD_BATCH = 64 * 1024 * 1024  # a record batch also ends at this many image bytes
 
 
 @dataclass
@@ -41,12 +43,17 @@ class IngestStats:
 
 
 def _chunks(rows: Iterator[dict], schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """Record batches of at most ROWS_PER_RECORD_BATCH rows or about BYTES_PER_RECORD_BATCH
+    image bytes, so memory holds a bounded slice of the batch whatever its files weigh."""
     buf: list[dict] = []
+    held = 0
     for row in rows:
         buf.append(row)
-        if len(buf) >= ROWS_PER_RECORD_BATCH:
+        held += row.get("file_size") or 0
+        if len(buf) >= ROWS_PER_RECORD_BATCH or held >= BYTES_PER_RECORD_BATCH:
             yield pa.RecordBatch.from_pylist(buf, schema=schema)
             buf = []
+            held = 0
     if buf:
         yield pa.RecordBatch.from_pylist(buf, schema=schema)
 
@@ -59,9 +66,15 @@ class BatchIngest:
     once that stream has been consumed.
     """
 
-    def __init__(self, ref: BatchRef, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+    def __init__(
+        self,
+        ref: BatchRef,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    ) -> None:
         self.ref = ref
         self.max_pixels = max_pixels
+        self.max_file_bytes = max_file_bytes
         self.stats = IngestStats()
         self._reject_rows: list[dict] = []
         self._seen_paths: set[str] = set()
@@ -85,17 +98,17 @@ class BatchIngest:
                 "batch": self.ref.key,
                 "path": path,
                 "reason": reason,
-                "detail": detail,
+                "detail": bound_text(detail),  # decoder messages included: bounded
                 "source": c.source,
                 "key": key,
-                "file_size": len(c.data) if c.data is not None else None,
+                "file_size": len(c.data) if c.data is not None else c.size,
             }
         )
 
     def _accepted_rows(self) -> Iterator[dict]:
         stats = self.stats
         first_path_of_key: dict[str, str] = {}
-        for c in iter_candidates(self.ref):
+        for c in iter_candidates(self.ref, self.max_file_bytes):
             stats.seen += 1
             if c.error is not None or c.data is None:
                 reason, detail = c.error or ("unreadable", "no bytes")
@@ -106,12 +119,14 @@ class BatchIngest:
                 self._reject(
                     c,
                     "duplicate_bytes_in_batch",
-                    f"same bytes as {first_path_of_key[key]!r} in this batch",
+                    f"same bytes as {quote_bounded(first_path_of_key[key])} in this batch",
                     key,
                 )
                 continue
             if c.path in self._seen_paths:
-                self._reject(c, "duplicate_path", f"{c.path!r} appears twice in the batch", key)
+                self._reject(
+                    c, "duplicate_path", f"{quote_bounded(c.path)} appears twice in the batch", key
+                )
                 continue
             try:
                 info = inspect_image(c.data, max_pixels=self.max_pixels)

@@ -32,6 +32,14 @@ Identifier kinds (a bare identifier's kind is detected in this order):
   and that source's own id (``images.source_id``), split at the first ``:``. In CSV/parquet a
   ``source`` column may give the source separately (then the id may contain ``:``).
 
+Limits (so a hostile or broken file cannot bloat a sensor tick): a list file is parsed as a
+stream, never read whole. A file over ``DEFAULT_MAX_LIST_BYTES`` (64 MiB; the opt-out
+resource's ``max_list_bytes``) is rejected as ``too_large`` by its size, before a byte is
+parsed (for parquet the uncompressed identifier columns count too); split bigger lists. A
+txt/CSV line or a parquet cell over ``DEFAULT_MAX_LINE_BYTES`` (64 KiB; ``max_line_bytes``)
+rejects the list as ``entry_too_long`` without being held whole. Every rejection reason
+quotes at most 200 characters of an entry and counts the rest (``text.quote_bounded``).
+
 A file with any malformed entry is rejected as a whole (nothing of it is applied), with the
 reason recorded in ``opt_out_lists`` (status ``rejected``); later lists are unaffected. Fix
 the file and drop it again: a list is identified by its file name and the sha256 of its
@@ -44,19 +52,23 @@ from __future__ import annotations
 import csv
 import hashlib
 import io
+import os
 import re
+import stat
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
 import lance
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from prx_assets.core.lab import Lab, TableSpec, in_list, sql_literal
+from prx_assets.core.text import bound_text, printable_name, quote_bounded, read_lines
 
 KIND_KEY = "key"
 KIND_URL = "url"
@@ -67,6 +79,9 @@ STATUS_ACCEPTED = "accepted"
 STATUS_REJECTED = "rejected"
 LOOKUP_CHUNK = 512  # values per ``IN (...)`` probe: each is one scalar-index lookup
 MAX_REPORTED = 5  # malformed entries quoted in a rejection reason
+DEFAULT_MAX_LIST_BYTES = 64 * 1024 * 1024  # one list file; larger lists are split
+DEFAULT_MAX_LINE_BYTES = 64 * 1024  # one txt/CSV line, one parquet cell
+PARQUET_BATCH_ROWS = 4096
 
 # Images are looked up by these columns; key is indexed by the images table spec already.
 IMAGE_LOOKUP_INDEXES: tuple[tuple[str, str], ...] = (
@@ -132,9 +147,14 @@ OPT_OUT_LISTS = TableSpec(
 
 
 class OptOutListError(ValueError):
-    """A list file that cannot be applied; ``code`` is a stable reason, the text the details."""
+    """A list file that cannot be applied; ``code`` is a stable reason, the text the details.
+
+    The details are bounded (``text.bound_text``): whatever a file holds, its rejection
+    reason, its ``opt_out_lists`` row and its log line stay small.
+    """
 
     def __init__(self, code: str, message: str) -> None:
+        message = bound_text(message)
         super().__init__(message)
         self.code = code
         self.message = message
@@ -167,19 +187,19 @@ class OptOutList:
 
 def content_key(text: str) -> OptOutIdentifier:
     if not _KEY_RE.match(text):
-        raise ValueError(f"{text!r} is not a content key (64 hex digits of sha256)")
+        raise ValueError(f"{quote_bounded(text)} is not a content key (64 hex digits of sha256)")
     return OptOutIdentifier(KIND_KEY, text.lower())
 
 
 def url_identifier(text: str) -> OptOutIdentifier:
     if any(c.isspace() for c in text):
-        raise ValueError(f"{text!r} is not a URL (contains whitespace)")
+        raise ValueError(f"{quote_bounded(text)} is not a URL (contains whitespace)")
     try:
         parts = urlsplit(text)
     except ValueError as exc:
-        raise ValueError(f"{text!r} is not a valid URL ({exc})") from None
+        raise ValueError(f"{quote_bounded(text)} is not a valid URL ({exc})") from None
     if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"{text!r} is not an http(s) URL with a host")
+        raise ValueError(f"{quote_bounded(text)} is not an http(s) URL with a host")
     return OptOutIdentifier(KIND_URL, text)
 
 
@@ -187,15 +207,21 @@ def source_identifier(source: str | None, sid: str) -> OptOutIdentifier:
     """``source:id`` (``source`` None) or a separate source; the id keeps any later ``:``."""
     if source is None:
         if ":" not in sid:
-            raise ValueError(f"{sid!r} is a source id without its source: write 'source:id'")
+            raise ValueError(
+                f"{quote_bounded(sid)} is a source id without its source: write 'source:id'"
+            )
         source, sid = sid.split(":", 1)
     source, sid = source.strip(), sid.strip()
     if not source or any(c.isspace() for c in source) or "/" in source:
-        raise ValueError(f"source {source!r} must be a non-empty name without spaces or '/'")
+        raise ValueError(
+            f"source {quote_bounded(source)} must be a non-empty name without spaces or '/'"
+        )
     if not sid:
-        raise ValueError(f"source id for source {source!r} is empty")
+        raise ValueError(f"source id for source {quote_bounded(source)} is empty")
     if sid.startswith("//"):
-        raise ValueError(f"'{source}:{sid}' looks like a URL; only http(s) URLs are accepted")
+        raise ValueError(
+            f"{quote_bounded(f'{source}:{sid}')} looks like a URL; only http(s) URLs are accepted"
+        )
     return OptOutIdentifier(KIND_SOURCE_ID, f"{source}:{sid}", source, sid)
 
 
@@ -212,7 +238,7 @@ def parse_identifier(text: str) -> OptOutIdentifier:
     if ":" in text:
         return source_identifier(None, text)
     raise ValueError(
-        f"{text!r} is not a content key (64 hex), an http(s) URL or a 'source:id' pair"
+        f"{quote_bounded(text)} is not a content key (64 hex), an http(s) URL or a 'source:id' pair"
     )
 
 
@@ -244,53 +270,103 @@ def discover_lists(directory: str | Path) -> list[Path]:
     return sorted(p for p in directory.iterdir() if p.is_file() and is_candidate(p.name))
 
 
+def _open_list(path: str | Path) -> BinaryIO:
+    """Open a list file for reading; a FIFO or directory swapped in is refused, not waited on."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OptOutListError(
+                "not_a_file", f"{printable_name(os.fsencode(path))} is not a regular file"
+            )
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def file_sha256(path: str | Path) -> str:
+    """sha256 of a file, read in 1 MiB blocks (any size, bounded memory)."""
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
+    with _open_list(path) as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
 
 
 def make_list_id(name: str, sha256: str) -> str:
-    """A list is its file name plus its content hash: editing a file makes a new list."""
-    return f"{name}@{sha256[:16]}"
+    """A list is its file name plus its content hash: editing a file makes a new list.
+
+    The name is written by the printable rule (``text.printable_name``), so a name that is
+    not UTF-8 or holds control characters still makes a valid, loggable id."""
+    return f"{printable_name(name)}@{sha256[:16]}"
 
 
-def _decode(data: bytes, path: str) -> str:
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise OptOutListError(
-            "bad_encoding",
-            f"{path} is not UTF-8 (byte {exc.start}: {data[exc.start : exc.start + 1]!r})",
-        ) from None
+class _Problems:
+    """Malformed entries of a list: the first ``MAX_REPORTED`` quoted, the rest counted."""
+
+    def __init__(self) -> None:
+        self.shown: list[str] = []
+        self.count = 0
+
+    def add(self, message: str) -> None:
+        self.count += 1
+        if len(self.shown) < MAX_REPORTED:
+            self.shown.append(bound_text(message, 400))
 
 
-def _finish(path: str, fmt: str, found: list[OptOutIdentifier], bad: list[str]) -> OptOutList:
-    if bad:
-        shown = "; ".join(bad[:MAX_REPORTED])
-        more = f" (and {len(bad) - MAX_REPORTED} more)" if len(bad) > MAX_REPORTED else ""
+def _finish(path: str, fmt: str, found: Iterable[OptOutIdentifier], bad: _Problems) -> OptOutList:
+    if bad.count:
+        shown = "; ".join(bad.shown)
+        more = f" (and {bad.count - len(bad.shown)} more)" if bad.count > len(bad.shown) else ""
         raise OptOutListError(
             "bad_identifier",
-            f"{path}: {len(bad)} malformed entr{'y' if len(bad) == 1 else 'ies'}: {shown}{more}",
+            f"{path}: {bad.count} malformed entr{'y' if bad.count == 1 else 'ies'}: {shown}{more}",
         )
-    if not found:
+    identifiers = tuple(sorted(set(found)))
+    if not identifiers:
         raise OptOutListError("empty", f"{path} holds no identifiers")
-    return OptOutList(path=path, format=fmt, identifiers=tuple(sorted(set(found))))
+    return OptOutList(path=path, format=fmt, identifiers=identifiers)
 
 
-def parse_txt(data: bytes, path: str = "<txt>") -> OptOutList:
+def _text_lines(stream: BinaryIO, path: str, max_line_bytes: int) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a UTF-8 stream, a BOM dropped; a line over the cap or bytes that
+    are not UTF-8 reject the list (bounded reason, the line never held whole)."""
+    for line in read_lines(stream, max_line_bytes):
+        data = line.data
+        if line.number == 1 and data.startswith(b"\xef\xbb\xbf"):
+            data = data[3:]
+        if line.truncated:
+            start = data.decode("utf-8", "replace")
+            raise OptOutListError(
+                "entry_too_long",
+                f"{path}: line {line.number} is {line.total_chars:,} characters, over the "
+                f"{max_line_bytes:,}-byte line limit: "
+                f"{quote_bounded(start, total=line.total_chars)}",
+            )
+        try:
+            yield line.number, data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise OptOutListError(
+                "bad_encoding",
+                f"{path} is not UTF-8 (line {line.number}, byte {exc.start} of the line: "
+                f"{data[exc.start : exc.start + 1]!r})",
+            ) from None
+
+
+def parse_txt(
+    data: bytes | BinaryIO, path: str = "<txt>", max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+) -> OptOutList:
+    stream = io.BytesIO(data) if isinstance(data, bytes | bytearray) else data
     found: list[OptOutIdentifier] = []
-    bad: list[str] = []
-    for lineno, line in enumerate(_decode(data, path).splitlines(), start=1):
+    bad = _Problems()
+    for lineno, line in _text_lines(stream, path, max_line_bytes):
         text = _COMMENT_RE.sub("", line).strip()
         if not text:
             continue
         try:
             found.append(parse_identifier(text))
         except ValueError as exc:
-            bad.append(f"line {lineno}: {exc}")
+            bad.add(f"line {lineno}: {exc}")
     return _finish(path, "txt", found, bad)
 
 
@@ -303,7 +379,9 @@ def _column_roles(names: Sequence[str], path: str) -> tuple[dict[str, str], str 
         norm = (name or "").strip().lower()
         if norm in seen:
             raise OptOutListError(
-                "bad_header", f"{path}: columns {seen[norm]!r} and {name!r} are the same column"
+                "bad_header",
+                f"{path}: columns {quote_bounded(seen[norm])} and {quote_bounded(name)} are "
+                "the same column",
             )
         seen[norm] = name
         if norm in _COLUMN_KINDS:
@@ -311,102 +389,252 @@ def _column_roles(names: Sequence[str], path: str) -> tuple[dict[str, str], str 
         elif norm == _SOURCE_COLUMN:
             source_col = name
     if not roles:
+        shown = ", ".join(quote_bounded(n, 60) for n in list(names)[:20])
+        more = f" and {len(names) - 20} more" if len(names) > 20 else ""
         raise OptOutListError(
             "no_identifier_column",
-            f"{path}: no identifier column in {list(names)}; expected one of "
+            f"{path}: no identifier column in [{shown}{more}]; expected one of "
             f"{sorted(_COLUMN_KINDS)}",
         )
     return roles, source_col
 
 
-def _rows_to_identifiers(
-    rows: Iterable[tuple[str, Mapping[str, Any]]],
+def _row_identifiers(
+    where: str,
+    row: Mapping[str, Any],
     roles: Mapping[str, str],
     source_col: str | None,
-) -> tuple[list[OptOutIdentifier], list[str]]:
+    found: list[OptOutIdentifier],
+    bad: _Problems,
+) -> None:
+    source = row.get(source_col) if source_col else None
+    source = source.strip() if isinstance(source, str) and source.strip() else None
+    n = 0
+    for column, kind in roles.items():
+        cell = row.get(column)
+        if cell is None or not str(cell).strip():
+            continue
+        n += 1
+        try:
+            found.append(_by_kind(kind, str(cell).strip(), source))
+        except ValueError as exc:
+            bad.add(f"{where}, column {quote_bounded(column, 60)}: {exc}")
+    if n == 0:
+        bad.add(f"{where}: no identifier in any of {sorted(roles)}")
+
+
+def parse_csv(
+    data: bytes | BinaryIO, path: str = "<csv>", max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+) -> OptOutList:
+    stream = io.BytesIO(data) if isinstance(data, bytes | bytearray) else data
     found: list[OptOutIdentifier] = []
-    bad: list[str] = []
-    for where, row in rows:
-        source = row.get(source_col) if source_col else None
-        source = source.strip() if isinstance(source, str) and source.strip() else None
-        n = 0
-        for column, kind in roles.items():
-            cell = row.get(column)
-            if cell is None or not str(cell).strip():
-                continue
-            n += 1
-            try:
-                found.append(_by_kind(kind, str(cell).strip(), source))
-            except ValueError as exc:
-                bad.append(f"{where}, column {column!r}: {exc}")
-        if n == 0:
-            bad.append(f"{where}: no identifier in any of {sorted(roles)}")
-    return found, bad
-
-
-def parse_csv(data: bytes, path: str = "<csv>") -> OptOutList:
-    text = _decode(data, path)
+    bad = _Problems()
+    lines = (text + "\n" for _, text in _text_lines(stream, path, max_line_bytes))
     try:
-        reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+        reader = csv.reader(lines, strict=True)
         header = next(reader, None)
         if header is None:
             raise OptOutListError("empty", f"{path} is empty (a header row is required)")
         roles, source_col = _column_roles(header, path)
-        rows: list[tuple[str, dict[str, str]]] = []
-        bad_shape: list[str] = []
         for cells in reader:
             if not any(c.strip() for c in cells):
                 continue  # blank line
             where = f"line {reader.line_num}"
             if len(cells) != len(header):
-                bad_shape.append(f"{where}: {len(cells)} fields, the header has {len(header)}")
+                bad.add(f"{where}: {len(cells)} fields, the header has {len(header)}")
                 continue
-            rows.append((where, dict(zip(header, cells, strict=True))))
+            row = dict(zip(header, cells, strict=True))
+            _row_identifiers(where, row, roles, source_col, found, bad)
     except csv.Error as exc:
         raise OptOutListError("unreadable", f"{path}: not valid CSV ({exc})") from None
-    found, bad = _rows_to_identifiers(rows, roles, source_col)
-    return _finish(path, "csv", found, bad_shape + bad)
+    return _finish(path, "csv", found, bad)
 
 
-def parse_parquet(data: bytes, path: str = "<parquet>") -> OptOutList:
+def parse_parquet(
+    data: bytes | BinaryIO,
+    path: str = "<parquet>",
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
+) -> OptOutList:
+    """Parquet in record batches. Besides the file's own size, the uncompressed size of its
+    identifier columns must stay under ``max_list_bytes`` (a compressed column is read whole
+    page by page), and no cell may be longer than ``max_line_bytes``."""
+    source = pa.BufferReader(data) if isinstance(data, bytes | bytearray) else data
     try:
-        table = pq.read_table(pa.BufferReader(data))
+        pf = pq.ParquetFile(source)
+        schema = pf.schema_arrow
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise OptOutListError(
             "unreadable", f"{path}: not a readable parquet file ({exc})"
         ) from None
-    roles, source_col = _column_roles(table.column_names, path)
-    for name in [*roles, *([source_col] if source_col else [])]:
-        typ = table.schema.field(name).type
+    roles, source_col = _column_roles(schema.names, path)
+    wanted = [*roles, *([source_col] if source_col else [])]
+    for name in wanted:
+        typ = schema.field(name).type
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ)):
             raise OptOutListError(
-                "bad_column_type", f"{path}: column {name!r} is {typ}, identifiers must be strings"
+                "bad_column_type",
+                f"{path}: column {quote_bounded(name, 60)} is {typ}, identifiers must be strings",
             )
-    wanted = [*roles, *([source_col] if source_col else [])]
-    columns = {name: table.column(name).to_pylist() for name in wanted}
-    rows = (
-        (f"row {i + 1}", {name: values[i] for name, values in columns.items()})
-        for i in range(table.num_rows)
+    meta = pf.metadata
+    positions = {meta.schema.column(i).path: i for i in range(meta.num_columns)}
+    unpacked = sum(
+        meta.row_group(g).column(positions[name]).total_uncompressed_size
+        for g in range(meta.num_row_groups)
+        for name in wanted
+        if name in positions
     )
-    found, bad = _rows_to_identifiers(rows, roles, source_col)
+    if unpacked > max_list_bytes:
+        raise OptOutListError(
+            "too_large",
+            f"{path}: its identifier columns hold {unpacked:,} bytes uncompressed, over the "
+            f"{max_list_bytes:,}-byte limit; split the list",
+        )
+    found: list[OptOutIdentifier] = []
+    bad = _Problems()
+    row = 0
+    try:
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=wanted):
+            for name in wanted:
+                col = batch.column(name)
+                if pa.types.is_null(col.type) or col.null_count == len(col):
+                    continue
+                longest = pc.max(pc.binary_length(col)).as_py() or 0
+                if longest > max_line_bytes:
+                    raise OptOutListError(
+                        "entry_too_long",
+                        f"{path}: column {quote_bounded(name, 60)} holds a cell of {longest:,} "
+                        f"bytes, over the {max_line_bytes:,}-byte entry limit",
+                    )
+            columns = {name: batch.column(name).to_pylist() for name in wanted}
+            for i in range(batch.num_rows):
+                row += 1
+                cells = {name: values[i] for name, values in columns.items()}
+                _row_identifiers(f"row {row}", cells, roles, source_col, found, bad)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        if isinstance(exc, OptOutListError):
+            raise
+        raise OptOutListError(
+            "unreadable", f"{path}: not a readable parquet file ({exc})"
+        ) from None
     return _finish(path, "parquet", found, bad)
 
 
-def parse_list_bytes(data: bytes, name: str) -> OptOutList:
-    """Parse list bytes by the file name's extension; ``OptOutListError`` when malformed."""
+def _too_large(path: str, size: int, max_list_bytes: int) -> OptOutListError:
+    return OptOutListError(
+        "too_large",
+        f"{path} is {size:,} bytes, over the {max_list_bytes:,}-byte limit for one list; "
+        "split it into smaller lists",
+    )
+
+
+def _parse_stream(
+    fmt: str, stream: BinaryIO, path: str, max_list_bytes: int, max_line_bytes: int
+) -> OptOutList:
+    if fmt == "txt":
+        return parse_txt(stream, path, max_line_bytes)
+    if fmt == "csv":
+        return parse_csv(stream, path, max_line_bytes)
+    return parse_parquet(stream, path, max_line_bytes, max_list_bytes)
+
+
+def _format_of(name: str) -> str:
     fmt = FORMATS.get(Path(name).suffix.lower())
     if fmt is None:
         raise OptOutListError(
-            "unsupported_format", f"{name}: unsupported extension (accepted: {sorted(FORMATS)})"
+            "unsupported_format",
+            f"{printable_name(name)}: unsupported extension (accepted: {sorted(FORMATS)})",
         )
-    return {"txt": parse_txt, "csv": parse_csv, "parquet": parse_parquet}[fmt](data, name)
+    return fmt
 
 
-def parse_list_file(path: str | Path) -> OptOutList:
+def parse_list_bytes(
+    data: bytes,
+    name: str,
+    *,
+    max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+) -> OptOutList:
+    """Parse list bytes by the file name's extension; ``OptOutListError`` when malformed."""
+    fmt = _format_of(name)
+    if len(data) > max_list_bytes:
+        raise _too_large(printable_name(name), len(data), max_list_bytes)
+    return _parse_stream(
+        fmt, io.BytesIO(data), printable_name(name), max_list_bytes, max_line_bytes
+    )
+
+
+class _HashingReader(io.RawIOBase):
+    """A read-only view of a file that hashes what is read and refuses reading past ``limit``
+    (a file that grows while parsed)."""
+
+    def __init__(self, fh: BinaryIO, limit: int) -> None:
+        super().__init__()
+        self._fh = fh
+        self._limit = limit
+        self.sha = hashlib.sha256()
+        self.read_bytes = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = self._fh.readinto(buffer)
+        if n:
+            self.read_bytes += n
+            if self.read_bytes > self._limit:
+                raise OptOutListError("changed", "the file grew while it was read")
+            self.sha.update(memoryview(buffer)[:n])
+        return n or 0
+
+    def finish(self) -> str:
+        while self.readinto(bytearray(1 << 20)):
+            pass
+        return self.sha.hexdigest()
+
+
+def parse_list_file(
+    path: str | Path,
+    *,
+    max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    expected_sha256: str | None = None,
+) -> OptOutList:
+    """Parse a list file as a stream, in bounded memory whatever it holds.
+
+    A file over ``max_list_bytes`` is refused by its size before a byte is parsed; lines
+    (and parquet cells) over ``max_line_bytes`` reject the list without being held whole.
+    ``expected_sha256``: the hash its list id was made from; different bytes (the file was
+    rewritten in place) reject the list as ``changed`` rather than record other content.
+    """
     path = Path(path)
-    if Path(path.name).suffix.lower() not in FORMATS:
-        return parse_list_bytes(b"", path.name)  # raises unsupported_format
-    return parse_list_bytes(path.read_bytes(), str(path))
+    shown = printable_name(os.fsencode(path))
+    fmt = _format_of(path.name)
+    try:
+        fh = _open_list(path)
+    except OSError as exc:
+        raise OptOutListError("unreadable", f"{shown}: cannot be opened ({exc.strerror})") from None
+    with fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > max_list_bytes:
+            raise _too_large(shown, size, max_list_bytes)
+        reader = _HashingReader(fh, max_list_bytes)
+        stream = io.BufferedReader(reader, 1 << 16)
+        if fmt == "parquet":  # random access: hash it whole first, then read from the start
+            digest = reader.finish()
+            fh.seek(0)
+            parsed = parse_parquet(fh, shown, max_line_bytes, max_list_bytes)
+        else:
+            parsed = _parse_stream(fmt, stream, shown, max_list_bytes, max_line_bytes)
+            stream.read()  # the rest (nothing, at EOF) so the hash covers the whole file
+            digest = reader.finish()
+    if expected_sha256 is not None and digest != expected_sha256:
+        raise OptOutListError(
+            "changed",
+            f"{shown} changed while it was read (sha256 {digest[:16]}, "
+            f"expected {expected_sha256[:16]}); its new content is read as a new list",
+        )
+    return parsed
 
 
 # --------------------------------------------------------------------------- Lance

@@ -2,6 +2,12 @@
 
 Why metadata only: width and height were recorded at ingest (after EXIF orientation),
 so the profile never touches image bytes and costs a column scan of two integers.
+
+The tier rule (``buckets.assign_bucket``, default): images under 384x384 px are not used;
+every other image goes to the highest tier (512/1024/2048/4096) whose nearest-aspect shape
+it fills without upscaling, or, when it fills none (a short side of 384-511 px, or just
+under the 512 shape of its aspect), to 512 with a recorded upscale of at most 512/384.
+``max_tier`` is that tier; ``ProfileSummary.upscaled_to_lowest_tier`` counts the second case.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from prx_assets.core.buckets import max_fillable_tier
+from prx_assets.core.buckets import assign_bucket, max_fillable_tier
 from prx_assets.core.tables import RESOLUTION
 
 MIN_SIDE = 384  # images under 384x384 px are not used for training
@@ -59,6 +65,7 @@ class ProfileSummary:
     eligible: int
     ineligible_reasons: dict[str, int]
     tier_counts: dict[str, int]
+    upscaled_to_lowest_tier: int  # eligible, but filling no tier: 512 with an upscale
     megapixel_percentiles: dict[str, float]
     aspect_percentiles: dict[str, float]
 
@@ -83,11 +90,20 @@ def summarise(profile: pa.Table) -> ProfileSummary:
             return {}
         return {f"p{q}": round(float(np.percentile(a, q)), 4) for q in qs}
 
+    sizes = zip(
+        profile.column("width").to_pylist(), profile.column("height").to_pylist(), strict=True
+    )
+    upscaled = sum(
+        1
+        for (w, h), ok in zip(sizes, eligible, strict=True)
+        if ok and (a := assign_bucket(int(w), int(h))) is not None and a.upscaled
+    )
     return ProfileSummary(
         images=n,
         eligible=int(sum(eligible)),
         ineligible_reasons=reasons,
         tier_counts=tiers,
+        upscaled_to_lowest_tier=upscaled,
         megapixel_percentiles=pct(mp),
         aspect_percentiles=pct(ar),
     )

@@ -1,4 +1,4 @@
-"""The first skip-list generation of each directory ``mds_shards`` writes, and ``no_caption``.
+"""The first skip-list generation of each directory ``mds_shards`` writes.
 
 Why at write time: a bucket x batch directory must never become visible without a complete,
 current skip-list generation (a directory without one would be trained on whole). So
@@ -8,10 +8,10 @@ point as ``skip_lists`` (``skip_decisions.decide_partition``, the lab's decision
 moment, ``SampleRef``s at their *final* ``relative_dir``), so ``skip_lists`` later refreshes
 the same decisions, not different ones.
 
-``no_caption``: a sample written without a usable caption (``shard_tables.plan_shards``) is
-always excluded. ``add_no_caption`` adds the reason at both call sites from what was written
-(``shard_samples.caption_fingerprint`` is null for such a sample), so the exclusion holds
-whatever the policy's ``decide`` knows about captions.
+``no_caption``: a sample written without a usable caption (``shard_tables.plan_shards``)
+goes to the policy with ``SampleRef.caption_usable=False``, which excludes it whatever the
+``captions`` table says by then; ``skip_lists`` passes the same from ``shard_samples``
+(``caption_fingerprint`` is null for such a sample, ``shard_tables.written_without_caption``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from collections.abc import Collection, Mapping, Sequence
 
 from prx_assets.core.lab import Lab
 from prx_assets.core.mds import MDS_DIRNAME, Placement
-from prx_assets.core.shard_tables import NO_CAPTION
 from prx_assets.core.skip_decisions import decide_partition
 from prx_assets.core.skip_policy import (
     PartitionDecisions,
@@ -32,21 +31,9 @@ from prx_assets.core.skip_policy import (
 )
 
 
-def add_no_caption(
-    decisions: PartitionDecisions, uncaptioned: Collection[str]
-) -> PartitionDecisions:
-    """``decisions`` with reason ``no_caption`` added for every key in ``uncaptioned``."""
-    if not uncaptioned:
-        return decisions
-    out = []
-    for d in decisions.decisions:
-        if d.sample.key in uncaptioned and NO_CAPTION not in d.reasons:
-            d = dataclasses.replace(d, reasons=tuple(sorted({*d.reasons, NO_CAPTION})))
-        out.append(d)
-    return dataclasses.replace(decisions, decisions=out)
-
-
-def sample_refs(placements: Sequence[Placement]) -> list[SampleRef]:
+def sample_refs(
+    placements: Sequence[Placement], uncaptioned: Collection[str] = ()
+) -> list[SampleRef]:
     """Where each placed sample sits, as the skip policy names it (final directory)."""
     return [
         SampleRef(
@@ -56,6 +43,7 @@ def sample_refs(placements: Sequence[Placement]) -> list[SampleRef]:
             index_in_shard=p.index_in_shard,
             tier=p.tier,
             shape=p.shape,
+            caption_usable=p.key not in uncaptioned,
         )
         for p in placements
     ]
@@ -83,6 +71,7 @@ class ShardScreener:
         planned: Mapping[tuple[int, str], Sequence[str]],
         uncaptioned: Collection[str],
     ) -> None:
+        self.uncaptioned = frozenset(uncaptioned)
         refs = [
             SampleRef(
                 key=key,
@@ -91,12 +80,13 @@ class ShardScreener:
                 index_in_shard=i,
                 tier=tier,
                 shape=shape,
+                caption_usable=key not in self.uncaptioned,
             )
             for (tier, shape), keys in sorted(planned.items())
             for i, key in enumerate(keys)
         ]
         self.policy = policy
-        self.planned = add_no_caption(decide_partition(lab, batch, refs, policy), uncaptioned)
+        self.planned = decide_partition(lab, batch, refs, policy)
         self._reasons = {d.sample.key: d for d in self.planned.decisions}
         self._placed: list[SampleDecision] = []
 
@@ -108,7 +98,7 @@ class ShardScreener:
                 f"{undecided[0]}): refusing to publish their directory"
             )
         out: dict[str, dict[int, list[str]]] = {}
-        for ref in sample_refs(placements):
+        for ref in sample_refs(placements, self.uncaptioned):
             decided = dataclasses.replace(self._reasons[ref.key], sample=ref)
             self._placed.append(decided)
             if decided.excluded:

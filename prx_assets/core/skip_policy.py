@@ -1,23 +1,36 @@
 """Which written samples leave training, and why: the skip policy and its audit rows.
 
-Inputs are one partition's ``shard_samples`` rows (where each sample sits), the caption
-class of each key, the dedup decision of each key, the opt-out lists naming each key, and
-the policy. Output is, per MDS directory and shard, ``{index_in_shard: [reasons]}`` (what
-``skiplists.write_partition_skiplists`` takes) plus one audit row per sample.
+The decision is taken per pHash cluster, not per sample, because the copies of one picture
+are one work: an opt-out of any copy removes them all, and exactly one copy trains unless
+none can. Inputs are :class:`Copy` facts (what is known about each image of the clusters
+touching a partition, from any batch) and the policy; output is one decision per written
+sample of the partition, the per-shard skip maps ``skiplists.write_partition_skiplists``
+takes, and one audit row per sample.
 
-Reason codes (``skiplists.REASON_CODES``):
+Rules, in order (reason codes from ``skiplists.REASON_CODES``):
 
-- ``opt_out``: named by an accepted opt-out list (always applied; not configurable).
-- ``duplicate``: ``phash_clusters.is_keeper`` is false (``skip_duplicates``). Followed
-  strictly, even when the keeper itself is excluded for another reason: the copies are the
-  same picture, so an opted-out or NSFW keeper takes its copies with it.
-- ``class_text`` / ``class_nsfw``: the caption classifier's argmax label is in
-  ``excluded_classes`` (default ``{text, nsfw}``; ``visual`` cannot be excluded).
-- ``quality``: a quality flag of the policy is raised for the key; today the only flag is
-  ``low_information`` (near-flat images the dedup stage never merges), off by default.
+1. Per copy, from its own facts (:func:`copy_reasons`):
+   ``no_caption`` (no caption row, or a null/empty/whitespace caption); else ``class_text``
+   / ``class_nsfw`` (label in ``excluded_classes``) or ``pending`` (no class label made
+   from the current caption); ``pending`` too without a current dedup decision (no
+   ``phash_clusters`` row, or one ``dedup_dirty`` marks stale) or without a hash row;
+   ``low_information`` for near-flat images (``skip_low_information``, on by default).
+2. ``opt_out``: an accepted opt-out list names *any* copy of the cluster (always applied).
+   Every copy is excluded, with the list ids and the keys of the copies named
+   (``opt_out_via``); no copy is the training copy.
+3. Otherwise (``skip_duplicates``), the training copy is the first copy in keeper order
+   (``dedup.keeper_order``: most pixels, larger file, smaller key, smaller batch) that is
+   *eligible*: no reason from rule 1 and written to a shard. Every other copy is a
+   ``duplicate`` of it (``duplicate_of``), whatever its own reasons.
+4. Fail closed: a copy is *uncertain* when its only reason is ``pending``, or when its batch
+   has not been sharded yet (it may still be written). If an uncertain copy comes before
+   any eligible one, nobody knows yet which copy trains: the eligible copies after it are
+   ``pending`` (``pending_on`` names it) until it is decided. Copies excluded for their own
+   reasons only ever need those reasons.
 
-A key with no class row or no dedup row gets no class/duplicate reason (counted as
-unclassified / undecided so the gap is visible); opt-outs never depend on either.
+Low-information images are never merged (dedup keeps them singletons), so they are decided
+alone. A cluster's decision for a copy of another batch is kept too (``others``), so a run
+can tell which batches' stored decisions it contradicts.
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from enum import Enum
 from typing import Any
 
 import pyarrow as pa
@@ -35,11 +49,15 @@ from prx_assets.core.lab import TableSpec
 from prx_assets.core.models.base import LABELS
 from prx_assets.core.skiplists import REASON_CODES
 
-POLICY_VERSION = 1
+POLICY_VERSION = 2  # 2: fail closed (pending), low_information, no_caption, cluster-wide
 DEFAULT_EXCLUDED_CLASSES: frozenset[str] = frozenset({"text", "nsfw"})
 EXCLUDABLE_CLASSES: tuple[str, ...] = ("text", "nsfw")
-QUALITY_FLAGS: tuple[str, ...] = ("low_information",)
-R_OPT_OUT, R_DUPLICATE, R_QUALITY = "opt_out", "duplicate", "quality"
+R_OPT_OUT, R_DUPLICATE, R_PENDING = "opt_out", "duplicate", "pending"
+R_LOW_INFORMATION, R_NO_CAPTION = "low_information", "no_caption"
+# What a ``pending`` sample waits for (``pending_on``); a copy is named "copy <batch>:<key>".
+WAITS_FOR_CLASS = "caption_classes"
+WAITS_FOR_DEDUP = "phash_clusters"
+WAITS_FOR_HASH = "image_hashes"
 
 SKIP_AUDIT = TableSpec(
     name="skip_audit",
@@ -56,11 +74,16 @@ SKIP_AUDIT = TableSpec(
             pa.field("reasons", pa.list_(pa.string())),  # sorted reason codes (empty: kept)
             pa.field("opt_out_list_ids", pa.list_(pa.string())),
             pa.field("class_label", pa.string()),  # the label the decision saw (null: none)
-            pa.field("duplicate_of", pa.string()),  # keeper key, for reason "duplicate"
+            pa.field("duplicate_of", pa.string()),  # the training copy's key ("duplicate")
             pa.field("decided_at", pa.timestamp("us", tz="UTC")),  # this materialisation
             # Start of the current exclusion: carried over while the sample stays excluded.
             pa.field("first_excluded_at", pa.timestamp("us", tz="UTC")),
             pa.field("policy_fingerprint", pa.string()),
+            # Added by policy v2 (appended, so older tables gain them as null columns):
+            pa.field("opt_out_via", pa.list_(pa.string())),  # keys of the copies lists named
+            pa.field("duplicate_of_batch", pa.string()),  # the training copy's batch
+            pa.field("cluster_id", pa.string()),  # the pHash cluster decided (null: none)
+            pa.field("pending_on", pa.list_(pa.string())),  # what a "pending" sample awaits
         ]
     ),
     identity=("batch", "key"),
@@ -72,6 +95,25 @@ SKIP_AUDIT = TableSpec(
     ),
 )
 
+SKIP_DIRTY = TableSpec(
+    name="skip_dirty",
+    schema=pa.schema(
+        [
+            pa.field("dirty_id", pa.string(), nullable=False),  # digest of the other columns
+            pa.field("batch", pa.string(), nullable=False),  # the batch whose audit is stale
+            pa.field("key", pa.string(), nullable=False),
+            pa.field("cluster_id", pa.string()),
+            pa.field("change", pa.string()),  # recorded -> current decision, human-readable
+            pa.field("detected_by", pa.string()),  # the batch whose skip_lists saw it
+            pa.field("detected_at", pa.timestamp("us", tz="UTC")),
+        ]
+    ),
+    # Other batches whose recorded skip decisions a skip_lists run contradicts (a copy of
+    # theirs became, or stopped being, the training copy): skip_dirty_sensor reruns them.
+    identity=("dirty_id",),
+    indexes=(),  # a handful of pending rows at any time: scans are cheaper than indexes
+)
+
 
 class SkipPolicyError(ValueError):
     """Inputs the policy cannot decide on: a bad policy, a broken table contract."""
@@ -79,30 +121,29 @@ class SkipPolicyError(ValueError):
 
 @dataclass(frozen=True)
 class SkipPolicy:
-    """What excludes a sample besides opt-outs (which always do)."""
+    """What excludes a sample besides opt-outs (which always do, cluster-wide)."""
 
     excluded_classes: frozenset[str] = DEFAULT_EXCLUDED_CLASSES
     skip_duplicates: bool = True
-    quality_flags: frozenset[str] = frozenset()
+    skip_low_information: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "excluded_classes", frozenset(self.excluded_classes))
-        object.__setattr__(self, "quality_flags", frozenset(self.quality_flags))
         bad = sorted(self.excluded_classes - set(EXCLUDABLE_CLASSES))
         if bad:
             raise SkipPolicyError(
                 f"cannot exclude class(es) {bad}: excludable classes are {EXCLUDABLE_CLASSES}"
             )
-        bad = sorted(self.quality_flags - set(QUALITY_FLAGS))
-        if bad:
-            raise SkipPolicyError(f"unknown quality flag(s) {bad}; known: {QUALITY_FLAGS}")
+        for name in ("skip_duplicates", "skip_low_information"):
+            if not isinstance(getattr(self, name), bool):
+                raise SkipPolicyError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "version": POLICY_VERSION,
             "excluded_classes": sorted(self.excluded_classes),
             "skip_duplicates": self.skip_duplicates,
-            "quality_flags": sorted(self.quality_flags),
+            "skip_low_information": self.skip_low_information,
         }
 
     def fingerprint(self) -> str:
@@ -113,7 +154,11 @@ class SkipPolicy:
 
 @dataclass(frozen=True)
 class SampleRef:
-    """Where one sample sits (a ``shard_samples`` row)."""
+    """Where one sample sits (a ``shard_samples`` row).
+
+    ``caption_usable``: what the writer knows of the caption it stored (None: not said);
+    False excludes the sample as ``no_caption`` whatever the ``captions`` table holds now.
+    """
 
     key: str
     relative_dir: str
@@ -121,13 +166,140 @@ class SampleRef:
     index_in_shard: int
     tier: int | None = None
     shape: str | None = None
+    caption_usable: bool | None = None
 
 
 @dataclass(frozen=True)
-class DedupDecision:
-    is_keeper: bool
-    keeper_key: str | None = None
+class Copy:
+    """What the decision knows about one image of a cluster (this batch's or another's)."""
+
+    batch: str
+    key: str
+    cluster_id: str | None  # its phash_clusters row's cluster (None: no row)
+    rank: tuple[int, int, str, str] | None  # dedup.keeper_order (None: no hash row)
+    label: str | None  # class label made from its current caption (None: none)
+    caption_usable: bool
     low_information: bool = False
+    dedup_stale: bool = False  # dedup_dirty marks its phash_clusters row stale
+    written: bool | None = True  # in a shard; None: its batch has no shards yet
+    opt_out_lists: tuple[str, ...] = ()  # accepted lists naming this copy
+
+    @property
+    def ref(self) -> tuple[str, str]:
+        return (self.batch, self.key)
+
+    @property
+    def name(self) -> str:
+        return f"{self.batch}:{self.key}"
+
+
+class CopyStatus(Enum):
+    ELIGIBLE = "eligible"  # may be the training copy
+    EXCLUDED = "excluded"  # never the training copy (own reasons, or not written)
+    UNCERTAIN = "uncertain"  # not known yet
+
+
+def copy_reasons(copy: Copy, policy: SkipPolicy) -> tuple[set[str], list[str]]:
+    """The copy's own reasons (rule 1) and, for ``pending``, what it waits for."""
+    reasons: set[str] = set()
+    waits: list[str] = []
+    if not copy.caption_usable:
+        reasons.add(R_NO_CAPTION)
+    elif copy.label is None:
+        reasons.add(R_PENDING)
+        waits.append(WAITS_FOR_CLASS)
+    elif copy.label not in LABELS:
+        raise SkipPolicyError(f"image {copy.name} has class label {copy.label!r}, not in {LABELS}")
+    elif copy.label in policy.excluded_classes:
+        reasons.add(f"class_{copy.label}")
+    if copy.cluster_id is None or copy.dedup_stale:
+        reasons.add(R_PENDING)
+        waits.append(WAITS_FOR_DEDUP)
+    if copy.rank is None:
+        reasons.add(R_PENDING)
+        waits.append(WAITS_FOR_HASH)
+    if copy.low_information and policy.skip_low_information:
+        reasons.add(R_LOW_INFORMATION)
+    return reasons, waits
+
+
+def copy_status(copy: Copy, policy: SkipPolicy) -> CopyStatus:
+    reasons, _ = copy_reasons(copy, policy)
+    if copy.written is False or reasons - {R_PENDING}:
+        return CopyStatus.EXCLUDED
+    if reasons or copy.written is None:
+        return CopyStatus.UNCERTAIN
+    return CopyStatus.ELIGIBLE
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The decision for one copy."""
+
+    reasons: tuple[str, ...]
+    opt_out_list_ids: tuple[str, ...] = ()
+    opt_out_via: tuple[str, ...] = ()  # keys of the copies an opt-out list named
+    duplicate_of: tuple[str, str] | None = None  # (batch, key) of the training copy
+    pending_on: tuple[str, ...] = ()
+
+    @property
+    def excluded(self) -> bool:
+        return bool(self.reasons)
+
+    def describe(self) -> str:
+        """Human-readable, for dirty rows and logs."""
+        if not self.reasons:
+            return "kept"
+        text = ",".join(self.reasons)
+        if self.duplicate_of:
+            text += f" (training copy {self.duplicate_of[0]}:{self.duplicate_of[1]})"
+        return text
+
+
+def _order(copy: Copy) -> tuple[int, tuple[int, int, str, str]]:
+    # A copy without a hash row cannot be placed: it goes first, so it blocks (it is
+    # uncertain) rather than letting a copy after it train.
+    return (1, copy.rank) if copy.rank is not None else (0, (0, 0, copy.key, copy.batch))
+
+
+def resolve_cluster(copies: Sequence[Copy], policy: SkipPolicy) -> dict[tuple[str, str], Outcome]:
+    """Rules 2-4 over one cluster's copies (every batch): each copy's outcome."""
+    refs = [c.ref for c in copies]
+    if len(set(refs)) != len(refs):
+        raise SkipPolicyError(f"a cluster lists a copy twice: {sorted(refs)}")
+    lists = tuple(sorted({i for c in copies for i in c.opt_out_lists}))
+    via = tuple(sorted({c.key for c in copies if c.opt_out_lists}))
+    status = {c.ref: copy_status(c, policy) for c in copies}
+    training: Copy | None = None
+    blocker: Copy | None = None
+    if policy.skip_duplicates and not lists and len(copies) > 1:
+        for c in sorted(copies, key=_order):
+            if status[c.ref] is CopyStatus.UNCERTAIN:
+                blocker = c
+                break
+            if status[c.ref] is CopyStatus.ELIGIBLE:
+                training = c
+                break
+    out = {}
+    for c in copies:
+        reasons, waits = copy_reasons(c, policy)
+        duplicate_of = None
+        if lists:
+            reasons.add(R_OPT_OUT)
+        if training is not None and c is not training:
+            reasons.add(R_DUPLICATE)
+            duplicate_of = training.ref
+        elif blocker is not None and c is not blocker and status[c.ref] is not CopyStatus.EXCLUDED:
+            reasons.add(R_PENDING)
+            waits.append(f"copy {blocker.name}")
+        out[c.ref] = Outcome(
+            reasons=tuple(sorted(reasons)),
+            opt_out_list_ids=lists,
+            opt_out_via=via,
+            duplicate_of=duplicate_of,
+            pending_on=tuple(waits),
+        )
+    return out
 
 
 @dataclass(frozen=True)
@@ -136,7 +308,11 @@ class SampleDecision:
     reasons: tuple[str, ...]
     opt_out_list_ids: tuple[str, ...]
     class_label: str | None
-    duplicate_of: str | None
+    duplicate_of: str | None  # the training copy's key, for reason "duplicate"
+    duplicate_of_batch: str | None = None
+    opt_out_via: tuple[str, ...] = ()
+    cluster_id: str | None = None
+    pending_on: tuple[str, ...] = ()
 
     @property
     def excluded(self) -> bool:
@@ -146,9 +322,9 @@ class SampleDecision:
 @dataclass
 class PartitionDecisions:
     decisions: list[SampleDecision]
-    unclassified: int = 0
-    undecided: int = 0
     policy: SkipPolicy = field(default_factory=SkipPolicy)
+    # The same clusters' outcomes for copies of other batches, for contradiction checks.
+    others: dict[tuple[str, str], tuple[str | None, Outcome]] = field(default_factory=dict)
 
     def skips_by_dir(self) -> dict[str, dict[str, dict[int, list[str]]]]:
         """relative_dir -> shard -> {index_in_shard: reasons}; every directory listed."""
@@ -179,6 +355,18 @@ class PartitionDecisions:
     def excluded_keys(self) -> set[str]:
         return {d.sample.key for d in self.decisions if d.excluded}
 
+    def waiting_for(self, what: str) -> int:
+        """Samples pending on ``what`` (e.g. ``WAITS_FOR_CLASS``)."""
+        return sum(1 for d in self.decisions if what in d.pending_on)
+
+    @property
+    def unclassified(self) -> int:
+        return self.waiting_for(WAITS_FOR_CLASS)
+
+    @property
+    def undecided(self) -> int:
+        return self.waiting_for(WAITS_FOR_DEDUP)
+
 
 def _check_samples(samples: Sequence[SampleRef]) -> None:
     keys: set[str] = set()
@@ -195,51 +383,59 @@ def _check_samples(samples: Sequence[SampleRef]) -> None:
         slots.add(slot)
 
 
-def decide(
-    samples: Sequence[SampleRef],
-    labels: Mapping[str, str | None],
-    dedup: Mapping[str, DedupDecision],
-    opt_outs: Mapping[str, Sequence[str]],
-    policy: SkipPolicy,
-) -> PartitionDecisions:
-    """One decision per sample, in (relative_dir, shard, index) order."""
-    _check_samples(samples)
-    decisions = []
-    unclassified = undecided = 0
-    for s in sorted(samples, key=lambda s: (s.relative_dir, s.shard, s.index_in_shard)):
-        reasons: set[str] = set()
-        lists = tuple(sorted(set(opt_outs.get(s.key, ()))))
-        if lists:
-            reasons.add(R_OPT_OUT)
-        label = labels.get(s.key)
-        if label is None:
-            unclassified += 1
-        elif label not in LABELS:
-            raise SkipPolicyError(
-                f"sample {s.key!r} has class label {label!r}, not one of {LABELS}"
-            )
-        elif label in policy.excluded_classes:
-            reasons.add(f"class_{label}")
-        decision = dedup.get(s.key)
-        duplicate_of = None
-        if decision is None:
-            undecided += 1
+def clusters_of(copies: Iterable[Copy]) -> list[list[Copy]]:
+    """Group copies by cluster; low-information copies and copies with no cluster alone."""
+    groups: dict[str, list[Copy]] = {}
+    alone: list[list[Copy]] = []
+    for c in copies:
+        if c.cluster_id is None or c.low_information:
+            alone.append([c])
         else:
-            if policy.skip_duplicates and not decision.is_keeper:
-                reasons.add(R_DUPLICATE)
-                duplicate_of = decision.keeper_key
-            if "low_information" in policy.quality_flags and decision.low_information:
-                reasons.add(R_QUALITY)
+            groups.setdefault(c.cluster_id, []).append(c)
+    return [groups[k] for k in sorted(groups)] + alone
+
+
+def decide(
+    batch: str, samples: Sequence[SampleRef], copies: Sequence[Copy], policy: SkipPolicy
+) -> PartitionDecisions:
+    """One decision per sample of ``batch``, in (relative_dir, shard, index) order.
+
+    ``copies``: a :class:`Copy` for every sample (its batch is ``batch``) and for every other
+    member, of any batch, of the clusters those samples are in.
+    """
+    _check_samples(samples)
+    refs = [c.ref for c in copies]
+    if len(set(refs)) != len(refs):
+        raise SkipPolicyError("copies must be unique by (batch, key)")
+    own = {c.key: c for c in copies if c.batch == batch}
+    missing = sorted(s.key for s in samples if s.key not in own)
+    if missing:
+        raise SkipPolicyError(f"no facts for sample(s) {missing[:3]} of {batch}")
+    outcomes: dict[tuple[str, str], Outcome] = {}
+    cluster_of: dict[tuple[str, str], str | None] = {}
+    for group in clusters_of(copies):
+        outcomes.update(resolve_cluster(group, policy))
+        for c in group:
+            cluster_of[c.ref] = c.cluster_id
+    decisions = []
+    for s in sorted(samples, key=lambda s: (s.relative_dir, s.shard, s.index_in_shard)):
+        c = own[s.key]
+        o = outcomes[c.ref]
         decisions.append(
             SampleDecision(
                 sample=s,
-                reasons=tuple(sorted(reasons)),
-                opt_out_list_ids=lists,
-                class_label=label,
-                duplicate_of=duplicate_of,
+                reasons=o.reasons,
+                opt_out_list_ids=o.opt_out_list_ids,
+                class_label=c.label,
+                duplicate_of=o.duplicate_of[1] if o.duplicate_of else None,
+                duplicate_of_batch=o.duplicate_of[0] if o.duplicate_of else None,
+                opt_out_via=o.opt_out_via,
+                cluster_id=c.cluster_id,
+                pending_on=o.pending_on,
             )
         )
-    return PartitionDecisions(decisions, unclassified, undecided, policy)
+    others = {ref: (cluster_of[ref], o) for ref, o in outcomes.items() if ref[0] != batch}
+    return PartitionDecisions(decisions, policy, others)
 
 
 def first_excluded(
@@ -280,6 +476,10 @@ def audit_rows(
             "decided_at": decided_at,
             "first_excluded_at": first_excluded(d.excluded, previous.get(s.key), decided_at),
             "policy_fingerprint": fp,
+            "opt_out_via": list(d.opt_out_via),
+            "duplicate_of_batch": d.duplicate_of_batch,
+            "cluster_id": d.cluster_id,
+            "pending_on": list(d.pending_on),
         }
         for name, value in values.items():
             cols[name].append(value)
@@ -300,7 +500,8 @@ def exclusion_changes(
 
 
 def samples_from_rows(rows: Iterable[Mapping[str, Any]]) -> list[SampleRef]:
-    """``shard_samples`` rows -> SampleRefs (only the location columns are read)."""
+    """``shard_samples`` rows -> SampleRefs (the location columns, and ``caption_usable``
+    where the writer recorded it)."""
     return [
         SampleRef(
             key=r["key"],
@@ -309,6 +510,7 @@ def samples_from_rows(rows: Iterable[Mapping[str, Any]]) -> list[SampleRef]:
             index_in_shard=int(r["index_in_shard"]),
             tier=None if r.get("tier") is None else int(r["tier"]),
             shape=r.get("shape"),
+            caption_usable=None if r.get("caption_usable") is None else bool(r["caption_usable"]),
         )
         for r in rows
     ]

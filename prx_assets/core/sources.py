@@ -7,7 +7,8 @@ A *batch* is one entry of the landing zone, ``<landing>/<source>/<chunk>``:
 - ``<chunk>.parquet``     a manifest of paths (also ``.csv``)
 
 Entries whose name starts with ``.`` or ``_`` or ends in ``.tmp``/``.partial`` are
-ignored, so producers write under a temporary name and rename when done.
+ignored, so producers write under a temporary name and rename when done. Inside a folder
+batch, hidden files and directories (``.name``) and the ``_SUCCESS`` marker are not inputs.
 
 Per-sample metadata comes from WebDataset-style sidecars (``name.txt`` = alt text,
 ``name.json`` with ``url``/``license``/``source``/``id``/``alt_text``) in folders and
@@ -15,24 +16,64 @@ archives, or from manifest columns. ``<landing>/<source>/_source.json`` may give
 source-wide defaults (``license``, ``visibility``). The partition key of a batch is
 ``<source>.<chunk>``.
 
-Nothing is extracted to disk: archive members are read into memory, and members that
-would escape a target directory (absolute paths, ``..``, links, devices) are rejected
-by name, as is anything over the member size limit.
+Every file is an input, accounted for as a candidate (bytes, or the reason there are
+none); nothing a file holds can fail its batch. Refusals, each checked before a byte of
+the file is read:
+
+- ``bad_filename``: a name no filesystem path can be (empty, or over ``MAX_NAME_BYTES``).
+  Every other name is kept, written by the lossless printable rule of
+  :func:`prx_assets.core.text.printable_name` (invalid UTF-8 and control characters as
+  ``%XX``), so any name a filesystem or tar holds becomes a valid path/key.
+- ``too_large``: a file over the per-file limit (``max_file_bytes``, default 512 MB), by
+  ``stat`` for folder files and manifest rows, by header for archive members; a WebDataset
+  sample (the adjacent members sharing a stem, held in memory together) over the limit in
+  total is refused whole. Sidecars have their own, small limit (``MAX_SIDECAR_BYTES``).
+- ``not_a_file``: a directory, FIFO, socket or device named by a manifest row or found
+  in a folder, or an archive member that is no regular file, link or device.
+- ``symlink``: symbolic links in folder batches (to files or directories, sidecars
+  included) are never followed, wherever they point. A link inside the batch would only
+  duplicate a file the batch already holds, and following links makes a batch's content
+  depend on paths outside it that can change between the check and the read; producers
+  copy instead. Reads open with ``O_NOFOLLOW``, so a link swapped in after the check is
+  refused too. (Manifest rows may name links: their target must resolve inside the
+  source folder, as before.)
+- ``unsafe_path``: archive members with absolute paths, ``..``, or that are links or
+  devices; manifest rows resolving outside the source folder.
+- ``bad_sidecar``: a sidecar that is refused or malformed (not a JSON object, two sidecars
+  of one kind), and every image of its sample: its URL, id and licence are what opt-out
+  lists and the audit match on, so an image whose metadata cannot be trusted is not
+  ingested without it.
+
+Nothing is extracted to disk: archive members are read into memory (at most one sample,
+at most the limit), after a first pass over the headers that sizes each sample.
 """
 
 from __future__ import annotations
 
 import csv
+import errno
+import hashlib
 import json
 import os
 import posixpath
 import re
+import stat
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
+
+from prx_assets.core.text import (
+    bound_text,
+    clean_text,
+    printable_name,
+    quote_bounded,
+    read_lines,
+)
 
 IMAGE_EXTENSIONS = {
     ".jpg",
@@ -51,7 +92,14 @@ ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 MANIFEST_SUFFIXES = (".parquet", ".csv")
 READY_MARKER = "_SUCCESS"
 SOURCE_DEFAULTS_FILE = "_source.json"
-DEFAULT_MAX_MEMBER_BYTES = 512 * 1024 * 1024
+DEFAULT_MAX_FILE_BYTES = 512 * 1024 * 1024  # one input file, or one WebDataset sample
+DEFAULT_MAX_MEMBER_BYTES = DEFAULT_MAX_FILE_BYTES  # its earlier name (archive members)
+MAX_SIDECAR_BYTES = 1024 * 1024  # alt text and JSON metadata of one sample
+MAX_NAME_BYTES = 4096  # PATH_MAX: longer names cannot be a path on any filesystem
+MAX_MANIFEST_LINE_BYTES = 1024 * 1024  # one CSV manifest line
+SOURCE_DEFAULTS_MAX_BYTES = 1024 * 1024
+MANIFEST_BATCH_ROWS = 1024
+_NAME_QUOTE_BYTES = 200
 _KEY_SAFE = re.compile(r"[^A-Za-z0-9_\-]+")
 MANIFEST_COLUMNS = {
     "path": ("path", "file", "filepath", "image_path"),
@@ -62,16 +110,36 @@ MANIFEST_COLUMNS = {
     "source_id": ("id", "source_id", "sample_id"),
 }
 
+# Reason codes of refused input files (README "Decoding and bad input").
+TOO_LARGE = "too_large"
+NOT_A_FILE = "not_a_file"
+SYMLINK = "symlink"
+BAD_FILENAME = "bad_filename"
+BAD_SIDECAR = "bad_sidecar"
+UNSAFE_PATH = "unsafe_path"
+MISSING_FILE = "missing_file"
+UNREADABLE = "unreadable"
+UNSUPPORTED_EXTENSION = "unsupported_extension"
+
 
 class BatchError(Exception):
     """A batch that cannot be read at all (as opposed to a bad file inside it)."""
+
+
+class FileRefused(Exception):
+    """A file that must not be (or could not be) read; ``reason`` is a stable code."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
 
 
 @dataclass
 class Candidate:
     """One input file of a batch: bytes to decode, or the reason there are none."""
 
-    path: str
+    path: str  # printable (text.printable_name), unique within its batch
     data: bytes | None
     alt_text: str | None = None
     source: str | None = None
@@ -79,16 +147,20 @@ class Candidate:
     url: str | None = None
     source_id: str | None = None
     error: tuple[str, str] | None = None  # (reason, detail) when unreadable
+    size: int | None = None  # bytes on disk / in the header, when known
 
 
 @dataclass(frozen=True)
 class BatchRef:
     key: str
-    source: str
-    chunk: str
+    source: str  # printable
+    chunk: str  # printable
     path: Path
     kind: str  # folder | archive | manifest
     defaults: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+
+# --------------------------------------------------------------------------- landing zone
 
 
 def _ignored(name: str) -> bool:
@@ -117,11 +189,29 @@ def _source_defaults(source_dir: Path) -> dict[str, str]:
     f = source_dir / SOURCE_DEFAULTS_FILE
     if not f.exists():
         return {}
+    where = printable_name(os.fsencode(f))
     try:
-        data = json.loads(f.read_text())
-    except (OSError, ValueError) as exc:
-        raise BatchError(f"{f}: unreadable source defaults: {exc}") from exc
-    return {k: str(v) for k, v in data.items() if isinstance(v, str | int | float)}
+        with open(f, "rb") as fh:  # operator configuration: a link to it is fine
+            raw = fh.read(SOURCE_DEFAULTS_MAX_BYTES + 1)
+        if len(raw) > SOURCE_DEFAULTS_MAX_BYTES:
+            raise ValueError(f"over {SOURCE_DEFAULTS_MAX_BYTES:,} bytes")
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise BatchError(f"{where}: unreadable source defaults: {bound_text(str(exc))}") from exc
+    if not isinstance(data, dict):
+        raise BatchError(f"{where}: source defaults are not a JSON object")
+    return {
+        clean_text(str(k)): clean_text(str(v))
+        for k, v in data.items()
+        if isinstance(v, str | int | float)
+    }
+
+
+def _ref(
+    source_dir: Path, entry: Path, chunk: str, kind: str, defaults: dict[str, str]
+) -> BatchRef:
+    source, chunk = printable_name(source_dir.name), printable_name(chunk)
+    return BatchRef(batch_key(source, chunk), source, chunk, entry, kind, defaults)
 
 
 def discover_batches(landing: Path) -> list[BatchRef]:
@@ -139,14 +229,14 @@ def discover_batches(landing: Path) -> list[BatchRef]:
             named = _chunk_name(entry)
             if named is None:
                 continue
-            chunk, kind = named
-            key = batch_key(source_dir.name, chunk)
-            if key in found:
+            ref = _ref(source_dir, entry, *named, defaults)
+            if ref.key in found:
+                first = printable_name(os.fsencode(found[ref.key].path))
                 raise BatchError(
-                    f"two landing entries map to partition {key!r}: "
-                    f"{found[key].path} and {entry}; rename one"
+                    f"two landing entries map to partition {ref.key!r}: "
+                    f"{first} and {printable_name(os.fsencode(entry))}; rename one"
                 )
-            found[key] = BatchRef(key, source_dir.name, chunk, entry, kind, defaults)
+            found[ref.key] = ref
     return [found[k] for k in sorted(found)]
 
 
@@ -170,34 +260,133 @@ def describe_batch(path: Path, landing: Path) -> BatchRef:
             f"an archive ({', '.join(ARCHIVE_SUFFIXES)}) or a manifest "
             f"({', '.join(MANIFEST_SUFFIXES)})"
         )
-    chunk, kind = named
-    return BatchRef(
-        batch_key(path.parent.name, chunk),
-        path.parent.name,
-        chunk,
-        path,
-        kind,
-        _source_defaults(path.parent),
-    )
+    return _ref(path.parent, path, *named, _source_defaults(path.parent))
 
 
-def _sidecar_fields(sidecars: dict[str, bytes]) -> dict[str, str | None]:
+# --------------------------------------------------------------------------- reading files
+
+
+def _where(path: Path) -> str:
+    return printable_name(os.fsencode(path))
+
+
+def _file_kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    return "not a regular file"
+
+
+def _too_large(size: int, limit: int, what: str = "file") -> FileRefused:
+    return FileRefused(TOO_LARGE, f"{what} is {size:,} bytes, over the {limit:,}-byte limit")
+
+
+def read_regular_file(path: str | bytes | os.PathLike[str], max_bytes: int) -> bytes:
+    """The bytes of a regular file of at most ``max_bytes``, or ``FileRefused``.
+
+    Checked on the open descriptor before reading: the final component is no symlink
+    (``O_NOFOLLOW``), the file is regular (a FIFO is opened non-blocking and refused, never
+    waited on) and not over the limit. A file that grows while read is refused too.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise FileRefused(MISSING_FILE, "does not exist") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise FileRefused(SYMLINK, "is a symbolic link; links are not followed") from None
+        raise FileRefused(UNREADABLE, f"cannot be opened: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileRefused(NOT_A_FILE, f"is {_file_kind(st.st_mode)}")
+        if st.st_size > max_bytes:
+            raise _too_large(st.st_size, max_bytes)
+        parts: list[bytes] = []
+        got = 0
+        while got < st.st_size:
+            chunk = os.read(fd, st.st_size - got)
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+        if os.read(fd, 1):
+            raise FileRefused(UNREADABLE, "the file grew while it was read")
+    except OSError as exc:
+        raise FileRefused(UNREADABLE, f"read failed: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _display_path(raw: bytes) -> str:
+    """The printable path of a name; a name too long to be a path is cut, counted, hashed."""
+    if len(raw) <= MAX_NAME_BYTES:
+        return printable_name(raw)
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    more = len(raw) - _NAME_QUOTE_BYTES
+    return f"{printable_name(raw[:_NAME_QUOTE_BYTES])}…(+{more:,} more bytes)#{digest}"
+
+
+def _name_refusal(raw: bytes) -> FileRefused | None:
+    if not raw:
+        return FileRefused(BAD_FILENAME, "empty file name")
+    if len(raw) > MAX_NAME_BYTES:
+        return FileRefused(
+            BAD_FILENAME,
+            f"name of {len(raw):,} bytes is over the {MAX_NAME_BYTES:,}-byte path limit",
+        )
+    return None
+
+
+# --------------------------------------------------------------------------- samples
+
+
+@dataclass
+class _Entry:
+    """One file of a sample group, before it is read: refused already, or readable."""
+
+    path: str  # printable
+    ext: str
+    refusal: FileRefused | None = None
+    size: int | None = None
+    read: Callable[[], bytes] | None = None  # bytes, or raises FileRefused
+
+
+def _sidecar_fields(
+    sidecars: dict[str, tuple[str, bytes]],
+) -> tuple[dict[str, str | None], list[tuple[str, str]]]:
+    """Metadata from a sample's sidecars, and the (path, detail) of any malformed one."""
     out: dict[str, str | None] = {}
+    bad: list[tuple[str, str]] = []
     for ext in (".txt", ".caption"):
         if ext in sidecars:
-            out["alt_text"] = sidecars[ext].decode("utf-8", "replace").strip() or None
+            text = sidecars[ext][1].decode("utf-8", "replace").strip()
+            out["alt_text"] = clean_text(text) or None
     if ".json" in sidecars:
+        path, data = sidecars[".json"]
         try:
-            meta = json.loads(sidecars[".json"])
-        except ValueError:
+            meta = json.loads(data.decode("utf-8", "replace"))
+        except (ValueError, RecursionError) as exc:
+            bad.append((path, f"not valid JSON: {bound_text(str(exc), 200)}"))
             meta = {}
-        if isinstance(meta, dict):
-            for col, names in MANIFEST_COLUMNS.items():
-                for name in names:
-                    if name in meta and meta[name] is not None and col != "path":
-                        out.setdefault(col, str(meta[name]))
-                        break
-    return out
+        if not isinstance(meta, dict):
+            bad.append((path, f"a JSON {type(meta).__name__}, not an object"))
+            meta = {}
+        for col, names in MANIFEST_COLUMNS.items():
+            for name in names:
+                if name in meta and meta[name] is not None and col != "path":
+                    out.setdefault(col, clean_text(str(meta[name])))
+                    break
+    return out, bad
 
 
 def _split_ext(name: str) -> tuple[str, str]:
@@ -215,195 +404,458 @@ def _with_defaults(c: Candidate, ref: BatchRef) -> Candidate:
     return c
 
 
-def _iter_folder(ref: BatchRef) -> Iterator[Candidate]:
-    groups: dict[str, dict[str, Path]] = {}
-    for root, dirs, files in os.walk(ref.path, followlinks=False):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(files):
-            if name == READY_MARKER or name.startswith("."):
-                continue
-            full = Path(root) / name
-            rel = full.relative_to(ref.path).as_posix()
-            stem, ext = _split_ext(rel)
-            groups.setdefault(stem, {})[ext] = full
-    for stem in sorted(groups):
-        members = groups[stem]
-        sidecars = {
-            ext: p.read_bytes()
-            for ext, p in members.items()
-            if ext in SIDECAR_EXTENSIONS and p.is_file() and not p.is_symlink()
-        }
-        fields = _sidecar_fields(sidecars)
-        for ext, p in sorted(members.items()):
-            if ext in SIDECAR_EXTENSIONS:
-                continue
-            rel = p.relative_to(ref.path).as_posix()
-            if p.is_symlink():
-                yield _with_defaults(
-                    Candidate(rel, None, error=("unsafe_path", "symbolic links are not followed")),
-                    ref,
+def _refused(ref: BatchRef, e: _Entry, exc: FileRefused) -> Candidate:
+    return _with_defaults(
+        Candidate(e.path, None, error=(exc.reason, bound_text(exc.detail)), size=e.size), ref
+    )
+
+
+def _sample_candidates(ref: BatchRef, entries: list[_Entry]) -> Iterator[Candidate]:
+    """The candidates of one sample: refused sidecars, then its other files.
+
+    Sidecars are not candidates themselves unless refused; a refused or malformed sidecar
+    refuses the sample's images (``bad_sidecar``) rather than ingest them without it.
+    """
+    entries = sorted(entries, key=lambda e: (e.ext, e.path))
+    sidecars: dict[str, tuple[str, bytes]] = {}
+    problems: list[str] = []
+    for e in entries:
+        if e.ext not in SIDECAR_EXTENSIONS:
+            continue
+        try:
+            if e.refusal is not None:
+                raise e.refusal
+            if e.ext in sidecars:
+                raise FileRefused(
+                    BAD_SIDECAR,
+                    f"a second {e.ext} sidecar for one sample (after "
+                    f"{quote_bounded(sidecars[e.ext][0])})",
                 )
+            assert e.read is not None
+            sidecars[e.ext] = (e.path, e.read())
+        except FileRefused as exc:
+            problems.append(f"{quote_bounded(e.path)} ({exc.reason})")
+            yield _refused(ref, e, exc)
+    fields, malformed = _sidecar_fields(sidecars)
+    for path, detail in malformed:
+        problems.append(f"{quote_bounded(path)} ({BAD_SIDECAR})")
+        yield _with_defaults(Candidate(path, None, error=(BAD_SIDECAR, detail)), ref)
+    for e in entries:
+        if e.ext in SIDECAR_EXTENSIONS:
+            continue
+        try:
+            if e.refusal is not None:
+                raise e.refusal
+            if problems:
+                raise FileRefused(
+                    BAD_SIDECAR,
+                    f"its sidecar {', '.join(problems[:3])} was refused, so its metadata "
+                    "(URL, id, licence) is unknown",
+                )
+            assert e.read is not None
+            data = e.read()
+        except FileRefused as exc:
+            yield _refused(ref, e, exc)
+            continue
+        yield _with_defaults(Candidate(e.path, data, size=len(data), **fields), ref)
+
+
+# --------------------------------------------------------------------------- folders
+
+
+def _folder_entry(full: str, rel: str, ext: str, max_file_bytes: int) -> _Entry:
+    e = _Entry(_display_path(os.fsencode(rel)), ext)
+    e.refusal = _name_refusal(os.fsencode(rel))
+    if e.refusal is not None:
+        return e
+    try:
+        st = os.lstat(full)
+    except OSError as exc:
+        e.refusal = FileRefused(UNREADABLE, f"cannot be inspected: {exc.strerror}")
+        return e
+    e.size = st.st_size
+    limit = MAX_SIDECAR_BYTES if ext in SIDECAR_EXTENSIONS else max_file_bytes
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = quote_bounded(printable_name(os.fsencode(os.readlink(full))))
+        except OSError:
+            target = "(unreadable)"
+        e.size = None
+        e.refusal = FileRefused(SYMLINK, f"symbolic link to {target}; links are not followed")
+    elif not stat.S_ISREG(st.st_mode):
+        e.refusal = FileRefused(NOT_A_FILE, f"is {_file_kind(st.st_mode)}")
+    elif ext not in IMAGE_EXTENSIONS and ext not in SIDECAR_EXTENSIONS:
+        e.refusal = FileRefused(
+            UNSUPPORTED_EXTENSION,
+            f"{quote_bounded(printable_name(ext)) if ext else '(none)'} is not an image extension",
+        )
+    elif st.st_size > limit:
+        what = "sidecar" if ext in SIDECAR_EXTENSIONS else "file"
+        e.refusal = _too_large(st.st_size, limit, what)
+    else:
+        e.read = lambda: read_regular_file(full, limit)
+    return e
+
+
+def _iter_folder(ref: BatchRef, max_file_bytes: int) -> Iterator[Candidate]:
+    groups: dict[str, list[tuple[str, str, str]]] = {}  # stem -> (full, rel, ext)
+    unlisted: list[Candidate] = []
+
+    def _unlistable(exc: OSError) -> None:
+        rel = os.path.relpath(exc.filename, ref.path) if exc.filename else "."
+        unlisted.append(
+            _with_defaults(
+                Candidate(
+                    _display_path(os.fsencode(rel)),
+                    None,
+                    error=(UNREADABLE, f"directory cannot be listed: {exc.strerror}"),
+                ),
+                ref,
+            )
+        )
+
+    for root, dirs, files in os.walk(ref.path, onerror=_unlistable, followlinks=False):
+        listed = list(files)
+        kept = []
+        for d in sorted(dirs):
+            if d.startswith("."):
                 continue
-            c = Candidate(rel, p.read_bytes(), **fields)
-            if ext not in IMAGE_EXTENSIONS:
-                c.error = ("unsupported_extension", f"{ext or '(none)'} is not an image extension")
-                c.data = None
-            yield _with_defaults(c, ref)
+            if os.path.islink(os.path.join(root, d)):
+                listed.append(d)  # a symlinked directory: an entry to refuse, not to walk
+            else:
+                kept.append(d)
+        dirs[:] = kept
+        for name in listed:
+            if name.startswith(".") or (name == READY_MARKER and root == str(ref.path)):
+                continue
+            full = os.path.join(root, name)
+            rel = Path(os.path.relpath(full, ref.path)).as_posix()
+            stem, ext = _split_ext(rel)
+            groups.setdefault(stem, []).append((full, rel, ext))
+    yield from unlisted
+    for stem in sorted(groups):
+        entries = [_folder_entry(f, r, x, max_file_bytes) for f, r, x in sorted(groups[stem])]
+        yield from _sample_candidates(ref, entries)
 
 
-def unsafe_member_reason(member: tarfile.TarInfo, max_bytes: int) -> str | None:
-    """Why an archive member must not be read, or None when it is safe."""
+# --------------------------------------------------------------------------- archives
+
+
+def unsafe_member_reason(member: tarfile.TarInfo) -> str | None:
+    """Why an archive member must not be read as a path, or None when it is safe."""
     name = member.name
+    shown = quote_bounded(printable_name(name))
     pure = PurePosixPath(name)
     if name.startswith("/") or pure.is_absolute() or re.match(r"^[A-Za-z]:", name):
-        return f"absolute path {name!r}"
+        return f"absolute path {shown}"
     if ".." in pure.parts:
-        return f"path traversal {name!r}"
+        return f"path traversal {shown}"
     if member.issym() or member.islnk():
-        return f"link member {name!r} -> {member.linkname!r}"
+        return f"link member {shown} -> {quote_bounded(printable_name(member.linkname))}"
     if member.isdev() or member.isfifo():
-        return f"device or fifo member {name!r}"
-    if member.size > max_bytes:
-        return f"member {name!r} is {member.size} bytes, over the {max_bytes}-byte limit"
+        return f"device or fifo member {shown}"
     return None
 
 
-def _archive_group(
-    ref: BatchRef, members: dict[str, tuple[tarfile.TarInfo, bytes | None, str | None]]
-) -> Iterator[Candidate]:
-    sidecars = {
-        ext: data
-        for ext, (_, data, bad) in members.items()
-        if ext in SIDECAR_EXTENSIONS and data is not None and bad is None
-    }
-    fields = _sidecar_fields(sidecars)
-    for ext, (member, data, bad) in sorted(members.items()):
-        if ext in SIDECAR_EXTENSIONS and bad is None:
-            continue
-        if bad is not None:
-            yield _with_defaults(Candidate(member.name, None, error=("unsafe_path", bad)), ref)
-            continue
-        c = Candidate(member.name, data, **fields)
-        if ext not in IMAGE_EXTENSIONS:
-            c.error = ("unsupported_extension", f"{ext or '(none)'} is not an image extension")
-            c.data = None
-        yield _with_defaults(c, ref)
+def _member_refusal(member: tarfile.TarInfo, ext: str, max_file_bytes: int) -> FileRefused | None:
+    """Why a member is not read (checked on its header alone), or None."""
+    raw = member.name.encode("utf-8", "surrogateescape")
+    refusal = _name_refusal(raw)
+    if refusal is not None:
+        return refusal
+    unsafe = unsafe_member_reason(member)
+    if unsafe is not None:
+        return FileRefused(UNSAFE_PATH, unsafe)
+    if not member.isfile():
+        return FileRefused(NOT_A_FILE, f"archive member of tar type {member.type!r}")
+    if ext not in IMAGE_EXTENSIONS and ext not in SIDECAR_EXTENSIONS:
+        shown = quote_bounded(printable_name(ext)) if ext else "(none)"
+        return FileRefused(UNSUPPORTED_EXTENSION, f"{shown} is not an image extension")
+    if ext in SIDECAR_EXTENSIONS and member.size > MAX_SIDECAR_BYTES:
+        return _too_large(member.size, MAX_SIDECAR_BYTES, "sidecar")
+    if member.size > max_file_bytes:
+        return _too_large(member.size, max_file_bytes, "member")
+    return None
 
 
-def _iter_archive(ref: BatchRef, max_member_bytes: int) -> Iterator[Candidate]:
-    """Stream an archive: WebDataset keeps a sample's files adjacent, so one group is held."""
+def _open_tar(ref: BatchRef) -> tarfile.TarFile:
     try:
-        tar = tarfile.open(ref.path, mode="r:*")
+        # Names are bytes in the header; surrogateescape keeps every byte (printable_name).
+        return tarfile.open(ref.path, mode="r:*", encoding="utf-8", errors="surrogateescape")
     except (tarfile.TarError, OSError) as exc:
-        raise BatchError(f"{ref.path}: not a readable tar archive: {exc}") from exc
+        where = printable_name(os.fsencode(ref.path))
+        raise BatchError(f"{where}: not a readable tar archive: {bound_text(str(exc))}") from exc
+
+
+def _members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    """Members one by one without tarfile's list of every member seen (a 1M-file archive)."""
+    while True:
+        member = tar.next()
+        tar.members.clear()
+        if member is None:
+            return
+        if not member.isdir():
+            yield member
+
+
+def _sample_sizes(ref: BatchRef, max_file_bytes: int) -> list[int]:
+    """Headers only: the bytes each sample would hold in memory, in archive order.
+
+    A sample is a run of adjacent members sharing a stem. Damage ends the list early; the
+    reading pass meets the same damage and records it.
+    """
+    sizes: list[int] = []
     current: str | None = None
-    group: dict[str, tuple[tarfile.TarInfo, bytes | None, str | None]] = {}
+    try:
+        with _open_tar(ref) as tar:
+            for member in _members(tar):
+                stem, ext = _split_ext(member.name)
+                if stem != current or not sizes:
+                    sizes.append(0)
+                    current = stem
+                if _member_refusal(member, ext, max_file_bytes) is None:
+                    sizes[-1] += member.size
+    except (tarfile.TarError, OSError, EOFError, BatchError):
+        pass
+    return sizes
+
+
+def _iter_archive(ref: BatchRef, max_file_bytes: int) -> Iterator[Candidate]:
+    """Two passes: sizes from the headers, then one sample at a time, read only if it fits."""
+    sizes = _sample_sizes(ref, max_file_bytes)
+    tar = _open_tar(ref)
+    current: str | None = None
+    group: list[_Entry] = []
+    index = -1
+    held = 0
+    oversized: FileRefused | None = None
     with tar:
         try:
-            for member in tar:
-                if member.isdir():
-                    continue
+            for member in _members(tar):
                 stem, ext = _split_ext(member.name)
-                if stem != current and group:
-                    yield from _archive_group(ref, group)
-                    group = {}
-                current = stem
-                bad = unsafe_member_reason(member, max_member_bytes)
-                data = None
-                if bad is None and member.isfile():
+                if stem != current or index < 0:
+                    yield from _sample_candidates(ref, group)
+                    group, current, held, index = [], stem, 0, index + 1
+                    total = sizes[index] if index < len(sizes) else 0
+                    oversized = None
+                    if total > max_file_bytes:
+                        oversized = FileRefused(
+                            TOO_LARGE,
+                            f"sample {quote_bounded(printable_name(stem))} holds {total:,} "
+                            f"bytes in its members, over the {max_file_bytes:,}-byte limit "
+                            "for one sample",
+                        )
+                raw = member.name.encode("utf-8", "surrogateescape")
+                e = _Entry(_display_path(raw), ext, size=member.size)
+                e.refusal = _member_refusal(member, ext, max_file_bytes) or oversized
+                if e.refusal is None and held + member.size > max_file_bytes:
+                    e.refusal = _too_large(held + member.size, max_file_bytes, "sample")
+                if e.refusal is None:
                     f = tar.extractfile(member)
-                    data = f.read() if f is not None else None
-                group[ext] = (member, data, bad)
+                    data = f.read() if f is not None else b""
+                    held += len(data)
+                    e.read = lambda data=data: data
+                group.append(e)
         except (tarfile.TarError, OSError, EOFError) as exc:
             # A damaged archive: keep what was read, record the damage once.
-            if group:
-                yield from _archive_group(ref, group)
-                group = {}
+            yield from _sample_candidates(ref, group)
+            group = []
             yield _with_defaults(
-                Candidate(ref.path.name, None, error=("corrupt_archive", f"archive: {exc}")), ref
+                Candidate(
+                    printable_name(ref.path.name),
+                    None,
+                    error=("corrupt_archive", f"archive: {bound_text(str(exc))}"),
+                ),
+                ref,
             )
-    if group:
-        yield from _archive_group(ref, group)
+    yield from _sample_candidates(ref, group)
 
 
-def _manifest_rows(path: Path) -> list[dict[str, str | None]]:
-    if path.suffix == ".parquet":
+# --------------------------------------------------------------------------- manifests
+
+
+def _csv_rows(path: Path) -> Iterator[dict[str, Any]]:
+    """CSV rows, streamed; cells decoded with surrogateescape so paths keep their bytes."""
+    try:
+        fh = open(path, "rb")  # noqa: SIM115 - closed below, after the generator ends
+    except OSError as exc:
+        raise BatchError(f"{path}: unreadable CSV manifest: {exc.strerror}") from exc
+
+    def lines() -> Iterator[str]:
+        for line in read_lines(fh, MAX_MANIFEST_LINE_BYTES):
+            if line.truncated:
+                raise BatchError(
+                    f"{printable_name(os.fsencode(path))}: line {line.number} is "
+                    f"{line.total_chars:,} characters, over the "
+                    f"{MAX_MANIFEST_LINE_BYTES:,}-byte line limit"
+                )
+            data = (
+                line.data[3:]
+                if line.number == 1 and line.data[:3] == b"\xef\xbb\xbf"
+                else line.data
+            )
+            yield data.decode("utf-8", "surrogateescape") + "\n"
+
+    with fh:
         try:
-            table = pq.read_table(path)
-        except Exception as exc:  # noqa: BLE001
-            raise BatchError(f"{path}: unreadable parquet manifest: {exc}") from exc
-        rows = table.to_pylist()
-    else:
-        try:
-            with path.open(newline="", encoding="utf-8") as f:
-                rows = list(csv.DictReader(f))
-        except (OSError, UnicodeDecodeError, csv.Error) as exc:
-            raise BatchError(f"{path}: unreadable CSV manifest: {exc}") from exc
-    if not rows:
-        return []
-    columns = {c.lower(): c for c in rows[0].keys()}
+            yield from csv.DictReader(lines())
+        except csv.Error as exc:
+            where = printable_name(os.fsencode(path))
+            raise BatchError(f"{where}: unreadable CSV manifest: {bound_text(str(exc))}") from exc
+
+
+def _parquet_rows(path: Path, wanted: Callable[[list[str]], list[str]]) -> Iterator[dict]:
+    """Parquet rows in record batches; string cells as bytes, so no decode can fail."""
+    where = printable_name(os.fsencode(path))
+    try:
+        pf = pq.ParquetFile(path)
+        columns = wanted(pf.schema_arrow.names)
+        for batch in pf.iter_batches(batch_size=MANIFEST_BATCH_ROWS, columns=columns):
+            arrays = []
+            for col in batch.columns:
+                if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+                    col = col.cast(
+                        pa.binary() if pa.types.is_string(col.type) else pa.large_binary()
+                    )
+                arrays.append(col)
+            yield from pa.RecordBatch.from_arrays(arrays, names=batch.schema.names).to_pylist()
+    except BatchError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises many types for a bad file
+        raise BatchError(f"{where}: unreadable parquet manifest: {bound_text(str(exc))}") from exc
+
+
+def _column_mapping(path: Path, names: list[str]) -> dict[str, str]:
+    columns = {str(c).lower(): c for c in names}
     mapping: dict[str, str] = {}
-    for field_name, names in MANIFEST_COLUMNS.items():
-        for name in names:
+    for field_name, options in MANIFEST_COLUMNS.items():
+        for name in options:
             if name in columns:
                 mapping[field_name] = columns[name]
                 break
     if "path" not in mapping:
+        found = ", ".join(
+            quote_bounded(clean_text(str(c)), 60) for c in list(columns.values())[:20]
+        )
         raise BatchError(
-            f"{path}: manifest has no path column (expected one of "
-            f"{', '.join(MANIFEST_COLUMNS['path'])}; found {', '.join(columns.values())})"
+            f"{printable_name(os.fsencode(path))}: manifest has no path column (expected one "
+            f"of {', '.join(MANIFEST_COLUMNS['path'])}; found {found})"
         )
-    out = []
+    return mapping
+
+
+def _cell_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray):
+        text = bytes(value).decode("utf-8", "replace")
+    else:
+        text = clean_text(str(value))
+    return text or None
+
+
+def _cell_path(value: Any) -> bytes | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray):
+        raw = bytes(value)
+    else:
+        raw = str(value).encode("utf-8", "surrogateescape")
+    return raw or None
+
+
+def _manifest_rows(path: Path) -> Iterator[tuple[bytes | None, dict[str, str]]]:
+    """(raw path, metadata fields) per manifest row, streamed."""
+    mapping: dict[str, str] = {}
+
+    def wanted(names: list[str]) -> list[str]:
+        mapping.update(_column_mapping(path, names))
+        return list(dict.fromkeys(mapping.values()))
+
+    if path.suffix == ".parquet":
+        rows = _parquet_rows(path, wanted)
+    else:
+        rows = _csv_rows(path)
     for row in rows:
-        out.append(
-            {
-                k: (None if row.get(col) in (None, "") else str(row.get(col)))
-                for k, col in mapping.items()
-            }
-        )
-    return out
+        if not mapping:
+            wanted(list(row.keys()))
+        fields = {
+            k: text
+            for k, col in mapping.items()
+            if k != "path" and (text := _cell_text(row.get(col))) is not None
+        }
+        yield _cell_path(row.get(mapping["path"])), fields
 
 
-def _iter_manifest(ref: BatchRef) -> Iterator[Candidate]:
-    base = ref.path.parent.resolve()
-    for row in _manifest_rows(ref.path):
-        rel = row.pop("path")
-        if rel is None:
+def _manifest_candidate(
+    ref: BatchRef, base: bytes, raw: bytes, fields: dict[str, str], max_file_bytes: int
+) -> Candidate:
+    """One manifest row: the file it names, checked by ``stat`` before it is read."""
+    shown = _display_path(raw)
+    quoted = quote_bounded(shown)
+    size: int | None = None
+    try:
+        refusal = _name_refusal(raw)
+        if refusal is not None:
+            raise refusal
+        if b"\x00" in raw:
+            raise FileRefused(BAD_FILENAME, "a NUL byte cannot be in a file name")
+        target = os.path.realpath(os.path.join(base, raw))
+        if os.path.commonpath([base, target]) != base or target == base:
+            where = printable_name(base)
+            raise FileRefused(UNSAFE_PATH, f"{quoted} resolves outside the source folder {where}")
+        try:
+            st = os.stat(target)
+        except FileNotFoundError:
+            raise FileRefused(MISSING_FILE, f"{quoted} does not exist") from None
+        except OSError as exc:
+            raise FileRefused(UNREADABLE, f"{quoted} cannot be inspected: {exc.strerror}") from None
+        size = st.st_size
+        if not stat.S_ISREG(st.st_mode):
+            raise FileRefused(NOT_A_FILE, f"{quoted} is {_file_kind(st.st_mode)}")
+        if st.st_size > max_file_bytes:
+            raise _too_large(st.st_size, max_file_bytes)
+        try:
+            data = read_regular_file(target, max_file_bytes)
+        except FileRefused as exc:
+            raise FileRefused(exc.reason, f"{quoted} {exc.detail}") from None
+    except FileRefused as exc:
+        c = Candidate(shown, None, error=(exc.reason, bound_text(exc.detail)), size=size, **fields)
+        return _with_defaults(c, ref)
+    return _with_defaults(Candidate(shown, data, size=len(data), **fields), ref)
+
+
+def _iter_manifest(ref: BatchRef, max_file_bytes: int) -> Iterator[Candidate]:
+    base = os.fsencode(ref.path.parent.resolve())
+    for raw, fields in _manifest_rows(ref.path):
+        if raw is None:
             yield _with_defaults(
-                Candidate("", None, error=("missing_path", "empty path cell")), ref
+                Candidate("", None, error=("missing_path", "empty path cell"), **fields), ref
             )
-            continue
-        target = (base / rel).resolve()
-        fields = {k: v for k, v in row.items() if v is not None}
-        if base not in target.parents:
-            yield _with_defaults(
-                Candidate(
-                    rel,
-                    None,
-                    error=("unsafe_path", f"{rel!r} resolves outside the source folder {base}"),
-                    **fields,
-                ),
-                ref,
-            )
-            continue
-        if not target.is_file():
-            yield _with_defaults(
-                Candidate(rel, None, error=("missing_file", f"{rel!r} does not exist"), **fields),
-                ref,
-            )
-            continue
-        yield _with_defaults(Candidate(rel, target.read_bytes(), **fields), ref)
+        else:
+            yield _manifest_candidate(ref, base, raw, fields, max_file_bytes)
 
 
 def iter_candidates(
-    ref: BatchRef, max_member_bytes: int = DEFAULT_MAX_MEMBER_BYTES
+    ref: BatchRef, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 ) -> Iterator[Candidate]:
-    """Every input file of a batch, in a deterministic order, readable or not."""
+    """Every input file of a batch, in a deterministic order, readable or not.
+
+    ``max_file_bytes``: the per-file limit (and per WebDataset sample), checked before
+    reading; over it a file is refused as ``too_large``.
+    """
+    if ref.kind in ("archive", "manifest"):
+        try:
+            st = os.stat(ref.path)
+        except OSError as exc:
+            raise BatchError(f"{_where(ref.path)}: cannot be read: {exc.strerror}") from None
+        if not stat.S_ISREG(st.st_mode):  # a FIFO named x.tar would block the reader
+            raise BatchError(f"{_where(ref.path)} is {_file_kind(st.st_mode)}, not a file")
     if ref.kind == "folder":
-        yield from _iter_folder(ref)
+        yield from _iter_folder(ref, max_file_bytes)
     elif ref.kind == "archive":
-        yield from _iter_archive(ref, max_member_bytes)
+        yield from _iter_archive(ref, max_file_bytes)
     elif ref.kind == "manifest":
-        yield from _iter_manifest(ref)
+        yield from _iter_manifest(ref, max_file_bytes)
     else:
         raise BatchError(f"unknown batch kind {ref.kind!r}")

@@ -7,7 +7,7 @@ from prx_assets.core.dedup_tables import DEDUP_DIRTY, DEDUP_STATE, IMAGE_HASHES,
 from prx_assets.core.lab import TableSpec
 from prx_assets.core.optouts import OPT_OUT_LISTS, OPT_OUTS
 from prx_assets.core.shard_tables import BUCKET_ASSIGNMENTS, SHARD_SAMPLES
-from prx_assets.core.skip_policy import SKIP_AUDIT
+from prx_assets.core.skip_policy import SKIP_AUDIT, SKIP_DIRTY
 from prx_assets.core.tables import ALL_TABLES
 
 LAB_TABLES: tuple[TableSpec, ...] = (
@@ -22,4 +22,5 @@ LAB_TABLES: tuple[TableSpec, ...] = (
     OPT_OUTS,
     OPT_OUT_LISTS,
     SKIP_AUDIT,
+    SKIP_DIRTY,
 )

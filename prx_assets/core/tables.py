@@ -30,8 +30,14 @@ IMAGES = TableSpec(
         ]
     ),
     identity=("batch", "key"),
-    # url / source_id: opt-out lists name images by them; the audit looks them up too.
-    indexes=(("key", "BTREE"), ("batch", "BITMAP"), ("url", "BTREE"), ("source_id", "BTREE")),
+    # url / source_id: opt-out lists name images by them; the audit looks them up (and path).
+    indexes=(
+        ("key", "BTREE"),
+        ("batch", "BITMAP"),
+        ("url", "BTREE"),
+        ("source_id", "BTREE"),
+        ("path", "BTREE"),
+    ),
 )
 
 REJECTS = TableSpec(
@@ -48,7 +54,7 @@ REJECTS = TableSpec(
         ]
     ),
     identity=("batch", "path"),
-    indexes=(("batch", "BITMAP"),),
+    indexes=(("batch", "BITMAP"), ("path", "BTREE"), ("key", "BTREE")),  # audit look-ups
 )
 
 RESOLUTION = TableSpec(
@@ -63,7 +69,8 @@ RESOLUTION = TableSpec(
             pa.field("aspect", pa.float64()),  # width / height
             pa.field("eligible", pa.bool_()),
             pa.field("ineligible_reason", pa.string()),
-            pa.field("max_tier", pa.int32()),  # highest tier filled without upscaling
+            # assign_bucket's tier: the highest filled without upscaling, else 512 (upscaled)
+            pa.field("max_tier", pa.int32()),
         ]
     ),
     identity=("batch", "key"),

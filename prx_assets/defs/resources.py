@@ -7,6 +7,7 @@ from dagster import ConfigurableResource
 
 from prx_assets.core.decode import DEFAULT_MAX_PIXELS
 from prx_assets.core.lab import Lab
+from prx_assets.core.sources import DEFAULT_MAX_FILE_BYTES
 
 
 def default_data_root() -> str:
@@ -25,6 +26,9 @@ class LabResource(ConfigurableResource):
     lab_uri: str | None = None
     shards_uri: str | None = None
     max_pixels: int = DEFAULT_MAX_PIXELS
+    # Per input file (and per WebDataset sample), checked before reading: over it a file is
+    # rejected as too_large. Default 512 MB.
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
 
     @property
     def landing(self) -> Path:

@@ -126,6 +126,11 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
         print(
             f"Skip-lists: {excluded} of {audit.num_rows} shard samples skipped; reasons {reasons}"
         )
+        from prx_assets.core.skip_decisions import caption_coverage
+
+        for key in manifest.batches:
+            cov = caption_coverage(store, key)
+            print(f"  {key}: {cov.without_caption} of {cov.eligible} eligible without a caption")
         from prx_assets.demo.train_loop import run_training_loop
 
         print("\nTraining-style loop over the shards (prx_assets.loader, no Dagster):")

@@ -123,6 +123,11 @@ def test_search_click_audit_and_more_like_this(server, driver):
         assert time.time() < deadline, driver.find_element(By.ID, "audit").text
         time.sleep(0.2)
     assert driver.find_element(By.ID, "detail-key").text == key
+    verdict = httpx.get(f"{url}/api/audit/{key}").json()["verdict"]
+    assert driver.find_element(By.ID, "verdict").text == verdict  # the verdict comes first
+    assert driver.find_element(By.CSS_SELECTOR, "#audit > :first-child").get_attribute("id") == (
+        "verdict"
+    )
     images = driver.find_element(By.CSS_SELECTOR, '#audit section[data-table="images"]')
     assert images.text.startswith("images (Lance version")
     assert key in images.text and "public-skimage.000" in images.text
@@ -137,6 +142,21 @@ def test_search_click_audit_and_more_like_this(server, driver):
         assert time.time() < deadline
         time.sleep(0.2)
     screenshot(driver, "browser-audit")
+
+    # The hostile caption in the audit trail is text too.
+    hostile.click()
+    deadline = time.time() + 30
+    while driver.find_element(By.ID, "detail-key").text != hostile_key or not (
+        driver.find_elements(By.CSS_SELECTOR, '#audit section[data-table="captions"]')
+    ):
+        assert time.time() < deadline, driver.find_element(By.ID, "audit").text
+        time.sleep(0.2)
+    captions = driver.find_element(By.CSS_SELECTOR, '#audit section[data-table="captions"]')
+    assert HOSTILE in captions.text
+    assert driver.find_elements(By.CSS_SELECTOR, "#audit img, #audit script") == []
+    assert driver.title != "pwned"
+    target.click()
+    wait_for_text(driver, key)
 
     driver.find_element(By.ID, "more-like-this").click()
     wait_for_text(driver, "like " + key[:12])

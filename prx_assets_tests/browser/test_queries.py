@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import UTC, datetime
 from typing import Any
@@ -404,7 +405,7 @@ def test_bad_requests_get_specific_errors(indexed_lab):
         q.image_bytes("f" * 64)
     with pytest.raises(QueryError, match="unknown class label 'cat'"):
         Filters.from_params({"label": ["visual,cat"]})
-    with pytest.raises(QueryError, match="min_side must be a number"):
+    with pytest.raises(QueryError, match="min_side must be a whole number from 0 to 2147483647"):
         Filters.from_params({"min_side": ["big"]})
     with pytest.raises(QueryError, match="invalid batch"):
         Filters.from_params({"batch": ["a' OR '1'='1"]})
@@ -438,6 +439,23 @@ def test_audit_lists_every_table_for_a_key(indexed_lab):
     assert all(isinstance(v, int) for v in trail["versions"].values())
     assert "image" not in trail["tables"][IMAGES][0]  # the bytes never leave
     assert trail["markdown"].startswith(f"# Audit trail for `{key}`")
+    # This lab stops before the shards stage: the verdict says so, for the image's batch.
+    (batch,) = {r["batch"] for r in trail["tables"][IMAGES]}
+    assert trail["status"] == "never_sharded"
+    assert (
+        trail["verdict"]
+        == f"never sharded: unassigned (bucket_assignments has not run for {batch})"
+    )
+    assert trail["copies"] == [
+        {
+            "batch": batch,
+            "key": key,
+            "path": trail["tables"][IMAGES][0]["path"],
+            "status": "never_sharded",
+            "verdict": trail["verdict"],
+        }
+    ]
+    assert f"**Verdict:** `{trail['verdict']}`" in trail["markdown"]
     with pytest.raises(NotFound):
         q.audit("0" * 64)
 
@@ -474,3 +492,38 @@ def test_thumbnails_follow_the_decode_policy_and_the_cache_is_bounded(indexed_la
         cache.get(key, 256, lambda key=key: load(key))
     assert loads == ["a", "b", "c", "d"]  # "a" was used recently, so "b" was evicted
     assert cache.nbytes <= cache.max_bytes and len(cache) == 3 and cache.hits == 2
+
+
+def test_out_of_range_and_malformed_numbers_are_400_with_a_message(indexed_lab):
+    from prx_assets.browser.app import BrowserApp
+
+    app = BrowserApp(LabQueries(indexed_lab))
+    huge = str(10**40)
+    cases = {
+        f"/api/search?min_side={huge}": "min_side",
+        f"/api/search?max_side={huge}": "max_side",
+        "/api/search?min_side=-1": "min_side",
+        "/api/search?min_side=1e3": "min_side",
+        "/api/search?min_side=1_000": "min_side",
+        "/api/search?min_side=%D9%A3": "min_side",  # an Arabic-Indic digit: int() takes it
+        f"/api/search?min_side={'9' * 5000}": "min_side",
+        "/api/search?min_mp=1e400": "min_mp",
+        "/api/search?max_mp=nan": "max_mp",
+        "/api/search?max_mp=1e300": "max_mp",
+        "/api/search?min_mp=0x10": "min_mp",
+        f"/api/search?tier={huge}": "tier",
+        "/api/search?tier=-512": "tier",
+        f"/api/search?limit={huge}": "limit",
+        "/api/search?limit=1.5": "limit",
+        f"/api/image/{'0' * 64}/thumb?size={huge}": "size",
+    }
+    for target, name in cases.items():
+        response = app.handle("GET", target, "127.0.0.1")
+        assert response.status == 400, (target, response.status, response.body[:200])
+        message = json.loads(response.body)["error"]
+        assert message.startswith(name), (target, message)
+        assert len(message) < 300, message  # the offending value is quoted, bounded
+    ok = app.handle("GET", "/api/search?min_side=384&max_mp=2.5&limit=5", "127.0.0.1")
+    assert ok.status == 200
+    hits = json.loads(ok.body)["hits"]
+    assert hits and len(hits) <= 5

@@ -138,3 +138,70 @@ def test_draft_decoding_keeps_at_least_the_requested_size():
     data = (PHOTOS / "retina.jpg").read_bytes()
     small = decode_rgb(data, draft_size=(200, 200))
     assert 200 <= small.width < 1411 and small.width == small.height
+
+
+# --------------------------------------------------------------------------- bit depth
+
+
+def _scaled16(values: np.ndarray) -> np.ndarray:
+    """The documented rule: v * 255 / 65535, rounded half up (exact integer arithmetic)."""
+    return ((values.astype(np.int64) * 255 + 32767) // 65535).astype(np.uint8)
+
+
+def _grey(rgb: Image.Image) -> np.ndarray:
+    arr = np.asarray(rgb)
+    assert (
+        rgb.mode == "RGB"
+        and (arr[..., 0] == arr[..., 1]).all()
+        and (arr[..., 1] == arr[..., 2]).all()
+    )
+    return arr[..., 0]
+
+
+CONSTANT = np.full((24, 32), 30000, np.uint16)  # 30000/65535 of white: a mid grey
+RAMP = np.tile(np.linspace(0, 20000, 32).round().astype(np.uint16), (24, 1))  # dark ramp
+
+
+def _image16(values: np.ndarray, mode: str) -> Image.Image:
+    h, w = values.shape
+    if mode == "I":
+        return Image.fromarray(values.astype(np.int32), "I")
+    order = {"I;16": "<", "I;16L": "<", "I;16B": ">", "I;16N": "="}[mode]
+    return Image.frombytes(mode, (w, h), values.astype(order + "u2").tobytes())
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I;16L", "I;16B", "I;16N", "I"])
+@pytest.mark.parametrize("values", [CONSTANT, RAMP], ids=["constant", "ramp"])
+def test_16_bit_images_are_scaled_by_bit_depth_not_stretched(mode, values):
+    rgb, how = to_rgb(_image16(values, mode))
+    assert how == "high_bit_depth_to_8bit"
+    assert (_grey(rgb) == _scaled16(values)).all()
+
+
+def test_16_bit_constant_grey_stays_mid_grey_and_a_dark_ramp_stays_dark():
+    assert np.unique(_grey(to_rgb(_image16(CONSTANT, "I;16"))[0])).tolist() == [117]
+    ramp = _grey(to_rgb(_image16(RAMP, "I;16"))[0])
+    assert (ramp.min(), ramp.max()) == (0, 78)  # not stretched to 0..255
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
+def test_16_bit_files_decode_by_bit_depth(fmt):
+    data = _save(_image16(CONSTANT, "I;16"), fmt)
+    assert inspect_image(data).conversion == "high_bit_depth_to_8bit"
+    assert np.unique(_grey(decode_rgb(data))).tolist() == [117]
+    ramp = _grey(decode_rgb(_save(_image16(RAMP, "I;16"), fmt)))
+    assert (ramp == _scaled16(RAMP)).all()
+
+
+def test_32_bit_integer_values_outside_16_bits_are_clipped():
+    values = np.array([[-5, 0, 65535, 70000, 2**31 - 1]], np.int32)
+    grey = _grey(to_rgb(Image.fromarray(values, "I"))[0])
+    assert grey.tolist() == [[0, 0, 255, 255, 255]]
+
+
+def test_float_images_are_clipped_to_unit_range_and_scaled():
+    values = np.array([[-0.5, 0.0, 0.25, 0.5, 1.0, 3.0, np.nan]], np.float32)
+    grey = _grey(to_rgb(Image.fromarray(values, "F"))[0])
+    assert grey.tolist() == [[0, 0, 64, 128, 255, 255, 0]]
+    constant = np.full((8, 8), 30000 / 65535, np.float32)
+    assert np.unique(_grey(to_rgb(Image.fromarray(constant, "F"))[0])).tolist() == [117]

@@ -35,6 +35,7 @@ from prx_assets.core.optouts import (
     sharded_batches,
 )
 from prx_assets.core.tables import IMAGES
+from prx_assets_tests.bounds import MIB, peak_rss_growth, sparse_file
 
 PHOTOS = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos"
 KEY_A = "a" * 64
@@ -385,3 +386,78 @@ def test_list_rows_and_sharded_batches(lab):
     assert sharded_batches(lab, pairs) == {"s.001"}
     assert sharded_batches(lab, [("s.000", key)]) == set()  # same key, unsharded batch
     assert sharded_batches(Lab(lab.root + "-none"), pairs) == set()
+
+
+# --------------------------------------------------------------------------- issue 10: bounds
+
+
+def test_a_200_mb_list_without_newlines_is_refused_by_size_unread(tmp_path):
+    path = sparse_file(tmp_path / "huge.txt", 200 * MIB, prefix=b"https://example.org/")
+    err, growth = peak_rss_growth(lambda: _file_err(path))
+    assert growth < 32 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
+    assert err.code == "too_large"
+    assert f"{200 * MIB:,} bytes" in err.reason and len(err.reason) < 500
+
+
+def test_a_line_over_the_cap_rejects_the_list_without_being_held(tmp_path):
+    path = sparse_file(tmp_path / "huge.txt", 200 * MIB, prefix=b"https://example.org/")
+    err, growth = peak_rss_growth(lambda: _file_err(path, max_list_bytes=300 * MIB))
+    assert growth < 32 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
+    assert err.code == "entry_too_long"
+    assert "line 1 is 209,715,200 characters" in err.reason
+    assert "'https://example.org/" in err.reason  # the start of the entry is quoted
+    assert f"…(+{200 * MIB - 200:,} more characters)" in err.reason
+    assert len(err.reason) < 2_000
+
+
+def test_rejection_reasons_quote_at_most_200_characters_of_an_entry():
+    entry = "x" * 10_000
+    err = _err(f"{KEY_A}\n{entry}\n".encode(), "long.txt")
+    assert err.code == "bad_identifier"
+    assert repr("x" * 200) + "…(+9,800 more characters)" in err.reason
+    assert len(err.reason) < 1_000
+
+
+def test_many_malformed_entries_keep_the_reason_bounded():
+    err = _err(b"\n".join(b"bad-%d-" % i + b"y" * 300 for i in range(50_000)), "many.txt")
+    assert "50000 malformed entries" in err.reason and "(and 49995 more)" in err.reason
+    assert len(err.reason) < 2_100
+
+
+def test_csv_lines_and_parquet_cells_over_the_cap_are_entry_too_long():
+    csv_err = _err(b"url,note\nhttps://e.org/x," + b"n" * 100_000 + b"\n", "wide.csv")
+    assert csv_err.code == "entry_too_long" and "line 2" in csv_err.reason
+    assert len(csv_err.reason) < 1_000
+    table = pa.table({"url": ["https://e.org/" + "p" * 100_000]})
+    pq_err = _err(_parquet(table), "wide.parquet")
+    assert pq_err.code == "entry_too_long" and "'url'" in pq_err.reason
+    assert len(pq_err.reason) < 1_000
+
+
+def test_the_caps_are_configurable(tmp_path):
+    path = tmp_path / "two.txt"
+    path.write_text(f"{KEY_A}\n{KEY_B}\n")
+    assert len(parse_list_file(path).identifiers) == 2
+    assert _file_err(path, max_list_bytes=100).code == "too_large"
+    assert _file_err(path, max_line_bytes=63).code == "entry_too_long"
+    assert len(parse_list_file(path, max_line_bytes=64).identifiers) == 2
+
+
+def test_a_file_rewritten_after_hashing_is_not_recorded_as_the_hashed_list(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text(KEY_A + "\n")
+    sha = file_sha256(path)
+    assert parse_list_file(path, expected_sha256=sha).identifiers[0].value == KEY_A
+    path.write_text(KEY_B + "\n")  # same name, new bytes, after the id was made
+    assert _file_err(path, expected_sha256=sha).code == "changed"
+
+
+def test_list_ids_of_names_that_are_not_utf8_are_printable():
+    name = b"caf\xe9\n.txt".decode("utf-8", "surrogateescape")
+    assert make_list_id(name, "ab" * 32) == "caf%E9%0A.txt@" + "ab" * 8
+
+
+def _file_err(path: Path, **limits) -> OptOutListError:
+    with pytest.raises(OptOutListError) as info:
+        parse_list_file(path, **limits)
+    return info.value

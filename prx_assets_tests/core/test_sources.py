@@ -1,7 +1,10 @@
 import io
 import json
+import os
+import socket
 import tarfile
 from pathlib import Path
+from urllib.parse import unquote_to_bytes
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -9,12 +12,14 @@ import pytest
 from PIL import Image
 
 from prx_assets.core.sources import (
+    DEFAULT_MAX_FILE_BYTES,
     BatchError,
     describe_batch,
     discover_batches,
     iter_candidates,
     resolve_batch,
 )
+from prx_assets_tests.bounds import MIB, fail_after, peak_rss_growth, sparse_file
 
 
 def _jpeg(color=(10, 20, 30), size=(400, 400)) -> bytes:
@@ -100,7 +105,7 @@ def test_archive_refuses_traversal_absolute_links_and_oversize(tmp_path):
         ],
     )
     ref = resolve_batch(tmp_path, "s.001")
-    cands = {c.path: c for c in iter_candidates(ref, max_member_bytes=6000)}
+    cands = {c.path: c for c in iter_candidates(ref, max_file_bytes=6000)}
     assert cands["ok.jpg"].error is None and cands["ok.jpg"].alt_text == "alt text"
     for name in (
         "../up.jpg",
@@ -108,10 +113,10 @@ def test_archive_refuses_traversal_absolute_links_and_oversize(tmp_path):
         "/abs.jpg",
         "evil-link.jpg",
         "hard.jpg",
-        "big.jpg",
     ):
         assert cands[name].error is not None and cands[name].error[0] == "unsafe_path", name
         assert cands[name].data is None
+    assert cands["big.jpg"].error[0] == "too_large" and cands["big.jpg"].data is None
     # Nothing was written outside (nothing is extracted at all).
     assert not (tmp_path / "up.jpg").exists()
 
@@ -170,3 +175,274 @@ def test_register_by_hand_validates_the_path(tmp_path):
     assert describe_batch(tmp_path / "landing" / "s" / "007", tmp_path / "landing").key == "s.007"
     with pytest.raises(BatchError, match="not a <landing>"):
         describe_batch(tmp_path / "landing" / "s", tmp_path / "landing")
+
+
+# --------------------------------------------------------------------------- issue 10: names
+
+
+def _folder_batch(tmp_path: Path, chunk: str = "000") -> Path:
+    b = tmp_path / "s" / chunk
+    b.mkdir(parents=True)
+    (b / "_SUCCESS").write_text("")
+    return b
+
+
+def _write_raw(directory: Path, raw_name: bytes, data: bytes) -> None:
+    with open(os.path.join(os.fsencode(directory), raw_name), "wb") as fh:
+        fh.write(data)
+
+
+# Raw names a filesystem or tar can hold, and the printable path each must get.
+HOSTILE_NAMES = {
+    b"caf\xe9.jpg": "caf%E9.jpg",  # Latin-1, not UTF-8
+    b"\xff\xfe.jpg": "%FF%FE.jpg",
+    b"new\nline.jpg": "new%0Aline.jpg",
+    b"esc\x1b[31m.jpg": "esc%1B[31m.jpg",
+    b"100%.jpg": "100%25.jpg",
+    "rtl\u202egpj.jpg".encode(): "rtl%E2%80%AEgpj.jpg",
+    "café.jpg".encode(): "café.jpg",
+}
+
+
+def _assert_printable_and_lossless(paths: set[str]) -> None:
+    for p in paths:
+        p.encode("utf-8")  # a lone surrogate here is what failed the Lance write
+        assert p.isprintable(), p
+    assert {unquote_to_bytes(p) for p in paths} == set(HOSTILE_NAMES)
+
+
+def test_folder_names_that_are_not_utf8_or_hold_controls_get_printable_lossless_paths(tmp_path):
+    b = _folder_batch(tmp_path)
+    for i, raw in enumerate(HOSTILE_NAMES):
+        _write_raw(b, raw, _jpeg(color=(i * 30, 0, 0)))
+    _write_raw(b, b"caf\xe9.txt", b"alt text of the Latin-1 name")
+    cands = {c.path: c for c in iter_candidates(resolve_batch(tmp_path, "s.000"))}
+    assert set(cands) == set(HOSTILE_NAMES.values())
+    _assert_printable_and_lossless(set(cands))
+    assert all(c.error is None and c.data for c in cands.values())
+    assert cands["caf%E9.jpg"].alt_text == "alt text of the Latin-1 name"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "suffix"),
+    [
+        (tarfile.PAX_FORMAT, ".tar"),
+        (tarfile.GNU_FORMAT, ".tar"),
+        (tarfile.USTAR_FORMAT, ".tar"),
+        (tarfile.PAX_FORMAT, ".tar.gz"),
+    ],
+)
+def test_tar_member_names_that_are_not_utf8_get_printable_lossless_paths(tmp_path, fmt, suffix):
+    (tmp_path / "s").mkdir()
+    path = tmp_path / "s" / f"001{suffix}"
+    mode = "w:gz" if suffix == ".tar.gz" else "w"
+    with tarfile.open(path, mode, format=fmt, encoding="utf-8", errors="surrogateescape") as tar:
+        for i, raw in enumerate(HOSTILE_NAMES):
+            data = _jpeg(color=(0, i * 30, 0))
+            info = tarfile.TarInfo(raw.decode("utf-8", "surrogateescape"))
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    cands = {c.path: c for c in iter_candidates(resolve_batch(tmp_path, "s.001"))}
+    assert set(cands) == set(HOSTILE_NAMES.values())
+    _assert_printable_and_lossless(set(cands))
+    assert all(c.error is None and c.data for c in cands.values())
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_manifest_paths_that_are_not_utf8_name_the_real_file(tmp_path, fmt):
+    src = tmp_path / "s"
+    (src / "_files").mkdir(parents=True)
+    _write_raw(src / "_files", b"caf\xe9.jpg", _jpeg())
+    if fmt == "csv":
+        (src / "005.csv").write_bytes(b"path,caption\n_files/caf\xe9.jpg,une caf\xe9\n")
+    else:
+        table = pa.table({"path": pa.array([b"_files/caf\xe9.jpg"], pa.binary())})
+        pq.write_table(table, src / "005.parquet")
+    (c,) = iter_candidates(resolve_batch(tmp_path, "s.005"))
+    assert c.path == "_files/caf%E9.jpg" and c.error is None and c.data == _jpeg()
+    if fmt == "csv":
+        assert c.alt_text == "une caf\ufffd"  # metadata text: undecodable bytes replaced
+
+
+def test_a_name_too_long_for_any_filesystem_is_rejected_as_bad_filename(tmp_path):
+    (tmp_path / "s").mkdir()
+    path = tmp_path / "s" / "006.tar"
+    long_name = "d/" * 3000 + "x.jpg"  # PAX can hold it; no filesystem path can
+    _tar_pax(path, [(long_name, _jpeg()), ("ok.jpg", _jpeg(color=(1, 2, 3)))])
+    cands = list(iter_candidates(resolve_batch(tmp_path, "s.006")))
+    bad = [c for c in cands if c.error and c.error[0] == "bad_filename"]
+    assert len(bad) == 1 and bad[0].data is None
+    assert len(bad[0].path) < 300 and "more bytes" in bad[0].path
+    assert len(bad[0].error[1]) < 600
+    assert any(c.path == "ok.jpg" and c.error is None for c in cands)
+
+
+def _tar_pax(path: Path, members: list[tuple[str, bytes]]) -> None:
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+# --------------------------------------------------------------------------- issue 10: sizes
+
+
+def _sparse_tar(path: Path, members: list[tuple[str, int | bytes]]) -> None:
+    """A tar whose member data are holes: headers written at their offsets, nothing else.
+
+    A 3 x 400 MB archive costs a few KB of disk, and reading it reads zeros."""
+    with open(path, "wb") as fh:
+        offset = 0
+        for name, content in members:
+            info = tarfile.TarInfo(name)
+            info.size = content if isinstance(content, int) else len(content)
+            header = info.tobuf(format=tarfile.PAX_FORMAT)
+            fh.seek(offset)
+            fh.write(header)
+            if isinstance(content, bytes):
+                fh.write(content)
+            offset += len(header) + -(-info.size // 512) * 512
+        fh.truncate(offset + 2 * 512)  # the two zero blocks that end an archive
+
+
+def test_default_limit_refuses_big_folder_files_before_reading_them(tmp_path):
+    b = _folder_batch(tmp_path)
+    sparse_file(b / "huge.jpg", 1536 * MIB)  # 1.5 GB, a hole on disk
+    sparse_file(b / "just-over.png", DEFAULT_MAX_FILE_BYTES + 1)
+    (b / "small.jpg").write_bytes(_jpeg())
+    ref = resolve_batch(tmp_path, "s.000")
+    cands, growth = peak_rss_growth(lambda: {c.path: c for c in iter_candidates(ref)})
+    assert growth < 64 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
+    for name, size in (("huge.jpg", 1536 * MIB), ("just-over.png", DEFAULT_MAX_FILE_BYTES + 1)):
+        c = cands[name]
+        assert c.error is not None and c.error[0] == "too_large", name
+        assert c.data is None and c.size == size
+        assert f"{DEFAULT_MAX_FILE_BYTES:,}" in c.error[1]
+    assert cands["small.jpg"].error is None
+
+
+def test_default_limit_refuses_big_tar_members_and_sample_groups_before_reading(tmp_path):
+    (tmp_path / "s").mkdir()
+    path = tmp_path / "s" / "001.tar"
+    small = _jpeg()
+    _sparse_tar(
+        path,
+        [
+            # One WebDataset sample of 3 x 400 MB: each member is under the limit, the
+            # sample (held in memory together) is not.
+            ("sample.jpg", 400 * MIB),
+            ("sample.png", 400 * MIB),
+            ("sample.webp", 400 * MIB),
+            ("huge.jpg", 600 * MIB),
+            ("ok.jpg", small),
+        ],
+    )
+    ref = resolve_batch(tmp_path, "s.001")
+    cands, growth = peak_rss_growth(lambda: {c.path: c for c in iter_candidates(ref)})
+    assert growth < 64 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
+    for name in ("sample.jpg", "sample.png", "sample.webp", "huge.jpg"):
+        assert cands[name].error[0] == "too_large", name
+        assert cands[name].data is None
+    assert "sample" in cands["sample.png"].error[1] and cands["sample.png"].size == 400 * MIB
+    assert cands["ok.jpg"].error is None and cands["ok.jpg"].data == small
+
+
+def test_manifest_rows_over_the_limit_are_refused_before_reading(tmp_path):
+    src = tmp_path / "s"
+    (src / "_files").mkdir(parents=True)
+    sparse_file(src / "_files" / "huge.jpg", 1536 * MIB)
+    (src / "007.csv").write_text("path\n_files/huge.jpg\n")
+    ref = resolve_batch(tmp_path, "s.007")
+    cands, growth = peak_rss_growth(lambda: list(iter_candidates(ref)))
+    assert growth < 64 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
+    assert [c.error[0] for c in cands] == ["too_large"]
+
+
+def test_the_file_size_limit_is_configurable_and_inclusive(tmp_path):
+    b = _folder_batch(tmp_path)
+    (b / "at.jpg").write_bytes(b"x" * 1000)
+    (b / "over.jpg").write_bytes(b"x" * 1001)
+    cands = {c.path: c for c in iter_candidates(resolve_batch(tmp_path, "s.000"), 1000)}
+    assert cands["at.jpg"].error is None and cands["at.jpg"].data == b"x" * 1000
+    assert cands["over.jpg"].error[0] == "too_large" and cands["over.jpg"].data is None
+
+
+# --------------------------------------------------------------------------- issue 10: kinds
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_manifest_rows_naming_directories_or_fifos_are_not_a_file(tmp_path, fmt):
+    src = tmp_path / "s"
+    (src / "_files" / "a-dir.jpg").mkdir(parents=True)
+    os.mkfifo(src / "_files" / "pipe.jpg")
+    paths = ["_files/a-dir.jpg", "_files/pipe.jpg", "_files/gone.jpg"]
+    if fmt == "csv":
+        (src / "008.csv").write_text("path\n" + "\n".join(paths) + "\n")
+    else:
+        pq.write_table(pa.table({"path": paths}), src / "008.parquet")
+    with fail_after(10):
+        cands = {c.path: c for c in iter_candidates(resolve_batch(tmp_path, "s.008"))}
+    assert cands["_files/a-dir.jpg"].error[0] == "not_a_file"
+    assert "directory" in cands["_files/a-dir.jpg"].error[1]
+    assert cands["_files/pipe.jpg"].error[0] == "not_a_file"
+    assert "FIFO" in cands["_files/pipe.jpg"].error[1]
+    assert cands["_files/gone.jpg"].error[0] == "missing_file"
+
+
+def test_folder_special_files_and_symlinks_are_counted_as_rejections(tmp_path):
+    b = _folder_batch(tmp_path)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "hidden-photo.jpg").write_bytes(_jpeg())
+    (outside / "cat.txt").write_text("alt text from outside the batch")
+    (b / "cat.jpg").write_bytes(_jpeg(color=(5, 5, 5)))
+    (b / "cat.txt").symlink_to(outside / "cat.txt")  # a symlinked sidecar
+    (b / "linked-dir").symlink_to(outside, target_is_directory=True)
+    (b / "link.jpg").symlink_to(outside / "hidden-photo.jpg")
+    (b / "inside-link.jpg").symlink_to(b / "cat.jpg")
+    os.mkfifo(b / "pipe.jpg")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(b / "sock.jpg"))
+        (b / "ok.jpg").write_bytes(_jpeg(color=(9, 9, 9)))
+        with fail_after(10):
+            cands = {c.path: c for c in iter_candidates(resolve_batch(tmp_path, "s.000"))}
+    reasons = {p: (c.error[0] if c.error else None) for p, c in cands.items()}
+    assert reasons == {
+        "cat.jpg": "bad_sidecar",  # its metadata (URL, id, licence) is not trusted
+        "cat.txt": "symlink",
+        "linked-dir": "symlink",
+        "link.jpg": "symlink",
+        "inside-link.jpg": "symlink",
+        "pipe.jpg": "not_a_file",
+        "sock.jpg": "not_a_file",
+        "ok.jpg": None,
+    }
+    assert "cat.txt" in cands["cat.jpg"].error[1]
+    assert all(c.data is None for p, c in cands.items() if p != "ok.jpg")
+
+
+def test_names_differing_only_in_extension_case_are_all_seen(tmp_path):
+    b = _folder_batch(tmp_path)
+    (b / "a.jpg").write_bytes(_jpeg(color=(1, 1, 1)))
+    (b / "a.JPG").write_bytes(_jpeg(color=(2, 2, 2)))
+    paths = sorted(c.path for c in iter_candidates(resolve_batch(tmp_path, "s.000")))
+    assert paths == ["a.JPG", "a.jpg"]
+
+
+def test_a_malformed_json_sidecar_refuses_its_image(tmp_path):
+    b = _folder_batch(tmp_path)
+    (b / "x.jpg").write_bytes(_jpeg())
+    (b / "x.json").write_text('{"url": "https://x/1", ')
+    cands = {c.path: c for c in iter_candidates(resolve_batch(tmp_path, "s.000"))}
+    assert cands["x.json"].error[0] == "bad_sidecar"
+    assert cands["x.jpg"].error[0] == "bad_sidecar" and cands["x.jpg"].data is None
+
+
+def test_a_fifo_named_like_an_archive_or_manifest_is_a_clear_batch_error(tmp_path):
+    (tmp_path / "s").mkdir()
+    for name in ("009.tar", "010.csv"):
+        os.mkfifo(tmp_path / "s" / name)
+    for key in ("s.009", "s.010"):
+        with fail_after(10), pytest.raises(BatchError, match="FIFO"):
+            list(iter_candidates(resolve_batch(tmp_path, key)))

@@ -1,6 +1,11 @@
+import io
 import multiprocessing as mp
+import os
+import tarfile
+from pathlib import Path
 
 from dagster import DagsterInstance, materialize
+from PIL import Image
 
 from prx_assets.core.tables import IMAGES, REJECTS, RESOLUTION
 from prx_assets.defs.ingest.assets import raw_images
@@ -135,3 +140,72 @@ def test_maintenance_job_compacts_every_table(instance, lab_resource, demo_manif
     assert store.dataset(IMAGES.name).count_rows() == sum(
         store.dataset(IMAGES.name).count_rows(f"batch = '{k}'") for k in demo_manifest.batches
     )
+
+
+# --------------------------------------------------------------------------- issue 10
+
+
+def _jpeg(color) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), color).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def _hostile_landing(landing: Path) -> dict[str, set[str]]:
+    """A folder, a PAX tar and a GNU tar, each with names that are not UTF-8 or hold
+    control characters; returns batch -> the printable paths expected in the lab."""
+    raw_names = [b"caf\xe9.jpg", b"line\nbreak.jpg", b"ok.jpg", b"bell\x07.md"]
+    folder = landing / "hostile" / "000"
+    folder.mkdir(parents=True)
+    for i, raw in enumerate(raw_names):
+        with open(os.path.join(os.fsencode(folder), raw), "wb") as fh:
+            fh.write(_jpeg((i * 40, 10, 10)) if raw.endswith(b".jpg") else b"not an image")
+    (folder / "_SUCCESS").write_text("")
+    expected = {"hostile.000": {"caf%E9.jpg", "line%0Abreak.jpg", "ok.jpg", "bell%07.md"}}
+    for chunk, fmt in (("001", tarfile.PAX_FORMAT), ("002", tarfile.GNU_FORMAT)):
+        with tarfile.open(
+            landing / "hostile" / f"{chunk}.tar",
+            "w",
+            format=fmt,
+            encoding="utf-8",
+            errors="surrogateescape",
+        ) as tar:
+            for i, raw in enumerate(raw_names):
+                data = _jpeg((10, i * 40 + int(chunk), 10)) if raw.endswith(b".jpg") else b"x"
+                info = tarfile.TarInfo(raw.decode("utf-8", "surrogateescape"))
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        expected[f"hostile.{chunk}"] = expected["hostile.000"]
+    return expected
+
+
+def test_names_that_are_not_utf8_never_fail_the_batch(instance, tmp_path):
+    lab_resource = LabResource(data_root=str(tmp_path / "data"))
+    expected = _hostile_landing(lab_resource.landing)
+    instance.add_dynamic_partitions(BATCHES.name, sorted(expected))
+    store = lab_resource.lab()
+    for key, paths in sorted(expected.items()):
+        result = _materialize(instance, lab_resource, key)
+        md = result.asset_materializations_for_node("raw_images")[0].metadata
+        assert md["seen"].value == len(paths) == md["accepted"].value + md["rejected"].value
+        images = store.read(IMAGES.name, ["path"], filter=f"batch = '{key}'").to_pylist()
+        rejects = store.read(REJECTS.name, filter=f"batch = '{key}'").to_pylist()
+        assert {r["path"] for r in images} | {r["path"] for r in rejects} == paths
+        assert {r["path"] for r in images} == {p for p in paths if p.endswith(".jpg")}
+        assert [r["reason"] for r in rejects] == ["unsupported_extension"]
+
+
+def test_the_file_size_limit_is_configured_on_the_lab_resource(instance, tmp_path):
+    lab_resource = LabResource(data_root=str(tmp_path / "data"), max_file_bytes=500)
+    folder = lab_resource.landing / "s" / "000"
+    folder.mkdir(parents=True)
+    (folder / "big.jpg").write_bytes(_jpeg((200, 0, 0)))  # over 500 bytes
+    (folder / "_SUCCESS").write_text("")
+    assert (folder / "big.jpg").stat().st_size > 500
+    instance.add_dynamic_partitions(BATCHES.name, ["s.000"])
+    result = _materialize(instance, lab_resource, "s.000")
+    md = result.asset_materializations_for_node("raw_images")[0].metadata
+    assert (md["accepted"].value, md["rejected"].value, md["max_file_bytes"].value) == (0, 1, 500)
+    (row,) = lab_resource.lab().read(REJECTS.name).to_pylist()
+    assert row["reason"] == "too_large" and row["file_size"] == (folder / "big.jpg").stat().st_size
+    assert row["key"] is None  # never read, so never hashed

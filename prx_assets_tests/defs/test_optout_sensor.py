@@ -3,6 +3,7 @@ only, malformed lists rejected without blocking the next, replays idempotent."""
 
 import io
 import os
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,6 +25,7 @@ from prx_assets.defs.resources import LabResource
 from prx_assets.defs.skiplists.assets import build_skiplist_assets
 from prx_assets.defs.skiplists.config import OptOutResource, SkipPolicyResource
 from prx_assets.defs.skiplists.sensors import build_opt_out_sensor, opt_out_sensor
+from prx_assets_tests.bounds import MIB, peak_rss_growth, sparse_file
 
 PUBLIC = "public-skimage.000"
 STUDIO = "internal-studio.002"
@@ -277,3 +279,49 @@ def test_configurable_directory_interval_and_definitions(world, tmp_path):
     )
     Definitions.validate_loadable(defs)
     assert defs.resolve_sensor_def("opt_out_sensor").minimum_interval_seconds == 60
+
+
+# --------------------------------------------------------------------------- issue 10: bounds
+
+
+def test_a_huge_list_is_rejected_in_a_bounded_tick_and_the_next_list_still_applies(world):
+    w = world
+    sparse_file(Path(w.dir) / "a-huge.txt", 200 * MIB, prefix=b"https://example.org/")
+    key = w.images[STUDIO][0]["key"]
+    w.drop("b-good.txt", key + "\n")
+    result, growth = peak_rss_growth(lambda: w.tick(None))
+    assert growth < 100 * MIB, f"the tick's peak RSS grew by {growth / MIB:.0f} MiB"
+    lists = w.lists()
+    (huge,) = [lid for lid in lists if lid.startswith("a-huge.txt@")]
+    (good,) = [lid for lid in lists if lid.startswith("b-good.txt@")]
+    assert lists[huge]["status"] == "rejected"
+    assert lists[huge]["reason"].startswith("too_large: ") and len(lists[huge]["reason"]) < 500
+    assert lists[good]["status"] == "accepted"
+    assert _requests(result) == [(STUDIO, f"opt_out:{good}:{STUDIO}")]
+
+
+def test_a_line_over_the_cap_is_rejected_with_a_bounded_reason_and_log(world, capfd):
+    w = world
+    sparse_file(Path(w.dir) / "one-line.txt", 200 * MIB, prefix=b"https://example.org/")
+    generous = OptOutResource(max_list_bytes=300 * MIB)
+    _, growth = peak_rss_growth(lambda: w.tick(None, generous))
+    assert growth < 100 * MIB, f"the tick's peak RSS grew by {growth / MIB:.0f} MiB"
+    (row,) = w.lists().values()
+    assert row["status"] == "rejected" and row["reason"].startswith("entry_too_long: ")
+    assert "more characters" in row["reason"] and len(row["reason"]) < 2_000
+    logged = [line for line in capfd.readouterr().err.splitlines() if "one-line.txt" in line]
+    assert logged and all("rejected: entry_too_long" in line for line in logged)
+    assert max(len(line) for line in logged) < 3_000
+
+
+def test_list_files_whose_names_are_not_utf8_are_recorded(world):
+    w = world
+    key = w.images[STUDIO][0]["key"]
+    raw = os.path.join(os.fsencode(w.dir), b"legal-caf\xe9\x1b.txt")
+    with open(raw, "wb") as fh:
+        fh.write(key.encode() + b"\n")
+    result = w.tick(None)
+    (lid,) = w.lists()
+    assert lid.startswith("legal-caf%E9%1B.txt@")
+    assert w.lists()[lid]["path"].endswith("/legal-caf%E9%1B.txt")
+    assert _requests(result) == [(STUDIO, f"opt_out:{lid}:{STUDIO}")]

@@ -152,7 +152,7 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
     for tier in tiers_used:
         total = sum(r["tier"] == tier for r in assigned.values())
         assert (
-            "| **total** |" in md_a["bucket_fill"].value and str(total) in md_a["bucket_fill"].value
+            "| `total` |" in md_a["bucket_fill"].value and str(total) in md_a["bucket_fill"].value
         )
 
     # Shards: every directory reads back with StreamingDataset; each sample is right. Every
@@ -239,7 +239,7 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
     assert md["uncaptioned_keys"].value == {"no caption row": [uncaptioned]}
     assert md["excluded_by_first_skiplists"].value == len(excluded)
     for reason in ("no_caption", "class_text", "duplicate"):
-        assert f"| {reason} | 1 |" in md["first_skiplist_reasons"].value
+        assert f"| `{reason}` | 1 |" in md["first_skiplist_reasons"].value
     assert md["skip_policy_fingerprint"].value == SkipPolicyResource().fingerprint()
     assert md["skiplist_generations"].value == {
         str(d.relative_to(root)): current_generation(d) for d in dirs
@@ -255,6 +255,7 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
 
 def test_rerun_is_byte_identical_and_a_bucket_can_empty(instance, lab_resource, built) -> None:
     store, eligible, _, uncaptioned = built
+    _plant_decisions(store, eligible)
     _shards(instance, lab_resource)
     root = Path(lab_resource.shards_root)
     first = _tree_hashes(root)
@@ -399,37 +400,12 @@ def test_renderer_skips_a_broken_image_and_keeps_the_rest(tmp_path: Path) -> Non
 
 
 def _plant_decisions(store, keys: list[str]) -> dict[str, str]:
-    """Class labels and dedup decisions for ``keys``: one text image, one duplicate."""
-    from prx_assets.core.dedup_tables import PHASH_CLUSTERS
-    from prx_assets.core.tables import CAPTION_CLASSES
+    """Every fact the policy needs for ``keys`` (nothing pending): one image labelled text,
+    one a smaller copy of another (its keeper, eligible and written). Returns key -> reason."""
+    from prx_assets_tests.facts import plant_decision_facts
 
     text, dup, keeper = keys[1], keys[2], keys[3]
-    now = datetime(2024, 1, 1, tzinfo=UTC)
-    classes = [
-        {"key": k, "batch": KEY, "label": "text" if k == text else "visual", "created_at": now}
-        for k in keys
-    ]
-    store.replace_partition(
-        CAPTION_CLASSES, KEY, pa.Table.from_pylist(classes, schema=CAPTION_CLASSES.schema)
-    )
-    clusters = [
-        {
-            "key": k,
-            "batch": KEY,
-            "cluster_id": keeper if k == dup else k,
-            "cluster_size": 2 if k in (dup, keeper) else 1,
-            "keeper_key": keeper if k == dup else k,
-            "keeper_batch": KEY,
-            "is_keeper": k != dup,
-            "low_information": False,
-            "radius": 0,
-            "phash_version": "fast-v1",
-        }
-        for k in keys
-    ]
-    store.replace_partition(
-        PHASH_CLUSTERS, KEY, pa.Table.from_pylist(clusters, schema=PHASH_CLUSTERS.schema)
-    )
+    plant_decision_facts(store, KEY, keys, labels={text: "text"}, copies={dup: keeper})
     return {text: "class_text", dup: "duplicate"}
 
 
@@ -440,9 +416,10 @@ def _default_loader_keys(root: Path) -> list[str]:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tiny buckets: small-bucket warnings are expected
-        loader = ShapeBatchedLoader(
-            discover_streams(root), batch_size=1, shuffle=False, num_canonical_nodes=1
-        )
+        buckets = discover_streams(root)
+        if not buckets:  # every sample of every bucket skipped: nothing to yield
+            return []
+        loader = ShapeBatchedLoader(buckets, batch_size=1, shuffle=False, num_canonical_nodes=1)
         keys = [k for batch in loader for k in batch["key"]]
     del loader
     gc.collect()
@@ -470,6 +447,7 @@ def test_an_image_without_caption_is_written_and_skipped_as_no_caption(
 ) -> None:
     """Finding: images without a usable caption were silently left out of every shard."""
     store, eligible, _, uncaptioned = built
+    _plant_decisions(store, eligible)
     _shards(instance, lab_resource)
     root = Path(lab_resource.shards_root)
     rows = {r["key"]: r for r in _shard_rows(store)}
@@ -477,7 +455,8 @@ def test_an_image_without_caption_is_written_and_skipped_as_no_caption(
     r = rows[uncaptioned]
     raw = _read_dir(root / r["relative_dir"])[r["sample_index"]]
     assert raw["key"] == uncaptioned and raw["caption"] == ""
-    assert uncaptioned not in _default_loader_keys(root)  # ... and never trained on
+    yielded = _default_loader_keys(root)
+    assert yielded and uncaptioned not in yielded  # ... and never trained on
 
 
 def test_the_screener_decides_the_whole_partition_and_refuses_undecided_samples(built) -> None:

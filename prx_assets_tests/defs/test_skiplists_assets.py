@@ -12,7 +12,8 @@ from dagster import AssetKey, SensorResult, SkipReason, build_sensor_context, ma
 from PIL import Image
 
 from prx_assets.core.buckets import assign_bucket
-from prx_assets.core.dedup_tables import PHASH_CLUSTERS
+from prx_assets.core.dedup import DedupSettings, gather_corpus, plan_batch
+from prx_assets.core.dedup_tables import IMAGE_HASHES, PHASH_CLUSTERS
 from prx_assets.core.mds import MDSSample, partition_digest, skip_nothing, write_partition_buckets
 from prx_assets.core.optouts import OPT_OUTS, opt_out_rows, parse_identifier, replace_rows
 from prx_assets.core.shard_tables import SHARD_SAMPLES
@@ -24,7 +25,7 @@ from prx_assets.core.skiplists import (
     load_skiplists,
     read_skiplist,
 )
-from prx_assets.core.tables import CAPTION_CLASSES, IMAGES, RESOLUTION
+from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS, IMAGES, RESOLUTION
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile
@@ -34,6 +35,7 @@ from prx_assets.defs.skiplists.sensors import skip_policy_sensor
 
 KEY = "public-skimage.000"
 T0 = datetime(2024, 1, 1, tzinfo=UTC)
+CAPTIONER = "test-captioner"
 
 
 def _thumb(data: bytes) -> bytes:
@@ -47,12 +49,13 @@ def _thumb(data: bytes) -> bytes:
 class Built:
     """The demo batch ingested, sharded (small shards) and classified/deduplicated."""
 
-    def __init__(self, store, root: Path, keys: list[str], placements, urls: dict[str, str]):
+    def __init__(self, store, root: Path, keys: list[str], placements, urls, sizes):
         self.store = store
         self.root = root
         self.keys = keys  # sorted sharded keys
         self.where = {p.key: p for p in placements}
         self.urls = urls
+        self.sizes = sizes  # key -> (pixels, file_size)
         # The smallest group of images sharing a URL (>= 2): one URL opt-out removes all.
         groups: dict[str, set[str]] = {}
         for k in keys:
@@ -62,17 +65,35 @@ class Built:
         self.url_key = min(self.url_group)
         others = [k for k in keys if k not in self.url_group]
         assert len(others) >= 7, "the demo batch needs more eligible images for this test"
-        self.text, self.nsfw, self.dup, self.keeper, self.flat, self.unclassified = others[:6]
-        self.uncaptioned = others[6]  # written with an empty caption (shard_samples says so)
+        (self.text, self.nsfw, self.dup, self.keeper, self.flat, self.unclassified) = others[:6]
+        self.heir = others[6]  # a copy of text, which keeps its cluster (most pixels)
+        self.pairs = {self.dup: self.keeper, self.heir: self.text}  # copy -> keeper
 
     def dirs(self) -> list[Path]:
         return sorted({self.root / p.relative_dir for p in self.where.values()})
 
 
-def _classes(store, b: Built) -> None:
+def _captions_and_classes(store, b: Built) -> None:
+    caps = [
+        {
+            "key": k,
+            "batch": KEY,
+            "caption": f"a photo {k[:8]}",  # what the shards hold
+            "backend_fingerprint": CAPTIONER,
+            "created_at": T0,
+        }
+        for k in b.keys
+    ]
+    store.replace_partition(CAPTIONS, KEY, pa.Table.from_pylist(caps, schema=CAPTIONS.schema))
     labels = {b.text: "text", b.nsfw: "nsfw"}
     rows = [
-        {"key": k, "batch": KEY, "label": labels.get(k, "visual"), "created_at": T0}
+        {
+            "key": k,
+            "batch": KEY,
+            "label": labels.get(k, "visual"),
+            "caption_fingerprint": CAPTIONER,
+            "created_at": T0,
+        }
         for k in b.keys
         if k != b.unclassified
     ]
@@ -82,26 +103,33 @@ def _classes(store, b: Built) -> None:
 
 
 def _clusters(store, b: Built) -> None:
+    """Hash rows (the planted pairs share a hash; flat is near-flat), then real decisions."""
+    settings = DedupSettings()
+    keepers = set(b.pairs.values())
     rows = []
-    for k in b.keys:
-        keeper = b.keeper if k == b.dup else k
+    for i, k in enumerate(b.keys):
+        pixels, size = b.sizes[k]
         rows.append(
             {
                 "key": k,
                 "batch": KEY,
-                "cluster_id": keeper,
-                "cluster_size": 2 if k in (b.dup, b.keeper) else 1,
-                "keeper_key": keeper,
-                "keeper_batch": KEY,
-                "is_keeper": k != b.dup,
-                "low_information": k == b.flat,
-                "radius": 0,
-                "phash_version": "fast-v1",
+                "phash": 1000 + b.keys.index(b.pairs.get(k, k)),
+                "phash_mode": settings.phash_mode,
+                "phash_version": settings.phash_version,
+                "ac_energy": 0.1 if k == b.flat else 30.0 + i,
+                "pixels": pixels * (4 if k in keepers else 1),
+                "file_size": size,
             }
         )
     store.replace_partition(
-        PHASH_CLUSTERS, KEY, pa.Table.from_pylist(rows, schema=PHASH_CLUSTERS.schema)
+        IMAGE_HASHES, KEY, pa.Table.from_pylist(rows, schema=IMAGE_HASHES.schema)
     )
+    gathered = gather_corpus(store, KEY, settings)
+    plan = plan_batch(KEY, gathered.corpus, gathered.stored, settings)
+    store.replace_partition(PHASH_CLUSTERS, KEY, plan.rows)
+    decided = {r["key"]: r for r in plan.rows.to_pylist()}
+    for copy, keeper in b.pairs.items():
+        assert decided[copy]["keeper_key"] == keeper and decided[keeper]["is_keeper"]
 
 
 def _build(instance, lab_resource, with_phash: bool = True) -> Built:
@@ -119,12 +147,21 @@ def _build(instance, lab_resource, with_phash: bool = True) -> Built:
     images = store.read_batch(IMAGES.name, KEY, ["key", "image", "url", "source", "license"])
     samples = []
     urls = {}
+    sizes = {}
+    files = dict(
+        zip(
+            *(store.read_batch(IMAGES.name, KEY, ["key", "file_size"]).column(c).to_pylist()
+              for c in ("key", "file_size")),
+            strict=True,
+        )
+    )  # fmt: skip
     for row in images.to_pylist():
         if row["key"] not in eligible:
             continue
         r = eligible[row["key"]]
         a = assign_bucket(r["width"], r["height"])
         urls[row["key"]] = row["url"]
+        sizes[row["key"]] = (r["width"] * r["height"], files[row["key"]])
         samples.append(
             MDSSample(
                 key=row["key"],
@@ -147,7 +184,6 @@ def _build(instance, lab_resource, with_phash: bool = True) -> Built:
         root, KEY, samples, size_limit=limit, hashes=("sha256",), skips_for=skip_nothing
     )
     digests = {p.relative_dir: partition_digest(root / p.relative_dir) for p in placements}
-    b = Built(store, root, sorted(p.key for p in placements), placements, urls)
     rows = [
         {
             "key": p.key,
@@ -159,18 +195,18 @@ def _build(instance, lab_resource, with_phash: bool = True) -> Built:
             "index_in_shard": p.index_in_shard,
             "sample_index": p.sample_index,
             "dir_digest": digests[p.relative_dir],
-            # null: written without a usable caption (what mds_shards records for one)
-            "caption_fingerprint": None if p.key == b.uncaptioned else "fp-test",
+            "caption_fingerprint": CAPTIONER,
         }
         for p in placements
     ]
     store.replace_partition(
         SHARD_SAMPLES, KEY, pa.Table.from_pylist(rows, schema=SHARD_SAMPLES.schema)
     )
+    b = Built(store, root, sorted(p.key for p in placements), placements, urls, sizes)
     assert len({p.relative_dir for p in placements}) >= 2  # several bucket directories
     assert any(p.shard != "shard.00000.mds" for p in placements)  # several shards
     assert any(p.index_in_shard > 0 for p in placements)  # several samples per shard
-    _classes(store, b)
+    _captions_and_classes(store, b)
     if with_phash:
         _clusters(store, b)
     return b
@@ -214,9 +250,9 @@ def _skiplist_files(b: Built) -> dict[Path, bytes]:
 def _sidecar_skips(b: Built) -> dict[str, tuple[str, ...]]:
     """Key -> reasons, read back from the live generations (every sidecar re-read too)."""
     out = {}
+    assert len(_skiplist_files(b)) == sum(len(load_skiplists(x)) + 1 for x in b.dirs())
     for d in b.dirs():
         live = load_generation(d)
-        assert len(_skiplist_files(b)) == sum(len(load_skiplists(x)) + 1 for x in b.dirs())
         for entry in live.manifest.entries:  # one sidecar per shard, named by the manifest
             assert read_skiplist(d / entry.sidecar) == live.skiplists[entry.shard]
         for shard, sl in live.skiplists.items():
@@ -237,6 +273,8 @@ def _loader_keys(root: Path) -> list[str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tiny buckets: small-bucket warnings are expected
         buckets = discover_streams(root)
+        if not buckets:  # every sample of every bucket skipped: nothing to yield
+            return []
         loader = ShapeBatchedLoader(buckets, batch_size=1, shuffle=False, num_canonical_nodes=1)
         keys = [k for batch in loader for k in batch["key"]]
     del loader
@@ -251,17 +289,18 @@ def _audit(store) -> dict[str, dict]:
 def test_skip_lists_end_to_end(instance, lab_resource, built):
     b = built
     store = b.store
-    _opt_out(store, "legal.txt@1", [b.urls[b.url_key], b.dup], T0)
+    _opt_out(store, "legal.txt@1", [b.urls[b.url_key]], T0)
     result = _run(instance, lab_resource)
     assert result.success
     expected = {
-        b.text: ("class_text",),
+        b.text: ("class_text", "duplicate"),  # heir's keeper, excluded: heir trains instead
         b.nsfw: ("class_nsfw",),
-        b.dup: ("duplicate", "opt_out"),
+        b.dup: ("duplicate",),
+        b.flat: ("low_information",),  # excluded by default
+        b.unclassified: ("pending",),  # no class label: never kept
         **{k: ("opt_out",) for k in b.url_group},
-        b.uncaptioned: ("no_caption",),
     }
-    assert b.flat not in expected and b.unclassified not in expected  # quality off by default
+    assert {b.heir, b.keeper}.isdisjoint(expected)
 
     # Sidecars: exactly the expected indices with their reasons, one per shard.
     assert _sidecar_skips(b) == expected
@@ -284,24 +323,29 @@ def test_skip_lists_end_to_end(instance, lab_resource, built):
             assert row["first_excluded_at"] == row["decided_at"]
         else:
             assert row["first_excluded_at"] is None
-    assert audit[b.dup]["opt_out_list_ids"] == ["legal.txt@1"]
-    assert audit[b.dup]["duplicate_of"] == b.keeper
-    assert audit[b.text]["opt_out_list_ids"] == []
+    # The record of why: the training copy actually used, what a pending sample awaits.
+    assert (audit[b.dup]["duplicate_of"], audit[b.dup]["duplicate_of_batch"]) == (b.keeper, KEY)
+    assert audit[b.text]["duplicate_of"] == b.heir and audit[b.heir]["cluster_id"] == b.text
+    assert audit[b.unclassified]["pending_on"] == ["caption_classes"]
+    assert audit[b.url_key]["opt_out_list_ids"] == ["legal.txt@1"]
+    assert audit[b.text]["opt_out_list_ids"] == [] and audit[b.text]["opt_out_via"] == []
 
     md = result.asset_materializations_for_node("skip_lists")[0].metadata
     shards = sum(len(load_skiplists(d)) for d in b.dirs())
     assert md["sidecars"].value == shards and md["directories"].value == len(b.dirs())
     assert md["samples"].value == len(b.keys)
     assert md["skipped"].value == len(expected) and md["kept"].value == len(b.keys) - len(expected)
-    assert f"| opt_out | {len(b.url_group) + 1} |" in md["skip_reasons"].value
-    assert "| duplicate | 1 |" in md["skip_reasons"].value
-    assert "| quality | 0 |" in md["skip_reasons"].value
-    assert "| no_caption | 1 |" in md["skip_reasons"].value
+    assert f"| `opt_out` | {len(b.url_group)} |" in md["skip_reasons"].value
+    assert "| `duplicate` | 2 |" in md["skip_reasons"].value
+    assert "| `low_information` | 1 |" in md["skip_reasons"].value
+    assert "| `pending` | 1 |" in md["skip_reasons"].value
     for rel in {p.relative_dir for p in b.where.values()}:
-        assert f"| {rel} |" in md["buckets"].value
-    assert md["unclassified"].value == 1 and md["no_dedup_decision"].value == 0
+        assert f"| `{rel}` |" in md["buckets"].value
+    assert md["pending"].value == 1 and md["pending_on_class_label"].value == 1
+    assert md["pending_on_dedup_decision"].value == 0 and md["no_caption"].value == 0
     assert md["opt_out_lists_applied"].value == ["legal.txt@1"]
     assert md["newly_excluded"].value == len(expected)
+    assert md["other_batches_marked"].value == [] and md["skip_dirty_marked"].value == 0
     first = {k: audit[k]["first_excluded_at"] for k in expected}
     files = _skiplist_files(b)
     generations = md["skiplist_generations"].value
@@ -312,31 +356,69 @@ def test_skip_lists_end_to_end(instance, lab_resource, built):
     assert _skiplist_files(b) == files
     assert {k: _audit(store)[k]["first_excluded_at"] for k in expected} == first
 
-    # A second list names an already-excluded (text) image and a kept one: the text image
-    # gains the reason but keeps its first exclusion date; the kept one starts now.
-    kept = next(k for k in b.keys if k not in expected and k not in (b.flat, b.unclassified))
-    _opt_out(store, "second.csv@2", [b.text, kept], T0)
+    # A second list names two smaller copies: dup (a duplicate of the kept keeper) and heir
+    # (the training copy of text's cluster). Each takes its whole cluster out: the keeper
+    # with the list and the copy that matched; text gains the reason and keeps its date.
+    _opt_out(store, "second.csv@2", [b.dup, b.heir], T0)
     result = _run(instance, lab_resource)
     assert result.success
     audit = _audit(store)
+    assert audit[b.keeper]["reasons"] == ["opt_out"]
+    assert audit[b.keeper]["opt_out_list_ids"] == ["second.csv@2"]
+    assert audit[b.keeper]["opt_out_via"] == [b.dup] and audit[b.keeper]["duplicate_of"] is None
+    assert audit[b.keeper]["first_excluded_at"] == audit[b.keeper]["decided_at"] > first[b.text]
+    assert audit[b.dup]["reasons"] == ["opt_out"] and audit[b.dup]["duplicate_of"] is None
+    assert audit[b.dup]["first_excluded_at"] == first[b.dup]
     assert audit[b.text]["reasons"] == ["class_text", "opt_out"]
+    assert audit[b.text]["opt_out_via"] == [b.heir]
     assert audit[b.text]["first_excluded_at"] == first[b.text]
-    assert audit[kept]["reasons"] == ["opt_out"] and audit[kept]["opt_out_list_ids"] == [
-        "second.csv@2"
-    ]
-    assert audit[kept]["first_excluded_at"] == audit[kept]["decided_at"] > first[b.text]
+    assert audit[b.heir]["reasons"] == ["opt_out"]
     md = result.asset_materializations_for_node("skip_lists")[0].metadata
-    assert md["newly_excluded"].value == 1 and md["no_longer_excluded"].value == 0
-    assert kept not in _loader_keys(b.root)
+    assert md["newly_excluded"].value == 2 and md["no_longer_excluded"].value == 0
+    assert {b.keeper, b.heir}.isdisjoint(_loader_keys(b.root))
+
+
+def test_no_caption_is_skipped_counted_and_checked(instance, lab_resource, built):
+    b = built
+    # Three images lose their caption (no alt text: the fallback caption is empty).
+    blank = sorted({b.flat, b.keeper, b.nsfw})
+    caps = b.store.read_batch(CAPTIONS.name, KEY).to_pylist()
+    for row in caps:
+        if row["key"] in blank:
+            row["caption"] = "  " if row["key"] == b.flat else ""
+    b.store.replace_partition(CAPTIONS, KEY, pa.Table.from_pylist(caps, schema=CAPTIONS.schema))
+    result = _run(instance, lab_resource, SkipPolicyResource(max_no_caption_share=0.5))
+    assert result.success
+    audit = _audit(b.store)
+    assert all("no_caption" in audit[k]["reasons"] for k in blank)
+    assert audit[b.dup]["reasons"] == []  # its keeper has no caption: the copy trains
+    assert audit[b.keeper]["duplicate_of"] == b.dup
+    md = result.asset_materializations_for_node("skip_lists")[0].metadata
+    assert md["no_caption"].value == 3 and "| `no_caption` | 3 |" in md["skip_reasons"].value
+    eligible = b.store.dataset(RESOLUTION.name).count_rows(f"batch = '{KEY}' AND eligible")
+    assert md["eligible_without_caption"].value == 3
+    (check,) = result.get_asset_check_evaluations()
+    assert check.check_name == "skip_lists_caption_coverage" and check.passed
+    assert check.metadata["eligible_images"].value == eligible
+    assert check.metadata["without_caption"].value == 3
+    # Over the configured share (the default, 5 %), the ERROR check fails; the run is green
+    # and the images stay skipped.
+    assert 3 / eligible > 0.05
+    result = _run(instance, lab_resource)
+    assert result.success
+    (check,) = result.get_asset_check_evaluations()
+    assert not check.passed and check.severity.value == "ERROR"
+    assert sorted(check.metadata["keys_without_caption"].value) == blank
+    assert set(blank).isdisjoint(_loader_keys(b.root))
 
 
 def test_policy_change_reruns_only_skip_lists_with_new_decisions(instance, lab_resource, built):
     b = built
     default = build_skiplist_assets()[0]
-    nsfw_only = SkipPolicyResource(excluded_classes=["nsfw"], quality_flags=["low_information"])
+    nsfw_only = SkipPolicyResource(excluded_classes=["nsfw"], skip_low_information=False)
     changed = build_skiplist_assets(nsfw_only)[0]
     cv = {next(iter(a.specs)).code_version for a in (default, changed)}
-    assert len(cv) == 2 and all(v.startswith("skip_lists-v1-") for v in cv)
+    assert len(cv) == 2 and all(v.startswith("skip_lists-v2-") for v in cv)
     spec = next(iter(default.specs))
     assert {d.asset_key for d in spec.deps} == {
         AssetKey("mds_shards"),
@@ -370,11 +452,15 @@ def test_policy_change_reruns_only_skip_lists_with_new_decisions(instance, lab_r
 
     assert _run(instance, lab_resource, policy=nsfw_only).success
     after = _audit(b.store)
+    # text is eligible again, so it is its cluster's training copy once more; heir is not.
     assert not after[b.text]["excluded"] and after[b.text]["first_excluded_at"] is None
+    assert after[b.heir]["reasons"] == ["duplicate"] and after[b.heir]["duplicate_of"] == b.text
     assert after[b.nsfw]["first_excluded_at"] == before[b.nsfw]["first_excluded_at"]
-    assert after[b.flat]["reasons"] == ["quality"]
+    assert after[b.flat]["reasons"] == [] and before[b.flat]["reasons"] == ["low_information"]
+    assert after[b.unclassified]["reasons"] == ["pending"]  # whatever the policy
     assert {r["policy_fingerprint"] for r in after.values()} == {nsfw_only.fingerprint()}
-    assert b.text not in _sidecar_skips(b) and b.flat in _sidecar_skips(b)
+    skips = _sidecar_skips(b)
+    assert b.text not in skips and b.flat not in skips and skips[b.heir] == ("duplicate",)
     assert isinstance(tick(nsfw_only), SkipReason)
 
 
@@ -418,3 +504,22 @@ def test_a_batch_without_shards_writes_an_empty_audit(instance, lab_resource, bu
     md = result.asset_materializations_for_node("skip_lists")[0].metadata
     assert md["samples"].value == 0 and md["sidecars"].value == 0
     assert _audit(b.store) == {}
+
+
+def test_a_sample_written_without_caption_stays_skipped(instance, lab_resource, built):
+    """shard_samples says the writer stored an empty caption (caption_fingerprint null): the
+    sample is excluded as no_caption even though the captions table has one by now."""
+    b = built
+    assert _run(instance, lab_resource).success
+    kept = next(k for k in b.keys if k not in _sidecar_skips(b))
+    rows = b.store.read_batch(SHARD_SAMPLES.name, KEY).to_pylist()
+    for r in rows:
+        if r["key"] == kept:
+            r["caption_fingerprint"] = None
+    b.store.replace_partition(
+        SHARD_SAMPLES, KEY, pa.Table.from_pylist(rows, schema=SHARD_SAMPLES.schema)
+    )
+    assert _run(instance, lab_resource).success
+    assert _sidecar_skips(b)[kept] == ("no_caption",)
+    assert _audit(b.store)[kept]["reasons"] == ["no_caption"]
+    assert kept not in _loader_keys(b.root)

@@ -174,7 +174,12 @@ function rerun() {
 
 function renderAudit(trail) {
   const box = document.getElementById("audit");
-  box.replaceChildren();
+  box.replaceChildren(el("p", { id: "verdict", class: `verdict ${trail.status}`, text: trail.verdict }));
+  if (trail.copies.length > 1) {
+    const list = el("ul", { class: "copies" });
+    for (const c of trail.copies) list.append(el("li", { text: `${c.batch} ${c.key || c.path}: ${c.verdict}` }));
+    box.append(list);
+  }
   for (const [table, rows] of Object.entries(trail.tables)) {
     const section = el("section", { class: "audit-table", "data-table": table },
       el("h3", { text: `${table} (Lance version ${trail.versions[table]})` }));

@@ -27,7 +27,8 @@ class DedupConfigResource(ConfigurableResource):
         default=DEFAULT_LOW_INFO_THRESHOLD,
         description=(
             "Below this AC energy (RMS grey levels of the 8x8-lowpass thumbnail) an image is "
-            "near-flat: flagged low_information, never merged, kept, and listed for review."
+            "near-flat: flagged low_information, never merged, listed for review, and skipped "
+            "in training unless skip_policy.skip_low_information is off."
         ),
     )
     phash_mode: str = Field(default="fast", description=f"One of {list(PHASH_MODES)}.")

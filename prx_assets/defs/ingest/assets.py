@@ -1,10 +1,13 @@
 """raw_images: one batch from the landing zone into the lab's ``images``/``rejects``."""
 
+import os
+
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from prx_assets.core.ingest import BatchIngest
 from prx_assets.core.sources import resolve_batch
 from prx_assets.core.tables import IMAGES, REJECTS
+from prx_assets.core.text import printable_name
 from prx_assets.defs.metadata import counts_table
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
@@ -14,7 +17,7 @@ from prx_assets.defs.resources import LabResource
     partitions_def=BATCHES,
     group_name="ingest",
     kinds={"lance"},
-    code_version="raw_images-v1",
+    code_version="raw_images-v2",
     description=(
         "Every file of the batch validated by the decoding policy: accepted images "
         "(with original bytes) in Lance `images`, every refusal with its reason in `rejects`."
@@ -22,7 +25,7 @@ from prx_assets.defs.resources import LabResource
 )
 def raw_images(context: AssetExecutionContext, lab: LabResource) -> MaterializeResult:
     ref = resolve_batch(lab.landing, context.partition_key)
-    run = BatchIngest(ref, max_pixels=lab.max_pixels)
+    run = BatchIngest(ref, max_pixels=lab.max_pixels, max_file_bytes=lab.max_file_bytes)
     store = lab.lab()
     written = store.replace_partition(IMAGES, ref.key, run.image_batches())
     rejected = store.replace_partition(REJECTS, ref.key, run.rejects)
@@ -39,7 +42,8 @@ def raw_images(context: AssetExecutionContext, lab: LabResource) -> MaterializeR
             "bytes_accepted": stats.bytes_accepted,
             "animated_first_frame_used": stats.animated,
             "batch_kind": ref.kind,
-            "landing_path": str(ref.path),
+            "landing_path": printable_name(os.fsencode(ref.path)),
+            "max_file_bytes": lab.max_file_bytes,
             "reject_reasons": counts_table(stats.reasons, "reason"),
             "formats": counts_table(stats.formats, "format"),
             "colour_conversions": counts_table(stats.conversions, "conversion"),

@@ -13,6 +13,7 @@ from dagster import (
 
 from prx_assets.core.sources import BatchError, discover_batches
 from prx_assets.defs.jobs import batch_pipeline_job
+from prx_assets.defs.metadata import bounded
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
 
@@ -35,7 +36,7 @@ def landing_sensor(context: SensorEvaluationContext, lab: LabResource):
     new = [r.key for r in refs if r.key not in registered and r.key not in existing]
     if not new:
         return SkipReason(f"no new batches in {lab.landing} ({len(refs)} known)")
-    context.log.info(f"registering {len(new)} new batch(es): {', '.join(new)}")
+    context.log.info(f"registering {len(new)} new batch(es): {bounded(', '.join(new), 400)}")
     return SensorResult(
         run_requests=[RunRequest(partition_key=k, run_key=f"landing:{k}") for k in new],
         dynamic_partitions_requests=[BATCHES.build_add_request(new)],

@@ -19,8 +19,9 @@ from prx_assets.defs.resources import LabResource
     kinds={"lance"},
     code_version="resolution_profile-v1",
     description=(
-        f"Megapixels, aspect, eligibility (short side >= {MIN_SIDE} px) and the highest "
-        "bucket tier each image fills without upscaling. Reads width/height only."
+        f"Megapixels, aspect, eligibility (short side >= {MIN_SIDE} px) and each image's "
+        "bucket tier: the highest it fills without upscaling, or 512 with a recorded "
+        "upscale (at most 512/384) when it fills none. Reads width/height only."
     ),
 )
 def resolution_profile(context: AssetExecutionContext, lab: LabResource) -> MaterializeResult:
@@ -40,6 +41,7 @@ def resolution_profile(context: AssetExecutionContext, lab: LabResource) -> Mate
             "ineligible": summary.images - summary.eligible,
             "ineligible_reasons": counts_table(summary.ineligible_reasons, "reason"),
             "images_per_max_tier": counts_table(summary.tier_counts, "tier", sort=False),
+            "upscaled_to_lowest_tier": summary.upscaled_to_lowest_tier,
             "megapixels_percentiles": MetadataValue.json(summary.megapixel_percentiles),
             "aspect_percentiles": MetadataValue.json(summary.aspect_percentiles),
             "histogram": png_markdown(png, "resolution histogram"),

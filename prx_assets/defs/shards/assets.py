@@ -38,7 +38,7 @@ from prx_assets.core.shard_tables import (
 from prx_assets.core.skip_policy import SkipPolicyError
 from prx_assets.core.skiplists import current_generation
 from prx_assets.core.tables import CAPTIONS, IMAGES, RESOLUTION
-from prx_assets.defs.metadata import counts_table, png_markdown
+from prx_assets.defs.metadata import counts_table, md_table, png_markdown
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.resources import LabResource
@@ -51,14 +51,11 @@ def _fill_markdown(fill: dict[int, dict[str, int]]) -> MetadataValue:
     """One row per aspect slot (portrait to landscape), one column per tier: "shape: n"."""
     tiers = sorted(fill)
     n = len(next(iter(fill.values())))
-    header = "| shape (aspect order) | " + " | ".join(str(t) for t in tiers) + " |"
-    lines = [header, "|---|" + "---|" * len(tiers)]
-    for i in range(n):
-        cells = [f"{list(fill[t])[i]}: {list(fill[t].values())[i]}" for t in tiers]
-        lines.append(f"| {i} | " + " | ".join(cells) + " |")
-    totals = [str(sum(fill[t].values())) for t in tiers]
-    lines.append("| **total** | " + " | ".join(totals) + " |")
-    return MetadataValue.md("\n".join(lines))
+    rows: list[list[object]] = [
+        [i, *(f"{list(fill[t])[i]}: {list(fill[t].values())[i]}" for t in tiers)] for i in range(n)
+    ]
+    rows.append(["total", *(sum(fill[t].values()) for t in tiers)])
+    return MetadataValue.md(md_table(["shape (aspect order)", *map(str, tiers)], rows))
 
 
 @asset(
@@ -158,21 +155,22 @@ def _bucket_report(
 ) -> tuple[MetadataValue, dict[str, list[str]], dict[str, list[str]]]:
     """Per-bucket table, and small-bucket hazards for this batch and for all batches."""
     rule = (config.canonical_nodes, config.device_batch_size)
-    lines = ["| bucket | samples | shards | MB | hazard (this batch) |", "|---|---|---|---|---|"]
+    rows: list[tuple[object, ...]] = []
     hazards: dict[str, list[str]] = {}
     for (tier, shape), t in mine.items():
         rel = f"mds/{tier}/{shape}/{batch}"
         problems = small_bucket_hazards(t.samples, t.shards, *rule)
         if problems:
             hazards[rel] = problems
-        cells = f"{t.samples} | {t.shards} | {mb[rel]:.2f} | {'; '.join(problems) or 'ok'}"
-        lines.append(f"| {tier}/{shape} | {cells} |")
+        hazard = "; ".join(problems) or "ok"
+        rows.append((f"{tier}/{shape}", t.samples, t.shards, round(mb[rel], 2), hazard))
+    header = ["bucket", "samples", "shards", "MB", "hazard (this batch)"]
     hazards_all = {
         f"{tier}/{shape}": problems
         for (tier, shape), t in everywhere.items()
         if (tier, shape) in mine and (problems := small_bucket_hazards(t.samples, t.shards, *rule))
     }
-    return MetadataValue.md("\n".join(lines)), hazards, hazards_all
+    return MetadataValue.md(md_table(header, rows)), hazards, hazards_all
 
 
 def _by_cause(uncaptioned: dict[str, str]) -> dict[str, list[str]]:

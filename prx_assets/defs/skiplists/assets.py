@@ -5,15 +5,19 @@ a policy change makes ``skip_lists`` (and nothing else) stale. The opt-out lists
 Dagster dependency: ``opt_outs`` is read at run time, so a new list never fans out over every
 partition under eager automation; the opt-out sensor requests the affected partitions.
 
-Order of effects: every directory's new skip-list generation is written first (sidecars,
-not yet live), then each directory's manifest flips (one atomic rename each), then the audit
-table (what it records) is committed. What a reader can see at any instant, crashes
-included: every directory on exactly one complete generation, either the one it had before
-this run (consistent with the ``skip_audit`` rows committed before it) or the one this run
-decided (consistent with the audit this run commits, or its rerun commits after a crash);
-never a directory with a mix of the two and never one without a generation. A crash between
-two flips leaves some directories on each; the rerun brings every one to the new decisions
-and commits the audit.
+Order of effects: other batches whose recorded decisions this run's facts contradict are
+listed in ``skip_dirty`` first (a crash later still reruns them); then every directory's new
+skip-list generation is written (sidecars, not yet live), then each directory's manifest
+flips (one atomic rename each: what training obeys), then the audit table (what it records)
+is committed; then the decision is taken again and a difference (a fact changed meanwhile)
+marks this batch itself; last, the marks this run answered are cleared.
+
+What a reader can see at any instant, crashes included: every directory on exactly one
+complete generation, either the one it had before this run (consistent with the
+``skip_audit`` rows committed before it) or the one this run decided (consistent with the
+audit this run commits, or its rerun commits after a crash); never a directory with a mix
+of the two, never one without a generation. A crash between two flips leaves some
+directories on each; the rerun brings every one to the new decisions and commits the audit.
 """
 
 from datetime import UTC, datetime
@@ -32,11 +36,21 @@ from dagster import (
 from prx_assets.core.dedup_tables import PHASH_CLUSTERS
 from prx_assets.core.lab import Lab
 from prx_assets.core.mds import list_partition_dirs, partition_digest, partition_dir
-from prx_assets.core.shard_screening import add_no_caption
 from prx_assets.core.shard_tables import SHARD_SAMPLES, written_without_caption
-from prx_assets.core.skip_decisions import decide_partition
+from prx_assets.core.skip_decisions import (
+    caption_coverage,
+    changed_during_run,
+    clear_skip_dirty,
+    contradicted_elsewhere,
+    decide_partition,
+    ensure_audit_columns,
+    mark_skip_dirty,
+    read_skip_dirty,
+)
 from prx_assets.core.skip_policy import (
     SKIP_AUDIT,
+    WAITS_FOR_CLASS,
+    WAITS_FOR_DEDUP,
     PartitionDecisions,
     SkipPolicyError,
     audit_rows,
@@ -49,10 +63,11 @@ from prx_assets.core.skiplists import (
     read_index_shards,
     skiplist_digest,
 )
-from prx_assets.core.tables import CAPTION_CLASSES, IMAGES
-from prx_assets.defs.metadata import counts_table
+from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS, IMAGES
+from prx_assets.defs.metadata import counts_table, md_table
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
+from prx_assets.defs.skiplists.checks import caption_coverage_result, caption_coverage_spec
 from prx_assets.defs.skiplists.config import SkipPolicyResource
 
 SKIP_LISTS_ASSET = "skip_lists"
@@ -61,6 +76,7 @@ UPSTREAM: tuple[str, ...] = ("mds_shards", "caption_classes", "phash_clusters")
 # Table read -> the asset that writes it (for the "materialise X first" message).
 _REQUIRED_TABLES: tuple[tuple[str, str], ...] = (
     (SHARD_SAMPLES.name, "mds_shards"),
+    (CAPTIONS.name, "captions"),
     (CAPTION_CLASSES.name, "caption_classes"),
     (PHASH_CLUSTERS.name, "phash_clusters"),
     (IMAGES.name, "raw_images"),
@@ -125,10 +141,8 @@ def _previous(store: Lab, batch: str) -> dict[str, tuple[bool, datetime | None]]
 
 
 def _buckets_markdown(decisions: PartitionDecisions) -> MetadataValue:
-    lines = ["| bucket directory | samples | kept | skipped |", "|---|---|---|---|"]
-    for rel, (kept, skipped) in decisions.bucket_counts().items():
-        lines.append(f"| {rel} | {kept + skipped} | {kept} | {skipped} |")
-    return MetadataValue.md("\n".join(lines))
+    rows = [(rel, k + s, k, s) for rel, (k, s) in decisions.bucket_counts().items()]
+    return MetadataValue.md(md_table(["bucket directory", "samples", "kept", "skipped"], rows))
 
 
 def _skip_lists(
@@ -149,32 +163,22 @@ def _skip_lists(
     store = lab.lab()
     batch = context.partition_key
     _require_tables(store, batch)
-    rows = store.read_batch(
-        SHARD_SAMPLES.name,
-        batch,
-        [
-            "key",
-            "tier",
-            "shape",
-            "relative_dir",
-            "shard",
-            "index_in_shard",
-            "dir_digest",
-            "caption_fingerprint",
-        ],
-    ).to_pylist()
+    # Marks read before the facts: those cleared at the end are the ones this run answers.
+    answered = read_skip_dirty(store, batch).column("dirty_id").to_pylist()
+    rows = store.read_batch(SHARD_SAMPLES.name, batch).to_pylist()
+    for r in rows:  # what the writer stored: an empty caption rules the sample out
+        r["caption_usable"] = not written_without_caption(r)
     dirs = _shard_dirs(lab.shards_root, batch, rows)
     samples = samples_from_rows(rows)
     try:
-        decisions = add_no_caption(
-            decide_partition(store, batch, samples, policy),
-            {r["key"] for r in rows if written_without_caption(r)},
-        )
+        decisions = decide_partition(store, batch, samples, policy)
     except SkipPolicyError as exc:
         raise Failure(description=f"{batch}: {exc}") from None
+    elsewhere = contradicted_elsewhere(store, decisions)
+    mark_skip_dirty(store, elsewhere, batch)
 
     skips = decisions.skips_by_dir()
-    try:
+    try:  # every directory's generation is staged before the first manifest flips
         generations = publish_partition_skiplists(
             {dirs[rel]: skips.get(rel, {}) for rel in sorted(dirs)}
         )
@@ -189,10 +193,15 @@ def _skip_lists(
         ):
             raise Failure(description=f"{path} was rewritten while skip_lists ran: rerun it")
 
+    ensure_audit_columns(store)
     previous = _previous(store, batch)
     decided_at = datetime.now(UTC)
     audit = audit_rows(batch, decisions, previous, decided_at)
     written = store.replace_partition(SKIP_AUDIT, batch, audit)
+    raced = changed_during_run(batch, decisions, decide_partition(store, batch, samples, policy))
+    mark_skip_dirty(store, raced, batch)
+    cleared = clear_skip_dirty(store, answered)
+    coverage = caption_coverage(store, batch)
     newly, gone = exclusion_changes(decisions, previous)
     lists = sorted({i for d in decisions.decisions for i in d.opt_out_list_ids})
     kept = sum(k for k, _ in decisions.bucket_counts().values())
@@ -200,10 +209,19 @@ def _skip_lists(
         f"{batch}: {len(samples)} samples in {len(dirs)} directories, "
         f"skipped {len(samples) - kept} ({newly} newly, {gone} no longer)"
     )
-    if decisions.unclassified or decisions.undecided:
+    counts = decisions.reason_counts()
+    if counts["pending"]:
         context.log.warning(
-            f"{batch}: {decisions.unclassified} sample(s) without a caption class, "
-            f"{decisions.undecided} without a dedup decision: kept unless opted out"
+            f"{batch}: {counts['pending']} sample(s) skipped as pending until their facts "
+            f"exist ({decisions.unclassified} without a current class label, "
+            f"{decisions.undecided} without a current dedup decision, the rest waiting for "
+            "another copy of their picture)"
+        )
+    if elsewhere:
+        context.log.info(
+            f"{batch}: recorded decisions of {len(elsewhere)} sample(s) in other batches "
+            f"no longer hold ({', '.join(sorted({c.batch for c in elsewhere}))}); marked in "
+            "skip_dirty for skip_dirty_sensor"
         )
     excluded = sorted(decisions.excluded_keys)
     return MaterializeResult(
@@ -211,7 +229,7 @@ def _skip_lists(
             "samples": len(samples),
             "kept": kept,
             "skipped": len(samples) - kept,
-            "skip_reasons": counts_table(decisions.reason_counts(), "reason", sort=False),
+            "skip_reasons": counts_table(counts, "reason", sort=False),
             "buckets": _buckets_markdown(decisions),
             "sidecars": sum(len(read_index_shards(p)) for p in dirs.values()),
             "skiplist_generations": MetadataValue.json(
@@ -220,15 +238,25 @@ def _skip_lists(
             "directories": len(dirs),
             "newly_excluded": newly,
             "no_longer_excluded": gone,
-            "unclassified": decisions.unclassified,
-            "no_dedup_decision": decisions.undecided,
+            "no_caption": counts["no_caption"],
+            "eligible_without_caption": coverage.without_caption,
+            "pending": counts["pending"],
+            "pending_on_class_label": decisions.waiting_for(WAITS_FOR_CLASS),
+            "pending_on_dedup_decision": decisions.waiting_for(WAITS_FOR_DEDUP),
+            "other_batches_marked": MetadataValue.json(sorted({c.batch for c in elsewhere})),
+            "skip_dirty_marked": len(elsewhere) + len(raced),
+            "skip_dirty_cleared": cleared,
+            "changed_during_run": MetadataValue.json(
+                [f"{c.key}: {c.before} -> {c.after}" for c in raced][:MAX_LISTED]
+            ),
             "opt_out_lists_applied": MetadataValue.json(lists),
             "skipped_keys": MetadataValue.json(excluded[:MAX_LISTED]),
             "policy": MetadataValue.json(policy.as_dict()),
             "policy_fingerprint": policy.fingerprint(),
             "skiplist_digest": skiplist_digest([dirs[r] for r in sorted(dirs)]),
             "skip_audit_lance_version": written["version"],
-        }
+        },
+        check_results=[caption_coverage_result(coverage, skip_policy.max_no_caption_share)],
     )
 
 
@@ -251,15 +279,21 @@ def build_skiplist_assets(policy: SkipPolicyResource | None = None) -> list[Asse
         deps=list(UPSTREAM),
         group_name=GROUP,
         kinds={"json", "lance"},
-        code_version=f"skip_lists-v1-{fp}",
+        code_version=f"skip_lists-v2-{fp}",
+        check_specs=[caption_coverage_spec(SKIP_LISTS_ASSET)],
         description=(
-            "A new skip-list generation (per-shard sidecars + skiplists.json manifest, "
-            "published by one rename per directory) for every MDS directory of the batch, "
-            "and one `skip_audit` row per written sample (reasons, opt-out list ids, "
-            f"since when). Policy: excluded classes {what['excluded_classes']}, duplicates "
-            f"{'skipped' if what['skip_duplicates'] else 'kept'}, quality flags "
-            f"{what['quality_flags'] or 'none'}; opt-outs always. Reads `opt_outs` at run time "
-            "(not a dependency): the opt-out sensor requests affected partitions."
+            "A new skip-list generation (per-shard sidecars named by a skiplists.json manifest, "
+            "published by one rename per directory, after every directory's files are "
+            "written) for every MDS directory of the batch, and one `skip_audit` row per "
+            "written sample (reasons, opt-out list ids and "
+            "the copy they named, the training copy, since when). Decided per pHash cluster "
+            "across batches: an opt-out of any copy skips every copy; one eligible copy "
+            "trains. Unknown facts skip as `pending`. Policy: excluded classes "
+            f"{what['excluded_classes']}, duplicates "
+            f"{'skipped' if what['skip_duplicates'] else 'kept'}, low-information images "
+            f"{'skipped' if what['skip_low_information'] else 'kept'}, no caption skipped; "
+            "opt-outs always. Reads `opt_outs` and other batches' facts at run time (not "
+            "dependencies): the opt-out and skip_dirty sensors request affected partitions."
         ),
     )
     def skip_lists(

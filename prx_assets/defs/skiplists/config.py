@@ -11,37 +11,50 @@ from pathlib import Path
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from prx_assets.core.optouts import DEFAULT_MAX_LINE_BYTES, DEFAULT_MAX_LIST_BYTES
 from prx_assets.core.skip_policy import (
     DEFAULT_EXCLUDED_CLASSES,
     EXCLUDABLE_CLASSES,
-    QUALITY_FLAGS,
     SkipPolicy,
 )
 from prx_assets.defs.resources import LabResource
 
 DEFAULT_OPTOUTS_DIRNAME = "optouts"
+DEFAULT_MAX_NO_CAPTION_SHARE = 0.05
 
 
 class SkipPolicyResource(ConfigurableResource):
-    """What, besides opt-outs (always applied), removes a written sample from training."""
+    """What, besides opt-outs (always applied, to every copy), removes a written sample."""
 
     excluded_classes: list[str] = Field(
         default=sorted(DEFAULT_EXCLUDED_CLASSES),
         description=f"Caption classes to skip, from {list(EXCLUDABLE_CLASSES)}.",
     )
     skip_duplicates: bool = Field(
-        default=True, description="Skip images that phash_clusters marks as non-keepers."
+        default=True,
+        description=(
+            "Train one copy per pHash cluster: the best eligible one by the keeper rule; "
+            "the others are skipped as 'duplicate'."
+        ),
     )
-    quality_flags: list[str] = Field(
-        default=[],
-        description=f"Quality flags that skip a sample (reason 'quality'), from {list(QUALITY_FLAGS)}.",
+    skip_low_information: bool = Field(
+        default=True,
+        description="Skip near-flat images (phash_clusters.low_information) as 'low_information'.",
+    )
+    max_no_caption_share: float = Field(
+        default=DEFAULT_MAX_NO_CAPTION_SHARE,
+        description=(
+            "The caption-coverage check fails (ERROR) when more than this share of a batch's "
+            "eligible images has no usable caption. Not a decision setting: changing it "
+            "reruns nothing."
+        ),
     )
 
     def policy(self) -> SkipPolicy:
         return SkipPolicy(
             excluded_classes=frozenset(self.excluded_classes),
             skip_duplicates=self.skip_duplicates,
-            quality_flags=frozenset(self.quality_flags),
+            skip_low_information=self.skip_low_information,
         )
 
     def fingerprint(self) -> str:
@@ -57,6 +70,14 @@ class OptOutResource(ConfigurableResource):
     )
     max_lists_per_tick: int = Field(
         default=8, description="New lists handled per tick; the rest wait for the next one."
+    )
+    max_list_bytes: int = Field(
+        default=DEFAULT_MAX_LIST_BYTES,
+        description="A list file over this size is rejected whole (too_large), unparsed.",
+    )
+    max_line_bytes: int = Field(
+        default=DEFAULT_MAX_LINE_BYTES,
+        description="A txt/CSV line or parquet cell over this rejects the list (entry_too_long).",
     )
 
     def directory(self, lab: LabResource) -> Path:

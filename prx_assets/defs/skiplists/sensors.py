@@ -1,5 +1,12 @@
-"""The opt-out sensor (each new list once -> skip_lists for the affected partitions only) and
-the skip-policy sensor (partitions decided under another policy -> skip_lists).
+"""The skip-list stage's sensors, each requesting ``skip_lists`` for exactly the partitions
+a change affects:
+
+- the opt-out sensor: each new list once -> the partitions holding a copy it names, or any
+  other copy of that picture (its pHash cluster, any batch);
+- the skip-policy sensor: partitions decided under another policy;
+- the skip-dirty sensor: partitions whose recorded decisions another batch's ``skip_lists``
+  run found contradicted (``skip_dirty``: e.g. their copy became the training copy because
+  the keeper was reclassified).
 
 Why a sensor and one run per partition (measured with Dagster 1.13.27): with the opt-outs as
 an upstream asset of ``skip_lists`` under eager automation every new list reran
@@ -14,6 +21,7 @@ Opt-out formats and rules: see :mod:`prx_assets.core.optouts`.
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -31,23 +39,30 @@ from dagster import (
     sensor,
 )
 
+from prx_assets.core.dedup import read_dirty
 from prx_assets.core.lab import Lab, sql_literal
 from prx_assets.core.optouts import (
+    DEFAULT_MAX_LINE_BYTES,
+    DEFAULT_MAX_LIST_BYTES,
     OPT_OUT_LISTS,
     OPT_OUTS,
     OptOutListError,
     discover_lists,
     ensure_image_lookup_indexes,
+    file_sha256,
     list_row,
     make_list_id,
     opt_out_rows,
-    parse_list_bytes,
+    parse_list_file,
     recorded_list,
     replace_rows,
     resolve_identifiers,
     sharded_batches,
 )
+from prx_assets.core.skip_decisions import cluster_copies, read_skip_dirty
 from prx_assets.core.skip_policy import SKIP_AUDIT
+from prx_assets.core.text import printable_name
+from prx_assets.defs.metadata import bounded
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
 from prx_assets.defs.skiplists.assets import SKIP_LISTS_ASSET
@@ -90,7 +105,6 @@ class Cursor:
 @dataclass(frozen=True)
 class NewList:
     path: Path
-    data: bytes
     sha256: str
     list_id: str
 
@@ -105,7 +119,8 @@ class Intake:
 
 
 def new_lists(directory: Path, cursor: Cursor, limit: int) -> list[NewList]:
-    """Up to ``limit`` unprocessed list files, by name; hashed from the bytes then parsed."""
+    """Up to ``limit`` unprocessed list files, by name, hashed as a stream (never read whole:
+    a 200 MB file costs a 1 MiB buffer); ``intake`` parses them from the file."""
     out: list[NewList] = []
     present = set()
     for path in discover_lists(directory):
@@ -121,32 +136,44 @@ def new_lists(directory: Path, cursor: Cursor, limit: int) -> list[NewList]:
                 continue
             if len(out) >= limit:
                 continue
-            data = path.read_bytes()
-        except FileNotFoundError:  # renamed away between listing and reading
+            sha = file_sha256(path)
+        except (FileNotFoundError, OptOutListError):  # renamed away, or no longer a file
             continue
-        sha = hashlib.sha256(data).hexdigest()
         list_id = make_list_id(path.name, sha)
         cursor.seen[path.name] = (st.st_size, st.st_mtime_ns, list_id)
         if list_id not in cursor.processed:
-            out.append(NewList(path, data, sha, list_id))
+            out.append(NewList(path, sha, list_id))
     for name in set(cursor.seen) - present:
         del cursor.seen[name]
     return out
 
 
-def intake(lab: Lab, item: NewList, now: datetime) -> Intake:
-    """Parse, resolve and record one list (idempotent: a replay rewrites the same rows)."""
+def intake(
+    lab: Lab,
+    item: NewList,
+    now: datetime,
+    max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+) -> Intake:
+    """Parse (as a stream, within the size caps), resolve and record one list (idempotent:
+    a replay rewrites the same rows)."""
     prior = recorded_list(lab, item.list_id)
     received_at = prior["received_at"] if prior else now
+    shown = printable_name(os.fsencode(item.path))
     try:
-        parsed = parse_list_bytes(item.data, str(item.path))
+        parsed = parse_list_file(
+            item.path,
+            max_list_bytes=max_list_bytes,
+            max_line_bytes=max_line_bytes,
+            expected_sha256=item.sha256,
+        )
     except OptOutListError as exc:
         replace_rows(
             lab,
             OPT_OUT_LISTS,
             "list_id",
             item.list_id,
-            list_row(item.list_id, str(item.path), item.sha256, received_at, fmt=None, error=exc),
+            list_row(item.list_id, shown, item.sha256, received_at, fmt=None, error=exc),
         )
         return Intake(item.list_id, False, exc.reason, 0, frozenset())
     matches = resolve_identifiers(lab, parsed.identifiers)
@@ -161,7 +188,7 @@ def intake(lab: Lab, item: NewList, now: datetime) -> Intake:
         item.list_id,
         list_row(
             item.list_id,
-            str(item.path),
+            shown,
             item.sha256,
             received_at,
             fmt=parsed.format,
@@ -192,8 +219,9 @@ def build_opt_out_sensor(
         default_status=default_status,
         description=(
             "Records each new opt-out list once (opt_outs, opt_out_lists; malformed lists are "
-            "rejected with a reason), resolves the images it names through Lance scalar "
-            "indexes, and requests skip_lists for the affected partitions only."
+            "rejected with a reason), resolves the images it names and their pHash clusters "
+            "through Lance scalar indexes, and requests skip_lists for the partitions holding "
+            "any copy of them, only."
         ),
     )
     def _opt_out_sensor(
@@ -212,7 +240,7 @@ def build_opt_out_sensor(
         now = datetime.now(UTC)
         results = []
         for item in found:
-            result = intake(store, item, now)
+            result = intake(store, item, now, optouts.max_list_bytes, optouts.max_line_bytes)
             results.append(result)
             cursor.processed.add(item.list_id)
             if result.accepted:
@@ -221,15 +249,19 @@ def build_opt_out_sensor(
                     f"{len(result.matched)} image(s) matched"
                 )
             else:
-                context.log.warning(f"opt-out list {item.list_id} rejected: {result.reason}")
+                reason = bounded(result.reason or "", 400)
+                context.log.warning(f"opt-out list {item.list_id} rejected: {reason}")
 
         registered = set(context.instance.get_dynamic_partitions(BATCHES.name))
-        matched = {p for r in results for p in r.matched}
-        sharded = sharded_batches(store, matched)
+        # A list naming one copy excludes every copy of the picture: add the clusters.
+        affected: set[tuple[str, str]] = set()
         lists_by_batch: dict[str, set[str]] = {}
         for r in results:
-            for batch, _ in r.matched:
+            copies = cluster_copies(store, r.matched)
+            affected |= copies
+            for batch, _ in copies:
                 lists_by_batch.setdefault(batch, set()).add(r.list_id)
+        sharded = sharded_batches(store, affected)
         waiting = sorted(b for b in lists_by_batch if b not in sharded or b not in registered)
         if waiting:
             context.log.info(
@@ -333,3 +365,109 @@ def build_skip_policy_sensor(
 
 
 skip_policy_sensor = build_skip_policy_sensor()
+
+
+# --------------------------------------------------------------------------- skip_dirty
+
+
+@dataclass(frozen=True)
+class SkipRerun:
+    batch: str
+    run_key: str
+    marks: int
+    reason: str  # human-readable, for the run's tags and the log
+
+
+def skip_dirty_reruns(
+    lab: Lab, registered: set[str] | None = None, defer_to_dedup: bool = True
+) -> dict[str, SkipRerun]:
+    """Batch -> its skip_lists rerun, for every partition with ``skip_dirty`` marks.
+
+    ``defer_to_dedup``: a partition with pending ``dedup_dirty`` marks is left to the dedup
+    sensor, whose rerun includes skip_lists (and clears these marks too). ``registered``:
+    the partitions that exist (a deleted partition's leftover marks resurrect nothing).
+    """
+    waiting_for_dedup = (
+        {r["batch"] for r in read_dirty(lab).to_pylist()} if defer_to_dedup else set()
+    )
+    by_batch: dict[str, list[dict]] = {}
+    for row in read_skip_dirty(lab).to_pylist():
+        by_batch.setdefault(row["batch"], []).append(row)
+    out = {}
+    for batch, rows in sorted(by_batch.items()):
+        if batch in waiting_for_dedup or (registered is not None and batch not in registered):
+            continue
+        ids = sorted(r["dirty_id"] for r in rows)
+        digest = hashlib.sha256("\0".join(ids).encode()).hexdigest()[:16]
+        by = ", ".join(sorted({r["detected_by"] for r in rows}))
+        out[batch] = SkipRerun(
+            batch=batch,
+            run_key=f"skip_dirty:{batch}:{digest}",
+            marks=len(rows),
+            reason=f"{len(rows)} recorded decision(s) contradicted by {by}",
+        )
+    return out
+
+
+def build_skip_dirty_sensor(
+    *,
+    name: str = "skip_dirty_sensor",
+    max_runs_per_tick: int = 25,
+    minimum_interval_seconds: int = 60,
+    default_status: DefaultSensorStatus = DefaultSensorStatus.RUNNING,
+) -> SensorDefinition:
+    """Reruns skip_lists of exactly the partitions ``skip_dirty`` lists (see the module doc).
+
+    One run per partition; the run key digests its marks, so the same state is requested
+    once and a new mark gives a new request. The cursor keeps the keys still marked, so
+    partitions beyond ``max_runs_per_tick`` are requested on later ticks. A failed rerun is
+    not requested again until its marks change: rerun it by hand.
+    """
+    if max_runs_per_tick < 1:
+        raise ValueError(f"max_runs_per_tick must be >= 1, got {max_runs_per_tick}")
+
+    @sensor(
+        name=name,
+        target=AssetSelection.assets(SKIP_LISTS_ASSET),
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=default_status,
+        description=(
+            "Reruns skip_lists for the partitions whose recorded skip decisions another "
+            "batch's skip_lists run contradicts (skip_dirty): e.g. a copy that must now be "
+            "the training copy because its cluster's keeper was excluded, or stop being it."
+        ),
+    )
+    def _skip_dirty_sensor(context: SensorEvaluationContext, lab: LabResource) -> SensorResult:
+        registered = set(context.instance.get_dynamic_partitions(BATCHES.name))
+        wanted = skip_dirty_reruns(lab.lab(), registered)
+        keys = {r.run_key for r in wanted.values()}
+        pending = set(json.loads(context.cursor)) & keys if context.cursor else set()
+        requests = []
+        for rerun in wanted.values():
+            if rerun.run_key in pending:
+                continue
+            if len(requests) == max_runs_per_tick:
+                break
+            requests.append(
+                RunRequest(
+                    run_key=rerun.run_key,
+                    partition_key=rerun.batch,
+                    asset_selection=[AssetKey(SKIP_LISTS_ASSET)],
+                    tags={TRIGGER_TAG: "skip_dirty", "prx/skip_dirty_reason": rerun.reason[:200]},
+                )
+            )
+            pending.add(rerun.run_key)
+        cursor = json.dumps(sorted(pending))
+        if not requests:
+            why = f"{len(wanted)} marked partition(s), all requested" if wanted else "none marked"
+            return SensorResult(skip_reason=SkipReason(why), cursor=cursor)
+        for r in requests:
+            context.log.info(
+                f"skip_lists rerun of {r.partition_key}: {r.tags['prx/skip_dirty_reason']}"
+            )
+        return SensorResult(run_requests=requests, cursor=cursor)
+
+    return _skip_dirty_sensor
+
+
+skip_dirty_sensor = build_skip_dirty_sensor()

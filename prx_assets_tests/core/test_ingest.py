@@ -1,0 +1,88 @@
+"""BatchIngest accounting over hostile folders: every entry is seen, and rows stay bounded."""
+
+import io
+import os
+from pathlib import Path
+
+import pyarrow as pa
+from PIL import Image
+
+from prx_assets.core import ingest
+from prx_assets.core.ingest import BatchIngest
+from prx_assets.core.sources import discover_batches, resolve_batch
+from prx_assets.core.tables import IMAGES
+from prx_assets_tests.bounds import fail_after
+
+
+def _jpeg(color) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), color).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def _run(ref, **kw) -> tuple[BatchIngest, list[dict], list[dict]]:
+    run = BatchIngest(ref, **kw)
+    images = [row for b in run.image_batches() for row in b.to_pylist()]
+    return run, images, run.rejects.to_pylist()
+
+
+def test_symlinks_special_files_and_their_samples_are_all_seen(tmp_path):
+    b = tmp_path / "s" / "000"
+    b.mkdir(parents=True)
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (outside / "sub" / "x.jpg").write_bytes(_jpeg((1, 2, 3)))
+    (outside / "alt.txt").write_text("alt")
+    (b / "photo.jpg").write_bytes(_jpeg((200, 0, 0)))
+    (b / "photo.txt").symlink_to(outside / "alt.txt")
+    (b / "gallery").symlink_to(outside / "sub", target_is_directory=True)
+    (b / "fine.jpg").write_bytes(_jpeg((0, 200, 0)))
+    os.mkfifo(b / "pipe.png")
+    (b / "_SUCCESS").write_text("")
+    with fail_after(10):
+        run, images, rejects = _run(resolve_batch(tmp_path, "s.000"))
+    assert run.stats.seen == 5 == run.stats.accepted + run.stats.rejected
+    assert [r["path"] for r in images] == ["fine.jpg"]
+    assert {r["path"]: r["reason"] for r in rejects} == {
+        "gallery": "symlink",
+        "photo.txt": "symlink",
+        "photo.jpg": "bad_sidecar",
+        "pipe.png": "not_a_file",
+    }
+    assert dict(run.stats.reasons) == {"symlink": 2, "bad_sidecar": 1, "not_a_file": 1}
+
+
+def test_a_source_folder_named_with_invalid_utf8_gets_a_printable_source(tmp_path):
+    src = os.path.join(os.fsencode(tmp_path), b"caf\xe9")
+    os.makedirs(os.path.join(src, b"000"))
+    Path(os.fsdecode(os.path.join(src, b"000", b"a.jpg"))).write_bytes(_jpeg((9, 9, 9)))
+    Path(os.fsdecode(os.path.join(src, b"000", b"_SUCCESS"))).write_text("")
+    (ref,) = discover_batches(tmp_path)
+    assert (ref.key, ref.source) == ("caf-E9.000", "caf%E9")
+    _, images, _ = _run(ref)
+    assert [(r["source"], r["path"]) for r in images] == [("caf%E9", "a.jpg")]
+    pa.RecordBatch.from_pylist(images, schema=IMAGES.schema)  # valid UTF-8 throughout
+
+
+def test_rejection_details_are_bounded_whatever_the_name(tmp_path):
+    b = tmp_path / "s" / "000"
+    b.mkdir(parents=True)
+    long_stem = "n" * 250  # a legal 254-byte file name
+    (b / f"{long_stem}.bin").write_bytes(b"x")
+    (b / "_SUCCESS").write_text("")
+    _, _, (row,) = _run(resolve_batch(tmp_path, "s.000"))
+    assert row["path"] == f"{long_stem}.bin"  # the key stays whole (lossless)
+    assert row["reason"] == "unsupported_extension" and len(row["detail"]) < 300
+
+
+def test_record_batches_are_bounded_by_image_bytes(tmp_path, monkeypatch):
+    b = tmp_path / "s" / "000"
+    b.mkdir(parents=True)
+    for i in range(6):
+        (b / f"{i}.jpg").write_bytes(_jpeg((i * 40, 0, 0)))
+    (b / "_SUCCESS").write_text("")
+    run = BatchIngest(resolve_batch(tmp_path, "s.000"))
+    assert [x.num_rows for x in run.image_batches()] == [6]  # under both bounds: one batch
+    monkeypatch.setattr(ingest, "BYTES_PER_RECORD_BATCH", 1)  # every image is over it
+    run = BatchIngest(resolve_batch(tmp_path, "s.000"))
+    assert [x.num_rows for x in run.image_batches()] == [1] * 6
