@@ -10,13 +10,12 @@ from pathlib import Path
 
 
 def _instance():
-    from dagster import DagsterInstance
+    """The instance at $DAGSTER_HOME, created or migrated once under a lock (see instance.py)."""
+    from prx_assets.instance import ensure_instance
 
-    home = os.environ.get("DAGSTER_HOME")
-    if not home:
+    if not os.environ.get("DAGSTER_HOME"):
         sys.exit("DAGSTER_HOME is not set (the Makefile sets it to .dagster_home)")
-    Path(home).mkdir(parents=True, exist_ok=True)
-    return DagsterInstance.get()
+    return ensure_instance()
 
 
 def _run_partition(instance, key: str, data_root: str) -> bool:
