@@ -80,6 +80,7 @@ def install_config(dagster_home: Path, config: Path) -> bool:
         return False
     fd, tmp = tempfile.mkstemp(prefix=".dagster.yaml.", suffix=".tmp", dir=dagster_home)
     try:
+        os.fchmod(fd, config.stat().st_mode & 0o777)  # mkstemp's 0600 would hide it from others
         with os.fdopen(fd, "wb") as fh:
             fh.write(config.read_bytes())
             fh.flush()
@@ -147,7 +148,9 @@ def ensure_instance(
             install_config(home, config)
         instance = DagsterInstance.from_config(str(home))
         if _initialised_for(home) != version:
-            instance.upgrade()
+            # Dagster's sqlite storage prints its progress: keep stdout for the command's own.
+            with contextlib.redirect_stdout(sys.stderr):
+                instance.upgrade()
             _write_marker(home)
         return instance
 

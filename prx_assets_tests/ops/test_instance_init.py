@@ -101,6 +101,8 @@ def test_the_config_is_installed_atomically_and_never_replaced(tmp_path):
     mine.write_text("telemetry:\n  enabled: false\n")
     assert install_config(home, ROOT / "dagster.yaml")
     assert (home / "dagster.yaml").read_bytes() == (ROOT / "dagster.yaml").read_bytes()
+    mode = (home / "dagster.yaml").stat().st_mode & 0o777
+    assert mode == (ROOT / "dagster.yaml").stat().st_mode & 0o777
     (home / "dagster.yaml").unlink()
     (home / "dagster.yaml").write_text(mine.read_text())
     assert not install_config(home, ROOT / "dagster.yaml")  # a user's config stays
@@ -133,3 +135,29 @@ def test_a_home_other_than_dagster_home_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "a"))
     with pytest.raises(ValueError, match="DAGSTER_HOME"):
         ensure_instance(tmp_path / "b")
+
+
+def test_make_targets_initialise_the_instance_before_any_dagster_process(tmp_path):
+    import pytest
+
+    for target, starts in (
+        ("demo", "prx-assets demo"),
+        ("ui", "dagster dev"),
+        ("test", "-m pytest"),
+    ):
+        # -n prints the plan without running it (the venv path only has to be absent).
+        plan = subprocess.run(
+            ["make", "-n", target, f"VENV={tmp_path / 'absent-venv'}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if plan.returncode == 127:
+            pytest.fail("make is not installed")
+        lines = plan.stdout.splitlines()
+        init = [i for i, line in enumerate(lines) if "-m prx_assets.instance" in line]
+        start = [i for i, line in enumerate(lines) if starts in line]
+        assert init and start and init[0] < start[0], (target, lines)
+        assert "--config dagster.yaml" in lines[init[0]]
+        assert not any("cp" in line.split() and "dagster.yaml" in line for line in lines)
