@@ -326,6 +326,10 @@ class LocalProcessRunLauncher(DefaultRunLauncher):
         super().launch_run(context)
 
     @property
+    def untagged_runs_are_local(self) -> bool:
+        return self._untagged_runs_are_local
+
+    @property
     def supports_check_run_worker_health(self) -> bool:
         return True
 
