@@ -17,8 +17,7 @@ from prx_assets.core.dedup import DEFAULT_SETTLE_ROUNDS, DedupRerun, SettleRepor
 from prx_assets.defs.dedup.assets import IMAGE_HASHES_ASSET, PHASH_CLUSTERS_ASSET
 from prx_assets.defs.dedup.sensors import TRIGGER_TAG
 from prx_assets.defs.partitions import BATCHES
-
-QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+from prx_assets.defs.run_requests import QUIET
 
 
 def settle_dedup_in_process(
