@@ -139,7 +139,10 @@ rows = pa.Table.from_pylist(
 )
 fragments = write_fragments(rows, uri, schema=schema)
 open(written, "w").close()
+deadline = time.monotonic() + 120  # never outlive a test that failed before saying go
 while not os.path.exists(go):
+    if time.monotonic() > deadline:
+        sys.exit(3)
     time.sleep(0.05)
 ds = lance.dataset(uri)
 lance.LanceDataset.commit(uri, lance.LanceOperation.Append(fragments), read_version=ds.version)
@@ -202,17 +205,22 @@ def test_maintenance_removes_files_a_killed_writer_left_and_spares_in_flight_one
     # Older than the threshold they are garbage: removed; every referenced file stays.
     _age_everything(lab, days=2)
     in_flight, go = _writer(tmp_path, lab, "inflight")  # written now: young
-    young = _data_files(lab) - referenced - orphans
-    result = lab.maintain(SPEC)
-    left = _data_files(lab)
-    assert not (orphans & left), "orphaned data files survived maintenance"
-    assert result["orphan_files_removed"] >= len(orphans)
-    assert young <= left  # the in-flight writer's fragments were not touched
-    assert _content(lab) == before
-    lab.dataset("t").validate()
+    try:
+        young = _data_files(lab) - referenced - orphans
+        result = lab.maintain(SPEC)
+        left = _data_files(lab)
+        assert not (orphans & left), "orphaned data files survived maintenance"
+        assert result["orphan_files_removed"] >= len(orphans)
+        assert young <= left  # the in-flight writer's fragments were not touched
+        assert _content(lab) == before
+        lab.dataset("t").validate()
 
-    go.write_text("")  # the in-flight writer commits: its files are all there
-    assert in_flight.wait(timeout=60) == 0
+        go.write_text("")  # the in-flight writer commits: its files are all there
+        assert in_flight.wait(timeout=60) == 0
+    finally:
+        if in_flight.poll() is None:
+            in_flight.kill()
+            in_flight.wait(timeout=30)
     assert lab.dataset("t").count_rows("batch = 'inflight'") == 50
     assert [r for r in _content(lab) if r["batch"] != "inflight"] == before
     lab.dataset("t").validate()
