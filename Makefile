@@ -15,7 +15,7 @@ STAMP := $(VENV)/.prx-installed-$(LOCK_HASH)
 UI_PORT ?= 3000
 BROWSER_PORT ?= 8765
 
-.PHONY: venv sysdeps demo test ui browser lint format bench lock clean-data
+.PHONY: venv instance sysdeps demo test ui browser lint format bench lock clean-data
 
 # The editable install points at one checkout; a venv shared by several clones (CI keeps
 # one per lock outside the clone) is re-pointed at this one when it differs.
@@ -34,10 +34,14 @@ $(EDITABLE): $(STAMP)
 	@rm -f $(VENV)/.prx-editable-*
 	@touch $@
 
+## The Dagster instance, created or migrated once under a lock ($(DAGSTER_HOME)/.init.lock)
+## before any Dagster process opens it: two first starts at once can break a fresh sqlite
+## home. Installs dagster.yaml atomically when the home has none (never replaces one).
+instance: venv
+	@$(PY) -m prx_assets.instance --config dagster.yaml
+
 ## The demo: build the landing zone from the bundled photos, materialise every stage.
-demo: venv
-	@mkdir -p $(DAGSTER_HOME)
-	@cp -n dagster.yaml $(DAGSTER_HOME)/dagster.yaml 2>/dev/null || true
+demo: venv instance
 	$(VENV)/bin/prx-assets demo --data-root $(PRX_DATA_ROOT)
 
 ## System packages some tests use (PostgreSQL server, chromium); a no-op when present.
@@ -45,16 +49,13 @@ sysdeps:
 	@bash .ci/system-deps
 
 ## The test suite (what CI runs).
-test: venv sysdeps
-	@mkdir -p $(DAGSTER_HOME)
+test: venv sysdeps instance
 	$(VENV)/bin/ruff check prx_assets prx_assets_tests benchmarks
 	$(VENV)/bin/ruff format --check prx_assets prx_assets_tests benchmarks
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 ## The Dagster UI on 127.0.0.1 (never on a public interface by default).
-ui: venv
-	@mkdir -p $(DAGSTER_HOME)
-	@cp -n dagster.yaml $(DAGSTER_HOME)/dagster.yaml 2>/dev/null || true
+ui: venv instance
 	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(UI_PORT)
 
 ## The curation browser on 127.0.0.1 (after `make demo`): search, filters, audit trail.

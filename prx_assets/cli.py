@@ -10,21 +10,34 @@ from pathlib import Path
 
 
 def _instance():
-    from dagster import DagsterInstance
+    """The instance at $DAGSTER_HOME, created or migrated once under a lock (see instance.py)."""
+    from prx_assets.instance import ensure_instance
 
-    home = os.environ.get("DAGSTER_HOME")
-    if not home:
+    if not os.environ.get("DAGSTER_HOME"):
         sys.exit("DAGSTER_HOME is not set (the Makefile sets it to .dagster_home)")
-    Path(home).mkdir(parents=True, exist_ok=True)
-    return DagsterInstance.get()
+    return ensure_instance()
 
 
 def _run_partition(instance, key: str, data_root: str) -> bool:
-    from prx_assets.definitions import build_defs
+    """Materialise every stage of one partition here, then settle cross-batch dedup.
 
-    job = build_defs(data_root).resolve_job_def("batch_pipeline")
-    result = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False)
-    return result.success
+    Without a daemon nobody ticks ``dedup_sensor``: a batch holding a bigger copy of an
+    earlier batch's image would leave that earlier copy in training. So the reruns the
+    sensor would request run here too, until nothing is stale (bounded; see settle.py).
+    """
+    from prx_assets.definitions import DOWNSTREAM_OF_DEDUP, build_defs
+    from prx_assets.defs.dedup.settle import describe_settle, settle_dedup_in_process
+    from prx_assets.instance import local_run_tags
+
+    defs = build_defs(data_root)
+    job = defs.resolve_job_def("batch_pipeline")
+    result = job.execute_in_process(
+        partition_key=key, instance=instance, raise_on_error=False, tags=local_run_tags()
+    )
+    print(f"{key}: {'materialised' if result.success else 'FAILED (see the run in the UI)'}")
+    report = settle_dedup_in_process(defs, instance, DOWNSTREAM_OF_DEDUP, tags=local_run_tags())
+    print(describe_settle(report))
+    return result.success and report.settled
 
 
 def register_batch(args: argparse.Namespace) -> int:
@@ -46,7 +59,6 @@ def register_batch(args: argparse.Namespace) -> int:
         print(f"{ref.key}: registered ({ref.kind} at {ref.path})")
     if args.materialize:
         ok = _run_partition(instance, ref.key, lab.data_root)
-        print(f"{ref.key}: {'materialised' if ok else 'FAILED (see the run in the UI)'}")
         from prx_assets.core.skip_decisions import caption_coverage
 
         cov = caption_coverage(lab.lab(), ref.key)
@@ -84,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("register-batch", help="register one landing entry as a partition")
     p.add_argument("path", help="<landing>/<source>/<chunk> folder, archive or manifest")
     p.add_argument("--data-root", default=None)
-    p.add_argument("--materialize", action="store_true", help="also run its stages now")
+    p.add_argument(
+        "--materialize",
+        action="store_true",
+        help="also run its stages now, then the dedup reruns other partitions need",
+    )
     p.set_defaults(func=register_batch)
     p = sub.add_parser("browser", help="the curation browser on 127.0.0.1", add_help=False)
     p.set_defaults(func=None)

@@ -28,7 +28,7 @@ import hashlib
 import io
 import json
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -666,6 +666,140 @@ def dedup_run_key(batch: str, assets: Sequence[str], markers: Iterable[str]) -> 
     """The same stale state gives the same key, so Dagster requests it once."""
     raw = json.dumps([batch, sorted(assets), sorted(markers)])
     return f"dedup:{batch}:{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
+
+
+# ---------------------------------------------------------------------------------------------
+# What to rerun: the dedup sensor's decision, shared with the CLI and the demo (no daemon)
+
+DEFAULT_SETTLE_ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class DedupRerun:
+    batch: str
+    assets: tuple[str, ...]
+    run_key: str
+    reasons: tuple[str, ...]  # human-readable, for the run's tags and the log
+
+
+def dedup_reruns(
+    lab: Lab,
+    settings: DedupSettings,
+    downstream: Sequence[str] = (),
+    registered: set[str] | None = None,
+    *,
+    hashes_asset: str = IMAGE_HASHES.name,
+    clusters_asset: str = PHASH_CLUSTERS.name,
+) -> dict[str, DedupRerun]:
+    """Batch -> what to rerun there, for every partition whose dedup rows are stale.
+
+    Stale: rows in ``dedup_dirty`` (a newer batch contradicts the stored decisions) or a
+    ``dedup_state`` row decided under another configuration (a pHash mode change needs
+    ``hashes_asset`` too). ``registered``: the partitions that exist (others are ignored: a
+    deleted partition's leftover rows must not resurrect it). The dedup sensor requests
+    exactly these; :func:`settle_dedup` runs them in process.
+    """
+    markers: dict[str, list[str]] = {}
+    reasons: dict[str, list[str]] = {}
+    by_batch: dict[str, list[dict]] = {}
+    for row in read_dirty(lab).to_pylist():
+        by_batch.setdefault(row["batch"], []).append(row)
+    for batch, rows in by_batch.items():
+        markers[batch] = [f"dirty:{r['dirty_id']}" for r in rows]
+        by = ", ".join(sorted({r["detected_by"] for r in rows}))
+        reasons[batch] = [f"{len(rows)} decision(s) changed by {by}"]
+    stale = stale_decisions(lab, settings)
+    for batch, found in stale.items():
+        markers.setdefault(batch, []).append(f"decided:{found.config_fingerprint}")
+        reasons.setdefault(batch, []).append(f"decided under {found.config_fingerprint}")
+    out = {}
+    for batch in sorted(markers):
+        if registered is not None and batch not in registered:
+            continue
+        rehash = batch in stale and stale[batch].needs_rehash
+        assets = ((hashes_asset,) if rehash else ()) + (clusters_asset, *downstream)
+        assets = tuple(dict.fromkeys(assets))
+        keyed = [*markers[batch], f"configured:{settings.fingerprint()}"]
+        out[batch] = DedupRerun(
+            batch=batch,
+            assets=assets,
+            run_key=dedup_run_key(batch, assets, keyed),
+            reasons=tuple(reasons[batch]),
+        )
+    return out
+
+
+@dataclass
+class SettleReport:
+    """What :func:`settle_dedup` reran, and whether the stale set ended empty."""
+
+    reruns: list[DedupRerun] = field(default_factory=list)
+    rounds: int = 0
+    failed: list[DedupRerun] = field(default_factory=list)
+    still_stale: list[str] = field(default_factory=list)  # batches, when not settled
+
+    @property
+    def settled(self) -> bool:
+        return not self.failed and not self.still_stale
+
+
+def settle_dedup(
+    lab: Lab,
+    settings: DedupSettings,
+    registered: set[str],
+    execute: Callable[[DedupRerun], bool],
+    downstream: Sequence[str] = (),
+    max_rounds: int = DEFAULT_SETTLE_ROUNDS,
+    *,
+    hashes_asset: str = IMAGE_HASHES.name,
+    clusters_asset: str = PHASH_CLUSTERS.name,
+    also_stale: Callable[[], dict[str, DedupRerun]] | None = None,
+) -> SettleReport:
+    """Run what the dedup sensor would request, in process, until nothing is stale.
+
+    ``also_stale``: further reruns another sensor would request (the skip-list sensor's
+    partitions whose training copy changed); a dedup rerun of the same batch wins, since
+    it includes skip_lists.
+
+    For the CLI and the demo, where no daemon ticks the sensor: each round reruns every
+    stale partition (``execute(rerun)`` materialises ``rerun.assets`` for ``rerun.batch``
+    and returns success). One round normally settles: each rerun decides its batch
+    against the whole corpus, so reruns agree with each other; a second only confirms.
+    Stops at the first failed rerun (its partition stays stale, so the sensor or the next
+    call retries it) or after ``max_rounds``; ``still_stale`` then names what is left.
+    """
+    if max_rounds < 1:
+        raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
+
+    def stale() -> dict[str, DedupRerun]:
+        wanted = dedup_reruns(
+            lab,
+            settings,
+            downstream,
+            registered,
+            hashes_asset=hashes_asset,
+            clusters_asset=clusters_asset,
+        )
+        if also_stale is not None:
+            for batch, rerun in also_stale().items():
+                wanted.setdefault(batch, rerun)
+        return wanted
+
+    report = SettleReport()
+    for _ in range(max_rounds):
+        wanted = stale()
+        if not wanted:
+            return report
+        report.rounds += 1
+        for rerun in wanted.values():
+            report.reruns.append(rerun)
+            if not execute(rerun):
+                report.failed.append(rerun)
+                break
+        if report.failed:
+            break
+    report.still_stale = sorted(stale())
+    return report
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,12 +22,34 @@ from typing import Any
 
 import lance
 import pyarrow as pa
+import pyarrow.fs as pafs
 from lance.commit import CommitConflictError
 from lance.fragment import write_fragments
 
 from prx_assets.core.crashpoints import crashpoint
 
 TARGET_ROWS_PER_FRAGMENT = 1_048_576
+# Files no version references are deleted once this old: longer than any write takes from
+# its first fragment to its commit, so an in-flight write's files are never touched.
+ORPHAN_MIN_AGE = timedelta(hours=24)
+ORPHAN_SCAN_LIMIT = 100_000  # candidates listed per table and run; the next run continues
+
+
+def _object_key(uri: str) -> str:
+    """How Lance names a file of ``uri`` in cleanup plans: the path without scheme or root."""
+    if "://" in uri:
+        return uri.split("://", 1)[1].strip("/")
+    return str(Path(uri).resolve()).strip("/")
+
+
+def _remove_empty_parent(fs: pafs.FileSystem, path: str, base_key: str) -> None:
+    """A killed index build leaves ``_indices/<uuid>/``: drop the folder once empty (local)."""
+    if not isinstance(fs, pafs.LocalFileSystem):
+        return
+    parent = Path(path).parent
+    if parent.parent.name == "_indices" and str(parent).strip("/").startswith(base_key):
+        with contextlib.suppress(OSError):
+            parent.rmdir()  # only succeeds when empty
 
 
 def sql_literal(value: str) -> str:
@@ -260,8 +282,10 @@ class Lab:
         spec: TableSpec,
         target_rows_per_fragment: int = TARGET_ROWS_PER_FRAGMENT,
         retention: timedelta = timedelta(days=7),
+        orphan_min_age: timedelta = ORPHAN_MIN_AGE,
     ) -> dict[str, Any]:
-        """Compact toward the target fragment size, refresh indexes, drop old versions."""
+        """Compact toward the target fragment size, refresh indexes, drop old versions, and
+        remove files no version references once they are ``orphan_min_age`` old."""
         if not self.exists(spec.name):
             return {"table": spec.name, "skipped": "absent"}
         self._ensure_indexes(spec)
@@ -276,6 +300,7 @@ class Lab:
         if ds.list_indices():
             ds.optimize.optimize_indices()
         cleanup = self.dataset(spec.name).cleanup_old_versions(older_than=retention)
+        orphans = self.remove_orphaned_files(spec.name, retention, orphan_min_age)
         ds = self.dataset(spec.name)
         return {
             "table": spec.name,
@@ -285,4 +310,62 @@ class Lab:
             "fragments_removed": metrics.fragments_removed,
             "versions_removed": getattr(cleanup, "old_versions", None),
             "version": ds.version,
+            **orphans,
+        }
+
+    def remove_orphaned_files(
+        self, table: str, retention: timedelta, min_age: timedelta = ORPHAN_MIN_AGE
+    ) -> dict[str, Any]:
+        """Delete files of ``table`` that no kept version references, if older than ``min_age``.
+
+        A writer killed between ``write_fragments`` and its commit (or an index build or a
+        compaction killed before theirs) leaves data, deletion or index files that no
+        manifest names. Lance's ``cleanup_old_versions`` leaves such "unverified" files
+        for 7 days, and ``delete_unverified=True`` removes them regardless of age, which
+        would also delete the files of a write still in flight: its fragments are on disk
+        before its commit names them, and a commit naming deleted files corrupts the table.
+        So Lance lists the candidates (``explain_cleanup_old_versions``, the same rules as
+        the cleanup) and only those at least ``min_age`` old (file modification time) are
+        deleted here. ``min_age`` must exceed the longest write, from its first fragment to
+        its commit (a partition replacement streams one batch; default 24 h). A file Lance
+        lists that cannot be mapped to this table's directory is left alone.
+        """
+        if min_age < timedelta(0):
+            raise ValueError(f"min_age must be >= 0, got {min_age}")
+        ds = self.dataset(table)
+        plan = ds.explain_cleanup_old_versions(
+            older_than=retention,
+            delete_unverified=True,
+            include_files=True,
+            max_files=ORPHAN_SCAN_LIMIT,
+        )
+        base_uri = self.uri(table)
+        base_key = _object_key(base_uri)
+        now = time.time()
+        removed = kept = unmapped = 0
+        removed_bytes = 0
+        for candidate in plan.candidate_files:
+            if not candidate.unverified:
+                continue  # referenced by a version past retention: cleanup_old_versions' job
+            path = candidate.path.lstrip("/")
+            if not path.startswith(base_key + "/"):
+                unmapped += 1
+                continue
+            fs, fs_path = pafs.FileSystem.from_uri(f"{base_uri}/{path[len(base_key) + 1 :]}")
+            info = fs.get_file_info(fs_path)
+            if info.type != pafs.FileType.File or info.mtime is None:
+                continue
+            if now - info.mtime.timestamp() < min_age.total_seconds():
+                kept += 1
+                continue
+            fs.delete_file(fs_path)
+            removed += 1
+            removed_bytes += candidate.size_bytes
+            _remove_empty_parent(fs, fs_path, base_key)
+        return {
+            "orphan_files_removed": removed,
+            "orphan_bytes_removed": removed_bytes,
+            "orphan_files_kept_recent": kept,
+            "orphan_files_unmapped": unmapped,
+            "orphan_scan_truncated": plan.candidate_files_truncated,
         }

@@ -15,11 +15,12 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
     from dagster import build_sensor_context
 
     from prx_assets.core.tables import IMAGES, REJECTS, RESOLUTION
-    from prx_assets.definitions import build_defs
+    from prx_assets.definitions import DOWNSTREAM_OF_DEDUP, build_defs
+    from prx_assets.defs.dedup.settle import describe_settle, settle_dedup_in_process
     from prx_assets.defs.ingest.sensors import landing_sensor
     from prx_assets.defs.partitions import BATCHES
     from prx_assets.defs.resources import LabResource
-    from prx_assets.defs.run_requests import evaluate_sensor, execute_run_request
+    from prx_assets.instance import local_run_tags
 
     lab = LabResource(data_root=str(data_root))
     print(f"Building the demo landing zone in {lab.landing} ...")
@@ -37,29 +38,32 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
         instance.add_dynamic_partitions(BATCHES.name, new_keys)
     print(f"  newly registered: {new_keys or 'none (already registered earlier)'}")
 
-    job = build_defs(str(data_root)).resolve_job_def("batch_pipeline")
+    defs = build_defs(str(data_root))
+    job = defs.resolve_job_def("batch_pipeline")
     failed = []
     for key in manifest.batches:
         print(f"Materialising every stage for partition {key} ...")
         res = job.execute_in_process(
-            partition_key=key, instance=instance, raise_on_error=False, run_config=QUIET
+            partition_key=key,
+            instance=instance,
+            raise_on_error=False,
+            run_config=QUIET,
+            tags=local_run_tags(),
         )
         if not res.success:
             failed.append(key)
 
     store = lab.lab()
-    # A later batch can hold a bigger copy of an earlier image: the dedup sensor then asks
-    # for that earlier batch's cluster decisions and skip-lists (never its shards) again.
-    defs = build_defs(str(data_root))
-    for _ in range(3):
-        requests, _ = evaluate_sensor(defs, instance, "dedup_sensor")
-        if not requests:
-            break
-        for req in requests:
-            selection = ", ".join(k.to_user_string() for k in req.asset_selection or [])
-            print(f"dedup_sensor: rerunning {selection} for {req.partition_key}")
-            if not execute_run_request(defs, instance, req, "batch_pipeline"):
-                failed.append(req.partition_key)
+    # A later batch can hold a bigger copy of an earlier image: what the dedup sensor would
+    # request (that earlier batch's cluster decisions and skip-lists, never its shards)
+    # runs here until nothing is stale, so the demo ends settled without a daemon.
+    print("\nSettling cross-batch dedup (the dedup sensor's reruns, run here) ...")
+    report = settle_dedup_in_process(
+        defs, instance, DOWNSTREAM_OF_DEDUP, tags=local_run_tags(), log=lambda m: print(f"  {m}")
+    )
+    print(f"  {describe_settle(report)}")
+    if not report.settled:
+        failed.append("dedup")
 
     print("\nPer-partition results (from the Lance lab):")
     print(f"  {'partition':24} {'files':>6} {'accepted':>9} {'rejected':>9} {'eligible':>9}")

@@ -124,3 +124,129 @@ def test_concurrent_index_creation_tolerates_preempted_commits(tmp_path):
         assert pool.map(_ensure, [str(tmp_path)] * 8) == [True] * 8
     names = {ix["name"] for ix in lab.dataset("t").list_indices()}
     assert names == {"key_idx", "batch_idx"}
+
+
+# A writer that gets as far as Lab.replace_partition's first half (its fragments written),
+# then waits before committing: killed there, it leaves files no version references.
+WRITER = """
+import os, sys, time
+import lance, pyarrow as pa
+from lance.fragment import write_fragments
+uri, batch, written, go = sys.argv[1:5]
+schema = pa.schema([("batch", pa.string()), ("key", pa.string()), ("v", pa.int64())])
+rows = pa.Table.from_pylist(
+    [{"batch": batch, "key": f"{batch}-{i}", "v": 7} for i in range(50)], schema=schema
+)
+fragments = write_fragments(rows, uri, schema=schema)
+open(written, "w").close()
+deadline = time.monotonic() + 120  # never outlive a test that failed before saying go
+while not os.path.exists(go):
+    if time.monotonic() > deadline:
+        sys.exit(3)
+    time.sleep(0.05)
+ds = lance.dataset(uri)
+lance.LanceDataset.commit(uri, lance.LanceOperation.Append(fragments), read_version=ds.version)
+"""
+
+
+def _writer(tmp_path, lab: Lab, batch: str):
+    import subprocess
+    import sys
+    import time
+
+    written, go = tmp_path / f"{batch}.written", tmp_path / f"{batch}.go"
+    child = subprocess.Popen(
+        [sys.executable, "-c", WRITER, lab.uri("t"), batch, str(written), str(go)]
+    )
+    deadline = time.monotonic() + 60
+    while not written.exists():
+        assert child.poll() is None, "the writer died before writing its fragments"
+        assert time.monotonic() < deadline, "the writer did not write its fragments"
+        time.sleep(0.05)
+    return child, go
+
+
+def _data_files(lab: Lab) -> set[str]:
+    from pathlib import Path
+
+    return {p.name for p in (Path(lab.uri("t")) / "data").iterdir()}
+
+
+def _age_everything(lab: Lab, days: float) -> None:
+    """As if ``days`` had passed since every file of the table was written."""
+    import os
+    import time
+    from pathlib import Path
+
+    then = time.time() - days * 86400
+    for path in Path(lab.uri("t")).rglob("*"):
+        if path.is_file():
+            os.utime(path, (then, then))
+
+
+def test_maintenance_removes_files_a_killed_writer_left_and_spares_in_flight_ones(tmp_path):
+    import signal
+
+    lab = Lab(tmp_path)
+    lab.replace_partition(SPEC, "a", _rows("a", 5))
+    lab.replace_partition(SPEC, "b", _rows("b", 3))
+    before, referenced = _content(lab), _data_files(lab)
+
+    killed, _ = _writer(tmp_path, lab, "killed")
+    killed.send_signal(signal.SIGKILL)  # after write_fragments, before any commit
+    killed.wait(timeout=30)
+    orphans = _data_files(lab) - referenced
+    assert orphans, "the killed writer left no data file to clean up"
+
+    # Fresh files may be an in-flight write: kept, whatever their number.
+    result = lab.maintain(SPEC)
+    assert _data_files(lab) >= orphans and result["orphan_files_kept_recent"] >= len(orphans)
+
+    # Older than the threshold they are garbage: removed; every referenced file stays.
+    _age_everything(lab, days=2)
+    in_flight, go = _writer(tmp_path, lab, "inflight")  # written now: young
+    try:
+        young = _data_files(lab) - referenced - orphans
+        result = lab.maintain(SPEC)
+        left = _data_files(lab)
+        assert not (orphans & left), "orphaned data files survived maintenance"
+        assert result["orphan_files_removed"] >= len(orphans)
+        assert young <= left  # the in-flight writer's fragments were not touched
+        assert _content(lab) == before
+        lab.dataset("t").validate()
+
+        go.write_text("")  # the in-flight writer commits: its files are all there
+        assert in_flight.wait(timeout=60) == 0
+    finally:
+        if in_flight.poll() is None:
+            in_flight.kill()
+            in_flight.wait(timeout=30)
+    assert lab.dataset("t").count_rows("batch = 'inflight'") == 50
+    assert [r for r in _content(lab) if r["batch"] != "inflight"] == before
+    lab.dataset("t").validate()
+
+
+def test_orphans_are_found_through_a_uri_as_on_object_storage(tmp_path):
+    from lance.fragment import write_fragments
+
+    lab = Lab(f"file://{tmp_path}/lab")
+    lab.replace_partition(SPEC, "a", _rows("a", 4))
+    local = Lab(tmp_path / "lab")  # the same table, to list and age its files
+    referenced = _data_files(local)
+    write_fragments(_rows("x", 3), lab.uri("t"), schema=SPEC.schema)  # never committed
+    orphans = _data_files(local) - referenced
+    assert orphans
+    _age_everything(local, days=2)
+    result = lab.maintain(SPEC)
+    assert result["orphan_files_removed"] == len(orphans) and result["orphan_files_unmapped"] == 0
+    assert _data_files(local) == referenced
+    assert _content(lab) == [{"batch": "a", "key": f"a-{i}", "v": 0} for i in range(4)]
+
+
+def test_a_negative_orphan_age_is_refused(tmp_path):
+    import pytest
+
+    lab = Lab(tmp_path)
+    lab.replace_partition(SPEC, "a", _rows("a", 1))
+    with pytest.raises(ValueError, match="min_age"):
+        lab.remove_orphaned_files("t", timedelta(days=7), timedelta(hours=-1))

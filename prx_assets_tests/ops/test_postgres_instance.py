@@ -80,3 +80,38 @@ def test_runs_events_and_partitions_land_in_postgres(postgres_server, lab_resour
         )
         assert [r[0] for r in cur.fetchall()] == [key]
     conn.close()
+
+
+def test_the_shared_config_monitors_runs_and_judges_only_this_hosts(
+    postgres_server, tmp_path, monkeypatch
+):
+    """dagster_postgres.yaml as deployed: run monitoring on, the checking launcher in place."""
+    from prx_assets.instance import LocalProcessRunLauncher, ensure_instance
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_bytes(
+        (Path(__file__).resolve().parents[2] / "dagster_postgres.yaml").read_bytes()
+    )
+    for name, value in {
+        "DAGSTER_HOME": str(home),
+        "PRX_PG_HOST": postgres_server["host"],
+        "PRX_PG_PORT": str(postgres_server["port"]),
+        "PRX_PG_USER": postgres_server["user"],
+        "PRX_PG_PASSWORD": "",
+        "PRX_PG_DB": postgres_server["db"],
+    }.items():
+        monkeypatch.setenv(name, value)
+    instance = ensure_instance(home)
+    try:
+        assert type(instance.run_storage).__name__ == "PostgresRunStorage"
+        assert instance.run_monitoring_enabled
+        assert instance.run_monitoring_max_resume_run_attempts == 0
+        launcher = instance.run_launcher
+        assert isinstance(launcher, LocalProcessRunLauncher)
+        assert launcher.supports_check_run_worker_health
+        assert not launcher.untagged_runs_are_local  # shared: never assume a run is local
+        queue = instance.get_concurrency_config().run_queue_config
+        assert queue.max_user_code_failure_retries > 0
+    finally:
+        instance.dispose()

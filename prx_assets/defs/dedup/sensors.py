@@ -20,7 +20,6 @@ again until the state changes: rerun it by hand.
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from dagster import (
     AssetKey,
@@ -34,12 +33,8 @@ from dagster import (
     sensor,
 )
 
-from prx_assets.core.dedup import (
-    DedupSettings,
-    dedup_run_key,
-    read_dirty,
-    stale_decisions,
-)
+from prx_assets.core import dedup as core_dedup
+from prx_assets.core.dedup import DedupRerun, DedupSettings
 from prx_assets.core.lab import Lab
 from prx_assets.defs.dedup.assets import IMAGE_HASHES_ASSET, PHASH_CLUSTERS_ASSET
 from prx_assets.defs.dedup.config import DedupConfigResource
@@ -49,53 +44,21 @@ from prx_assets.defs.resources import LabResource
 TRIGGER_TAG = "prx/trigger"
 
 
-@dataclass(frozen=True)
-class DedupRerun:
-    batch: str
-    assets: tuple[str, ...]
-    run_key: str
-    reasons: tuple[str, ...]  # human-readable, for the run's tags and the log
-
-
 def dedup_reruns(
     lab: Lab,
     settings: DedupSettings,
     downstream: Sequence[str] = (),
     registered: set[str] | None = None,
 ) -> dict[str, DedupRerun]:
-    """Batch -> what to rerun there, for every partition whose dedup rows are stale.
-
-    ``registered``: the partitions that exist (others are ignored: a deleted partition's
-    leftover rows must not resurrect it).
-    """
-    markers: dict[str, list[str]] = {}
-    reasons: dict[str, list[str]] = {}
-    by_batch: dict[str, list[dict]] = {}
-    for row in read_dirty(lab).to_pylist():
-        by_batch.setdefault(row["batch"], []).append(row)
-    for batch, rows in by_batch.items():
-        markers[batch] = [f"dirty:{r['dirty_id']}" for r in rows]
-        by = ", ".join(sorted({r["detected_by"] for r in rows}))
-        reasons[batch] = [f"{len(rows)} decision(s) changed by {by}"]
-    stale = stale_decisions(lab, settings)
-    for batch, found in stale.items():
-        markers.setdefault(batch, []).append(f"decided:{found.config_fingerprint}")
-        reasons.setdefault(batch, []).append(f"decided under {found.config_fingerprint}")
-    out = {}
-    for batch in sorted(markers):
-        if registered is not None and batch not in registered:
-            continue
-        rehash = batch in stale and stale[batch].needs_rehash
-        assets = ((IMAGE_HASHES_ASSET,) if rehash else ()) + (PHASH_CLUSTERS_ASSET, *downstream)
-        assets = tuple(dict.fromkeys(assets))
-        keyed = [*markers[batch], f"configured:{settings.fingerprint()}"]
-        out[batch] = DedupRerun(
-            batch=batch,
-            assets=assets,
-            run_key=dedup_run_key(batch, assets, keyed),
-            reasons=tuple(reasons[batch]),
-        )
-    return out
+    """The sensor's decision (:func:`prx_assets.core.dedup.dedup_reruns`), this stage's assets."""
+    return core_dedup.dedup_reruns(
+        lab,
+        settings,
+        downstream,
+        registered,
+        hashes_asset=IMAGE_HASHES_ASSET,
+        clusters_asset=PHASH_CLUSTERS_ASSET,
+    )
 
 
 def build_dedup_sensor(
@@ -172,22 +135,25 @@ def settle_dedup(
     downstream: Sequence[str] = (),
     max_rounds: int = 3,
 ) -> list[DedupRerun]:
-    """Run what the dedup sensor would request, in process, until nothing is stale.
+    """:func:`prx_assets.core.dedup.settle_dedup` with asset keys; raises unless settled.
 
-    For the demo and tests, where no daemon ticks the sensor: ``execute(batch, asset_keys)``
-    materialises one partition (e.g. ``job.execute_in_process``) and returns success.
-    Returns the reruns done; a failed one raises, naming the partition.
+    ``execute(batch, asset_keys)`` materialises one partition and returns success.
     """
-    done: list[DedupRerun] = []
-    for _ in range(max_rounds):
-        wanted = dedup_reruns(lab, settings, downstream, registered)
-        if not wanted:
-            return done
-        for rerun in wanted.values():
-            if not execute(rerun.batch, [AssetKey(a) for a in rerun.assets]):
-                raise RuntimeError(f"dedup rerun of {rerun.batch} ({rerun.assets}) failed")
-            done.append(rerun)
-    left = sorted(dedup_reruns(lab, settings, downstream, registered))
-    if left:
-        raise RuntimeError(f"dedup decisions still stale after {max_rounds} rounds: {left}")
-    return done
+    report = core_dedup.settle_dedup(
+        lab,
+        settings,
+        registered,
+        lambda rerun: execute(rerun.batch, [AssetKey(a) for a in rerun.assets]),
+        downstream,
+        max_rounds,
+        hashes_asset=IMAGE_HASHES_ASSET,
+        clusters_asset=PHASH_CLUSTERS_ASSET,
+    )
+    if report.failed:
+        failed = report.failed[0]
+        raise RuntimeError(f"dedup rerun of {failed.batch} ({failed.assets}) failed")
+    if report.still_stale:
+        raise RuntimeError(
+            f"dedup decisions still stale after {max_rounds} rounds: {report.still_stale}"
+        )
+    return report.reruns

@@ -1,4 +1,5 @@
-"""Lance maintenance: compaction toward ~1M rows per fragment, index refresh, version cleanup."""
+"""Lance maintenance: compaction toward ~1M rows per fragment, index refresh, version cleanup,
+and removal of files no version references (left by killed writers)."""
 
 from datetime import timedelta
 
@@ -12,19 +13,37 @@ from dagster import (
     job,
     op,
 )
+from pydantic import Field
 
-from prx_assets.core.lab import TARGET_ROWS_PER_FRAGMENT
+from prx_assets.core.lab import ORPHAN_MIN_AGE, TARGET_ROWS_PER_FRAGMENT
 from prx_assets.core.table_registry import LAB_TABLES
 from prx_assets.defs.resources import LabResource
+
+# Below this, a long partition write still in flight could lose its fragments before its
+# commit; the core API accepts 0 for offline use (no writer running), the job does not.
+MIN_ORPHAN_AGE_HOURS = 1.0
 
 
 class MaintenanceConfig(Config):
     # The seed found fragment size decides query speed; ~1M rows is its sweet spot.
     target_rows_per_fragment: int = TARGET_ROWS_PER_FRAGMENT
     retention_days: float = 7.0
+    orphan_min_age_hours: float = Field(
+        default=ORPHAN_MIN_AGE.total_seconds() / 3600,
+        ge=MIN_ORPHAN_AGE_HOURS,
+        description=(
+            "Files no version references (a writer killed before its commit) are deleted "
+            "once this old. Must exceed the longest write from first fragment to commit."
+        ),
+    )
 
 
-@op(description="Compact every lab table, optimise its indexes, drop versions past retention.")
+@op(
+    description=(
+        "Compact every lab table, optimise its indexes, drop versions past retention, and "
+        "delete files no version references once older than orphan_min_age_hours."
+    )
+)
 def compact_lab_tables(
     context: OpExecutionContext, config: MaintenanceConfig, lab: LabResource
 ) -> Output[list]:
@@ -35,6 +54,7 @@ def compact_lab_tables(
             spec,
             target_rows_per_fragment=config.target_rows_per_fragment,
             retention=timedelta(days=config.retention_days),
+            orphan_min_age=timedelta(hours=config.orphan_min_age_hours),
         )
         context.log.info(f"{spec.name}: {result}")
         results.append(result)
