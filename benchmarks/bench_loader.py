@@ -35,7 +35,7 @@ from streaming import MDSWriter, StreamingDataset  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from prx_assets.core.mds import BASE_COLUMNS
-from prx_assets.core.skiplists import read_index_shards, write_skiplist  # noqa: E402
+from prx_assets.core.skiplists import read_index_shards, write_partition_skiplists  # noqa: E402
 from prx_assets.loader import HFTextEncoder, ImageTextCollate, SkipListDataset  # noqa: E402
 from prx_assets.loader.collate import jpeg_bytes  # noqa: E402
 from prx_assets.loader.offline_encoder import SMALL, TINY, build_offline_bert  # noqa: E402
@@ -92,13 +92,16 @@ def write_data(root: Path, partitions: int, per_partition: int, size: int) -> li
 
 
 def set_skips(dirs: list[Path], fraction: float) -> int:
+    """Publish a skip-list generation per directory skipping ``fraction`` of every shard."""
     rng = random.Random(1)
     skipped = 0
     for d in dirs:
+        skips = {}
         for name, n in read_index_shards(d):
             chosen = rng.sample(range(n), int(round(n * fraction)))
-            write_skiplist(d, name, {i: ["duplicate"] for i in chosen})
+            skips[name] = {i: ["duplicate"] for i in chosen}
             skipped += len(chosen)
+        write_partition_skiplists(d, skips)
     return skipped
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from PIL import Image
 
 from prx_assets.core.buckets import assign_bucket
-from prx_assets.core.mds import DEFAULT_SIZE_LIMIT, MDSSample, write_partition_buckets
+from prx_assets.core.mds import DEFAULT_SIZE_LIMIT, MDSSample, skip_nothing, write_partition_buckets
 from prx_assets.core.resize import encode_jpeg, resize_to_bucket
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,7 +94,7 @@ def main() -> None:
         for r in range(repeats):  # interleaved: the machine is shared
             root = Path(tmp) / f"mds{r}"
             t0 = time.perf_counter()
-            placements = write_partition_buckets(root, "bench.b0", samples)
+            placements = write_partition_buckets(root, "bench.b0", samples, skips_for=skip_nothing)
             t1 = time.perf_counter()
             plain_write(Path(tmp) / f"plain{r}", samples, DEFAULT_SIZE_LIMIT)
             t2 = time.perf_counter()

@@ -26,6 +26,8 @@ import pyarrow.fs as pafs
 from lance.commit import CommitConflictError
 from lance.fragment import write_fragments
 
+from prx_assets.core.crashpoints import crashpoint
+
 TARGET_ROWS_PER_FRAGMENT = 1_048_576
 # Files no version references are deleted once this old: longer than any write takes from
 # its first fragment to its commit, so an in-flight write's files are never touched.
@@ -94,6 +96,7 @@ class _CountingBatches:
                     raise self.error
                 self.rows += part.num_rows
                 yield part
+                crashpoint("lab.fragment_batch")
 
 
 class Lab:
@@ -159,6 +162,7 @@ class Lab:
             if counted.error is not None:  # our own refusal, wrapped by Lance: surface it
                 raise counted.error from None
             raise
+        crashpoint("lab.fragments_written")
         predicate = f"batch = {sql_literal(batch)}"
         with self._partition_lock(spec.name, batch):
             return self._commit_replacement(spec, predicate, new_fragments, counted.rows, attempts)
@@ -215,6 +219,7 @@ class Lab:
                 last = exc
                 time.sleep(0.05 * (2**attempt))
                 continue
+            crashpoint("lab.committed")
             self._ensure_indexes(spec)
             return {
                 "rows_written": rows,

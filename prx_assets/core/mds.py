@@ -6,12 +6,20 @@ for the samples of partition ``batch`` that landed in that bucket. One directory
 trainer build a stream per bucket from the directories it finds.
 
 Atomicity: a directory is written under a hidden temporary sibling
-(``.<batch>.tmp-<uuid>``), fsynced, then renamed into place; a previous version is first
-renamed away (``.<batch>.old-<uuid>``) and deleted after the new one is in. A reader of the
-final path therefore sees the old complete directory, the new complete one, or (only in the
-instant between the two renames, or after a crash there) nothing; never a partial one.
-The next write of the same partition repairs such a crash: it restores the old version if
-the final path is empty and deletes leftover temporaries.
+(``.<batch>.tmp-<uuid>``): shards and ``index.json``, then its first skip-list generation
+(``core/skiplists.py``: sidecars + ``skiplists.json``) from the caller's ``skips_for``
+callback, all fsynced, then renamed into place; a previous version is first renamed away
+(``.<batch>.old-<uuid>``) and deleted after the new one is in. A reader of the final path
+therefore sees the old complete directory, the new complete one, or (only in the instant
+between the two renames, or after a crash there) nothing; never a partial one, and never
+one without a complete skip-list generation written for its own ``index.json``. The next
+write of the same partition repairs such a crash: it restores the old version if the final
+path is empty and deletes leftover temporaries.
+
+Screening: this module knows nothing of the skip policy. ``skips_for(placements)`` gets the
+placements of one directory (final ``relative_dir``, shard, index in shard) once its shards
+are written, and returns ``{shard: {index_in_shard: [reason codes]}}``; ``skip_nothing`` is
+the explicit choice for data that needs no screening (tests, benchmarks, synthetic data).
 
 Determinism: samples are written sorted by key, with no compression, and MDSWriter puts no
 timestamps or paths into shards or ``index.json`` (its JSON is key-sorted), so rewriting the
@@ -28,10 +36,14 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from prx_assets.core.crashpoints import crashpoint
+from prx_assets.core.skiplists import write_partition_skiplists
 
 MDS_DIRNAME = "mds"
 DEFAULT_SIZE_LIMIT = 128 << 20  # 128 MiB per shard, MDSWriter's ``size_limit``
@@ -87,6 +99,14 @@ class Placement:
     @property
     def relative_dir(self) -> str:
         return f"{MDS_DIRNAME}/{self.tier}/{self.shape}/{self.batch}"
+
+
+SkipsFor = Callable[[Sequence["Placement"]], Mapping[str, Mapping[int, Iterable[str]]]]
+
+
+def skip_nothing(placements: Sequence[Placement]) -> dict[str, dict[int, list[str]]]:
+    """A ``skips_for`` that screens every sample in: only for data that needs no decision."""
+    return {}
 
 
 @dataclass(frozen=True)
@@ -199,6 +219,7 @@ def _remove_atomically(final: Path) -> None:
     old = final.parent / f".{final.name}{_OLD_MARK}{uuid.uuid4().hex}"
     os.rename(final, old)
     _fsync_path(final.parent)
+    crashpoint("mds.stale_dir_moved_away")
     shutil.rmtree(old)
 
 
@@ -249,6 +270,32 @@ def _placements(
     return out
 
 
+class _InlineUploads:
+    """MDSWriter's per-shard "uploads", run in the calling thread.
+
+    Writing to a local directory they are no-ops, but streaming 0.13 queues each on a thread
+    pool and its ``finish()`` sleeps a whole second whenever one is still queued, which it
+    usually is: a second per bucket directory for nothing. Run inline, none is ever queued.
+    """
+
+    class _EmptyQueue:
+        def qsize(self) -> int:
+            return 0
+
+    _work_queue = _EmptyQueue()  # what MDSWriter polls before writing index.json
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - reported through the future, as before
+            future.set_exception(exc)
+        return future
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        return None
+
+
 def _write_mds(
     out: Path,
     samples: Iterable[MDSSample],
@@ -275,6 +322,9 @@ def _write_mds(
         hashes=list(hashes),
         size_limit=size_limit,
     )
+    if writer.remote is None:
+        writer.executor.shutdown(wait=False)
+        writer.executor = _InlineUploads()
     keys: list[str] = []
     try:
         for s in samples:
@@ -303,6 +353,7 @@ def _write_mds(
                 )
             writer.write(row)
             keys.append(s.key)
+            crashpoint("mds.sample_written")
     except BaseException:
         writer.cancel_future_jobs()
         raise
@@ -319,6 +370,7 @@ def _stream_bucket(
     columns: dict[str, str],
     size_limit: int,
     hashes: Sequence[str],
+    skips_for: SkipsFor,
     taken: Set[str] = frozenset(),
 ) -> list[Placement]:
     """Write one bucket directory from a key-sorted stream; an empty stream removes it."""
@@ -336,20 +388,28 @@ def _stream_bucket(
                 _remove_atomically(final)
             return []
         _fsync_tree(tmp)
+        crashpoint("mds.tmp_written")
         placements = _placements(tmp, keys, tier, shape, batch)
+        # The first skip-list generation, inside the temporary directory: the directory
+        # never becomes visible unscreened.
+        write_partition_skiplists(tmp, skips_for(placements))
+        crashpoint("mds.tmp_screened")
         if final.exists():
             old = bucket / f".{batch}{_OLD_MARK}{uuid.uuid4().hex}"
             os.rename(final, old)
+            crashpoint("mds.old_moved_away")
             try:
                 os.rename(tmp, final)
             except BaseException:
                 os.rename(old, final)  # put the complete previous version back
                 raise
             _fsync_path(bucket)
+            crashpoint("mds.dir_in_place")
             shutil.rmtree(old)
         else:
             os.rename(tmp, final)
             _fsync_path(bucket)
+            crashpoint("mds.dir_in_place")
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -363,6 +423,7 @@ def write_bucket_partition(
     shape: str,
     samples: Iterable[MDSSample],
     *,
+    skips_for: SkipsFor,
     extra_columns: Mapping[str, str] | None = None,
     size_limit: int = DEFAULT_SIZE_LIMIT,
     hashes: Sequence[str] = (),
@@ -390,7 +451,7 @@ def write_bucket_partition(
     extra_names = set(columns) - set(BASE_COLUMNS)
     for s in items:
         _row(s, extra_names)  # refuse bad samples before the write starts
-    return _stream_bucket(root, batch, tier, shape, items, columns, size_limit, hashes)
+    return _stream_bucket(root, batch, tier, shape, items, columns, size_limit, hashes, skips_for)
 
 
 def list_partition_dirs(root: str | os.PathLike[str], batch: str) -> list[PartitionDir]:
@@ -414,6 +475,7 @@ def write_partition_streams(
     batch: str,
     streams: Mapping[tuple[int, str], Iterable[MDSSample]],
     *,
+    skips_for: SkipsFor,
     extra_columns: Mapping[str, str] | None = None,
     size_limit: int = DEFAULT_SIZE_LIMIT,
     hashes: Sequence[str] = (),
@@ -428,6 +490,7 @@ def write_partition_streams(
     ``streams``, loses its directory. New directories are written before stale ones are
     removed, so a crash in between can leave an image in two buckets until the rerun, but
     never in none. The same key in two buckets is refused before the second one is in place.
+    ``skips_for`` screens each directory before it becomes visible (module docstring).
     """
     _check_batch(batch)
     if size_limit <= 0:
@@ -449,6 +512,7 @@ def write_partition_streams(
             columns,
             size_limit,
             hashes,
+            skips_for,
             taken=seen,
         )
         seen.update(p.key for p in out)
@@ -466,6 +530,7 @@ def write_partition_buckets(
     batch: str,
     samples: Iterable[MDSSample],
     *,
+    skips_for: SkipsFor,
     extra_columns: Mapping[str, str] | None = None,
     size_limit: int = DEFAULT_SIZE_LIMIT,
     hashes: Sequence[str] = (),
@@ -485,7 +550,13 @@ def write_partition_buckets(
         groups.setdefault((int(s.tier), s.shape), []).append(s)
     streams = {g: sorted(items, key=lambda s: s.key) for g, items in groups.items()}
     return write_partition_streams(
-        root, batch, streams, extra_columns=extra_columns, size_limit=size_limit, hashes=hashes
+        root,
+        batch,
+        streams,
+        skips_for=skips_for,
+        extra_columns=extra_columns,
+        size_limit=size_limit,
+        hashes=hashes,
     )
 
 
@@ -512,7 +583,7 @@ def partition_digest(directory: str | os.PathLike[str]) -> str:
 
 
 def directory_bytes(directory: str | os.PathLike[str]) -> int:
-    """Bytes of the regular files directly inside ``directory`` (shards and index)."""
+    """Bytes of the regular files directly inside ``directory`` (shards, index, skip-lists)."""
     return sum(p.stat().st_size for p in Path(directory).iterdir() if p.is_file())
 
 

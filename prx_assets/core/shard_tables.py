@@ -81,7 +81,9 @@ SHARD_SAMPLES = TableSpec(
             pa.field("dir_digest", pa.string()),  # mds.partition_digest at write time
             pa.field("jpeg_sha256", pa.string()),  # of the stored image bytes
             pa.field("jpeg_bytes", pa.int64()),
-            pa.field("caption_fingerprint", pa.string()),  # captioner that wrote the caption
+            # Captioner that wrote the caption; null: written with an empty caption because
+            # it had no usable one (excluded by its skip-lists, reason ``no_caption``).
+            pa.field("caption_fingerprint", pa.string()),
         ]
     ),
     identity=("batch", "key"),
@@ -107,8 +109,9 @@ CAPTION_COLUMNS = (
     "prompt_version",
     "backend_fingerprint",
 )
-SKIP_NO_CAPTION = "no_caption"
-SKIP_EMPTY_CAPTION = "empty_caption"
+NO_CAPTION = "no_caption"  # the skip-list reason code for a sample without a usable caption
+CAPTION_MISSING = "no caption row"
+CAPTION_EMPTY = "empty caption"
 
 
 def bucket_table_sha256(table: BucketTable | None = None) -> str:
@@ -229,15 +232,28 @@ class CaptionInfo:
     model_id: str
     prompt_version: str
     fingerprint: str
+    usable: bool = True  # False: written with caption "" and skipped as ``no_caption``
+
+
+NO_USABLE_CAPTION = CaptionInfo(
+    caption="", is_fallback=False, backend="", model_id="", prompt_version="", fingerprint="",
+    usable=False,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Per bucket, the assignment rows to write (sorted by key); every other image's reason."""
+    """Per bucket, the assignment rows to write (sorted by key), and each key's caption.
+
+    Every assigned image is written. ``uncaptioned`` (key -> why) are the images without a
+    usable caption: they go into the shards with an empty caption and their skip-lists
+    exclude them (reason ``no_caption``), so they are accounted for in ``shard_samples``
+    and the audit, and a caption arriving later only needs a rerun, never a lost image.
+    """
 
     buckets: dict[tuple[int, str], list[dict[str, Any]]]
     captions: dict[str, CaptionInfo]
-    skipped: dict[str, list[str]]  # reason -> keys
+    uncaptioned: dict[str, str]
 
     @property
     def planned(self) -> int:
@@ -256,11 +272,12 @@ def _caption_info(row: Mapping[str, Any]) -> CaptionInfo:
 
 
 def plan_shards(assignments: pa.Table, captions: pa.Table) -> ShardPlan:
-    """Join assignments with captions: an image without a usable caption is not written.
+    """Join assignments with captions; an image without a usable caption is still planned.
 
-    Why skip rather than fail: captioning can lag or refuse single images; the rest of the
-    batch is still good training data, and the skipped keys are reported by reason so the
-    gap is visible (a rerun after the captions catch up writes them).
+    A caption is usable when it has a non-blank text. Why write the others at all: leaving
+    them out silently made a batch of uncaptioned photos "materialise" with 0 samples and
+    no trace but a count; written and skipped as ``no_caption`` they are visible in every
+    place that reports skips (sidecars, ``skip_audit``, metadata).
     """
     by_key: dict[str, Mapping[str, Any]] = {}
     if captions.num_rows:
@@ -270,18 +287,25 @@ def plan_shards(assignments: pa.Table, captions: pa.Table) -> ShardPlan:
             by_key[row["key"]] = row
     buckets: dict[tuple[int, str], list[dict[str, Any]]] = {}
     infos: dict[str, CaptionInfo] = {}
-    skipped: dict[str, list[str]] = {}
+    uncaptioned: dict[str, str] = {}
     for row in sorted(assignments.to_pylist(), key=lambda r: r["key"]):
         cap = by_key.get(row["key"])
         if cap is None:
-            skipped.setdefault(SKIP_NO_CAPTION, []).append(row["key"])
-            continue
-        if not (cap["caption"] or "").strip():
-            skipped.setdefault(SKIP_EMPTY_CAPTION, []).append(row["key"])
-            continue
-        infos[row["key"]] = _caption_info(cap)
+            uncaptioned[row["key"]] = CAPTION_MISSING
+            infos[row["key"]] = NO_USABLE_CAPTION
+        elif not (cap["caption"] or "").strip():
+            uncaptioned[row["key"]] = CAPTION_EMPTY
+            info = _caption_info(cap)
+            infos[row["key"]] = CaptionInfo(**{**info.__dict__, "caption": "", "usable": False})
+        else:
+            infos[row["key"]] = _caption_info(cap)
         buckets.setdefault((int(row["tier"]), row["shape"]), []).append(row)
-    return ShardPlan(buckets=buckets, captions=infos, skipped=skipped)
+    return ShardPlan(buckets=buckets, captions=infos, uncaptioned=uncaptioned)
+
+
+def written_without_caption(row: Mapping[str, Any]) -> bool:
+    """Whether a ``shard_samples`` row is a sample written with no usable caption."""
+    return row["caption_fingerprint"] is None
 
 
 class RenderFailures(RuntimeError):
@@ -430,7 +454,7 @@ def placement_rows(
             "dir_digest": digests[p.relative_dir],
             "jpeg_sha256": sha,
             "jpeg_bytes": size,
-            "caption_fingerprint": captions[p.key].fingerprint,
+            "caption_fingerprint": captions[p.key].fingerprint if captions[p.key].usable else None,
         }
         for name, value in values.items():
             cols[name].append(value)

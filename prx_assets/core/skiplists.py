@@ -1,34 +1,46 @@
-"""Skip-list sidecars: the only way a sample leaves training once its shard is written.
+"""Skip-lists: the only way a sample leaves training once its shard is written.
 
 MDS shards are immutable (rewriting one would invalidate every cache, every checkpoint's
 notion of "sample N" and every digest), so opt-outs, duplicates, classifier verdicts and
-quality rejections are recorded *beside* the shard, one sidecar per shard:
+quality rejections are recorded *beside* the shards of a bucket x batch directory, as one
+*generation* of skip-lists: a sidecar per shard plus a manifest naming them::
 
-    <partition>/shard.00003.mds            # written once, never touched again
-    <partition>/shard.00003.mds.skip.json  # rewritten atomically whenever skips change
+    <dir>/index.json, <dir>/shard.00003.mds            # written once, never touched again
+    <dir>/shard.00003.mds.<sha16>.skip.json            # one sidecar per shard, per content
+    <dir>/skiplists.json                               # the manifest: the live generation
 
-Sidecar payload (format version 1)::
+A generation is published by one atomic rename of ``skiplists.json``; that is the only
+commit step ("write the files, then publish one small pointer", which works the same on
+object storage: upload the sidecars, then put the manifest last). Readers go through the
+manifest only, so they see the complete previous generation or the complete new one, never
+a mix; files the manifest does not name are ignored by readers and swept by writers.
+
+Sidecar payload (format ``prx-skiplist`` version 1, unchanged)::
 
     {"format": "prx-skiplist", "version": 1, "shard": "shard.00003.mds",
      "indices": [4, 17], "reasons": [["duplicate"], ["opt_out", "quality"]],
      "sha256": "<hex of the canonical JSON of every other key>"}
 
-- ``indices`` are 0-based within the shard, strictly increasing; ``reasons[i]`` is the
-  sorted, de-duplicated list of reason codes of ``indices[i]`` (at least one, from
-  ``REASON_CODES``).
-- ``sha256`` covers the canonical JSON (sorted keys, no whitespace, ASCII) of the payload
-  without itself, so a hand edit, a truncated copy or a sidecar renamed onto another shard
-  is caught by ``read_skiplist`` with a ``SkipListCorrupt`` error instead of silently
-  training on the wrong sample set.
-- The shard is named by its *raw* basename (``index.json``'s ``raw_data.basename``), which
-  is also the name streaming uses for the decompressed shard.
+Its file name is ``<shard>.<first 16 hex of sha256(file bytes)>.skip.json``: content
+addressed, so a new generation never overwrites a file the live manifest names, a shard
+whose skips did not change keeps its file, and a rerun with the same decisions produces
+byte-identical files (and writes nothing).
 
-No skips: a missing sidecar and a sidecar with no indices mean exactly the same thing (an
-empty skip set); ``load_skiplists`` returns an empty ``SkipList`` with ``path=None`` for the
-former, and ``skiplist_digest`` hashes both identically, so writing empty sidecars for every
-screened shard (``write_partition_skiplists`` does) never changes a digest. What the digest
-identifies is the *filtered sample space* (which indices of which shards are gone), not the
-bytes of the files, so relabelling a skip's reasons does not block a resume.
+Manifest payload (format ``prx-skiplist-manifest`` version 1)::
+
+    {"format": "prx-skiplist-manifest", "version": 1,
+     "index_sha256": "<sha256 of index.json's bytes>",
+     "shards": [{"shard": "shard.00000.mds",
+                 "sidecar": "shard.00000.mds.<sha16>.skip.json",
+                 "sha256": "<sha256 of the sidecar file>"}, ...],   # index.json order
+     "sha256": "<hex of the canonical JSON of every other key>"}
+
+What a reader checks (``load_generation``; the loader does the same on fetched bytes):
+the manifest's format, version and self-hash; that it was written for *this* ``index.json``
+(its sha256) and lists exactly its shards in order; each sidecar's sha256, schema, shard
+name and index range. Anything missing or not matching is an error (fail closed): a
+directory without a manifest is unscreened, not "nothing skipped". The ``generation`` of a
+directory is its manifest's self-hash.
 """
 
 from __future__ import annotations
@@ -36,16 +48,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from prx_assets.core.crashpoints import crashpoint
+
 SKIPLIST_FORMAT = "prx-skiplist"
 SKIPLIST_VERSION = 1
 SIDECAR_SUFFIX = ".skip.json"
+MANIFEST_BASENAME = "skiplists.json"
+MANIFEST_FORMAT = "prx-skiplist-manifest"
+MANIFEST_VERSION = 1
 INDEX_BASENAME = "index.json"
 REASON_CODES: tuple[str, ...] = (
     "opt_out",
@@ -58,6 +76,13 @@ REASON_CODES: tuple[str, ...] = (
     "pending",  # a decision it depends on is not known yet: skipped until it is
 )
 _DIGEST_FORMAT = "prx-skiplist-digest/1"
+_NAME_HASH_CHARS = 16
+_SIDECAR_RE = re.compile(
+    r"^(?P<shard>.+)\.(?P<hash>[0-9a-f]{16})" + re.escape(SIDECAR_SUFFIX) + "$"
+)
+# What ``atomic_write_bytes`` leaves when killed: ".<target>.<pid>.<8 hex>.tmp".
+_TMP_RE = re.compile(r"^\.(?P<target>.+)\.\d+\.[0-9a-f]{8}\.tmp$")
+_READ_ATTEMPTS = 3  # a generation switched (and swept) while being read: read it again
 
 
 class SkipListError(ValueError):
@@ -65,16 +90,24 @@ class SkipListError(ValueError):
 
 
 class SkipListCorrupt(SkipListError):
-    """A sidecar that is not what was written: bad JSON, schema, hash or shard name."""
+    """A sidecar or manifest that is not what was written: bad JSON, schema, hash or name."""
 
 
 class SkipListVersionError(SkipListError):
-    """A sidecar written in a format version this code does not read."""
+    """A sidecar or manifest written in a format version this code does not read."""
+
+
+class SkipListMissing(SkipListError):
+    """No skip-list manifest: the directory was never screened (fail closed)."""
+
+
+class SkipListStale(SkipListError):
+    """A manifest written for another ``index.json``: it does not describe these shards."""
 
 
 @dataclass(frozen=True)
 class SkipList:
-    """The skip set of one shard. ``path`` is None when no sidecar exists (empty set)."""
+    """The skip set of one shard; ``path`` names where it was read from."""
 
     shard: str
     indices: tuple[int, ...]
@@ -104,45 +137,97 @@ class SkipList:
         return np.flatnonzero(mask).astype(np.int64)
 
 
+@dataclass(frozen=True)
+class ManifestEntry:
+    shard: str
+    sidecar: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, self-consistent manifest (not yet checked against an index)."""
+
+    index_sha256: str
+    entries: tuple[ManifestEntry, ...]
+    sha256: str  # the self-hash: this generation's identity
+
+    @property
+    def generation(self) -> str:
+        return self.sha256
+
+    @property
+    def sidecars(self) -> frozenset[str]:
+        return frozenset(e.sidecar for e in self.entries)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The live skip-lists of one directory: its manifest and every shard's skip set."""
+
+    directory: str
+    manifest: Manifest
+    skiplists: dict[str, SkipList]  # index.json order
+
+    @property
+    def generation(self) -> str:
+        return self.manifest.generation
+
+
 def canonical_json(obj: object) -> bytes:
     """The byte form every hash in this module is taken over."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
-def sidecar_name(shard_basename: str) -> str:
-    return shard_basename + SIDECAR_SUFFIX
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
-def sidecar_path(partition_dir: str | os.PathLike[str], shard_basename: str) -> Path:
-    return Path(partition_dir) / sidecar_name(shard_basename)
+def sidecar_name(shard_basename: str, data: bytes) -> str:
+    """The content-addressed file name of the sidecar ``data`` of ``shard_basename``."""
+    _check_basename(shard_basename)
+    return f"{shard_basename}.{_sha256(data)[:_NAME_HASH_CHARS]}{SIDECAR_SUFFIX}"
 
 
 def _check_basename(shard_basename: str) -> None:
     if (
-        not shard_basename
+        not isinstance(shard_basename, str)
+        or not shard_basename
         or shard_basename != os.path.basename(shard_basename)
         or shard_basename in (".", "..")
+        or shard_basename.startswith(".")
     ):
         raise SkipListError(f"shard must be a plain file name, got {shard_basename!r}")
-    if shard_basename.endswith(SIDECAR_SUFFIX):
-        raise SkipListError(f"{shard_basename!r} is a sidecar name, not a shard name")
+    if shard_basename.endswith(SIDECAR_SUFFIX) or shard_basename == MANIFEST_BASENAME:
+        raise SkipListError(f"{shard_basename!r} is a skip-list name, not a shard name")
 
 
-def read_index_shards(partition_dir: str | os.PathLike[str]) -> list[tuple[str, int]]:
-    """(raw shard basename, sample count) for each shard of an MDS partition, in index order."""
+def read_index(partition_dir: str | os.PathLike[str]) -> tuple[bytes, list[tuple[str, int]]]:
+    """``index.json``'s bytes, and (raw shard basename, sample count) per shard in order."""
     path = Path(partition_dir) / INDEX_BASENAME
     try:
-        obj = json.loads(path.read_bytes())
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise SkipListError(
             f"no {INDEX_BASENAME} in {partition_dir}: not an MDS partition"
         ) from None
-    except json.JSONDecodeError as exc:
-        raise SkipListError(f"{path} is not valid JSON: {exc}") from None
+    return raw, parse_index(raw, str(path))
+
+
+def parse_index(raw: bytes, source: str) -> list[tuple[str, int]]:
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise SkipListError(f"{source} is not valid JSON: {exc}") from None
     try:
         return [(info["raw_data"]["basename"], int(info["samples"])) for info in obj["shards"]]
     except (KeyError, TypeError) as exc:
-        raise SkipListError(f"{path} is not a streaming index (missing {exc})") from None
+        raise SkipListError(f"{source} is not a streaming index (missing {exc})") from None
+
+
+def read_index_shards(partition_dir: str | os.PathLike[str]) -> list[tuple[str, int]]:
+    """(raw shard basename, sample count) for each shard of an MDS partition, in index order."""
+    return read_index(partition_dir)[1]
 
 
 def _normalise(skips: Mapping[int, Iterable[str]]) -> tuple[list[int], list[list[str]]]:
@@ -166,99 +251,68 @@ def _normalise(skips: Mapping[int, Iterable[str]]) -> tuple[list[int], list[list
     return indices, reasons
 
 
-def _payload(shard: str, indices: list[int], reasons: list[list[str]]) -> dict[str, object]:
-    return {
-        "format": SKIPLIST_FORMAT,
-        "version": SKIPLIST_VERSION,
-        "shard": shard,
-        "indices": indices,
-        "reasons": reasons,
-    }
+def _with_hash(payload: dict[str, object]) -> bytes:
+    payload = dict(payload)
+    payload["sha256"] = _sha256(canonical_json(payload))
+    return canonical_json(payload) + b"\n"
 
 
 def encode_skiplist(shard_basename: str, skips: Mapping[int, Iterable[str]]) -> bytes:
     """The exact bytes of a sidecar (payload + its sha256)."""
     _check_basename(shard_basename)
     indices, reasons = _normalise(skips)
-    payload = _payload(shard_basename, indices, reasons)
-    payload["sha256"] = hashlib.sha256(canonical_json(payload)).hexdigest()
-    return canonical_json(payload) + b"\n"
+    return _with_hash(
+        {
+            "format": SKIPLIST_FORMAT,
+            "version": SKIPLIST_VERSION,
+            "shard": shard_basename,
+            "indices": indices,
+            "reasons": reasons,
+        }
+    )
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """tmp + fsync + rename (+ fsync of the directory): readers see old or new, never half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+def encode_manifest(index_sha256: str, entries: Sequence[ManifestEntry]) -> bytes:
+    """The exact bytes of a manifest (payload + its sha256)."""
+    return _with_hash(
+        {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "index_sha256": index_sha256,
+            "shards": [
+                {"shard": e.shard, "sidecar": e.sidecar, "sha256": e.sha256} for e in entries
+            ],
+        }
+    )
 
 
-def write_skiplist(
-    partition_dir: str | os.PathLike[str],
-    shard_basename: str,
-    skips: Mapping[int, Iterable[str]],
-) -> Path:
-    """Write (replace) the sidecar of one shard; an empty mapping writes an empty sidecar.
-
-    When the partition's ``index.json`` is present the shard must be listed there and every
-    index must be inside it, so a skip-list can never point past its shard.
-    """
-    _check_basename(shard_basename)
-    data = encode_skiplist(shard_basename, skips)
-    if (Path(partition_dir) / INDEX_BASENAME).exists():
-        sizes = dict(read_index_shards(partition_dir))
-        if shard_basename not in sizes:
-            raise SkipListError(
-                f"{shard_basename} is not a shard of {partition_dir} (index.json lists "
-                f"{sorted(sizes)[:5]}{'...' if len(sizes) > 5 else ''})"
-            )
-        if skips and max(int(i) for i in skips) >= sizes[shard_basename]:
-            raise SkipListError(
-                f"index {max(int(i) for i in skips)} is out of range for {shard_basename}, "
-                f"which holds {sizes[shard_basename]} samples"
-            )
-    path = sidecar_path(partition_dir, shard_basename)
-    atomic_write_bytes(path, data)
-    return path
-
-
-def write_partition_skiplists(
-    partition_dir: str | os.PathLike[str],
-    skips_by_shard: Mapping[str, Mapping[int, Iterable[str]]],
-) -> list[Path]:
-    """Write one sidecar for *every* shard of the partition (empty where nothing is skipped).
-
-    A complete set of sidecars shows the partition was screened; shards named in
-    ``skips_by_shard`` but absent from ``index.json`` are an error.
-    """
-    shards = [name for name, _ in read_index_shards(partition_dir)]
-    unknown = sorted(set(skips_by_shard) - set(shards))
-    if unknown:
-        raise SkipListError(f"not shards of {partition_dir}: {unknown}")
-    return [write_skiplist(partition_dir, s, skips_by_shard.get(s, {})) for s in shards]
-
-
-def parse_skiplist(data: bytes, source: str, expected_shard: str | None = None) -> SkipList:
-    """Validate sidecar bytes (version, schema, hash, shard name); ``source`` names it in errors."""
+def _load_json(data: bytes, source: str, what: str) -> dict:
     try:
         obj = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise SkipListCorrupt(
             f"{source}: not valid JSON ({exc}); truncated or overwritten?"
         ) from None
-    if not isinstance(obj, dict) or obj.get("format") != SKIPLIST_FORMAT:
+    if not isinstance(obj, dict):
+        raise SkipListCorrupt(f"{source}: not a {what}")
+    return obj
+
+
+def _check_self_hash(obj: dict, source: str, what: str) -> str:
+    claimed = obj["sha256"]
+    actual = _sha256(canonical_json({k: v for k, v in obj.items() if k != "sha256"}))
+    if claimed != actual:
+        raise SkipListCorrupt(
+            f"{source}: content hash mismatch (stored {str(claimed)[:12]}…, computed "
+            f"{actual[:12]}…): the {what} was edited or damaged after it was written"
+        )
+    return actual
+
+
+def parse_skiplist(data: bytes, source: str, expected_shard: str | None = None) -> SkipList:
+    """Validate sidecar bytes (version, schema, hash, shard name); ``source`` names it in errors."""
+    obj = _load_json(data, source, f"{SKIPLIST_FORMAT} sidecar")
+    if obj.get("format") != SKIPLIST_FORMAT:
         raise SkipListCorrupt(f"{source}: not a {SKIPLIST_FORMAT} sidecar")
     version = obj.get("version")
     if version != SKIPLIST_VERSION:
@@ -272,20 +326,13 @@ def parse_skiplist(data: bytes, source: str, expected_shard: str | None = None) 
             f"{source}: keys {sorted(obj)} differ from the v{SKIPLIST_VERSION} schema "
             f"{sorted(expected_keys)}"
         )
-    claimed = obj["sha256"]
-    payload = {k: v for k, v in obj.items() if k != "sha256"}
-    actual = hashlib.sha256(canonical_json(payload)).hexdigest()
-    if claimed != actual:
-        raise SkipListCorrupt(
-            f"{source}: content hash mismatch (stored {str(claimed)[:12]}…, computed "
-            f"{actual[:12]}…): the sidecar was edited or damaged after it was written"
-        )
+    _check_self_hash(obj, source, "sidecar")
     shard, indices, reasons = obj["shard"], obj["indices"], obj["reasons"]
     if not isinstance(shard, str) or not isinstance(indices, list) or not isinstance(reasons, list):
         raise SkipListCorrupt(f"{source}: shard/indices/reasons have the wrong types")
     if expected_shard is not None and shard != expected_shard:
         raise SkipListCorrupt(
-            f"{source}: sidecar belongs to shard {shard!r}, found beside {expected_shard!r}"
+            f"{source}: sidecar belongs to shard {shard!r}, named for {expected_shard!r}"
         )
     if len(indices) != len(reasons):
         raise SkipListCorrupt(f"{source}: {len(indices)} indices but {len(reasons)} reason lists")
@@ -310,60 +357,356 @@ def parse_skiplist(data: bytes, source: str, expected_shard: str | None = None) 
 
 
 def read_skiplist(path: str | os.PathLike[str]) -> SkipList:
-    """Read and validate one sidecar file (see ``parse_skiplist`` for what is checked)."""
+    """Read and validate one sidecar file; its name must be its content's."""
     path = Path(path)
-    name = path.name
-    expected = name[: -len(SIDECAR_SUFFIX)] if name.endswith(SIDECAR_SUFFIX) else None
-    return parse_skiplist(path.read_bytes(), str(path), expected_shard=expected)
+    data = path.read_bytes()
+    m = _SIDECAR_RE.match(path.name)
+    if m is None:
+        raise SkipListCorrupt(f"{path}: not a sidecar name (<shard>.<sha16>{SIDECAR_SUFFIX})")
+    if _sha256(data)[:_NAME_HASH_CHARS] != m.group("hash"):
+        raise SkipListCorrupt(f"{path}: content does not match the hash in its name")
+    return parse_skiplist(data, str(path), expected_shard=m.group("shard"))
+
+
+def parse_manifest(data: bytes, source: str) -> Manifest:
+    """Validate manifest bytes on their own (format, version, schema, self-hash, names)."""
+    obj = _load_json(data, source, f"{MANIFEST_FORMAT} manifest")
+    if obj.get("format") != MANIFEST_FORMAT:
+        raise SkipListCorrupt(f"{source}: not a {MANIFEST_FORMAT} manifest")
+    version = obj.get("version")
+    if version != MANIFEST_VERSION:
+        raise SkipListVersionError(
+            f"{source}: manifest format version {version!r}, this reader understands "
+            f"version {MANIFEST_VERSION} only"
+        )
+    expected_keys = {"format", "version", "index_sha256", "shards", "sha256"}
+    if set(obj) != expected_keys:
+        raise SkipListCorrupt(
+            f"{source}: keys {sorted(obj)} differ from the manifest v{MANIFEST_VERSION} "
+            f"schema {sorted(expected_keys)}"
+        )
+    own = _check_self_hash(obj, source, "manifest")
+    shards = obj["shards"]
+    if not isinstance(obj["index_sha256"], str) or not isinstance(shards, list):
+        raise SkipListCorrupt(f"{source}: index_sha256/shards have the wrong types")
+    entries = []
+    for item in shards:
+        if not isinstance(item, dict) or set(item) != {"shard", "sidecar", "sha256"}:
+            raise SkipListCorrupt(f"{source}: bad shard entry {item!r}")
+        shard, sidecar, sha = item["shard"], item["sidecar"], item["sha256"]
+        try:
+            _check_basename(shard)
+        except SkipListError as exc:
+            raise SkipListCorrupt(f"{source}: {exc}") from None
+        m = _SIDECAR_RE.match(sidecar) if isinstance(sidecar, str) else None
+        if (
+            m is None
+            or m.group("shard") != shard
+            or not isinstance(sha, str)
+            or not sha.startswith(m.group("hash"))
+            or len(sha) != 64
+        ):
+            raise SkipListCorrupt(f"{source}: entry for {shard!r} names sidecar {sidecar!r}")
+        entries.append(ManifestEntry(shard, sidecar, sha))
+    if len({e.shard for e in entries}) != len(entries):
+        raise SkipListCorrupt(f"{source}: a shard is listed twice")
+    return Manifest(index_sha256=obj["index_sha256"], entries=tuple(entries), sha256=own)
+
+
+def check_manifest_matches_index(
+    manifest: Manifest, index_raw: bytes, source: str
+) -> list[tuple[str, int]]:
+    """Raise ``SkipListStale`` unless ``manifest`` was written for exactly this index."""
+    if _sha256(index_raw) != manifest.index_sha256:
+        raise SkipListStale(
+            f"{source} was written for another index.json (sha256 "
+            f"{manifest.index_sha256[:12]}…, this one {_sha256(index_raw)[:12]}…): the "
+            "directory was rewritten after its skip-lists, or the manifest was copied here"
+        )
+    shards = parse_index(index_raw, source)
+    if [name for name, _ in shards] != [e.shard for e in manifest.entries]:
+        raise SkipListCorrupt(f"{source}: the shards it lists are not index.json's")
+    return shards
+
+
+def verify_sidecar(entry: ManifestEntry, data: bytes, source: str, samples: int) -> SkipList:
+    """A sidecar's bytes checked against its manifest entry and its shard's size."""
+    if _sha256(data) != entry.sha256:
+        raise SkipListCorrupt(
+            f"{source}: sha256 differs from the manifest's: edited or damaged after it was written"
+        )
+    skiplist = parse_skiplist(data, source, expected_shard=entry.shard)
+    skiplist.keep_indices(samples)  # range check against the shard
+    return skiplist
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+
+def _read_manifest_bytes(d: Path) -> bytes:
+    try:
+        return (d / MANIFEST_BASENAME).read_bytes()
+    except FileNotFoundError:
+        raise SkipListMissing(
+            f"{d}: no skip-list manifest ({MANIFEST_BASENAME}); the directory was never "
+            "screened (materialise skip_lists for its batch), so none of its samples may "
+            "be trained on"
+        ) from None
+
+
+def load_generation(partition_dir: str | os.PathLike[str]) -> Generation:
+    """The live generation of a directory, fully verified (see the module docstring)."""
+    d = Path(partition_dir)
+    for attempt in range(_READ_ATTEMPTS):
+        data = _read_manifest_bytes(d)
+        source = str(d / MANIFEST_BASENAME)
+        manifest = parse_manifest(data, source)
+        index_raw, _ = read_index(d)
+        shards = check_manifest_matches_index(manifest, index_raw, source)
+        out: dict[str, SkipList] = {}
+        try:
+            for entry, (_, samples) in zip(manifest.entries, shards, strict=True):
+                path = d / entry.sidecar
+                out[entry.shard] = verify_sidecar(entry, path.read_bytes(), str(path), samples)
+        except FileNotFoundError as exc:
+            # A writer may have published a new generation and swept ours meanwhile.
+            if attempt + 1 < _READ_ATTEMPTS and _read_manifest_bytes(d) != data:
+                continue
+            raise SkipListCorrupt(f"{source} names {exc.filename}, which does not exist") from None
+        return Generation(str(d), manifest, out)
+    raise AssertionError("unreachable")
 
 
 def load_skiplists(partition_dir: str | os.PathLike[str]) -> dict[str, SkipList]:
-    """Skip set of every shard in ``index.json`` order; a missing sidecar is an empty SkipList.
+    """Skip set of every shard in ``index.json`` order, from the live generation."""
+    return load_generation(partition_dir).skiplists
 
-    A sidecar whose shard is not in the index is an error: it is either stale or was copied
-    into the wrong partition, and both mean the skip-lists do not describe these shards.
+
+def current_generation(partition_dir: str | os.PathLike[str]) -> str | None:
+    """The live generation's id (manifest self-hash), None when there is no manifest."""
+    try:
+        data = _read_manifest_bytes(Path(partition_dir))
+    except SkipListMissing:
+        return None
+    return parse_manifest(data, str(Path(partition_dir) / MANIFEST_BASENAME)).generation
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(
+    path: str | os.PathLike[str], data: bytes, before_rename: Callable[[], None] | None = None
+) -> None:
+    """tmp + fsync + rename (+ fsync of the directory): readers see old or new, never half.
+
+    ``before_rename`` runs once the temporary file is durable (a crashpoint hook).
     """
-    shards = read_index_shards(partition_dir)
-    names = {name for name, _ in shards}
-    for entry in os.listdir(partition_dir):
-        if entry.endswith(SIDECAR_SUFFIX) and entry[: -len(SIDECAR_SUFFIX)] not in names:
-            raise SkipListError(
-                f"{Path(partition_dir) / entry}: sidecar for a shard that is not in index.json"
-            )
-    out: dict[str, SkipList] = {}
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if before_rename is not None:
+            before_rename()
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(path.parent)
+
+
+def _is_ours(entry: str) -> bool:
+    """Sidecars (any generation, and v1's ``<shard>.skip.json``) and our temporaries."""
+    if entry.endswith(SIDECAR_SUFFIX) and not entry.startswith("."):
+        return True
+    m = _TMP_RE.match(entry)
+    return m is not None and (
+        m.group("target").endswith(SIDECAR_SUFFIX) or m.group("target") == MANIFEST_BASENAME
+    )
+
+
+def sweep(partition_dir: str | os.PathLike[str], keep: Iterable[str] = ()) -> list[str]:
+    """Delete skip-list files no one may read: sidecars not in ``keep`` nor named by the live
+    manifest, and temporaries left by killed writers. Returns the names removed."""
+    d = Path(partition_dir)
+    protected = set(keep)
+    try:
+        protected |= parse_manifest(_read_manifest_bytes(d), str(d)).sidecars
+    except SkipListError:
+        pass  # no readable live generation: nothing on disk is protected by one
+    removed = []
+    for entry in sorted(os.listdir(d)):
+        if entry in protected or not _is_ours(entry):
+            continue
+        try:
+            (d / entry).unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(entry)
+        crashpoint("skiplists.stale_removed")
+    if removed:
+        _fsync_dir(d)
+    return removed
+
+
+@dataclass(frozen=True)
+class StagedGeneration:
+    """A generation whose sidecars are durable on disk but not yet published."""
+
+    directory: Path
+    index_sha256: str
+    manifest_bytes: bytes
+    sidecars: frozenset[str]
+
+
+def stage_generation(
+    partition_dir: str | os.PathLike[str],
+    skips_by_shard: Mapping[str, Mapping[int, Iterable[str]]],
+) -> StagedGeneration:
+    """Write (without publishing) one generation: a sidecar for *every* shard of the index.
+
+    Shards absent from ``skips_by_shard`` get an empty sidecar (screened, nothing skipped);
+    shards named there but not in ``index.json``, bad reason codes and out-of-range indices
+    are errors, raised before anything is written. Files of the live generation are never
+    touched (new content has new names); stale files are swept first.
+    """
+    d = Path(partition_dir)
+    index_raw, shards = read_index(d)
+    sizes = dict(shards)
+    unknown = sorted(set(skips_by_shard) - set(sizes))
+    if unknown:
+        raise SkipListError(f"not shards of {d}: {unknown}")
+    entries: list[ManifestEntry] = []
+    files: dict[str, bytes] = {}
     for name, samples in shards:
-        path = sidecar_path(partition_dir, name)
-        skiplist = read_skiplist(path) if path.exists() else SkipList.empty(name)
-        skiplist.keep_indices(samples)  # validates range against the shard
-        out[name] = skiplist
-    return out
+        skips = skips_by_shard.get(name, {})
+        data = encode_skiplist(name, skips)
+        if skips and max(int(i) for i in skips) >= samples:
+            raise SkipListError(
+                f"index {max(int(i) for i in skips)} is out of range for {name}, which holds "
+                f"{samples} samples"
+            )
+        fname = sidecar_name(name, data)
+        entries.append(ManifestEntry(name, fname, _sha256(data)))
+        files[fname] = data
+    sweep(d, keep=files)
+    for fname, data in files.items():
+        path = d / fname
+        if path.is_file() and path.read_bytes() == data:
+            continue  # the same content already durable under its content name
+        atomic_write_bytes(path, data)
+        crashpoint("skiplists.sidecar_written")
+    _fsync_dir(d)
+    crashpoint("skiplists.generation_written")
+    index_sha = _sha256(index_raw)
+    return StagedGeneration(d, index_sha, encode_manifest(index_sha, entries), frozenset(files))
 
 
-def digest_skip_sets(partitions: Sequence[Sequence[tuple[str, Sequence[int]]]]) -> str:
+def publish_generation(staged: StagedGeneration) -> str:
+    """Make a staged generation live (one rename), then sweep what it superseded.
+
+    Refuses when ``index.json`` changed since staging (the directory was rewritten): the
+    manifest would describe other shards. Returns the generation id.
+    """
+    d = staged.directory
+    index_raw, _ = read_index(d)
+    if _sha256(index_raw) != staged.index_sha256:
+        raise SkipListStale(f"{d} was rewritten while its skip-lists were being written")
+    path = d / MANIFEST_BASENAME
+    current = path.read_bytes() if path.is_file() else None
+    if current != staged.manifest_bytes:
+        atomic_write_bytes(
+            path,
+            staged.manifest_bytes,
+            before_rename=lambda: crashpoint("skiplists.manifest_staged"),
+        )
+        crashpoint("skiplists.manifest_published")
+    sweep(d, keep=staged.sidecars)
+    return parse_manifest(staged.manifest_bytes, str(path)).generation
+
+
+def write_partition_skiplists(
+    partition_dir: str | os.PathLike[str],
+    skips_by_shard: Mapping[str, Mapping[int, Iterable[str]]],
+) -> str:
+    """Stage and publish one directory's generation (see ``stage_generation``); its id."""
+    return publish_generation(stage_generation(partition_dir, skips_by_shard))
+
+
+def publish_partition_skiplists(
+    skips_by_dir: Mapping[str | os.PathLike[str], Mapping[str, Mapping[int, Iterable[str]]]],
+) -> dict[str, str]:
+    """Refresh several directories (one batch's buckets): every generation's files are
+    written before the first manifest flips, then the manifests flip one by one.
+
+    A crash while staging leaves every directory on its previous generation; a crash
+    between flips leaves each directory on a complete previous or complete new generation.
+    Returns directory -> generation id, in the order given.
+    """
+    staged = [stage_generation(d, skips) for d, skips in skips_by_dir.items()]
+    return {str(s.directory): publish_generation(s) for s in staged}
+
+
+def update_skiplists(
+    partition_dir: str | os.PathLike[str],
+    changes: Mapping[str, Mapping[int, Iterable[str]]],
+) -> str:
+    """Publish a new generation: the live one with the shards in ``changes`` replaced.
+
+    For tools and tests that change a few shards; there must be a live generation to start
+    from (a directory never screened stays unscreened until a full set is written).
+    """
+    current = load_generation(partition_dir)
+    skips = {
+        name: {i: list(r) for i, r in sl.as_mapping().items()}
+        for name, sl in current.skiplists.items()
+    }
+    skips.update({name: dict(s) for name, s in changes.items()})
+    return write_partition_skiplists(partition_dir, skips)
+
+
+# -- digests and counts ----------------------------------------------------------------------
+
+
+def digest_skip_sets(
+    partitions: Sequence[Sequence[tuple[str, Sequence[int]]] | None],
+) -> str:
     """One sha256 over (shard name, skipped indices) of each shard of each partition, in order.
 
-    Shared by ``skiplist_digest`` (files on disk) and the loader (sidecars it fetched), so a
-    training job and an offline tool agree on the digest of the same skip-lists.
+    ``None`` for a partition read without skip-lists (unscreened): it digests differently
+    from "screened, nothing skipped", so a checkpoint never moves between the two silently.
+    Shared by ``skiplist_digest`` (files on disk) and the loader (sidecars it fetched).
     """
-    body = [[[name, [int(i) for i in indices]] for name, indices in part] for part in partitions]
-    return hashlib.sha256(
-        canonical_json({"format": _DIGEST_FORMAT, "partitions": body})
-    ).hexdigest()
+    body = [
+        "unscreened"
+        if part is None
+        else [[name, [int(i) for i in indices]] for name, indices in part]
+        for part in partitions
+    ]
+    return _sha256(canonical_json({"format": _DIGEST_FORMAT, "partitions": body}))
 
 
 def skiplist_digest(dirs: Sequence[str | os.PathLike[str]]) -> str:
-    """Digest of the filtered sample space of these partitions, in the order given.
+    """Digest of the filtered sample space of these directories, in the order given.
 
-    A missing sidecar counts as an empty skip set (explicitly: the shard still appears in
-    the digest with no indices), so adding empty sidecars does not change the digest while
-    adding, removing or moving a single skipped index does.
+    What it identifies is which indices of which shards are gone, not the bytes of the
+    files: relabelling a skip's reasons does not change it, moving one index does.
     """
     if isinstance(dirs, str | os.PathLike):
         raise TypeError("skiplist_digest takes a sequence of partition directories")
     parts = []
     for d in dirs:
-        skiplists = load_skiplists(d)
-        parts.append([(name, s.indices) for name, s in skiplists.items()])
+        parts.append([(name, s.indices) for name, s in load_skiplists(d).items()])
     return digest_skip_sets(parts)
 
 
@@ -378,6 +721,7 @@ class PartitionCounts:
 
 
 def partition_counts(partition_dir: str | os.PathLike[str]) -> PartitionCounts:
+    """Counts after the live generation's skips (``SkipListMissing`` when unscreened)."""
     shards = read_index_shards(partition_dir)
     skiplists = load_skiplists(partition_dir)
     kept = [n - len(skiplists[name]) for name, n in shards]
@@ -387,3 +731,10 @@ def partition_counts(partition_dir: str | os.PathLike[str]) -> PartitionCounts:
         shards=len(shards),
         kept_shards=sum(1 for k in kept if k > 0),
     )
+
+
+def unscreened_partition_counts(partition_dir: str | os.PathLike[str]) -> PartitionCounts:
+    """Counts as if nothing were skipped: only for reading without skip-lists on purpose."""
+    shards = read_index_shards(partition_dir)
+    n = sum(s for _, s in shards)
+    return PartitionCounts(samples=n, kept_samples=n, shards=len(shards), kept_shards=len(shards))

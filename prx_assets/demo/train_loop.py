@@ -50,7 +50,6 @@ def run_training_loop(shards_root: str, lab: Lab, batch_size: int = 4, epochs: i
                 batch_size=batch_size,
                 collate_fn=ImageTextCollate(encoder),
                 num_canonical_nodes=1,
-                require_skiplists=True,
             )
         small = [w for w in caught if issubclass(w.category, SmallBucketWarning)]
         seen: list[str] = []

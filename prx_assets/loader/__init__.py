@@ -4,7 +4,7 @@ Usable from a training script without Dagster (nothing here imports it). Entry p
 ``discover_streams`` → ``ShapeBatchedLoader`` (one ``SkipListDataset`` per shape), with
 ``ImageTextCollate`` + ``HFTextEncoder`` for on-the-fly text latents::
 
-    buckets = discover_streams("/data/prx", tiers=[0, 1])           # or a URL + cache_dir
+    buckets = discover_streams("/data/prx", tiers=[512, 1024])      # or a URL + cache_dir
     loader = ShapeBatchedLoader(
         buckets, batch_size=32, num_workers=8, num_canonical_nodes=8,
         collate_fn=ImageTextCollate(HFTextEncoder.from_pretrained("/models/text-enc")),
@@ -16,6 +16,11 @@ Usable from a training script without Dagster (nothing here imports it). Entry p
         if time_to_save:
             save({"data": loader.state_dict(), ...})
 
+Skip-lists are required: a bucket directory without a valid skip-list generation (written by
+``mds_shards``, refreshed by ``skip_lists``) stops the loader with ``SkipListError``. Reading
+unscreened data is ``skiplists="ignore-UNSAFE"`` (on ``discover_streams``, the loader and the
+dataset), which warns every time.
+
 Run one process per device (torchrun sets WORLD_SIZE/RANK/LOCAL_WORLD_SIZE/LOCAL_RANK) and
 keep ``num_canonical_nodes`` fixed for the whole run: a checkpoint then resumes at another
 world size with no sample lost or repeated in the epoch.
@@ -23,18 +28,23 @@ world size with no sample lost or repeated in the epoch.
 
 from prx_assets.loader.collate import HFTextEncoder, ImageTextCollate, TextEncoder
 from prx_assets.loader.dataset import (
+    IGNORE_SKIPLISTS_UNSAFE,
+    REQUIRE_SKIPLISTS,
     FilteredShard,
     SkipListChanged,
     SkipListDataset,
     SkipListMismatchAcrossRanks,
     SkipListStream,
     SmallBucketWarning,
+    UnscreenedDataWarning,
     small_bucket_problems,
 )
 from prx_assets.loader.discover import BucketStream, discover_streams, group_by_shape
 from prx_assets.loader.shape_loader import ShapeBatchedLoader, collate_samples
 
 __all__ = [
+    "IGNORE_SKIPLISTS_UNSAFE",
+    "REQUIRE_SKIPLISTS",
     "BucketStream",
     "FilteredShard",
     "HFTextEncoder",
@@ -46,6 +56,7 @@ __all__ = [
     "SkipListStream",
     "SmallBucketWarning",
     "TextEncoder",
+    "UnscreenedDataWarning",
     "collate_samples",
     "discover_streams",
     "group_by_shape",

@@ -26,10 +26,19 @@ skip-lists it was taken against; resuming against a different digest raises
 ``SkipListChanged`` unless ``allow_skiplist_change=True`` (then the position is reused in
 the new space: exact from the next epoch on, approximate for the rest of this one).
 
-Sidecars of remote streams are fetched fresh on every dataset construction (they are small
-and may have changed) with streaming's own downloader for the remote's scheme (s3://, gs://,
-oci://, a local path, ...), mirrored into the local cache beside ``index.json``; a sidecar
-absent on the remote is an empty skip set unless ``require_skiplists=True``.
+Fail closed: every stream needs its directory's live skip-list generation (the
+``skiplists.json`` manifest and the sidecars it names, ``core/skiplists.py``), written for
+the very ``index.json`` streaming loaded; a missing manifest, a manifest for another index,
+a missing, altered or out-of-range sidecar all stop the dataset with ``SkipListError``.
+Reading without skip-lists is a deliberate, loud choice: ``skiplists="ignore-UNSAFE"``
+(``IGNORE_SKIPLISTS_UNSAFE``), which warns (``UnscreenedDataWarning``) on every stream it
+opens and digests differently from any screened sample space.
+
+The manifest and sidecars of remote streams are fetched fresh on every dataset construction
+(they are small and may have changed) with streaming's own downloader for the remote's scheme
+(s3://, gs://, oci://, a local path, ...) and mirrored into the local cache beside
+``index.json``. A generation switched on the remote between the manifest and a sidecar
+fetch is read again from its new manifest.
 """
 
 from __future__ import annotations
@@ -49,13 +58,49 @@ from streaming.base.world import World
 
 from prx_assets.core.skiplists import (
     INDEX_BASENAME,
+    MANIFEST_BASENAME,
     SIDECAR_SUFFIX,
     SkipList,
+    SkipListCorrupt,
     SkipListError,
+    SkipListMissing,
+    SkipListStale,
+    check_manifest_matches_index,
     digest_skip_sets,
-    parse_skiplist,
-    sidecar_name,
+    parse_manifest,
+    verify_sidecar,
 )
+
+REQUIRE_SKIPLISTS = "require"
+IGNORE_SKIPLISTS_UNSAFE = "ignore-UNSAFE"
+SKIPLIST_MODES = (REQUIRE_SKIPLISTS, IGNORE_SKIPLISTS_UNSAFE)
+_FETCH_ATTEMPTS = 3
+
+
+class UnscreenedDataWarning(UserWarning):
+    """Data read with ``skiplists="ignore-UNSAFE"``: opted-out and excluded samples included."""
+
+
+# Shown every time, not once per call site: each unscreened stream is worth a line.
+warnings.filterwarnings("always", category=UnscreenedDataWarning)
+
+
+def check_skiplists_mode(mode: str) -> str:
+    if mode not in SKIPLIST_MODES:
+        raise ValueError(
+            f"skiplists={mode!r}: use {REQUIRE_SKIPLISTS!r} (the default) or, to read "
+            f"unscreened data on purpose, {IGNORE_SKIPLISTS_UNSAFE!r}"
+        )
+    return mode
+
+
+def warn_unscreened(what: str, stacklevel: int = 3) -> None:
+    warnings.warn(
+        f"{what}: read WITHOUT skip-lists (skiplists={IGNORE_SKIPLISTS_UNSAFE!r}): opted-out, "
+        "duplicate and excluded samples are all yielded; never train on this",
+        UnscreenedDataWarning,
+        stacklevel=stacklevel,
+    )
 
 
 class SkipListChanged(RuntimeError):
@@ -125,13 +170,14 @@ def _shard_name(reader: Any) -> str:
 
 
 class SkipListStream(Stream):
-    """A ``Stream`` that applies its partition's skip-list sidecars when listing shards.
+    """A ``Stream`` that applies its directory's live skip-list generation when listing shards.
 
     Arguments are streaming's ``Stream`` ones (``remote`` may be any URL streaming can read,
     or a local path it copies from; ``local`` is the cache, or the data itself when there is
-    no remote), plus ``require_skiplists`` (a missing sidecar is then an error instead of an
-    empty skip set). After ``get_shards``: ``skip_sets`` (every shard with its skipped
-    indices, for the digest), ``dropped_shards``, ``raw_samples`` and ``kept_samples``.
+    no remote), plus ``skiplists`` (``"require"``, the default, or ``"ignore-UNSAFE"``).
+    After ``get_shards``: ``skip_sets`` (every shard with its skipped indices, for the
+    digest; None when read unscreened), ``generation``, ``dropped_shards``, ``raw_samples``
+    and ``kept_samples``.
     """
 
     def __init__(
@@ -147,8 +193,9 @@ class SkipListStream(Stream):
         download_timeout: float | None = None,
         validate_hash: str | None = None,
         keep_zip: bool | None = None,
-        require_skiplists: bool = False,
+        skiplists: str = REQUIRE_SKIPLISTS,
     ) -> None:
+        check_skiplists_mode(skiplists)
         super().__init__(
             remote=remote,
             local=local,
@@ -161,14 +208,15 @@ class SkipListStream(Stream):
             validate_hash=validate_hash,
             keep_zip=keep_zip,
         )
-        self.require_skiplists = require_skiplists
+        self.skiplists = skiplists
         self.skip_sets: list[tuple[str, tuple[int, ...]]] | None = None
+        self.generation: str | None = None
         self.dropped_shards: list[str] = []
         self.raw_samples = 0
         self.kept_samples = 0
 
     @classmethod
-    def from_stream(cls, stream: Stream, require_skiplists: bool = False) -> SkipListStream:
+    def from_stream(cls, stream: Stream, skiplists: str = REQUIRE_SKIPLISTS) -> SkipListStream:
         """The same stream (paths, weights, download settings) with skip-lists applied."""
         return cls(
             remote=stream.remote,
@@ -181,7 +229,7 @@ class SkipListStream(Stream):
             download_timeout=stream._download_timeout,
             validate_hash=stream.validate_hash,
             keep_zip=stream._keep_zip,
-            require_skiplists=require_skiplists,
+            skiplists=skiplists,
         )
 
     @property
@@ -191,9 +239,8 @@ class SkipListStream(Stream):
     def _reads_local(self) -> bool:
         return self.remote is None or os.path.abspath(self.remote) == os.path.abspath(self.local)
 
-    def _fetch_sidecar(self, shard: str) -> tuple[bytes | None, str]:
-        """Sidecar bytes (None when absent) and where they came from."""
-        name = sidecar_name(shard)
+    def _fetch(self, name: str) -> tuple[bytes | None, str]:
+        """A file of this stream's directory (None when absent) and where it came from."""
         local_path = os.path.join(self.local_dir, name)
         if self._reads_local():
             try:
@@ -226,31 +273,73 @@ class SkipListStream(Stream):
         os.replace(tmp, local_path)  # atomic; concurrent ranks write identical mirrors
         return data, remote_path
 
-    def _check_orphans(self, names: set[str]) -> None:
-        if not self._reads_local() or not os.path.isdir(self.local_dir):
+    def _index_bytes(self) -> bytes:
+        """The ``index.json`` streaming built this stream's readers from."""
+        with open(os.path.join(self.local, self.split, INDEX_BASENAME), "rb") as fh:
+            return fh.read()
+
+    def _load_skiplists(self, readers: list[Any]) -> tuple[str, list[SkipList]]:
+        """The live generation for these readers: (generation id, skip list per reader)."""
+        index_raw = self._index_bytes()
+        for attempt in range(_FETCH_ATTEMPTS):
+            data, source = self._fetch(MANIFEST_BASENAME)
+            if data is None:
+                raise SkipListMissing(
+                    f"{source}: no skip-list manifest, so this directory was never screened "
+                    f"and none of its samples may be trained on (pass "
+                    f"skiplists={IGNORE_SKIPLISTS_UNSAFE!r} to read unscreened data on purpose)"
+                )
+            manifest = parse_manifest(data, source)
+            try:
+                shards = check_manifest_matches_index(manifest, index_raw, source)
+            except SkipListStale as exc:
+                if self._reads_local():
+                    raise
+                raise SkipListStale(
+                    f"{exc}; the cached {INDEX_BASENAME} under {self.local_dir} predates the "
+                    "remote's current directory: clear that cache directory"
+                ) from None
+            if [_shard_name(r) for r in readers] != [name for name, _ in shards]:
+                raise SkipListCorrupt(f"{source}: shards differ from the readers streaming built")
+            out: list[SkipList] = []
+            for entry, reader in zip(manifest.entries, readers, strict=True):
+                sidecar, where = self._fetch(entry.sidecar)
+                if sidecar is None:
+                    break
+                out.append(verify_sidecar(entry, sidecar, where, reader.samples))
+            else:
+                self._drop_stale_mirrors(manifest.sidecars)
+                return manifest.generation, out
+            # A named sidecar is gone: a new generation was published (and ours swept)
+            # between the two reads, unless the manifest still names it.
+            again, _ = self._fetch(MANIFEST_BASENAME)
+            if again == data or attempt == _FETCH_ATTEMPTS - 1:
+                raise SkipListCorrupt(f"{source} names {entry.sidecar}, which does not exist")
+        raise AssertionError("unreachable")
+
+    def _drop_stale_mirrors(self, live: frozenset[str]) -> None:
+        """Cached sidecars of superseded generations (remote streams only; best effort)."""
+        if self._reads_local() or not os.path.isdir(self.local_dir):
             return
         for entry in os.listdir(self.local_dir):
-            if entry.endswith(SIDECAR_SUFFIX) and entry[: -len(SIDECAR_SUFFIX)] not in names:
-                raise SkipListError(
-                    f"{os.path.join(self.local_dir, entry)}: sidecar for a shard that is not "
-                    f"in {INDEX_BASENAME}"
-                )
+            if entry.endswith(SIDECAR_SUFFIX) and entry not in live:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.local_dir, entry))
 
     def get_shards(self, world: World, allow_unsafe_types: bool) -> list[Any]:
         readers = super().get_shards(world, allow_unsafe_types)
-        self._check_orphans({_shard_name(r) for r in readers})
+        self.raw_samples = int(sum(r.samples for r in readers))
+        self.dropped_shards = []
+        if self.skiplists == IGNORE_SKIPLISTS_UNSAFE:
+            warn_unscreened(self.remote or self.local_dir, stacklevel=4)
+            self.skip_sets, self.generation = None, None
+            self.kept_samples = self.raw_samples
+            return readers
+        self.generation, skiplists = self._load_skiplists(readers)
         skip_sets: list[tuple[str, tuple[int, ...]]] = []
         kept_readers: list[Any] = []
-        self.dropped_shards = []
-        for reader in readers:
+        for reader, skiplist in zip(readers, skiplists, strict=True):
             name = _shard_name(reader)
-            data, source = self._fetch_sidecar(name)
-            if data is None:
-                if self.require_skiplists:
-                    raise SkipListError(f"{source}: sidecar missing and require_skiplists=True")
-                skiplist = SkipList.empty(name)
-            else:
-                skiplist = parse_skiplist(data, source, expected_shard=name)
             keep = skiplist.keep_indices(reader.samples)
             skip_sets.append((name, skiplist.indices))
             if len(keep) == reader.samples:
@@ -260,7 +349,6 @@ class SkipListStream(Stream):
             else:
                 self.dropped_shards.append(name)
         self.skip_sets = skip_sets
-        self.raw_samples = int(sum(r.samples for r in readers))
         self.kept_samples = int(sum(r.samples for r in kept_readers))
         if not kept_readers:
             raise SkipListError(
@@ -302,8 +390,11 @@ class SkipListDataset(StreamingDataset):
 
     Takes every ``StreamingDataset`` keyword. Plain ``Stream``s are converted with
     ``SkipListStream.from_stream``; ``remote``/``local`` make one stream. Adds
-    ``allow_skiplist_change`` and ``require_skiplists``. ``skiplist_digest`` identifies the
-    filtered sample space and travels in ``state_dict``. ``bucket_name`` labels warnings.
+    ``allow_skiplist_change`` and ``skiplists`` (``"require"``, the default: every stream
+    needs a valid skip-list generation; ``"ignore-UNSAFE"``: read unscreened, warning each
+    time; a ``SkipListStream`` passed in keeps its own setting). ``skiplist_digest``
+    identifies the filtered sample space and travels in ``state_dict``. ``bucket_name``
+    labels warnings.
     """
 
     def __init__(
@@ -314,33 +405,28 @@ class SkipListDataset(StreamingDataset):
         local: str | None = None,
         split: str | None = None,
         allow_skiplist_change: bool = False,
-        require_skiplists: bool = False,
+        skiplists: str = REQUIRE_SKIPLISTS,
         bucket_name: str | None = None,
         **kwargs: Any,
     ) -> None:
+        check_skiplists_mode(skiplists)
         if streams:
             if remote or local:
                 raise ValueError("pass either streams or remote/local, not both")
             streams = [
-                s
-                if isinstance(s, SkipListStream)
-                else SkipListStream.from_stream(s, require_skiplists)
+                s if isinstance(s, SkipListStream) else SkipListStream.from_stream(s, skiplists)
                 for s in streams
             ]
         else:
             if not (remote or local):
                 raise ValueError("pass streams, or remote and/or local")
-            streams = [
-                SkipListStream(
-                    remote=remote, local=local, split=split, require_skiplists=require_skiplists
-                )
-            ]
+            streams = [SkipListStream(remote=remote, local=local, split=split, skiplists=skiplists)]
         if kwargs.get("replication") not in (None, 1):
             raise ValueError("replication is not supported with skip-lists (untested)")
         super().__init__(streams=streams, **kwargs)
         self.allow_skiplist_change = allow_skiplist_change
         self.bucket_name = bucket_name or ", ".join(s.remote or s.local_dir for s in streams)
-        self.skiplist_digest = digest_skip_sets([s.skip_sets or [] for s in streams])
+        self.skiplist_digest = digest_skip_sets([s.skip_sets for s in streams])
         self.raw_num_samples = int(sum(s.raw_samples for s in streams))
         self.dropped_shards = [(s.local_dir, name) for s in streams for name in s.dropped_shards]
         self._check_ranks_agree()

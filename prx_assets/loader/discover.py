@@ -12,6 +12,13 @@ Where the data lives:
   ``index.json``. ``root`` may be a local path or an object-store URL (``s3://``, ``gs://``,
   ``oci://``, ... anything streaming's downloaders handle, with their usual credentials); a
   URL cannot be listed, so pass ``partitions=["<tier>/<H>x<W>/<batch>", ...]``.
+
+Tiers are the bucket table's pixel tiers (``core/buckets.py``: 512, 1024, 2048, 4096), the
+directory names under ``mds/``. A filter that matches no partition at all is an error that
+lists what there is (a typo must not silently train on nothing, or on everything else).
+
+Local partitions are counted through their skip-lists, so an unscreened directory stops
+discovery (``SkipListMissing``) unless ``skiplists="ignore-UNSAFE"`` is passed on purpose.
 """
 
 from __future__ import annotations
@@ -26,8 +33,19 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from prx_assets.core.skiplists import INDEX_BASENAME, PartitionCounts, partition_counts
-from prx_assets.loader.dataset import SkipListStream
+from prx_assets.core.skiplists import (
+    INDEX_BASENAME,
+    PartitionCounts,
+    partition_counts,
+    unscreened_partition_counts,
+)
+from prx_assets.loader.dataset import (
+    IGNORE_SKIPLISTS_UNSAFE,
+    REQUIRE_SKIPLISTS,
+    SkipListStream,
+    check_skiplists_mode,
+    warn_unscreened,
+)
 
 _SHAPE_RE = re.compile(r"^(\d+)x(\d+)$")
 
@@ -59,12 +77,9 @@ class BucketStream:
     def shape_name(self) -> str:
         return f"{self.height}x{self.width}"
 
-    def to_stream(self, require_skiplists: bool = False) -> SkipListStream:
+    def to_stream(self, skiplists: str = REQUIRE_SKIPLISTS) -> SkipListStream:
         return SkipListStream(
-            remote=self.remote,
-            local=self.local,
-            repeat=self.repeat,
-            require_skiplists=require_skiplists,
+            remote=self.remote, local=self.local, repeat=self.repeat, skiplists=skiplists
         )
 
 
@@ -126,15 +141,19 @@ def discover_streams(
     partitions: Sequence[str] | None = None,
     source: str | None = None,
     drop_empty: bool = True,
+    skiplists: str = REQUIRE_SKIPLISTS,
 ) -> list[BucketStream]:
     """Bucket partitions under ``root/mds`` (or ``root`` itself if it has no ``mds/``).
 
-    Filters keep partitions whose tier / shape ((H, W) or ``"HxW"``) / batch is listed.
-    ``weights`` maps fnmatch patterns over ``"<tier>/<H>x<W>/<batch>"`` to streaming's
-    ``repeat`` (first match wins; unmatched partitions get 1). With ``drop_empty`` a local
-    partition whose every sample is skipped is left out with a warning (streaming cannot
-    hold an empty stream). Sorted by tier, shape, batch.
+    Filters keep partitions whose tier (e.g. ``512``) / shape ((H, W) or ``"HxW"``) / batch
+    is listed; filters that together match nothing raise ``ValueError``. ``weights`` maps
+    fnmatch patterns over ``"<tier>/<H>x<W>/<batch>"`` to streaming's ``repeat`` (first match
+    wins; unmatched partitions get 1). With ``drop_empty`` a local partition whose every
+    sample is skipped is left out with a warning (streaming cannot hold an empty stream).
+    ``skiplists="ignore-UNSAFE"`` counts local partitions without their skip-lists (and
+    warns). Sorted by tier, shape, batch.
     """
+    check_skiplists_mode(skiplists)
     root_str = os.fspath(root)
     is_url = _is_url(root_str)
     if is_url and cache_dir is None:
@@ -158,6 +177,7 @@ def discover_streams(
     cache_tag = source or hashlib.blake2s(root_str.encode(), digest_size=4).hexdigest()
 
     out: list[BucketStream] = []
+    matched = 0
     for relpath in relpaths:
         parts = relpath.strip("/").split("/")
         if len(parts) != 3:
@@ -170,8 +190,15 @@ def discover_streams(
             continue
         if batch_set is not None and batch not in batch_set:
             continue
+        matched += 1
         where = f"{mds_root_str}/{relpath}" if is_url else os.path.join(mds_root_str, relpath)
-        counts = None if is_url else partition_counts(where)
+        if is_url:
+            counts = None
+        elif skiplists == IGNORE_SKIPLISTS_UNSAFE:
+            warn_unscreened(where)
+            counts = unscreened_partition_counts(where)
+        else:
+            counts = partition_counts(where)
         if counts is not None and counts.kept_samples == 0 and drop_empty:
             warnings.warn(
                 f"{where}: all {counts.samples} samples are skipped; partition left out",
@@ -196,8 +223,29 @@ def discover_streams(
                 counts=counts,
             )
         )
+    if relpaths and not matched and (tiers, shapes, batches) != (None, None, None):
+        raise ValueError(_nothing_matched(mds_root_str, relpaths, tiers, shapes, batches))
     out.sort(key=lambda b: (_natural(b.tier), b.height, b.width, _natural(b.batch), b.source or ""))
     return out
+
+
+def _nothing_matched(
+    root: str,
+    relpaths: Sequence[str],
+    tiers: Collection[str | int] | None,
+    shapes: Collection[str | tuple[int, int]] | None,
+    batches: Collection[str] | None,
+) -> str:
+    parts = [p.strip("/").split("/") for p in relpaths]
+    have = {
+        "tiers": sorted({p[0] for p in parts if len(p) == 3}, key=_natural),
+        "shapes": sorted({p[1] for p in parts if len(p) == 3}),
+        "batches": sorted({p[2] for p in parts if len(p) == 3}, key=_natural),
+    }
+    asked = {"tiers": tiers, "shapes": shapes, "batches": batches}
+    wanted = ", ".join(f"{k}={sorted(map(str, v))}" for k, v in asked.items() if v is not None)
+    found = "; ".join(f"{k} {v[:20]}" for k, v in have.items())
+    return f"no partition under {root} matches {wanted}; there are {found}"
 
 
 def group_by_shape(buckets: Sequence[BucketStream]) -> dict[str, list[BucketStream]]:

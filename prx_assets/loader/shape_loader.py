@@ -37,7 +37,12 @@ from streaming.base.partition import get_partitions
 from streaming.base.world import World
 from torch.utils.data import DataLoader
 
-from prx_assets.loader.dataset import SkipListDataset, default_num_canonical_nodes
+from prx_assets.loader.dataset import (
+    REQUIRE_SKIPLISTS,
+    SkipListDataset,
+    check_skiplists_mode,
+    default_num_canonical_nodes,
+)
 from prx_assets.loader.discover import BucketStream, group_by_shape
 
 STATE_FORMAT = "prx-shape-loader"
@@ -55,7 +60,9 @@ class ShapeBatchedLoader:
     ``batch_size`` is per device. ``dataset_kwargs`` go to every ``SkipListDataset`` (e.g.
     ``shuffle_algo``, ``predownload``, ``cache_limit``), ``dataloader_kwargs`` to every
     ``DataLoader`` (e.g. ``pin_memory``). Keep ``num_canonical_nodes`` fixed for a whole
-    run; it defaults to streaming's own default and is saved in the state.
+    run; it defaults to streaming's own default and is saved in the state. ``skiplists``:
+    ``"require"`` (default; every bucket needs a valid skip-list generation) or
+    ``"ignore-UNSAFE"`` (read unscreened, warning for every stream).
     """
 
     def __init__(
@@ -70,10 +77,11 @@ class ShapeBatchedLoader:
         shuffle_algo: str = "py1e",
         num_canonical_nodes: int | None = None,
         allow_skiplist_change: bool = False,
-        require_skiplists: bool = False,
+        skiplists: str = REQUIRE_SKIPLISTS,
         dataset_kwargs: dict[str, Any] | None = None,
         dataloader_kwargs: dict[str, Any] | None = None,
     ) -> None:
+        check_skiplists_mode(skiplists)
         if not buckets:
             raise ValueError("no buckets to load")
         if batch_size < 1:
@@ -88,7 +96,7 @@ class ShapeBatchedLoader:
         self.loaders: dict[str, DataLoader] = {}
         for shape, group in group_by_shape(buckets).items():
             ds = SkipListDataset(
-                streams=[b.to_stream(require_skiplists) for b in group],
+                streams=[b.to_stream(skiplists) for b in group],
                 batch_size=batch_size,
                 shuffle=shuffle,
                 shuffle_seed=shuffle_seed,

@@ -16,6 +16,7 @@ from prx_assets.core.mds import (
     partition_digest,
     partition_dir,
     recover_partition,
+    skip_nothing,
     small_bucket_hazards,
     write_bucket_partition,
     write_partition_buckets,
@@ -77,7 +78,9 @@ def _hashes(root: Path) -> dict[str, str]:
 
 
 def test_streaming_dataset_reads_every_bucket(tmp_path: Path, samples: list[MDSSample]) -> None:
-    placements = write_partition_buckets(tmp_path, "demo.b0", samples, size_limit=300_000)
+    placements = write_partition_buckets(
+        tmp_path, "demo.b0", samples, size_limit=300_000, skips_for=skip_nothing
+    )
     by_key = {s.key: s for s in samples}
     assert sorted(p.key for p in placements) == sorted(by_key)
     dirs = list_partition_dirs(tmp_path, "demo.b0")
@@ -107,9 +110,13 @@ def test_streaming_dataset_reads_every_bucket(tmp_path: Path, samples: list[MDSS
 
 
 def test_rerun_is_byte_identical(tmp_path: Path, samples: list[MDSSample]) -> None:
-    write_partition_buckets(tmp_path, "demo.b0", samples, size_limit=300_000)
+    write_partition_buckets(
+        tmp_path, "demo.b0", samples, size_limit=300_000, skips_for=skip_nothing
+    )
     first = _hashes(tmp_path)
-    write_partition_buckets(tmp_path, "demo.b0", list(reversed(samples)), size_limit=300_000)
+    write_partition_buckets(
+        tmp_path, "demo.b0", list(reversed(samples)), size_limit=300_000, skips_for=skip_nothing
+    )
     assert _hashes(tmp_path) == first
     assert not [p for p in tmp_path.rglob(".*")]  # no temporaries left behind
 
@@ -121,26 +128,48 @@ def test_extra_columns(tmp_path: Path, samples: list[MDSSample]) -> None:
         for i in range(3)
     ]
     write_bucket_partition(
-        tmp_path, "b", s.tier, s.shape, rich, extra_columns={"aesthetic": "float32", "tags": "json"}
+        tmp_path,
+        "b",
+        s.tier,
+        s.shape,
+        rich,
+        extra_columns={"aesthetic": "float32", "tags": "json"},
+        skips_for=skip_nothing,
     )
     rows = _read_all(partition_dir(tmp_path, s.tier, s.shape, "b"))
     assert [float(r["aesthetic"]) for r in rows] == [5.5, 6.5, 7.5]
     assert [r["tags"] for r in rows] == [[0], [1], [2]]
     with pytest.raises(ValueError, match="expected exactly"):
         write_bucket_partition(
-            tmp_path, "b", s.tier, s.shape, rich, extra_columns={"aesthetic": "float32"}
+            tmp_path,
+            "b",
+            s.tier,
+            s.shape,
+            rich,
+            extra_columns={"aesthetic": "float32"},
+            skips_for=skip_nothing,
         )
     with pytest.raises(ValueError, match="collides"):
-        write_bucket_partition(tmp_path, "b", s.tier, s.shape, [s], extra_columns={"key": "str"})
+        write_bucket_partition(
+            tmp_path,
+            "b",
+            s.tier,
+            s.shape,
+            [s],
+            extra_columns={"key": "str"},
+            skips_for=skip_nothing,
+        )
 
 
 def test_moved_sample_leaves_no_stale_copy(tmp_path: Path, samples: list[MDSSample]) -> None:
-    write_partition_buckets(tmp_path, "demo.b0", samples)
-    write_partition_buckets(tmp_path, "demo.b1", samples)  # another partition, same buckets
+    write_partition_buckets(tmp_path, "demo.b0", samples, skips_for=skip_nothing)
+    write_partition_buckets(
+        tmp_path, "demo.b1", samples, skips_for=skip_nothing
+    )  # another partition, same buckets
     other = _hashes(tmp_path / "mds")
     moved_bucket = (samples[0].tier, samples[0].shape)
     kept = [s for s in samples if (s.tier, s.shape) != moved_bucket]
-    write_partition_buckets(tmp_path, "demo.b0", kept)
+    write_partition_buckets(tmp_path, "demo.b0", kept, skips_for=skip_nothing)
     dirs = {(d.tier, d.shape) for d in list_partition_dirs(tmp_path, "demo.b0")}
     assert moved_bucket not in dirs and dirs == {(s.tier, s.shape) for s in kept}
     assert not partition_dir(tmp_path, *moved_bucket, "demo.b0").exists()
@@ -149,7 +178,7 @@ def test_moved_sample_leaves_no_stale_copy(tmp_path: Path, samples: list[MDSSamp
     assert {k: v for k, v in other.items() if "demo.b1" in k} == {
         k: v for k, v in after.items() if "demo.b1" in k
     }
-    write_partition_buckets(tmp_path, "demo.b0", [])
+    write_partition_buckets(tmp_path, "demo.b0", [], skips_for=skip_nothing)
     assert list_partition_dirs(tmp_path, "demo.b0") == []
 
 
@@ -159,7 +188,9 @@ def test_crash_in_writer_loop_keeps_previous_version(
     tier, shape = samples[0].tier, samples[0].shape
     bucket = [s for s in samples if (s.tier, s.shape) == (tier, shape)]
     final = partition_dir(tmp_path, tier, shape, "b")
-    write_bucket_partition(tmp_path, "b", tier, shape, bucket[:2], size_limit=100_000)
+    write_bucket_partition(
+        tmp_path, "b", tier, shape, bucket[:2], size_limit=100_000, skips_for=skip_nothing
+    )
     before = _hashes(final)
 
     real_write = streaming.MDSWriter.write
@@ -173,14 +204,18 @@ def test_crash_in_writer_loop_keeps_previous_version(
 
     monkeypatch.setattr(streaming.MDSWriter, "write", failing_write)
     with pytest.raises(RuntimeError, match="disk full"):
-        write_bucket_partition(tmp_path, "b", tier, shape, bucket, size_limit=100_000)
+        write_bucket_partition(
+            tmp_path, "b", tier, shape, bucket, size_limit=100_000, skips_for=skip_nothing
+        )
     assert _hashes(final) == before
     assert [p.name for p in final.parent.iterdir()] == ["b"]  # temp dir cleaned up
     assert [r["key"] for r in _read_all(final)] == sorted(s.key for s in bucket[:2])
     # A first write that fails leaves nothing at the final path.
     with pytest.raises(RuntimeError, match="disk full"):
         calls.clear()
-        write_bucket_partition(tmp_path, "new", tier, shape, bucket, size_limit=100_000)
+        write_bucket_partition(
+            tmp_path, "new", tier, shape, bucket, size_limit=100_000, skips_for=skip_nothing
+        )
     assert not partition_dir(tmp_path, tier, shape, "new").exists()
 
 
@@ -202,7 +237,7 @@ def _write_and_die_between_renames(root: Path, samples: list[MDSSample]) -> int:
                     os._exit(9)
 
             os.rename = rename
-            write_partition_buckets(root, "b", samples)
+            write_partition_buckets(root, "b", samples, skips_for=skip_nothing)
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
@@ -212,7 +247,7 @@ def _write_and_die_between_renames(root: Path, samples: list[MDSSample]) -> int:
 def test_kill_between_renames_is_recovered(tmp_path: Path, samples: list[MDSSample]) -> None:
     bucket = [s for s in samples if (s.tier, s.shape) == (samples[0].tier, samples[0].shape)]
     final = partition_dir(tmp_path, bucket[0].tier, bucket[0].shape, "b")
-    write_partition_buckets(tmp_path, "b", bucket[:1])
+    write_partition_buckets(tmp_path, "b", bucket[:1], skips_for=skip_nothing)
     before = _hashes(final)
     assert _write_and_die_between_renames(tmp_path, bucket) == 9
     # Killed between "old away" and "new in": nothing (not something partial) is readable.
@@ -223,26 +258,28 @@ def test_kill_between_renames_is_recovered(tmp_path: Path, samples: list[MDSSamp
     recover_partition(tmp_path, "b")
     assert _hashes(final) == before
     assert sorted(p.name for p in final.parent.iterdir()) == ["b"]
-    write_partition_buckets(tmp_path, "b", bucket)
+    write_partition_buckets(tmp_path, "b", bucket, skips_for=skip_nothing)
     assert [r["key"] for r in _read_all(final)] == sorted(s.key for s in bucket)
 
 
 def test_bad_input(tmp_path: Path, samples: list[MDSSample]) -> None:
     s = samples[0]
     with pytest.raises(ValueError, match="not a safe directory name"):
-        write_partition_buckets(tmp_path, "../escape", [s])
+        write_partition_buckets(tmp_path, "../escape", [s], skips_for=skip_nothing)
     with pytest.raises(ValueError, match="not a safe directory name"):
-        write_partition_buckets(tmp_path, ".hidden", [s])
+        write_partition_buckets(tmp_path, ".hidden", [s], skips_for=skip_nothing)
     with pytest.raises(ValueError, match="duplicate sample key"):
-        write_partition_buckets(tmp_path, "b", [s, s])
+        write_partition_buckets(tmp_path, "b", [s, s], skips_for=skip_nothing)
     with pytest.raises(ValueError, match="not 512/999x999"):
-        write_bucket_partition(tmp_path, "b", 512, "999x999", [s])
+        write_bucket_partition(tmp_path, "b", 512, "999x999", [s], skips_for=skip_nothing)
     with pytest.raises(ValueError, match="more than the shard size limit"):
-        write_bucket_partition(tmp_path, "b", s.tier, s.shape, [s], size_limit=1000)
+        write_bucket_partition(
+            tmp_path, "b", s.tier, s.shape, [s], size_limit=1000, skips_for=skip_nothing
+        )
     with pytest.raises(ValueError, match="no samples"):
-        write_bucket_partition(tmp_path, "b", s.tier, s.shape, [])
+        write_bucket_partition(tmp_path, "b", s.tier, s.shape, [], skips_for=skip_nothing)
     with pytest.raises(ValueError, match="<H>x<W>"):
-        write_bucket_partition(tmp_path, "b", 512, "big", [s])
+        write_bucket_partition(tmp_path, "b", 512, "big", [s], skips_for=skip_nothing)
     assert list_partition_dirs(tmp_path, "b") == []
 
 
@@ -262,34 +299,45 @@ def test_streams_are_consumed_lazily_and_checked(tmp_path: Path, samples: list[M
             consumed.append(s.key)
             yield s
 
-    placements = write_partition_streams(tmp_path, "b", {g: lazy(v) for g, v in groups.items()})
+    placements = write_partition_streams(
+        tmp_path, "b", {g: lazy(v) for g, v in groups.items()}, skips_for=skip_nothing
+    )
     assert sorted(consumed) == sorted(p.key for p in placements) == sorted(s.key for s in samples)
-    assert write_partition_buckets(tmp_path / "other", "b", samples) == placements
+    assert (
+        write_partition_buckets(tmp_path / "other", "b", samples, skips_for=skip_nothing)
+        == placements
+    )
     before = _hashes(tmp_path)
     (big, items), (other, _) = sorted(groups.items(), key=lambda kv: -len(kv[1]))[:2]
     assert len(items) >= 2
     with pytest.raises(ValueError, match="strictly increasing"):
-        write_partition_streams(tmp_path, "b", {big: list(reversed(items))})
+        write_partition_streams(tmp_path, "b", {big: list(reversed(items))}, skips_for=skip_nothing)
     assert _hashes(tmp_path) == before  # the failed bucket kept its previous version
     # Buckets are written in (tier, H, W) order; a key already written is refused in a later one.
     first, second = sorted([big, other], key=lambda g: (g[0], *map(int, g[1].split("x"))))
     dup = MDSSample(**{**groups[first][0].__dict__, "tier": second[0], "shape": second[1]})
     with pytest.raises(ValueError, match="more than one bucket"):
-        write_partition_streams(tmp_path, "b", {first: groups[first], second: [dup]})
+        write_partition_streams(
+            tmp_path, "b", {first: groups[first], second: [dup]}, skips_for=skip_nothing
+        )
     # The first bucket was rewritten (same content), the offending one kept its old version.
     assert _hashes(tmp_path) == before
     # An empty stream, and a bucket left out, both lose their directory.
-    write_partition_streams(tmp_path, "b", {big: iter(()), other: groups[other]})
+    write_partition_streams(
+        tmp_path, "b", {big: iter(()), other: groups[other]}, skips_for=skip_nothing
+    )
     assert {(d.tier, d.shape) for d in list_partition_dirs(tmp_path, "b")} == {other}
 
 
 def test_partition_digest_pins_the_content(tmp_path: Path, samples: list[MDSSample]) -> None:
     s = samples[0]
-    write_bucket_partition(tmp_path, "b", s.tier, s.shape, [s], hashes=("sha256",))
+    write_bucket_partition(
+        tmp_path, "b", s.tier, s.shape, [s], hashes=("sha256",), skips_for=skip_nothing
+    )
     d = partition_dir(tmp_path, s.tier, s.shape, "b")
     # With sha256 in index.json the index alone commits to every shard byte.
     assert partition_digest(d) == hashlib.sha256((d / "index.json").read_bytes()).hexdigest()
-    write_bucket_partition(tmp_path, "plain", s.tier, s.shape, [s])
+    write_bucket_partition(tmp_path, "plain", s.tier, s.shape, [s], skips_for=skip_nothing)
     plain = partition_dir(tmp_path, s.tier, s.shape, "plain")
     digest = partition_digest(plain)
     shard = plain / "shard.00000.mds"
@@ -309,3 +357,58 @@ def test_small_bucket_rule() -> None:
     ]
     with pytest.raises(ValueError, match=">= 1"):
         small_bucket_hazards(1, 1, 0)
+
+
+def test_each_directory_appears_with_its_first_skiplist_generation(
+    tmp_path: Path, samples: list[MDSSample]
+) -> None:
+    """The callback screens a directory inside its temporary copy, before the rename."""
+    from prx_assets.core.skiplists import load_generation
+    from prx_assets.loader import SkipListDataset
+
+    calls: list[tuple[str, bool]] = []
+
+    def screen(placements):  # noqa: ANN001, ANN202
+        (rel,) = {p.relative_dir for p in placements}
+        calls.append((rel, (tmp_path / rel).exists()))
+        if len(placements) < 2:
+            return {}  # screened, nothing skipped (a stream cannot be empty)
+        first = min(placements, key=lambda p: p.key)  # skip each directory's first key
+        return {first.shard: {first.index_in_shard: ["opt_out"]}}
+
+    placements = write_partition_buckets(tmp_path, "b", samples, skips_for=screen)
+    dirs = sorted({p.relative_dir for p in placements})
+    assert sorted(rel for rel, _ in calls) == dirs
+    assert not any(existed for _, existed in calls)  # called before anything was visible
+    screened_out = 0
+    for rel in dirs:
+        mine = [p for p in placements if p.relative_dir == rel]
+        first = min(mine, key=lambda p: p.key)
+        live = load_generation(tmp_path / rel).skiplists
+        gone = {first.key} if len(mine) > 1 else set()
+        screened_out += len(gone)
+        if gone:
+            assert live[first.shard].indices == (first.index_in_shard,)
+        assert sum(len(s) for s in live.values()) == len(gone)
+        ds = SkipListDataset(local=str(tmp_path / rel), batch_size=1)
+        assert sorted(s["key"] for s in ds) == sorted(p.key for p in mine if p.key not in gone)
+        del ds
+        gc.collect()
+    assert screened_out >= 1
+
+    # A callback that fails leaves the previous version (with its generation) in place.
+    before = _hashes(tmp_path)
+
+    def broken(placements):  # noqa: ANN001, ANN202
+        raise RuntimeError("policy unavailable")
+
+    with pytest.raises(RuntimeError, match="policy unavailable"):
+        write_partition_buckets(tmp_path, "b", samples, skips_for=broken)
+    assert _hashes(tmp_path) == before
+    assert not [p for p in tmp_path.rglob(".*")]
+    # And a callback naming a shard the directory does not have is refused the same way.
+    with pytest.raises(ValueError, match="not shards of"):
+        write_partition_buckets(
+            tmp_path, "b", samples, skips_for=lambda p: {"shard.99999.mds": {0: ["opt_out"]}}
+        )
+    assert _hashes(tmp_path) == before

@@ -39,7 +39,7 @@ def _loader_keys(shards_root: Path, cache: Path) -> set[str]:
         warnings.simplefilter("ignore")  # small-bucket and all-skipped-partition notes
         buckets = discover_streams(shards_root, cache_dir=cache)
         ds = SkipListDataset(
-            streams=[b.to_stream(require_skiplists=True) for b in buckets],
+            streams=[b.to_stream() for b in buckets],  # skip-lists required (the default)
             batch_size=1,
             num_canonical_nodes=1,
             shuffle=False,

@@ -14,12 +14,18 @@ from PIL import Image
 from prx_assets.core.buckets import assign_bucket
 from prx_assets.core.mds import partition_digest
 from prx_assets.core.resize import estimate_jpeg_quality
-from prx_assets.core.shard_tables import BUCKET_ASSIGNMENTS, SHARD_SAMPLES
+from prx_assets.core.shard_tables import (
+    BUCKET_ASSIGNMENTS,
+    SHARD_SAMPLES,
+    written_without_caption,
+)
+from prx_assets.core.skiplists import current_generation, load_generation, read_index_shards
 from prx_assets.core.tables import CAPTIONS, IMAGES, RESOLUTION
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.shards.assets import bucket_assignments, mds_shards
+from prx_assets.defs.skiplists.config import SkipPolicyResource
 
 PHOTOS = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos"
 KEY = "public-skimage.000"
@@ -112,7 +118,7 @@ def _shards(instance, lab_resource):
         [bucket_assignments, mds_shards],
         partition_key=KEY,
         instance=instance,
-        resources={"lab": lab_resource},
+        resources={"lab": lab_resource, "skip_policy": SkipPolicyResource()},
         run_config=RUN_CONFIG,
     )
     assert result.success
@@ -121,6 +127,7 @@ def _shards(instance, lab_resource):
 
 def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> None:
     store, eligible, ineligible, uncaptioned = built
+    planted = _plant_decisions(store, eligible)
     result = _shards(instance, lab_resource)
     root = Path(lab_resource.shards_root)
 
@@ -148,8 +155,9 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
             "| `total` |" in md_a["bucket_fill"].value and str(total) in md_a["bucket_fill"].value
         )
 
-    # Shards: every directory reads back with StreamingDataset; each sample is right.
-    expected_keys = set(eligible) - {uncaptioned}
+    # Shards: every directory reads back with StreamingDataset; each sample is right. Every
+    # assigned image is written, the one without a caption with an empty one.
+    expected_keys = set(eligible)
     dirs = _partition_dirs(root)
     assert {f"mds/{d.parent.parent.name}/{d.parent.name}/{KEY}" for d in dirs} == {
         f"mds/{r['tier']}/{r['shape']}/{KEY}" for k, r in assigned.items() if k in expected_keys
@@ -166,7 +174,7 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
             a = assigned[key]
             assert key not in seen
             seen[key] = (d, i)
-            assert row["caption"] == _caption(key)
+            assert row["caption"] == ("" if key == uncaptioned else _caption(key))
             assert (d.parent.parent.name, d.parent.name) == (str(a["tier"]), a["shape"])
             assert (row["tier"], row["shape"]) == (a["tier"], a["shape"])
             assert (row["orig_width"], row["orig_height"]) == sizes[key]
@@ -174,7 +182,8 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
                 images[key]["source"] or "",
                 images[key]["license"] or "",
             )
-            assert row["caption_model"] == "test-model" and row["caption_fingerprint"]
+            if key != uncaptioned:
+                assert row["caption_model"] == "test-model" and row["caption_fingerprint"]
             assert row["upscaled"] == int(a["upscaled"])
             img = Image.open(io.BytesIO(row["image"]))
             assert img.format == "JPEG" and img.mode == "RGB"
@@ -182,7 +191,18 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
             assert estimate_jpeg_quality(row["image"]) == 92
     assert set(seen) == expected_keys
     assert not set(seen) & set(ineligible)  # nothing under the cutoff is written
-    assert uncaptioned not in seen
+
+    # Each directory came with its first skip-list generation: the planted decisions and
+    # the missing caption, at the samples' exact positions.
+    excluded = {**{k: (r,) for k, r in planted.items()}, uncaptioned: ("no_caption",)}
+    found = {}
+    for d in dirs:
+        live = load_generation(d).skiplists
+        for i, row in enumerate(read[d]):
+            shard, index = _position(d, i)
+            if index in live[shard].as_mapping():
+                found[row["key"]] = live[shard].as_mapping()[index]
+    assert found == excluded
 
     # The configured shard size limit reached the writer (splitting at it: core tests).
     for d in dirs:
@@ -214,9 +234,16 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
 
     md = result.asset_materializations_for_node("mds_shards")[0].metadata
     assert md["samples_written"].value == len(expected_keys)
-    assert md["skipped"].value == 1
-    assert md["skipped_keys"].value == {"no_caption": [uncaptioned]}
-    assert "`no_caption` | 1" in md["skip_reasons"].value
+    assert md["not_written"].value == 0 and md["not_written_keys"].value == []
+    assert md["written_without_caption"].value == 1
+    assert md["uncaptioned_keys"].value == {"no caption row": [uncaptioned]}
+    assert md["excluded_by_first_skiplists"].value == len(excluded)
+    for reason in ("no_caption", "class_text", "duplicate"):
+        assert f"| `{reason}` | 1 |" in md["first_skiplist_reasons"].value
+    assert md["skip_policy_fingerprint"].value == SkipPolicyResource().fingerprint()
+    assert md["skiplist_generations"].value == {
+        str(d.relative_to(root)): current_generation(d) for d in dirs
+    }
     assert sorted(md["tree"].value) == sorted(str(d.relative_to(root)) for d in dirs)
     assert md["jpeg"].value == "quality 92, subsampling 4:4:4"
     assert "4:4:4" in md["jpeg_subsampling_reason"].value
@@ -228,35 +255,74 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
 
 def test_rerun_is_byte_identical_and_a_bucket_can_empty(instance, lab_resource, built) -> None:
     store, eligible, _, uncaptioned = built
+    _plant_decisions(store, eligible)
     _shards(instance, lab_resource)
     root = Path(lab_resource.shards_root)
     first = _tree_hashes(root)
+    assert any(k.endswith("/skiplists.json") for k in first)  # skip-lists are in the tree
     first_rows = _shard_rows(store)
     result = _shards(instance, lab_resource)
     assert _tree_hashes(root) == first
     assert _shard_rows(store) == first_rows
     assert not [p for p in root.rglob(".*")]  # no temporaries left behind
-    assert result.asset_materializations_for_node("mds_shards")[0].metadata["skipped"].value == 1
+    md = result.asset_materializations_for_node("mds_shards")[0].metadata
+    assert md["written_without_caption"].value == 1
 
-    # Captions vanish for every image of one bucket: its directory goes, the rest stays.
-    gone = first_rows[0]["relative_dir"]
-    keep = [r["key"] for r in first_rows if r["relative_dir"] != gone]
-    _write_captions(store, keep)
+    # Captions vanish for every image of one bucket: its directory is rewritten with empty
+    # captions and every sample of it is skipped; the rest of the tree is untouched.
+    gone = next(r["relative_dir"] for r in first_rows if r["key"] != uncaptioned)
+    lost = {r["key"] for r in first_rows if r["relative_dir"] == gone}
+    _write_captions(store, [k for k in eligible if k not in lost and k != uncaptioned])
     _shards(instance, lab_resource)
-    assert not (root / gone).exists()
-    after = _shard_rows(store)
-    assert [r["key"] for r in after] == sorted(keep)
+    assert all(len(sl) == sl_samples for sl, sl_samples in _skip_counts(root / gone))
+    live = load_generation(root / gone).skiplists.values()
+    assert {code for sl in live for codes in sl.reasons for code in codes} == {"no_caption"}
+    assert not lost & set(_default_loader_keys(root))
     assert {k: v for k, v in _tree_hashes(root).items() if not k.startswith(gone)} == {
         k: v for k, v in first.items() if not k.startswith(gone)
     }
 
-    # No captions at all: nothing is written, every eligible image is reported.
+    # No captions at all: everything is still written and accounted for, nothing trains.
     _write_captions(store, [])
     result = _shards(instance, lab_resource)
     md = result.asset_materializations_for_node("mds_shards")[0].metadata
-    assert md["samples_written"].value == 0 and md["skipped"].value == len(eligible)
-    assert _partition_dirs(root) == [] and _shard_rows(store) == []
-    assert uncaptioned in md["skipped_keys"].value["no_caption"]
+    assert md["samples_written"].value == len(eligible)
+    assert md["written_without_caption"].value == len(eligible)
+    assert md["excluded_by_first_skiplists"].value == len(eligible)
+    assert [r["key"] for r in _shard_rows(store)] == sorted(eligible)
+    assert all(written_without_caption(r) for r in _shard_rows(store))
+
+    # A bucket nobody is assigned to any more loses its directory.
+    _write_captions(store, eligible)
+    rows = store.read_batch(BUCKET_ASSIGNMENTS.name, KEY)
+    keep = [r for r in rows.to_pylist() if f"mds/{r['tier']}/{r['shape']}/{KEY}" != gone]
+    store.replace_partition(
+        BUCKET_ASSIGNMENTS, KEY, pa.Table.from_pylist(keep, schema=BUCKET_ASSIGNMENTS.schema)
+    )
+    assert materialize(
+        [mds_shards],
+        partition_key=KEY,
+        instance=instance,
+        resources={"lab": lab_resource, "skip_policy": SkipPolicyResource()},
+        run_config=RUN_CONFIG,
+    ).success
+    assert not (root / gone).exists()
+    assert [r["key"] for r in _shard_rows(store)] == sorted(r["key"] for r in keep)
+
+
+def _skip_counts(d: Path) -> list[tuple[object, int]]:
+    """(skip list, samples in its shard) per shard of a directory's live generation."""
+    sizes = dict(read_index_shards(d))
+    return [(sl, sizes[name]) for name, sl in load_generation(d).skiplists.items()]
+
+
+def _position(d: Path, sample_index: int) -> tuple[str, int]:
+    """(shard, index in shard) of the ``sample_index``-th sample of a directory."""
+    for name, n in read_index_shards(d):
+        if sample_index < n:
+            return name, sample_index
+        sample_index -= n
+    raise IndexError(sample_index)
 
 
 def test_stage_contract() -> None:
@@ -328,3 +394,92 @@ def test_renderer_skips_a_broken_image_and_keeps_the_rest(tmp_path: Path) -> Non
     tiny = pa.table({"key": ["k"], "batch": ["b0"], "width": [100], "height": [100]})
     with pytest.raises(ValueError, match="under the bucket cutoff"):
         assignment_rows(tiny)
+
+
+# -- findings of issue 10 ----------------------------------------------------------------
+
+
+def _plant_decisions(store, keys: list[str]) -> dict[str, str]:
+    """Every fact the policy needs for ``keys`` (nothing pending): one image labelled text,
+    one a smaller copy of another (its keeper, eligible and written). Returns key -> reason."""
+    from prx_assets_tests.facts import plant_decision_facts
+
+    text, dup, keeper = keys[1], keys[2], keys[3]
+    plant_decision_facts(store, KEY, keys, labels={text: "text"}, copies={dup: keeper})
+    return {text: "class_text", dup: "duplicate"}
+
+
+def _default_loader_keys(root: Path) -> list[str]:
+    import warnings
+
+    from prx_assets.loader import ShapeBatchedLoader, discover_streams
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tiny buckets: small-bucket warnings are expected
+        buckets = discover_streams(root)
+        if not buckets:  # every sample of every bucket skipped: nothing to yield
+            return []
+        loader = ShapeBatchedLoader(buckets, batch_size=1, shuffle=False, num_canonical_nodes=1)
+        keys = [k for batch in loader for k in batch["key"]]
+    del loader
+    gc.collect()
+    return keys
+
+
+def test_mds_shards_alone_never_exposes_unscreened_samples(instance, lab_resource, built) -> None:
+    """Finding: mds_shards rewrote directories without sidecars and the default loader then
+    trained on duplicates and excluded classes until skip_lists ran again."""
+    store, eligible, _, uncaptioned = built
+    planted = _plant_decisions(store, eligible)
+    _shards(instance, lab_resource)
+    root = Path(lab_resource.shards_root)
+    written = {r["key"] for r in _shard_rows(store)}
+    assert set(planted) <= written
+    yielded = _default_loader_keys(root)
+    assert len(yielded) == len(set(yielded))
+    assert not set(yielded) & set(planted)
+    assert uncaptioned not in yielded
+    assert set(yielded) == written - set(planted) - {uncaptioned}
+
+
+def test_an_image_without_caption_is_written_and_skipped_as_no_caption(
+    instance, lab_resource, built
+) -> None:
+    """Finding: images without a usable caption were silently left out of every shard."""
+    store, eligible, _, uncaptioned = built
+    _plant_decisions(store, eligible)
+    _shards(instance, lab_resource)
+    root = Path(lab_resource.shards_root)
+    rows = {r["key"]: r for r in _shard_rows(store)}
+    assert uncaptioned in rows  # written ...
+    r = rows[uncaptioned]
+    raw = _read_dir(root / r["relative_dir"])[r["sample_index"]]
+    assert raw["key"] == uncaptioned and raw["caption"] == ""
+    yielded = _default_loader_keys(root)
+    assert yielded and uncaptioned not in yielded  # ... and never trained on
+
+
+def test_the_screener_decides_the_whole_partition_and_refuses_undecided_samples(built) -> None:
+    from prx_assets.core.mds import Placement
+    from prx_assets.core.shard_screening import ShardScreener
+    from prx_assets.core.skip_policy import SkipPolicy, SkipPolicyError
+
+    store, eligible, _, uncaptioned = built
+    planted = _plant_decisions(store, eligible)
+    text = next(k for k, r in planted.items() if r == "class_text")
+    planned = {(512, "16x24"): [k for k in eligible if k != text], (1024, "32x16"): [text]}
+    screener = ShardScreener(store, KEY, SkipPolicy(), planned, {uncaptioned})
+    assert {d.sample.key for d in screener.planned.decisions} == set(eligible)
+    # Decisions land at the positions the writer reports, in the final directory.
+    placed = [Placement(text, 1024, "32x16", KEY, "shard.00003.mds", 5, 17)]
+    assert screener(placed) == {"shard.00003.mds": {5: ["class_text"]}}
+    (decided,) = screener.decisions().decisions
+    assert (decided.sample.relative_dir, decided.sample.index_in_shard) == (
+        f"mds/1024/32x16/{KEY}",
+        5,
+    )
+    no_caption = Placement(uncaptioned, 512, "16x24", KEY, "shard.00000.mds", 0, 0)
+    assert screener([no_caption]) == {"shard.00000.mds": {0: ["no_caption"]}}
+    stranger = Placement("f" * 64, 512, "16x24", KEY, "shard.00000.mds", 1, 1)
+    with pytest.raises(SkipPolicyError, match="without a skip decision"):
+        screener([stranger])

@@ -14,11 +14,17 @@ from PIL import Image
 from prx_assets.core.buckets import assign_bucket
 from prx_assets.core.dedup import DedupSettings, gather_corpus, plan_batch
 from prx_assets.core.dedup_tables import IMAGE_HASHES, PHASH_CLUSTERS
-from prx_assets.core.mds import MDSSample, partition_digest, write_partition_buckets
+from prx_assets.core.mds import MDSSample, partition_digest, skip_nothing, write_partition_buckets
 from prx_assets.core.optouts import OPT_OUTS, opt_out_rows, parse_identifier, replace_rows
 from prx_assets.core.shard_tables import SHARD_SAMPLES
 from prx_assets.core.skip_policy import SKIP_AUDIT
-from prx_assets.core.skiplists import load_skiplists, read_skiplist, sidecar_path
+from prx_assets.core.skiplists import (
+    MANIFEST_BASENAME,
+    current_generation,
+    load_generation,
+    load_skiplists,
+    read_skiplist,
+)
 from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS, IMAGES, RESOLUTION
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.partitions import BATCHES
@@ -174,7 +180,9 @@ def _build(instance, lab_resource, with_phash: bool = True) -> Built:
     assert len(samples) >= 9
     root = Path(lab_resource.shards_root)
     limit = 2 * max(len(x.image) for x in samples) + 1500  # about two samples per shard
-    placements = write_partition_buckets(root, KEY, samples, size_limit=limit, hashes=("sha256",))
+    placements = write_partition_buckets(
+        root, KEY, samples, size_limit=limit, hashes=("sha256",), skips_for=skip_nothing
+    )
     digests = {p.relative_dir: partition_digest(root / p.relative_dir) for p in placements}
     rows = [
         {
@@ -187,6 +195,7 @@ def _build(instance, lab_resource, with_phash: bool = True) -> Built:
             "index_in_shard": p.index_in_shard,
             "sample_index": p.sample_index,
             "dir_digest": digests[p.relative_dir],
+            "caption_fingerprint": CAPTIONER,
         }
         for p in placements
     ]
@@ -228,12 +237,25 @@ def _run(instance, lab_resource, policy: SkipPolicyResource | None = None, built
     )
 
 
+def _skiplist_files(b: Built) -> dict[Path, bytes]:
+    """Every skip-list file (sidecars and manifests) of the batch's directories."""
+    return {
+        p: p.read_bytes()
+        for d in b.dirs()
+        for p in sorted(d.iterdir())
+        if p.name.endswith(".skip.json") or p.name == MANIFEST_BASENAME
+    }
+
+
 def _sidecar_skips(b: Built) -> dict[str, tuple[str, ...]]:
-    """Key -> reasons, read back from the sidecars through ``read_skiplist``."""
+    """Key -> reasons, read back from the live generations (every sidecar re-read too)."""
     out = {}
+    assert len(_skiplist_files(b)) == sum(len(load_skiplists(x)) + 1 for x in b.dirs())
     for d in b.dirs():
-        for shard, sl in load_skiplists(d).items():
-            assert read_skiplist(sidecar_path(d, shard)) == sl  # every shard has a sidecar
+        live = load_generation(d)
+        for entry in live.manifest.entries:  # one sidecar per shard, named by the manifest
+            assert read_skiplist(d / entry.sidecar) == live.skiplists[entry.shard]
+        for shard, sl in live.skiplists.items():
             by_index = sl.as_mapping()
             for key, p in b.where.items():
                 if (
@@ -325,11 +347,13 @@ def test_skip_lists_end_to_end(instance, lab_resource, built):
     assert md["newly_excluded"].value == len(expected)
     assert md["other_batches_marked"].value == [] and md["skip_dirty_marked"].value == 0
     first = {k: audit[k]["first_excluded_at"] for k in expected}
-    sidecar_bytes = {p: p.read_bytes() for d in b.dirs() for p in d.glob("*.skip.json")}
+    files = _skiplist_files(b)
+    generations = md["skiplist_generations"].value
+    assert generations == {str(d.relative_to(b.root)): current_generation(d) for d in b.dirs()}
 
-    # Rerun with nothing changed: byte-identical sidecars, exclusion dates kept.
+    # Rerun with nothing changed: byte-identical skip-list files, exclusion dates kept.
     assert _run(instance, lab_resource).success
-    assert {p: p.read_bytes() for p in sidecar_bytes} == sidecar_bytes
+    assert _skiplist_files(b) == files
     assert {k: _audit(store)[k]["first_excluded_at"] for k in expected} == first
 
     # A second list names two smaller copies: dup (a duplicate of the kept keeper) and heir
@@ -447,11 +471,12 @@ def _failure_text(result) -> str:
 
 def test_missing_upstream_table_fails_clearly(instance, lab_resource):
     _build(instance, lab_resource, with_phash=False)
+    before = {d: current_generation(d) for d in Path(lab_resource.shards_root).glob("mds/*/*/*")}
     result = _run(instance, lab_resource)
     assert not result.success
     text = _failure_text(result)
     assert "`phash_clusters` (materialise phash_clusters" in text
-    assert not list(Path(lab_resource.shards_root).rglob("*.skip.json"))
+    assert before and {d: current_generation(d) for d in before} == before  # nothing changed
 
 
 def test_stale_shard_samples_fail_clearly(instance, lab_resource, built):
@@ -460,10 +485,11 @@ def test_stale_shard_samples_fail_clearly(instance, lab_resource, built):
     digests = pa.array(["0" * 64] * rows.num_rows)
     rows = rows.set_column(rows.schema.get_field_index("dir_digest"), "dir_digest", digests)
     b.store.replace_partition(SHARD_SAMPLES, KEY, rows)
+    files = _skiplist_files(b)
     result = _run(instance, lab_resource)
     assert not result.success
     assert "rerun mds_shards" in _failure_text(result)
-    assert not list(b.root.rglob("*.skip.json"))
+    assert _skiplist_files(b) == files  # the first generation stays, untouched
 
 
 def test_a_batch_without_shards_writes_an_empty_audit(instance, lab_resource, built):
@@ -478,3 +504,22 @@ def test_a_batch_without_shards_writes_an_empty_audit(instance, lab_resource, bu
     md = result.asset_materializations_for_node("skip_lists")[0].metadata
     assert md["samples"].value == 0 and md["sidecars"].value == 0
     assert _audit(b.store) == {}
+
+
+def test_a_sample_written_without_caption_stays_skipped(instance, lab_resource, built):
+    """shard_samples says the writer stored an empty caption (caption_fingerprint null): the
+    sample is excluded as no_caption even though the captions table has one by now."""
+    b = built
+    assert _run(instance, lab_resource).success
+    kept = next(k for k in b.keys if k not in _sidecar_skips(b))
+    rows = b.store.read_batch(SHARD_SAMPLES.name, KEY).to_pylist()
+    for r in rows:
+        if r["key"] == kept:
+            r["caption_fingerprint"] = None
+    b.store.replace_partition(
+        SHARD_SAMPLES, KEY, pa.Table.from_pylist(rows, schema=SHARD_SAMPLES.schema)
+    )
+    assert _run(instance, lab_resource).success
+    assert _sidecar_skips(b)[kept] == ("no_caption",)
+    assert _audit(b.store)[kept]["reasons"] == ["no_caption"]
+    assert kept not in _loader_keys(b.root)

@@ -101,16 +101,24 @@ def write_partition(
 
 
 class MdsRoot:
-    """A root with LAYOUT written under ``<root>/mds``; ``shards[relpath]`` = keys per shard."""
+    """A root with LAYOUT written under ``<root>/mds``; ``shards[relpath]`` = keys per shard.
+
+    Every partition starts screened with nothing skipped (an empty skip-list generation), as
+    ``mds_shards`` leaves it when no decision excludes anything.
+    """
 
     def __init__(self, root: Path, layout=LAYOUT, key_suffix: str = "") -> None:
+        from prx_assets.core.skiplists import write_partition_skiplists
+
         self.root = root
         self.mds = root / "mds"
         self.shards: dict[str, list[list[str]]] = {}
         for tier, shape, batch, n in layout:
-            self.shards[f"{tier}/{shape}/{batch}"] = write_partition(
+            relpath = f"{tier}/{shape}/{batch}"
+            self.shards[relpath] = write_partition(
                 self.mds, tier, shape, batch, n, key_suffix=key_suffix
             )
+            write_partition_skiplists(self.dir(relpath), {})
 
     def dir(self, relpath: str) -> Path:
         return self.mds / relpath
@@ -123,14 +131,17 @@ class MdsRoot:
         return {k for shards in self.shards.values() for s in shards for k in s}
 
     def apply_skips(self, skips: Mapping[str, Mapping[int, Mapping[int, list[str]]]]) -> set[str]:
-        """skips[relpath][shard_no][index] = reasons → sidecars written; returns skipped keys."""
-        from prx_assets.core.skiplists import write_skiplist
+        """skips[relpath][shard_no][index] = reasons → one new generation per partition, with
+        those shards' skip sets replaced; returns the keys skipped by the listed shards."""
+        from prx_assets.core.skiplists import update_skiplists
 
         skipped = set()
         for relpath, by_shard in skips.items():
             names = self.shard_names(relpath)
+            update_skiplists(
+                self.dir(relpath), {names[no]: entries for no, entries in by_shard.items()}
+            )
             for shard_no, entries in by_shard.items():
-                write_skiplist(self.dir(relpath), names[shard_no], entries)
                 skipped |= {self.shards[relpath][shard_no][i] for i in entries}
         return skipped
 

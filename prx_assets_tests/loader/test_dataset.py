@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
+import os
 import random
 import warnings
 from collections import Counter
@@ -14,18 +16,25 @@ from streaming import Stream, StreamingDataLoader
 from torch.utils.data import DataLoader
 
 from prx_assets.core.skiplists import (
+    MANIFEST_BASENAME,
     SkipListCorrupt,
     SkipListError,
-    sidecar_path,
+    SkipListMissing,
+    SkipListStale,
+    canonical_json,
+    load_generation,
     skiplist_digest,
-    write_skiplist,
+    update_skiplists,
+    write_partition_skiplists,
 )
 from prx_assets.loader import (
+    IGNORE_SKIPLISTS_UNSAFE,
     FilteredShard,
     SkipListChanged,
     SkipListDataset,
     SkipListStream,
     SmallBucketWarning,
+    UnscreenedDataWarning,
     small_bucket_problems,
 )
 from prx_assets.loader.shape_loader import collate_samples
@@ -169,21 +178,56 @@ def test_skiplist_change_is_detected_on_resume(mds_root: MdsRoot):
     assert len(rest) == allowed.num_samples - 6
 
 
+def _live_sidecar(m: MdsRoot, rel: str, shard_no: int) -> Path:
+    d = m.dir(rel)
+    return d / load_generation(d).manifest.entries[shard_no].sidecar
+
+
+def _rehash(obj: dict) -> bytes:
+    obj = {k: v for k, v in obj.items() if k != "sha256"}
+    obj["sha256"] = hashlib.sha256(canonical_json(obj)).hexdigest()
+    return canonical_json(obj) + b"\n"
+
+
 def test_tampered_sidecar_stops_the_dataset(mds_root: MdsRoot):
     rel = RELPATHS[0]
     mds_root.apply_skips({rel: {0: {2: ["opt_out"]}}})
-    path = sidecar_path(mds_root.dir(rel), mds_root.shard_names(rel)[0])
-    obj = json.loads(path.read_bytes())
+    path = _live_sidecar(mds_root, rel, 0)
+    original = path.read_bytes()
+    obj = json.loads(original)
     obj["indices"] = []
     obj["reasons"] = []
-    path.write_text(json.dumps(obj))
-    with pytest.raises(SkipListCorrupt, match="hash mismatch"):
+    path.write_text(json.dumps(obj))  # un-skip an opt-out by hand
+    with pytest.raises(SkipListCorrupt, match="sha256 differs from the manifest"):
         _dataset(mds_root)
+    path.write_bytes(_rehash(obj))  # even with a valid self-hash: the manifest pins the bytes
+    with pytest.raises(SkipListCorrupt, match="sha256 differs from the manifest"):
+        _dataset(mds_root)
+    path.unlink()  # a sidecar the manifest names is gone: not "nothing skipped"
+    with pytest.raises(SkipListCorrupt, match="does not exist"):
+        _dataset(mds_root)
+    path.write_bytes(original)
+    assert _dataset(mds_root).num_samples == 119
 
 
-def test_orphan_sidecar_is_an_error(mds_root: MdsRoot):
-    (mds_root.dir(RELPATHS[0]) / "shard.00042.mds.skip.json").write_text("{}")
-    with pytest.raises(SkipListError, match="not in index.json"):
+def test_manifest_is_checked_against_the_index(mds_root: MdsRoot):
+    """A manifest describes exactly one index.json: copied or stale ones are refused."""
+    a, b = mds_root.dir(RELPATHS[0]), mds_root.dir(RELPATHS[1])
+    manifest_b = (b / MANIFEST_BASENAME).read_bytes()
+    (a / MANIFEST_BASENAME).write_bytes(manifest_b)  # same shard names, other directory
+    with pytest.raises(SkipListStale, match="written for another index.json"):
+        _dataset(mds_root)
+    obj = json.loads(manifest_b)
+    obj["index_sha256"] = hashlib.sha256((a / "index.json").read_bytes()).hexdigest()
+    obj["shards"] = obj["shards"][:-1]  # drop a shard: its samples would go unscreened
+    (a / MANIFEST_BASENAME).write_bytes(_rehash(obj))
+    with pytest.raises(SkipListCorrupt, match="not index.json's"):
+        _dataset(mds_root)
+    (a / MANIFEST_BASENAME).write_bytes(b'{"format": "prx-skiplist-manif')  # truncated
+    with pytest.raises(SkipListCorrupt, match="not valid JSON"):
+        _dataset(mds_root)
+    (a / MANIFEST_BASENAME).unlink()
+    with pytest.raises(SkipListMissing, match="never screened"):
         _dataset(mds_root)
 
 
@@ -196,7 +240,7 @@ def test_plain_streams_are_converted_and_digest_matches_offline_tool(mds_root: M
     assert ds.skiplist_digest == skiplist_digest([mds_root.dir(r) for r in RELPATHS])
 
 
-def test_remote_stream_copies_shards_and_fetches_sidecars(mds_root: MdsRoot, tmp_path: Path):
+def test_remote_stream_copies_shards_and_fetches_skiplists(mds_root: MdsRoot, tmp_path: Path):
     rel = RELPATHS[0]
     remote = mds_root.dir(rel)
     names = mds_root.shard_names(rel)
@@ -220,28 +264,44 @@ def test_remote_stream_copies_shards_and_fetches_sidecars(mds_root: MdsRoot, tmp
     keys = {s["key"] for s in ds}
     assert keys == {k for s in mds_root.shards[rel] for k in s} - skipped
     cached = set(p.name for p in local.iterdir())
-    assert f"{names[0]}.skip.json" in cached  # mirrored beside index.json
+    live = load_generation(remote).manifest
+    assert MANIFEST_BASENAME in cached and live.sidecars <= cached  # mirrored beside index
     assert names[0] in cached and names[2] not in cached  # the all-skipped shard never copied
     assert ds.skiplist_digest == skiplist_digest([remote])
+    assert ds.streams[0].generation == live.generation
     del ds
 
-    # Sidecars change on the remote: the next job sees the new skips, not the stale mirror.
-    write_skiplist(remote, names[0], {})
+    # Skip-lists change on the remote: the next job sees the new skips, not the stale mirror.
     new_victim = mds_root.shards[rel][1][4]
-    write_skiplist(remote, names[1], {4: ["opt_out"]})
+    update_skiplists(remote, {names[0]: {}, names[1]: {4: ["opt_out"]}})
     ds = build()
     keys = {s["key"] for s in ds}
     assert mds_root.shards[rel][0][1] in keys and new_victim not in keys
+    cached = {p.name for p in local.iterdir() if p.name.endswith(".skip.json")}
+    assert cached == load_generation(remote).manifest.sidecars  # old mirrors dropped
     del ds
 
-    sidecar_path(remote, names[1]).unlink()
-    ds = build()
-    assert new_victim in {s["key"] for s in ds}
-    assert not (local / f"{names[1]}.skip.json").exists()
+    # The remote loses its manifest (never screened, or removed): refused, mirror dropped.
+    (remote / MANIFEST_BASENAME).unlink()
+    with pytest.raises(SkipListMissing, match="ignore-UNSAFE"):
+        build()
+    assert not (local / MANIFEST_BASENAME).exists()
+    with pytest.warns(UnscreenedDataWarning, match="WITHOUT skip-lists"):
+        ds = build(skiplists=IGNORE_SKIPLISTS_UNSAFE)
+    assert new_victim in {s["key"] for s in ds}  # unscreened: everything, as announced
     del ds
 
-    with pytest.raises(SkipListError, match="require_skiplists"):
-        build(require_skiplists=True)
+    # The remote directory is rewritten (new shards, new generation) after it was cached:
+    # the cache's index.json no longer matches the skip-lists, so nothing is read from it.
+    from .conftest import write_partition
+
+    fresh = tmp_path / "rewrite"
+    write_partition(fresh, "0", "16x24", "b0", 30, key_suffix="-v2")
+    for f in (fresh / "0" / "16x24" / "b0").iterdir():
+        os.replace(f, remote / f.name)
+    write_partition_skiplists(remote, {})
+    with pytest.raises(SkipListStale, match="clear that cache directory"):
+        build()
 
 
 def test_small_bucket_warning_states_the_rule(mds_root: MdsRoot):
@@ -254,3 +314,22 @@ def test_small_bucket_warning_states_the_rule(mds_root: MdsRoot):
     with warnings.catch_warnings():
         warnings.simplefilter("error", SmallBucketWarning)
         _dataset(mds_root, num_canonical_nodes=2, batch_size=4)
+
+
+def test_a_directory_without_skiplists_is_refused_by_default(tmp_path: Path):
+    """Finding: a missing sidecar read as "skip nothing", so unscreened shards trained."""
+    from .conftest import write_partition
+
+    shards = write_partition(tmp_path / "mds", "0", "16x24", "raw", 24)  # never screened
+    local = str(tmp_path / "mds" / "0" / "16x24" / "raw")
+    with pytest.raises(SkipListError, match="no skip-list manifest"):
+        SkipListDataset(local=local, batch_size=4)
+    with pytest.raises(ValueError, match="ignore-UNSAFE"):
+        SkipListDataset(local=local, batch_size=4, skiplists="ignore")  # no quiet spelling
+    for _ in range(2):  # the explicit option works, and says so every time
+        with pytest.warns(UnscreenedDataWarning, match="never train on this"):
+            ds = SkipListDataset(local=local, batch_size=4, skiplists=IGNORE_SKIPLISTS_UNSAFE)
+        assert sorted(s["key"] for s in ds) == sorted(k for s in shards for k in s)
+        assert ds.skiplist_digest != skiplist_digest([])
+        del ds
+        gc.collect()

@@ -181,3 +181,52 @@ def test_mixed_sources_share_shape_buckets_with_weights(mds_root: MdsRoot, tmp_p
     assert {c for k, c in counts.items() if not k.endswith("-int")} == {1}
     # The internal stream read through its cache (remote = the internal root).
     assert any((tmp_path / "cache" / "internal" / "0/16x24/b0").glob("shard.*.mds"))
+
+
+def test_the_package_docstring_example_finds_real_buckets(tmp_path: Path):
+    """Finding: the documented ``discover_streams(..., tiers=[0, 1])`` returned nothing."""
+    import re
+
+    import prx_assets.loader
+    from prx_assets.core.buckets import DEFAULT_TIERS
+    from prx_assets.core.skiplists import write_partition_skiplists
+
+    from .conftest import write_partition
+
+    match = re.search(
+        r"discover_streams\(\"[^\"]+\", tiers=\[([\d, ]+)\]\)", prx_assets.loader.__doc__
+    )
+    assert match, "the package docstring shows discover_streams with a tier filter"
+    tiers = [int(t) for t in match.group(1).split(",")]
+    assert set(tiers) <= set(DEFAULT_TIERS)  # the tiers the bucket table really writes
+    for tier in (*tiers, 4096):
+        write_partition(tmp_path / "mds", str(tier), "16x24", "b0", 24)
+        write_partition_skiplists(tmp_path / "mds" / str(tier) / "16x24" / "b0", {})
+    found = discover_streams(tmp_path, tiers=tiers)
+    assert sorted(int(b.tier) for b in found) == sorted(tiers)
+    # The old example's tiers match nothing: an error naming the tiers that exist.
+    with pytest.raises(ValueError, match=r"tiers=\['0', '1'\]; there are tiers \['512', '1024'"):
+        discover_streams(tmp_path, tiers=[0, 1])
+
+
+def test_discovery_and_loader_refuse_an_unscreened_partition(mds_root: MdsRoot):
+    from prx_assets.core.skiplists import MANIFEST_BASENAME, SkipListMissing
+    from prx_assets.loader import IGNORE_SKIPLISTS_UNSAFE, UnscreenedDataWarning
+
+    mds_root.apply_skips({"0/16x24/b1": {0: {0: ["opt_out"]}}})
+    victim = mds_root.shards["0/16x24/b1"][0][0]
+    screened = discover_streams(mds_root.root)
+    (mds_root.dir("0/16x24/b1") / MANIFEST_BASENAME).unlink()
+    with pytest.raises(SkipListMissing, match="never screened"):
+        discover_streams(mds_root.root)
+    with pytest.raises(SkipListMissing, match="never screened"):  # specs discovered earlier
+        ShapeBatchedLoader(screened, batch_size=4, num_canonical_nodes=1)
+    with pytest.warns(UnscreenedDataWarning):
+        raw = discover_streams(mds_root.root, skiplists=IGNORE_SKIPLISTS_UNSAFE)
+    assert [b.counts.kept_samples for b in raw] == [40, 40, 40]
+    with pytest.warns(UnscreenedDataWarning) as caught:
+        loader = ShapeBatchedLoader(
+            raw, batch_size=4, num_canonical_nodes=1, skiplists=IGNORE_SKIPLISTS_UNSAFE
+        )
+    assert len([w for w in caught if w.category is UnscreenedDataWarning]) == 3  # per stream
+    assert victim in {k for b in loader for k in b["key"]}

@@ -1,6 +1,6 @@
 """bucket_assignments and mds_shards: from eligible, captioned images to MDS bucket shards."""
 
-from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
 from prx_assets.core.buckets import bucket_table
@@ -21,6 +21,7 @@ from prx_assets.core.resize import (
     RESAMPLE,
     RESAMPLE_DESCRIPTION,
 )
+from prx_assets.core.shard_screening import ShardScreener
 from prx_assets.core.shard_tables import (
     BUCKET_ASSIGNMENTS,
     CAPTION_COLUMNS,
@@ -34,11 +35,14 @@ from prx_assets.core.shard_tables import (
     plan_shards,
     summarise_assignments,
 )
+from prx_assets.core.skip_policy import SkipPolicyError
+from prx_assets.core.skiplists import current_generation
 from prx_assets.core.tables import CAPTIONS, IMAGES, RESOLUTION
 from prx_assets.defs.metadata import counts_table, md_table, png_markdown
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.resources import LabResource
+from prx_assets.defs.skiplists.config import SkipPolicyResource
 
 MAX_LISTED_KEYS = 50
 
@@ -169,16 +173,12 @@ def _bucket_report(
     return MetadataValue.md(md_table(header, rows)), hazards, hazards_all
 
 
-def _skips(
-    skipped: dict[str, list[str]], failures: dict[str, str]
-) -> tuple[dict[str, int], dict[str, list[str]]]:
-    """Counts per reason, and (up to MAX_LISTED_KEYS) the keys, with the error for failures."""
-    counts = {reason: len(keys) for reason, keys in skipped.items()}
-    keys = {reason: sorted(k)[:MAX_LISTED_KEYS] for reason, k in skipped.items()}
-    if failures:
-        counts["render_failed"] = len(failures)
-        keys["render_failed"] = [f"{k}: {v}" for k, v in sorted(failures.items())][:MAX_LISTED_KEYS]
-    return counts, keys
+def _by_cause(uncaptioned: dict[str, str]) -> dict[str, list[str]]:
+    """cause -> (up to MAX_LISTED_KEYS) keys written without a usable caption."""
+    out: dict[str, list[str]] = {}
+    for key, why in sorted(uncaptioned.items()):
+        out.setdefault(why, []).append(key)
+    return {why: keys[:MAX_LISTED_KEYS] for why, keys in out.items()}
 
 
 @asset(
@@ -186,17 +186,30 @@ def _skips(
     deps=[bucket_assignments, "captions"],
     group_name="shards",
     kinds={"mds"},
-    code_version="mds_shards-v1",
+    # No policy fingerprint here, on purpose: the shards do not depend on the policy, only
+    # their first skip-list generation does, and skip_lists (versioned by the fingerprint)
+    # refreshes that; a policy change must not re-render every shard.
+    code_version="mds_shards-v2",
     description=(
-        "Every assigned, captioned image resized to its bucket, JPEG q92, written as MDS "
-        "under <shards_root>/mds/<tier>/<H>x<W>/<batch>/; each sample's location in Lance "
-        "`shard_samples` (committed after the directories are in place; a crash in between "
-        "leaves it stale, which its `dir_digest` reveals and a rerun repairs)."
+        "Every assigned image resized to its bucket, JPEG q92, written as MDS under "
+        "<shards_root>/mds/<tier>/<H>x<W>/<batch>/ together with its first skip-list "
+        "generation (decided by the skip policy from the lab at write time; an image "
+        "without a usable caption is written with an empty one and skipped as "
+        "`no_caption`), so no directory is ever visible unscreened. Each sample's location "
+        "in Lance `shard_samples` (committed after the directories are in place; a crash in "
+        "between leaves it stale, which its `dir_digest` reveals and a rerun repairs)."
     ),
 )
 def mds_shards(
-    context: AssetExecutionContext, config: MDSShardsConfig, lab: LabResource
+    context: AssetExecutionContext,
+    config: MDSShardsConfig,
+    lab: LabResource,
+    skip_policy: SkipPolicyResource,
 ) -> MaterializeResult:
+    try:
+        policy = skip_policy.policy()
+    except SkipPolicyError as exc:
+        raise Failure(description=f"invalid skip policy: {exc}") from None
     store = lab.lab()
     batch = context.partition_key
     assignments = store.read_batch(BUCKET_ASSIGNMENTS.name, batch)
@@ -214,10 +227,21 @@ def mds_shards(
         resample=config.resample,
         max_failures=config.max_render_failures,
     )
+    try:
+        screener = ShardScreener(
+            store,
+            batch,
+            policy,
+            {bucket: [r["key"] for r in rows] for bucket, rows in plan.buckets.items()},
+            plan.uncaptioned,
+        )
+    except SkipPolicyError as exc:
+        raise Failure(description=f"{batch}: cannot decide its skip-lists: {exc}") from None
     placements = write_partition_streams(
         lab.shards_root,
         batch,
         {bucket: renderer.samples(rows) for bucket, rows in plan.buckets.items()},
+        skips_for=screener,
         extra_columns=MDS_EXTRA_COLUMNS,
         size_limit=config.shard_size_limit,
         hashes=("sha256",),
@@ -232,20 +256,32 @@ def mds_shards(
         store.read(SHARD_SAMPLES.name, columns=["tier", "shape", "relative_dir", "shard"])
     )
     table, hazards, hazards_all = _bucket_report(batch, bucket_totals(rows), everywhere, mb, config)
-    skipped, skipped_keys = _skips(plan.skipped, renderer.log.failures)
-    for key, why in renderer.log.failures.items():
+    failures = renderer.log.failures
+    for key, why in failures.items():
         context.log.warning(f"{batch}: image {key} not written: {why}")
+    decisions = screener.decisions()
+    excluded = len(decisions.excluded_keys)
     context.log.info(
-        f"{batch}: wrote {len(placements)} samples in {len(dirs)} bucket directories, "
-        f"skipped {sum(skipped.values())}"
+        f"{batch}: wrote {len(placements)} samples in {len(dirs)} bucket directories "
+        f"({len(plan.uncaptioned)} without a usable caption), {excluded} excluded by their "
+        f"first skip-lists, {len(failures)} not written (render failures)"
     )
     return MaterializeResult(
         metadata={
             "assigned": assignments.num_rows,
             "samples_written": len(placements),
-            "skipped": sum(skipped.values()),
-            "skip_reasons": counts_table(skipped, "reason"),
-            "skipped_keys": MetadataValue.json(skipped_keys),
+            "not_written": len(failures),
+            "not_written_keys": MetadataValue.json(
+                [f"{k}: {v}" for k, v in sorted(failures.items())][:MAX_LISTED_KEYS]
+            ),
+            "written_without_caption": len(plan.uncaptioned),
+            "uncaptioned_keys": MetadataValue.json(_by_cause(plan.uncaptioned)),
+            "excluded_by_first_skiplists": excluded,
+            "first_skiplist_reasons": counts_table(decisions.reason_counts(), "reason", sort=False),
+            "skip_policy_fingerprint": policy.fingerprint(),
+            "skiplist_generations": MetadataValue.json(
+                {f"mds/{d.tier}/{d.shape}/{batch}": current_generation(d.path) for d in dirs}
+            ),
             "buckets": table,
             "mb_written": round(sum(mb.values()), 3),
             "hazard_rule": (

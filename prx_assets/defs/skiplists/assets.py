@@ -6,11 +6,18 @@ Dagster dependency: ``opt_outs`` is read at run time, so a new list never fans o
 partition under eager automation; the opt-out sensor requests the affected partitions.
 
 Order of effects: other batches whose recorded decisions this run's facts contradict are
-listed in ``skip_dirty`` first (a crash later still reruns them), then the sidecars (what
-training obeys), then the audit table (what it records); then the decision is taken again
-and a difference (a fact changed meanwhile) marks this batch itself; last, the marks this
-run answered are cleared. A crash in between leaves the audit one run behind and the marks
-in place; the rerun repairs both.
+listed in ``skip_dirty`` first (a crash later still reruns them); then every directory's new
+skip-list generation is written (sidecars, not yet live), then each directory's manifest
+flips (one atomic rename each: what training obeys), then the audit table (what it records)
+is committed; then the decision is taken again and a difference (a fact changed meanwhile)
+marks this batch itself; last, the marks this run answered are cleared.
+
+What a reader can see at any instant, crashes included: every directory on exactly one
+complete generation, either the one it had before this run (consistent with the
+``skip_audit`` rows committed before it) or the one this run decided (consistent with the
+audit this run commits, or its rerun commits after a crash); never a directory with a mix
+of the two, never one without a generation. A crash between two flips leaves some
+directories on each; the rerun brings every one to the new decisions and commits the audit.
 """
 
 from datetime import UTC, datetime
@@ -29,7 +36,7 @@ from dagster import (
 from prx_assets.core.dedup_tables import PHASH_CLUSTERS
 from prx_assets.core.lab import Lab
 from prx_assets.core.mds import list_partition_dirs, partition_digest, partition_dir
-from prx_assets.core.shard_tables import SHARD_SAMPLES
+from prx_assets.core.shard_tables import SHARD_SAMPLES, written_without_caption
 from prx_assets.core.skip_decisions import (
     caption_coverage,
     changed_during_run,
@@ -50,7 +57,12 @@ from prx_assets.core.skip_policy import (
     exclusion_changes,
     samples_from_rows,
 )
-from prx_assets.core.skiplists import SkipListError, skiplist_digest, write_partition_skiplists
+from prx_assets.core.skiplists import (
+    SkipListError,
+    publish_partition_skiplists,
+    read_index_shards,
+    skiplist_digest,
+)
 from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS, IMAGES
 from prx_assets.defs.metadata import counts_table, md_table
 from prx_assets.defs.partitions import BATCHES
@@ -154,6 +166,8 @@ def _skip_lists(
     # Marks read before the facts: those cleared at the end are the ones this run answers.
     answered = read_skip_dirty(store, batch).column("dirty_id").to_pylist()
     rows = store.read_batch(SHARD_SAMPLES.name, batch).to_pylist()
+    for r in rows:  # what the writer stored: an empty caption rules the sample out
+        r["caption_usable"] = not written_without_caption(r)
     dirs = _shard_dirs(lab.shards_root, batch, rows)
     samples = samples_from_rows(rows)
     try:
@@ -164,10 +178,10 @@ def _skip_lists(
     mark_skip_dirty(store, elsewhere, batch)
 
     skips = decisions.skips_by_dir()
-    sidecars = []
-    try:
-        for rel in sorted(dirs):
-            sidecars += write_partition_skiplists(dirs[rel], skips.get(rel, {}))
+    try:  # every directory's generation is staged before the first manifest flips
+        generations = publish_partition_skiplists(
+            {dirs[rel]: skips.get(rel, {}) for rel in sorted(dirs)}
+        )
     except SkipListError as exc:
         raise Failure(
             description=f"{batch}: shard_samples does not match the MDS tree ({exc}): "
@@ -217,7 +231,10 @@ def _skip_lists(
             "skipped": len(samples) - kept,
             "skip_reasons": counts_table(counts, "reason", sort=False),
             "buckets": _buckets_markdown(decisions),
-            "sidecars": len(sidecars),
+            "sidecars": sum(len(read_index_shards(p)) for p in dirs.values()),
+            "skiplist_generations": MetadataValue.json(
+                {rel: generations[str(dirs[rel])] for rel in sorted(dirs)}
+            ),
             "directories": len(dirs),
             "newly_excluded": newly,
             "no_longer_excluded": gone,
@@ -265,8 +282,10 @@ def build_skiplist_assets(policy: SkipPolicyResource | None = None) -> list[Asse
         code_version=f"skip_lists-v2-{fp}",
         check_specs=[caption_coverage_spec(SKIP_LISTS_ASSET)],
         description=(
-            "Per-shard skip-list sidecars (<shard>.skip.json) for every MDS directory of the "
-            "batch, and one `skip_audit` row per written sample (reasons, opt-out list ids and "
+            "A new skip-list generation (per-shard sidecars named by a skiplists.json manifest, "
+            "published by one rename per directory, after every directory's files are "
+            "written) for every MDS directory of the batch, and one `skip_audit` row per "
+            "written sample (reasons, opt-out list ids and "
             "the copy they named, the training copy, since when). Decided per pHash cluster "
             "across batches: an opt-out of any copy skips every copy; one eligible copy "
             "trains. Unknown facts skip as `pending`. Policy: excluded classes "

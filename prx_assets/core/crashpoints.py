@@ -1,0 +1,83 @@
+"""Named points in the writers' filesystem steps where a test can kill the process.
+
+Why: crash safety is only proven by crashing. Each writer calls ``crashpoint("<name>")``
+right after a step that changes what is on disk (a file written, a rename done, a commit
+made). With ``PRX_CRASH_AT=<name>:<n>`` in the environment, the ``n``-th time the process
+reaches ``<name>`` it sends itself SIGKILL: no ``finally``, no atexit, no flush, exactly
+what ``kill -9`` or a lost machine leaves behind. Without the variable a crashpoint is one
+dictionary lookup. The kill tests (``prx_assets_tests/test_kill.py``) use every point.
+
+Points (the writer, then the step just completed):
+
+- ``mds.sample_written``: one sample handed to MDSWriter in the temporary directory (shards
+  flushed so far sit there, half a directory);
+- ``mds.tmp_written``: the temporary directory holds every shard and ``index.json``, no
+  skip-lists yet;
+- ``mds.tmp_screened``: the temporary directory also holds its first skip-list generation;
+- ``mds.old_moved_away``: the previous directory was renamed away, the new one not yet in;
+- ``mds.dir_in_place``: the new directory is in place, the previous one not yet deleted;
+- ``mds.stale_dir_moved_away``: a directory the partition no longer has was renamed away;
+- ``skiplists.sidecar_written``: one sidecar of a new generation is written (not published);
+- ``skiplists.generation_written``: every sidecar of a generation is written;
+- ``skiplists.manifest_staged``: the new manifest is written under a temporary name;
+- ``skiplists.manifest_published``: the manifest rename is done (the generation is live);
+- ``skiplists.stale_removed``: one file no manifest names was swept;
+- ``lab.fragment_batch``: one record batch streamed into new Lance fragment files;
+- ``lab.fragments_written``: a partition's new fragments are complete, not committed;
+- ``lab.committed``: the partition's replacement is committed, indexes not yet refreshed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV_VAR = "PRX_CRASH_AT"
+CRASHPOINTS: tuple[str, ...] = (
+    "mds.sample_written",
+    "mds.tmp_written",
+    "mds.tmp_screened",
+    "mds.old_moved_away",
+    "mds.dir_in_place",
+    "mds.stale_dir_moved_away",
+    "skiplists.sidecar_written",
+    "skiplists.generation_written",
+    "skiplists.manifest_staged",
+    "skiplists.manifest_published",
+    "skiplists.stale_removed",
+    "lab.fragment_batch",
+    "lab.fragments_written",
+    "lab.committed",
+)
+_reached: dict[str, int] = {}
+
+
+def parse_spec(spec: str) -> tuple[str, int]:
+    """``"<name>:<n>"`` -> (name, n); unknown names and n < 1 are errors (a typo in a test
+    must not silently crash nowhere)."""
+    name, sep, count = spec.rpartition(":")
+    if not sep or not count.isdigit() or int(count) < 1:
+        raise ValueError(f"{ENV_VAR}={spec!r}: expected '<crashpoint>:<n>' with n >= 1")
+    if name not in CRASHPOINTS:
+        raise ValueError(f"{ENV_VAR}={spec!r}: unknown crashpoint {name!r}; known: {CRASHPOINTS}")
+    return name, int(count)
+
+
+def crashpoint(name: str) -> None:
+    """Die by SIGKILL here if ``PRX_CRASH_AT`` names this point and this is its n-th visit."""
+    spec = os.environ.get(ENV_VAR)
+    if not spec:
+        return
+    if name not in CRASHPOINTS:
+        raise ValueError(f"crashpoint {name!r} is not registered in CRASHPOINTS")
+    target, nth = parse_spec(spec)
+    if target != name:
+        return
+    _reached[name] = _reached.get(name, 0) + 1
+    if _reached[name] == nth:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def reset() -> None:
+    """Forget the visits counted so far (a forked child starts from its parent's counts)."""
+    _reached.clear()
