@@ -50,9 +50,9 @@ from prx_assets.browser.queries import (
     LabQueries,
     ensure_browser_indexes,
 )
-from prx_assets.core.caption_tables import CAPTION_EMBEDDINGS, ensure_fts_index, ensure_vector_index
+from prx_assets.core.captions.tables import ensure_fts_index, ensure_vector_index
 from prx_assets.core.lab import Lab, TableSpec
-from prx_assets.core.tables import CAPTION_CLASSES, IMAGES, RESOLUTION
+from prx_assets.core.tables import CAPTION_CLASSES, CAPTION_EMBEDDINGS, IMAGES, RESOLUTION
 from prx_assets.core.tables import CAPTIONS as CAPTIONS_SPEC
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_browser.json"

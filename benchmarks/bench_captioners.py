@@ -26,7 +26,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from prx_assets.core.models import (  # noqa: E402
+from prx_assets.core.captions.models import (  # noqa: E402
     AltTextCaptioner,
     CaptionInput,
     EmbeddingClassifier,
@@ -109,7 +109,7 @@ def bench_transformers(n: int) -> dict[str, object]:
 
     if not torch.cuda.is_available():
         return {"skipped": "no CUDA device"}
-    from prx_assets.core.models import TransformersCaptioner
+    from prx_assets.core.captions.models import TransformersCaptioner
 
     root = resources.files("prx_assets") / "demo" / "photos"
     photos = [p.read_bytes() for p in root.iterdir() if p.name.endswith((".png", ".jpg"))]

@@ -27,8 +27,8 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import pyarrow as pa  # noqa: E402
 from dagster import instance_for_test, materialize  # noqa: E402
 
+from prx_assets.core.captions.models import AltTextCaptioner, CaptionInput  # noqa: E402
 from prx_assets.core.lab import Lab  # noqa: E402
-from prx_assets.core.models import AltTextCaptioner, CaptionInput  # noqa: E402
 from prx_assets.core.tables import IMAGES, RESOLUTION  # noqa: E402
 from prx_assets.defs.captions.assets import build_caption_assets  # noqa: E402
 from prx_assets.defs.captions.resources import (  # noqa: E402

@@ -47,7 +47,7 @@ def _rss_mb() -> float:
 
 
 def _child(which: str, n: int) -> None:
-    from prx_assets.core.clustering import cluster_exact  # imported outside the timing
+    from prx_assets.core.dedup.clustering import cluster_exact  # imported outside the timing
 
     h = _data(n)
     rss_before = _rss_mb()

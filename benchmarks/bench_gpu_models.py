@@ -46,13 +46,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from PIL import Image  # noqa: E402
 
 from benchmarks import gpu_model_configs as cfg  # noqa: E402
-from prx_assets.core.models import (  # noqa: E402
+from prx_assets.core.captions.models import (  # noqa: E402
     LABELS,
     CaptionInput,
     TransformersCaptioner,
     TransformersClassifier,
 )
-from prx_assets.core.models.prompts import (  # noqa: E402
+from prx_assets.core.captions.models.prompts import (  # noqa: E402
     CAPTION_SYSTEM_PROMPT,
     CAPTION_USER_PROMPT,
 )
@@ -125,7 +125,7 @@ def vision_stats(model_dir: Path, photos: list[tuple[str, bytes]], max_side: int
     """Prompt text tokens and merged vision tokens per image, as the captioner will see them."""
     from transformers import AutoProcessor
 
-    from prx_assets.core.models.base import load_caption_image
+    from prx_assets.core.captions.models.base import load_caption_image
 
     proc = AutoProcessor.from_pretrained(model_dir)
     prompt = proc.apply_chat_template(

@@ -22,8 +22,8 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 from PIL import Image  # noqa: E402
 
-from prx_assets.core.ingest import BatchIngest  # noqa: E402
-from prx_assets.core.sources import discover_batches, iter_candidates  # noqa: E402
+from prx_assets.core.ingest.runner import BatchIngest  # noqa: E402
+from prx_assets.core.ingest.sources import discover_batches, iter_candidates  # noqa: E402
 from prx_assets.demo.build import build_demo_landing  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "bench_ingest.json"

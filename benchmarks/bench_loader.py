@@ -34,8 +34,8 @@ from PIL import Image  # noqa: E402
 from streaming import MDSWriter, StreamingDataset  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from prx_assets.core.mds import BASE_COLUMNS
-from prx_assets.core.skiplists import read_index_shards, write_partition_skiplists  # noqa: E402
+from prx_assets.core.shards.mds import BASE_COLUMNS
+from prx_assets.core.skiplists.sidecars import read_index_shards, write_partition_skiplists  # noqa: E402
 from prx_assets.loader import HFTextEncoder, ImageTextCollate, SkipListDataset  # noqa: E402
 from prx_assets.loader.collate import jpeg_bytes  # noqa: E402
 from prx_assets.loader.offline_encoder import SMALL, TINY, build_offline_bert  # noqa: E402
@@ -46,7 +46,7 @@ WORDS = (
     "a photo of the red cat dog sitting on green grass near brick wall with coffee cup and "
     "old coins under a bright flower in soft morning light studio portrait of street"
 ).split()
-COLUMNS = dict(BASE_COLUMNS)  # the shard contract written by core/mds.py
+COLUMNS = dict(BASE_COLUMNS)  # the shard contract written by core/shards/mds.py
 
 
 def _jpeg_pool(size: int, n: int, rng: random.Random) -> list[bytes]:

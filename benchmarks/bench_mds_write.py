@@ -20,9 +20,14 @@ from pathlib import Path
 
 from PIL import Image
 
-from prx_assets.core.buckets import assign_bucket
-from prx_assets.core.mds import DEFAULT_SIZE_LIMIT, MDSSample, skip_nothing, write_partition_buckets
-from prx_assets.core.resize import encode_jpeg, resize_to_bucket
+from prx_assets.core.shards.buckets import assign_bucket
+from prx_assets.core.shards.mds import (
+    DEFAULT_SIZE_LIMIT,
+    MDSSample,
+    skip_nothing,
+    write_partition_buckets,
+)
+from prx_assets.core.shards.resize import encode_jpeg, resize_to_bucket
 
 REPO = Path(__file__).resolve().parents[1]
 PHOTOS = REPO / "prx_assets" / "demo" / "photos"

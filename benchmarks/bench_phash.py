@@ -49,7 +49,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from prx_assets.core import phash as P  # noqa: E402
+from prx_assets.core.dedup import phash as P  # noqa: E402
 
 PHOTOS = Path(__file__).resolve().parents[1] / "prx_assets" / "demo" / "photos"
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_phash.json"
@@ -292,7 +292,7 @@ class GpuHasher:
         try:
             return self.decode_jpeg(tensor, **kw), False
         except RuntimeError:
-            from prx_assets.core.decode import decode_rgb
+            from prx_assets.core.ingest.decode import decode_rgb
 
             self.cpu_fallbacks += 1
             img = np.asarray(decode_rgb(tensor.numpy().tobytes()))

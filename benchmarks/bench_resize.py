@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from prx_assets.core.buckets import Assignment, assign_bucket, bucket_table
-from prx_assets.core.resize import (
+from prx_assets.core.shards.buckets import Assignment, assign_bucket, bucket_table
+from prx_assets.core.shards.resize import (
     JPEG_OPTIMIZE,
     JPEG_QUALITY,
     JPEG_SUBSAMPLING,

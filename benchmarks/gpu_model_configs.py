@@ -41,7 +41,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from prx_assets.core.models.prompts import (
+from prx_assets.core.captions.models.prompts import (
     CAPTION_SYSTEM_PROMPT,
     CAPTION_USER_PROMPT,
     CLASSIFIER_PROMPT,

@@ -41,7 +41,7 @@ def _run_partition(instance, key: str, data_root: str) -> bool:
 
 
 def register_batch(args: argparse.Namespace) -> int:
-    from prx_assets.core.sources import BatchError, describe_batch
+    from prx_assets.core.ingest.sources import BatchError, describe_batch
     from prx_assets.defs.partitions import BATCHES
     from prx_assets.defs.resources import LabResource, default_data_root
 
@@ -59,7 +59,7 @@ def register_batch(args: argparse.Namespace) -> int:
         print(f"{ref.key}: registered ({ref.kind} at {ref.path})")
     if args.materialize:
         ok = _run_partition(instance, ref.key, lab.data_root)
-        from prx_assets.core.skip_decisions import caption_coverage
+        from prx_assets.core.skiplists.decisions import caption_coverage
 
         cov = caption_coverage(lab.lab(), ref.key)
         print(

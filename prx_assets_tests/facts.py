@@ -1,6 +1,6 @@
 """Every fact the skip policy needs for real images of a batch, so that nothing is pending.
 
-The policy (``core/skip_policy.py``) decides from class labels made from the *current*
+The policy (``core/skiplists/policy.py``) decides from class labels made from the *current*
 caption, hash rows (keeper order) and dedup decisions; a test that wants definite decisions
 for the demo batch's images plants all three here, deciding the clusters with the real
 dedup code.
@@ -13,10 +13,16 @@ from datetime import UTC, datetime
 
 import pyarrow as pa
 
-from prx_assets.core.dedup import DedupSettings, gather_corpus, plan_batch
-from prx_assets.core.dedup_tables import IMAGE_HASHES, PHASH_CLUSTERS
+from prx_assets.core.dedup.decisions import DedupSettings, gather_corpus, plan_batch
 from prx_assets.core.lab import Lab
-from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS, IMAGES, RESOLUTION
+from prx_assets.core.tables import (
+    CAPTION_CLASSES,
+    CAPTIONS,
+    IMAGE_HASHES,
+    IMAGES,
+    PHASH_CLUSTERS,
+    RESOLUTION,
+)
 
 T0 = datetime(2024, 1, 1, tzinfo=UTC)
 

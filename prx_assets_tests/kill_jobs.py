@@ -22,12 +22,12 @@ from typing import Any
 import streaming  # noqa: F401 - preloaded: core.mds imports it lazily, and it pulls in torch
 from dagster import DagsterInstance, materialize
 
-import prx_assets.core.ingest as ingest
+import prx_assets.core.ingest.runner as ingest
 from prx_assets.core import crashpoints
+from prx_assets.core.ingest.sources import resolve_batch
 from prx_assets.core.lab import Lab
-from prx_assets.core.mds import MDSSample, Placement, write_partition_buckets
-from prx_assets.core.skiplists import publish_partition_skiplists
-from prx_assets.core.sources import resolve_batch
+from prx_assets.core.shards.mds import MDSSample, Placement, write_partition_buckets
+from prx_assets.core.skiplists.sidecars import publish_partition_skiplists
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource

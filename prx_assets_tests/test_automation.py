@@ -229,7 +229,7 @@ def _cross_batch_clusters(lab) -> dict[str, list[dict]]:
 
 def _ranked(lab, rows: list[dict]) -> list[tuple[str, str]]:
     """The cluster's members in keeper order (most pixels, larger file, key, batch)."""
-    from prx_assets.core.dedup import keeper_order
+    from prx_assets.core.dedup.decisions import keeper_order
 
     hashes = {
         (r["batch"], r["key"]): r

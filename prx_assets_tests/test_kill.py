@@ -44,8 +44,8 @@ import pytest
 from PIL import Image
 
 from prx_assets.core.crashpoints import CRASHPOINTS, parse_spec
-from prx_assets.core.mds import MDSSample
-from prx_assets.core.skiplists import (
+from prx_assets.core.shards.mds import MDSSample
+from prx_assets.core.skiplists.sidecars import (
     INDEX_BASENAME,
     MANIFEST_BASENAME,
     load_generation,
@@ -695,8 +695,8 @@ def _caption_rows(keys: list[str], version: str) -> pa.Table:
 def pipeline_states(workdir: Path, demo_source) -> PipelineStates:
     """The demo batch through every stage, by real materialisations, to four states."""
     from prx_assets.core.lab import Lab
-    from prx_assets.core.optouts import OPT_OUTS, content_key, opt_out_rows, replace_rows
-    from prx_assets.core.tables import CAPTIONS, RESOLUTION
+    from prx_assets.core.skiplists.optouts import content_key, opt_out_rows, replace_rows
+    from prx_assets.core.tables import CAPTIONS, OPT_OUTS, RESOLUTION
     from prx_assets.defs.ingest.assets import raw_images
     from prx_assets.defs.resolution.assets import resolution_profile
     from prx_assets.defs.shards.assets import bucket_assignments, mds_shards

@@ -36,7 +36,7 @@ from prx_assets.browser.queries import (
     parse_number,
 )
 from prx_assets.browser.thumbs import THUMB_SIZES, ThumbnailCache
-from prx_assets.core.decode import DecodeRejected
+from prx_assets.core.ingest.decode import DecodeRejected
 
 LOOPBACK_HOSTS: frozenset[str] = frozenset({"localhost", "127.0.0.1", "::1"})
 STATIC_FILES: dict[str, str] = {

@@ -34,9 +34,9 @@ import pyarrow as pa
 from lance.query import FullTextOperator, MatchQuery
 
 from prx_assets.core.audit import audit_image
+from prx_assets.core.captions.models.base import LABELS
 from prx_assets.core.lab import Lab, in_list, sql_literal
-from prx_assets.core.models.base import LABELS
-from prx_assets.core.skiplists import REASON_CODES
+from prx_assets.core.skiplists.sidecars import REASON_CODES
 
 IMAGES = "images"
 RESOLUTION = "resolution"
@@ -330,7 +330,7 @@ def ensure_browser_indexes(lab: Lab, attempts: int = 3) -> dict[str, str]:
     failed (...)``. Indexes only change how a query runs, never its answer, so a lost race
     with a concurrent writer is reported, not raised; Lance then scans that column.
     """
-    from prx_assets.core.caption_tables import ensure_fts_index
+    from prx_assets.core.captions.tables import ensure_fts_index
 
     report: dict[str, str] = {}
     for table, column, kind in BROWSER_INDEXES:

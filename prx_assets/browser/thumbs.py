@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from PIL import Image
 
-from prx_assets.core.decode import DEFAULT_MAX_PIXELS, decode_rgb
+from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS, decode_rgb
 
 THUMB_SIZES: tuple[int, ...] = (256, 1024)  # grid cards, detail view
 JPEG_QUALITY = 85

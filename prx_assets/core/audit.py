@@ -39,9 +39,9 @@ from typing import Any
 import lance
 import pyarrow as pa
 
+from prx_assets.core.ingest.sources import ARCHIVE_SUFFIXES, MANIFEST_SUFFIXES, batch_key
 from prx_assets.core.lab import Lab, in_list, sql_literal
 from prx_assets.core.markdown import md_code
-from prx_assets.core.sources import ARCHIVE_SUFFIXES, MANIFEST_SUFFIXES, batch_key
 
 # The order a data lead reads a trail in: where it came from, to where it went.
 TABLE_ORDER = (

@@ -5,9 +5,9 @@ from pathlib import Path
 
 from dagster import ConfigurableResource
 
-from prx_assets.core.decode import DEFAULT_MAX_PIXELS
+from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS
+from prx_assets.core.ingest.sources import DEFAULT_MAX_FILE_BYTES
 from prx_assets.core.lab import Lab
-from prx_assets.core.sources import DEFAULT_MAX_FILE_BYTES
 
 
 def default_data_root() -> str:

@@ -99,7 +99,7 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
     if store.exists("caption_embeddings"):
         print(f"Caption embeddings: {store.dataset('caption_embeddings').count_rows()}")
     if store.exists("phash_clusters"):
-        from prx_assets.core.dedup import summarise_planted
+        from prx_assets.core.dedup.decisions import summarise_planted
 
         planted = summarise_planted(store, manifest)
         clusters = store.read("phash_clusters", ["is_keeper", "low_information"])
@@ -130,7 +130,7 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
         print(
             f"Skip-lists: {excluded} of {audit.num_rows} shard samples skipped; reasons {reasons}"
         )
-        from prx_assets.core.skip_decisions import caption_coverage
+        from prx_assets.core.skiplists.decisions import caption_coverage
 
         for key in manifest.batches:
             cov = caption_coverage(store, key)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from prx_assets.core.decode import DEFAULT_MAX_PIXELS, decode_rgb, to_rgb
+from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS, decode_rgb, to_rgb
 
 Pooling = Literal["last_hidden", "mean"]
 

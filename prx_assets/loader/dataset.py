@@ -27,7 +27,7 @@ skip-lists it was taken against; resuming against a different digest raises
 the new space: exact from the next epoch on, approximate for the rest of this one).
 
 Fail closed: every stream needs its directory's live skip-list generation (the
-``skiplists.json`` manifest and the sidecars it names, ``core/skiplists.py``), written for
+``skiplists.json`` manifest and the sidecars it names, ``core/skiplists/sidecars.py``), written for
 the very ``index.json`` streaming loaded; a missing manifest, a manifest for another index,
 a missing, altered or out-of-range sidecar all stop the dataset with ``SkipListError``.
 Reading without skip-lists is a deliberate, loud choice: ``skiplists="ignore-UNSAFE"``
@@ -56,7 +56,7 @@ from streaming import Stream, StreamingDataset
 from streaming.base.storage import CloudDownloader
 from streaming.base.world import World
 
-from prx_assets.core.skiplists import (
+from prx_assets.core.skiplists.sidecars import (
     INDEX_BASENAME,
     MANIFEST_BASENAME,
     SIDECAR_SUFFIX,
@@ -101,6 +101,9 @@ def warn_unscreened(what: str, stacklevel: int = 3) -> None:
         UnscreenedDataWarning,
         stacklevel=stacklevel,
     )
+
+
+PREFIX_RACE_ATTEMPTS = 20  # see SkipListDataset._init_streaming
 
 
 class SkipListChanged(RuntimeError):
@@ -423,7 +426,7 @@ class SkipListDataset(StreamingDataset):
             streams = [SkipListStream(remote=remote, local=local, split=split, skiplists=skiplists)]
         if kwargs.get("replication") not in (None, 1):
             raise ValueError("replication is not supported with skip-lists (untested)")
-        super().__init__(streams=streams, **kwargs)
+        streams = self._init_streaming(streams, kwargs)
         self.allow_skiplist_change = allow_skiplist_change
         self.bucket_name = bucket_name or ", ".join(s.remote or s.local_dir for s in streams)
         self.skiplist_digest = digest_skip_sets([s.skip_sets for s in streams])
@@ -431,6 +434,35 @@ class SkipListDataset(StreamingDataset):
         self.dropped_shards = [(s.local_dir, name) for s in streams for name in s.dropped_shards]
         self._check_ranks_agree()
         self._warn_if_small()
+
+    def _init_streaming(
+        self, streams: list[SkipListStream], kwargs: dict[str, Any]
+    ) -> list[SkipListStream]:
+        """``StreamingDataset.__init__``, retried when it loses streaming's prefix race.
+
+        streaming registers a machine-wide shared-memory prefix as "the first free number":
+        two processes constructing datasets at the same moment (two jobs on one node, test
+        suites side by side) can pick the same one, and the loser gets ``FileExistsError``
+        on ``/<prefix>_locals``. Retrying (with fresh copies of the streams: streaming sets
+        their weights during the first attempt) picks the next free number. Only outside
+        ``torch.distributed``: there the prefix is agreed between ranks through barriers,
+        which a one-rank retry would unbalance, so the error is raised as streaming raises it.
+        Returns the streams the dataset was built from.
+        """
+        import torch.distributed as dist
+
+        distributed = dist.is_available() and dist.is_initialized()
+        attempts = 1 if distributed else PREFIX_RACE_ATTEMPTS
+        for attempt in range(attempts):
+            try:
+                super().__init__(streams=streams, **kwargs)
+                return streams
+            except FileExistsError as exc:
+                if attempt + 1 == attempts or not str(exc.filename or "").endswith("_locals"):
+                    raise
+                streams = [SkipListStream.from_stream(s, s.skiplists) for s in streams]
+                time.sleep(0.02 * (attempt + 1))
+        raise AssertionError("unreachable")
 
     def _check_ranks_agree(self) -> None:
         import torch.distributed as dist

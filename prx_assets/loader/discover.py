@@ -1,6 +1,6 @@
 """Find the bucket partitions of an MDS root and turn each into one skip-list stream.
 
-Layout (written by ``prx_assets.core.mds``): ``<root>/mds/<tier>/<H>x<W>/<batch>/`` holds one
+Layout (written by ``prx_assets.core.shards.mds``): ``<root>/mds/<tier>/<H>x<W>/<batch>/`` holds one
 ``index.json`` and its shards. One stream per partition keeps shape buckets apart (a batch
 must be one tensor shape) and lets the caller weight tiers, batches or whole roots (e.g. a
 public and an internal root) with streaming's ``repeat`` per stream.
@@ -13,7 +13,7 @@ Where the data lives:
   ``oci://``, ... anything streaming's downloaders handle, with their usual credentials); a
   URL cannot be listed, so pass ``partitions=["<tier>/<H>x<W>/<batch>", ...]``.
 
-Tiers are the bucket table's pixel tiers (``core/buckets.py``: 512, 1024, 2048, 4096), the
+Tiers are the bucket table's pixel tiers (``core/shards/buckets.py``: 512, 1024, 2048, 4096), the
 directory names under ``mds/``. A filter that matches no partition at all is an error that
 lists what there is (a typo must not silently train on nothing, or on everything else).
 
@@ -33,7 +33,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from prx_assets.core.skiplists import (
+from prx_assets.core.skiplists.sidecars import (
     INDEX_BASENAME,
     PartitionCounts,
     partition_counts,

@@ -26,7 +26,7 @@ BATCH_A = "public-skimage.000"  # 22 files, some under the size cutoff
 BATCH_B = "public-sklearn.001"  # 8 files
 
 # The columns of the later stages' tables the browser reads (their contracts:
-# core/shard_tables.py BUCKET_ASSIGNMENTS and core/skip_policy.py SKIP_AUDIT).
+# core/shards/tables.py BUCKET_ASSIGNMENTS and core/skiplists/policy.py SKIP_AUDIT).
 BUCKETS_SPEC = TableSpec(
     "bucket_assignments",
     pa.schema(

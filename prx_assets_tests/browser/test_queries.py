@@ -26,10 +26,11 @@ from prx_assets.browser.queries import (
     ensure_browser_indexes,
 )
 from prx_assets.browser.thumbs import ThumbnailCache, render_thumbnail
-from prx_assets.core.caption_tables import CAPTION_EMBEDDINGS, embedding_rows, ensure_vector_index
-from prx_assets.core.decode import DecodeRejected
+from prx_assets.core.captions.models.base import BackendIdentity
+from prx_assets.core.captions.tables import embedding_rows, ensure_vector_index
+from prx_assets.core.ingest.decode import DecodeRejected
 from prx_assets.core.lab import Lab
-from prx_assets.core.models.base import BackendIdentity
+from prx_assets.core.tables import CAPTION_EMBEDDINGS
 from prx_assets_tests.browser.conftest import (
     BATCH_A,
     BATCH_B,

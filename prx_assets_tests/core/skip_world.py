@@ -14,13 +14,20 @@ from datetime import UTC, datetime
 
 import pyarrow as pa
 
-from prx_assets.core.dedup import DedupSettings, gather_corpus, plan_batch
-from prx_assets.core.dedup_tables import IMAGE_HASHES, PHASH_CLUSTERS
+from prx_assets.core.dedup.decisions import DedupSettings, gather_corpus, plan_batch
 from prx_assets.core.lab import Lab
-from prx_assets.core.optouts import OPT_OUTS, opt_out_rows, parse_identifier, replace_rows
-from prx_assets.core.shard_tables import SHARD_SAMPLES
-from prx_assets.core.skip_policy import SampleRef, samples_from_rows
-from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS, IMAGES, RESOLUTION
+from prx_assets.core.skiplists.optouts import opt_out_rows, parse_identifier, replace_rows
+from prx_assets.core.skiplists.policy import SampleRef, samples_from_rows
+from prx_assets.core.tables import (
+    CAPTION_CLASSES,
+    CAPTIONS,
+    IMAGE_HASHES,
+    IMAGES,
+    OPT_OUTS,
+    PHASH_CLUSTERS,
+    RESOLUTION,
+    SHARD_SAMPLES,
+)
 
 T0 = datetime(2024, 1, 1, tzinfo=UTC)
 CAPTIONER = "alt_text-test"

@@ -6,7 +6,7 @@ import io
 import pytest
 from PIL import Image
 
-from prx_assets.core.decode import DEFAULT_MAX_PIXELS, DecodeRejected, inspect_image
+from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS, DecodeRejected, inspect_image
 
 
 def _png(width: int, height: int) -> bytes:

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from prx_assets.core.buckets import (
+from prx_assets.core.shards.buckets import (
     DEFAULT_TIERS,
     TOKEN_TOLERANCE,
     BucketShape,

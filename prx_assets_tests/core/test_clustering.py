@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from prx_assets.core import clustering as C
-from prx_assets.core import phash as P
+from prx_assets.core.dedup import clustering as C
+from prx_assets.core.dedup import phash as P
 
 U64 = (1 << 64) - 1
 PHOTOS = Path(__file__).parents[2] / "prx_assets" / "demo" / "photos"

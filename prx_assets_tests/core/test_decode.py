@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from prx_assets.core.decode import DecodeRejected, decode_rgb, inspect_image, to_rgb
+from prx_assets.core.ingest.decode import DecodeRejected, decode_rgb, inspect_image, to_rgb
 from prx_assets_tests.conftest import PHOTOS
 
 

@@ -12,10 +12,10 @@ import pyarrow as pa
 import pytest
 from PIL import Image
 
-from prx_assets.core import dedup as D
-from prx_assets.core.clustering import radius_pairs
-from prx_assets.core.dedup_tables import DEDUP_DIRTY, DEDUP_STATE, IMAGE_HASHES, PHASH_CLUSTERS
+from prx_assets.core.dedup import decisions as D
+from prx_assets.core.dedup.clustering import radius_pairs
 from prx_assets.core.lab import Lab
+from prx_assets.core.tables import DEDUP_DIRTY, DEDUP_STATE, IMAGE_HASHES, PHASH_CLUSTERS
 
 PHOTOS = Path(__file__).parents[2] / "prx_assets" / "demo" / "photos"
 S0 = D.DedupSettings()

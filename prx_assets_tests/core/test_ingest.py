@@ -7,9 +7,9 @@ from pathlib import Path
 import pyarrow as pa
 from PIL import Image
 
-from prx_assets.core import ingest
-from prx_assets.core.ingest import BatchIngest
-from prx_assets.core.sources import discover_batches, resolve_batch
+from prx_assets.core.ingest import runner as ingest
+from prx_assets.core.ingest.runner import BatchIngest
+from prx_assets.core.ingest.sources import discover_batches, resolve_batch
 from prx_assets.core.tables import IMAGES
 from prx_assets_tests.bounds import fail_after
 

@@ -9,8 +9,8 @@ import pytest
 import streaming
 from PIL import Image
 
-from prx_assets.core.buckets import assign_bucket
-from prx_assets.core.mds import (
+from prx_assets.core.shards.buckets import assign_bucket
+from prx_assets.core.shards.mds import (
     MDSSample,
     list_partition_dirs,
     partition_digest,
@@ -22,7 +22,7 @@ from prx_assets.core.mds import (
     write_partition_buckets,
     write_partition_streams,
 )
-from prx_assets.core.resize import encode_jpeg, resize_to_bucket
+from prx_assets.core.shards.resize import encode_jpeg, resize_to_bucket
 
 REPO = Path(__file__).resolve().parents[2]
 PHOTOS = REPO / "prx_assets" / "demo" / "photos"
@@ -363,7 +363,7 @@ def test_each_directory_appears_with_its_first_skiplist_generation(
     tmp_path: Path, samples: list[MDSSample]
 ) -> None:
     """The callback screens a directory inside its temporary copy, before the rename."""
-    from prx_assets.core.skiplists import load_generation
+    from prx_assets.core.skiplists.sidecars import load_generation
     from prx_assets.loader import SkipListDataset
 
     calls: list[tuple[str, bool]] = []

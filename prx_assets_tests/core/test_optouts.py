@@ -10,12 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from prx_assets.core.lab import Lab
-from prx_assets.core.optouts import (
+from prx_assets.core.skiplists.optouts import (
     KIND_KEY,
     KIND_SOURCE_ID,
     KIND_URL,
-    OPT_OUT_LISTS,
-    OPT_OUTS,
     OptOutIdentifier,
     OptOutListError,
     discover_lists,
@@ -34,7 +32,7 @@ from prx_assets.core.optouts import (
     resolve_identifiers,
     sharded_batches,
 )
-from prx_assets.core.tables import IMAGES
+from prx_assets.core.tables import IMAGES, OPT_OUT_LISTS, OPT_OUTS
 from prx_assets_tests.bounds import MIB, peak_rss_growth, sparse_file
 
 PHOTOS = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos"
@@ -374,7 +372,7 @@ def test_list_rows_and_sharded_batches(lab):
     keys = _keys(lab)
     some = sorted(keys.items())
     # Only s.001's first image is in a shard: matching s.000 images does not count.
-    from prx_assets.core.shard_tables import SHARD_SAMPLES
+    from prx_assets.core.tables import SHARD_SAMPLES
 
     (batch, _), key = next(kv for kv in some if kv[0][0] == "s.001")
     lab.replace_partition(

@@ -12,8 +12,8 @@ import pytest
 import scipy.fftpack
 from PIL import Image, ImageOps
 
-from prx_assets.core import phash as P
-from prx_assets.core.decode import DecodeRejected, decode_rgb
+from prx_assets.core.dedup import phash as P
+from prx_assets.core.ingest.decode import DecodeRejected, decode_rgb
 
 PHOTOS = sorted((Path(__file__).parents[2] / "prx_assets" / "demo" / "photos").iterdir())
 LANCZOS = Image.Resampling.LANCZOS

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from PIL import Image, JpegImagePlugin
 
-from prx_assets.core.buckets import assign_bucket, bucket_table
-from prx_assets.core.resize import (
+from prx_assets.core.shards.buckets import assign_bucket, bucket_table
+from prx_assets.core.shards.resize import (
     JPEG_QUALITY,
     _bicubic_aa,
     encode_jpeg,

@@ -11,10 +11,9 @@ import lance
 import pyarrow as pa
 import pytest
 
-from prx_assets.core.dedup import DecisionChange, mark_dirty
+from prx_assets.core.dedup.decisions import DecisionChange, mark_dirty
 from prx_assets.core.lab import Lab
-from prx_assets.core.shard_tables import SHARD_SAMPLES
-from prx_assets.core.skip_decisions import (
+from prx_assets.core.skiplists.decisions import (
     MissingImages,
     caption_coverage,
     changed_during_run,
@@ -26,8 +25,8 @@ from prx_assets.core.skip_decisions import (
     mark_skip_dirty,
     read_skip_dirty,
 )
-from prx_assets.core.skip_policy import SKIP_AUDIT, SkipPolicy, audit_rows
-from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS, IMAGES
+from prx_assets.core.skiplists.policy import SkipPolicy, audit_rows
+from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS, IMAGES, SHARD_SAMPLES, SKIP_AUDIT
 from prx_assets_tests.core.skip_world import FLAT, T0, World, key_of
 
 A, B, C = "src.a", "src.b", "src.c"

@@ -9,9 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prx_assets.core import dedup as D
-from prx_assets.core.skip_policy import (
-    SKIP_AUDIT,
+from prx_assets.core.dedup import decisions as D
+from prx_assets.core.skiplists.policy import (
     Copy,
     CopyStatus,
     SampleRef,
@@ -25,7 +24,8 @@ from prx_assets.core.skip_policy import (
     resolve_cluster,
     samples_from_rows,
 )
-from prx_assets.core.skiplists import REASON_CODES, encode_skiplist
+from prx_assets.core.skiplists.sidecars import REASON_CODES, encode_skiplist
+from prx_assets.core.tables import SKIP_AUDIT
 
 DIR_A = "mds/512/512x512/b"
 DIR_B = "mds/512/384x640/b"

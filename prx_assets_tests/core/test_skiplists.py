@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from prx_assets.core.skiplists import (
+from prx_assets.core.skiplists.sidecars import (
     MANIFEST_BASENAME,
     REASON_CODES,
     SkipListCorrupt,

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from prx_assets.core.sources import (
+from prx_assets.core.ingest.sources import (
     DEFAULT_MAX_FILE_BYTES,
     BatchError,
     describe_batch,

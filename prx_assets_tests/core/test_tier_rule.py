@@ -4,8 +4,8 @@ most 512/384 when it fills none (the issue: README said "without upscaling" for 
 
 import pyarrow as pa
 
-from prx_assets.core.buckets import assign_bucket
-from prx_assets.core.resolution import profile_images, summarise
+from prx_assets.core.resolution.profile import profile_images, summarise
+from prx_assets.core.shards.buckets import assign_bucket
 
 SIZES = {  # (width, height): (tier or None, upscaled)
     (383, 600): (None, False),  # short side under the cutoff

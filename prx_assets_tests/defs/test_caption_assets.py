@@ -7,15 +7,14 @@ import numpy as np
 import pytest
 from dagster import AssetCheckSeverity, AssetKey, EnvVar, materialize
 
-from prx_assets.core.caption_tables import (
-    CAPTION_EMBEDDINGS,
+from prx_assets.core.captions.models import MiniLMEmbedder, caption_word_count
+from prx_assets.core.captions.tables import (
     VECTOR_INDEX_MIN_ROWS,
     embedding_rows,
     ensure_vector_index,
 )
 from prx_assets.core.lab import Lab
-from prx_assets.core.models import MiniLMEmbedder, caption_word_count
-from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS, IMAGES, RESOLUTION
+from prx_assets.core.tables import CAPTION_CLASSES, CAPTION_EMBEDDINGS, CAPTIONS, IMAGES, RESOLUTION
 from prx_assets.defs.captions.assets import build_caption_assets
 from prx_assets.defs.captions.resources import (
     ALT_TEXT_NOTE,

@@ -8,14 +8,13 @@ import pyarrow as pa
 import pytest
 from dagster import AssetKey, SensorResult, build_sensor_context, materialize
 
-from prx_assets.core.caption_tables import (
-    CAPTION_EMBEDDINGS,
+from prx_assets.core.captions.tables import (
     ConfiguredFingerprints,
     plan_reruns,
     stale_batches,
     swap_run_key,
 )
-from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS
+from prx_assets.core.tables import CAPTION_CLASSES, CAPTION_EMBEDDINGS, CAPTIONS
 from prx_assets.defs.captions.assets import build_caption_assets
 from prx_assets.defs.captions.reconcile import (
     build_model_swap_sensor,

@@ -18,10 +18,9 @@ from dagster import (
 )
 from PIL import Image
 
-from prx_assets.core.dedup import DedupSettings, read_dirty, summarise_planted
-from prx_assets.core.dedup_tables import IMAGE_HASHES, PHASH_CLUSTERS
-from prx_assets.core.phash import phash_bytes
-from prx_assets.core.tables import IMAGES, RESOLUTION
+from prx_assets.core.dedup.decisions import DedupSettings, read_dirty, summarise_planted
+from prx_assets.core.dedup.phash import phash_bytes
+from prx_assets.core.tables import IMAGE_HASHES, IMAGES, PHASH_CLUSTERS, RESOLUTION
 from prx_assets.defs.dedup.assets import build_dedup_assets, hashes_complete_result
 from prx_assets.defs.dedup.config import DedupConfigResource
 from prx_assets.defs.dedup.sensors import build_dedup_sensor, dedup_reruns, settle_dedup

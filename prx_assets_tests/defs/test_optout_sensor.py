@@ -16,9 +16,7 @@ from dagster import (
     materialize,
 )
 
-from prx_assets.core.optouts import OPT_OUT_LISTS, OPT_OUTS
-from prx_assets.core.shard_tables import SHARD_SAMPLES
-from prx_assets.core.tables import IMAGES
+from prx_assets.core.tables import IMAGES, OPT_OUT_LISTS, OPT_OUTS, SHARD_SAMPLES
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource

@@ -11,16 +11,16 @@ import streaming
 from dagster import materialize
 from PIL import Image
 
-from prx_assets.core.buckets import assign_bucket
-from prx_assets.core.mds import partition_digest
-from prx_assets.core.resize import estimate_jpeg_quality
-from prx_assets.core.shard_tables import (
-    BUCKET_ASSIGNMENTS,
-    SHARD_SAMPLES,
-    written_without_caption,
+from prx_assets.core.shards.buckets import assign_bucket
+from prx_assets.core.shards.mds import partition_digest
+from prx_assets.core.shards.resize import estimate_jpeg_quality
+from prx_assets.core.shards.tables import written_without_caption
+from prx_assets.core.skiplists.sidecars import (
+    current_generation,
+    load_generation,
+    read_index_shards,
 )
-from prx_assets.core.skiplists import current_generation, load_generation, read_index_shards
-from prx_assets.core.tables import CAPTIONS, IMAGES, RESOLUTION
+from prx_assets.core.tables import BUCKET_ASSIGNMENTS, CAPTIONS, IMAGES, RESOLUTION, SHARD_SAMPLES
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile
@@ -347,7 +347,7 @@ def _jpeg(name: str, size: tuple[int, int]) -> bytes:
 
 def test_renderer_skips_a_broken_image_and_keeps_the_rest(tmp_path: Path) -> None:
     from prx_assets.core.lab import Lab
-    from prx_assets.core.shard_tables import (
+    from prx_assets.core.shards.tables import (
         BucketRenderer,
         RenderFailures,
         assignment_from_row,
@@ -460,9 +460,9 @@ def test_an_image_without_caption_is_written_and_skipped_as_no_caption(
 
 
 def test_the_screener_decides_the_whole_partition_and_refuses_undecided_samples(built) -> None:
-    from prx_assets.core.mds import Placement
-    from prx_assets.core.shard_screening import ShardScreener
-    from prx_assets.core.skip_policy import SkipPolicy, SkipPolicyError
+    from prx_assets.core.shards.mds import Placement
+    from prx_assets.core.shards.screening import ShardScreener
+    from prx_assets.core.skiplists.policy import SkipPolicy, SkipPolicyError
 
     store, eligible, _, uncaptioned = built
     planted = _plant_decisions(store, eligible)

@@ -11,21 +11,33 @@ import pytest
 from dagster import AssetKey, SensorResult, SkipReason, build_sensor_context, materialize
 from PIL import Image
 
-from prx_assets.core.buckets import assign_bucket
-from prx_assets.core.dedup import DedupSettings, gather_corpus, plan_batch
-from prx_assets.core.dedup_tables import IMAGE_HASHES, PHASH_CLUSTERS
-from prx_assets.core.mds import MDSSample, partition_digest, skip_nothing, write_partition_buckets
-from prx_assets.core.optouts import OPT_OUTS, opt_out_rows, parse_identifier, replace_rows
-from prx_assets.core.shard_tables import SHARD_SAMPLES
-from prx_assets.core.skip_policy import SKIP_AUDIT
-from prx_assets.core.skiplists import (
+from prx_assets.core.dedup.decisions import DedupSettings, gather_corpus, plan_batch
+from prx_assets.core.shards.buckets import assign_bucket
+from prx_assets.core.shards.mds import (
+    MDSSample,
+    partition_digest,
+    skip_nothing,
+    write_partition_buckets,
+)
+from prx_assets.core.skiplists.optouts import opt_out_rows, parse_identifier, replace_rows
+from prx_assets.core.skiplists.sidecars import (
     MANIFEST_BASENAME,
     current_generation,
     load_generation,
     load_skiplists,
     read_skiplist,
 )
-from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS, IMAGES, RESOLUTION
+from prx_assets.core.tables import (
+    CAPTION_CLASSES,
+    CAPTIONS,
+    IMAGE_HASHES,
+    IMAGES,
+    OPT_OUTS,
+    PHASH_CLUSTERS,
+    RESOLUTION,
+    SHARD_SAMPLES,
+    SKIP_AUDIT,
+)
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile

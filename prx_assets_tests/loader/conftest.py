@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from prx_assets.core.mds import BASE_COLUMNS
+from prx_assets.core.shards.mds import BASE_COLUMNS
 
 PHOTOS = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos"
-COLUMNS_BYTES = dict(BASE_COLUMNS)  # the shard contract written by core/mds.py
+COLUMNS_BYTES = dict(BASE_COLUMNS)  # the shard contract written by core/shards/mds.py
 WORDS = "a photo of the red cat dog on grass brick wall coffee cup coins flower".split()
 
 # Three partitions, two shapes: (tier, "HxW", batch, samples).
@@ -108,7 +108,7 @@ class MdsRoot:
     """
 
     def __init__(self, root: Path, layout=LAYOUT, key_suffix: str = "") -> None:
-        from prx_assets.core.skiplists import write_partition_skiplists
+        from prx_assets.core.skiplists.sidecars import write_partition_skiplists
 
         self.root = root
         self.mds = root / "mds"
@@ -133,7 +133,7 @@ class MdsRoot:
     def apply_skips(self, skips: Mapping[str, Mapping[int, Mapping[int, list[str]]]]) -> set[str]:
         """skips[relpath][shard_no][index] = reasons → one new generation per partition, with
         those shards' skip sets replaced; returns the keys skipped by the listed shards."""
-        from prx_assets.core.skiplists import update_skiplists
+        from prx_assets.core.skiplists.sidecars import update_skiplists
 
         skipped = set()
         for relpath, by_shard in skips.items():
@@ -147,7 +147,7 @@ class MdsRoot:
 
     def random_skips(self, rng: random.Random, drop_whole_shard: bool = True) -> set[str]:
         """Random skip sets over every partition (one whole shard skipped if asked)."""
-        from prx_assets.core.skiplists import REASON_CODES
+        from prx_assets.core.skiplists.sidecars import REASON_CODES
 
         plan: dict[str, dict[int, dict[int, list[str]]]] = {}
         for relpath, shards in self.shards.items():

@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from prx_assets.core.decode import decode_rgb
-from prx_assets.core.skiplists import skiplist_digest
+from prx_assets.core.ingest.decode import decode_rgb
+from prx_assets.core.skiplists.sidecars import skiplist_digest
 from prx_assets.loader import HFTextEncoder, ImageTextCollate, ShapeBatchedLoader, discover_streams
 from prx_assets.loader.collate import jpeg_bytes
 from prx_assets.loader.offline_encoder import build_offline_bert

@@ -15,7 +15,7 @@ import pytest
 from streaming import Stream, StreamingDataLoader
 from torch.utils.data import DataLoader
 
-from prx_assets.core.skiplists import (
+from prx_assets.core.skiplists.sidecars import (
     MANIFEST_BASENAME,
     SkipListCorrupt,
     SkipListError,
@@ -333,3 +333,31 @@ def test_a_directory_without_skiplists_is_refused_by_default(tmp_path: Path):
         assert ds.skiplist_digest != skiplist_digest([])
         del ds
         gc.collect()
+
+
+def test_losing_streamings_shared_memory_prefix_race_is_retried(mds_root: MdsRoot, monkeypatch):
+    """Another process registers the prefix this one just found free (streaming's
+    check-then-create race, seen with test suites side by side): construction retries
+    with the next free prefix instead of failing."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    import streaming.base.shared.prefix as prefix_module
+
+    real = prefix_module._check_and_find_retrying
+    taken: list[SharedMemory] = []
+
+    def racing(streams_local, streams_remote, shm_name, retry):
+        prefix = real(streams_local, streams_remote, shm_name, retry)
+        if not taken:  # between streaming's check and its create, another process wins
+            taken.append(SharedMemory(f"/{prefix:06}_locals", create=True, size=8))
+        return prefix
+
+    monkeypatch.setattr(prefix_module, "_check_and_find_retrying", racing)
+    try:
+        ds = _dataset(mds_root, shuffle=False)
+        assert taken, "the race was not staged"
+        assert {s["key"] for s in ds} == mds_root.all_keys()
+    finally:
+        for shm in taken:
+            shm.close()
+            shm.unlink()

@@ -5,11 +5,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import prx_assets.core.skiplists
+import prx_assets.core.skiplists.sidecars
 import prx_assets.loader
 
 FILES = [
-    Path(prx_assets.core.skiplists.__file__),
+    Path(prx_assets.core.skiplists.sidecars.__file__),
     *Path(prx_assets.loader.__file__).parent.glob("*.py"),
 ]
 

@@ -188,8 +188,8 @@ def test_the_package_docstring_example_finds_real_buckets(tmp_path: Path):
     import re
 
     import prx_assets.loader
-    from prx_assets.core.buckets import DEFAULT_TIERS
-    from prx_assets.core.skiplists import write_partition_skiplists
+    from prx_assets.core.shards.buckets import DEFAULT_TIERS
+    from prx_assets.core.skiplists.sidecars import write_partition_skiplists
 
     from .conftest import write_partition
 
@@ -210,7 +210,7 @@ def test_the_package_docstring_example_finds_real_buckets(tmp_path: Path):
 
 
 def test_discovery_and_loader_refuse_an_unscreened_partition(mds_root: MdsRoot):
-    from prx_assets.core.skiplists import MANIFEST_BASENAME, SkipListMissing
+    from prx_assets.core.skiplists.sidecars import MANIFEST_BASENAME, SkipListMissing
     from prx_assets.loader import IGNORE_SKIPLISTS_UNSAFE, UnscreenedDataWarning
 
     mds_root.apply_skips({"0/16x24/b1": {0: {0: ["opt_out"]}}})

@@ -23,8 +23,8 @@ from dagster import (
     asset,
 )
 
-from prx_assets.core.caption_tables import (
-    CAPTION_EMBEDDINGS,
+from prx_assets.core.captions.models import LABELS, BackendError, BackendIdentity, CaptionInput
+from prx_assets.core.captions.tables import (
     caption_rows,
     caption_stats,
     class_rows,
@@ -33,8 +33,7 @@ from prx_assets.core.caption_tables import (
     ensure_vector_index,
 )
 from prx_assets.core.lab import Lab, in_list, sql_literal
-from prx_assets.core.models import LABELS, BackendError, BackendIdentity, CaptionInput
-from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS, IMAGES, RESOLUTION
+from prx_assets.core.tables import CAPTION_CLASSES, CAPTION_EMBEDDINGS, CAPTIONS, IMAGES, RESOLUTION
 from prx_assets.defs.captions.checks import (
     classes_in_sync_result,
     classes_in_sync_spec,

@@ -17,8 +17,8 @@ from dagster import (
     PreviewWarning,
 )
 
-from prx_assets.core.caption_tables import CaptionStats
-from prx_assets.core.models import LABELS
+from prx_assets.core.captions.models import LABELS
+from prx_assets.core.captions.tables import CaptionStats
 from prx_assets.defs.captions.resources import ALT_TEXT_NOTE
 from prx_assets.defs.partitions import BATCHES
 

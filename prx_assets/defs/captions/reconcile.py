@@ -31,8 +31,7 @@ from dagster import (
     sensor,
 )
 
-from prx_assets.core.caption_tables import (
-    CAPTION_EMBEDDINGS,
+from prx_assets.core.captions.tables import (
     ConfiguredFingerprints,
     StaleBatch,
     plan_reruns,
@@ -41,7 +40,7 @@ from prx_assets.core.caption_tables import (
     swap_run_key,
 )
 from prx_assets.core.lab import Lab, sql_literal
-from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS
+from prx_assets.core.tables import CAPTION_CLASSES, CAPTION_EMBEDDINGS, CAPTIONS
 from prx_assets.defs.captions.assets import CAPTIONS_ASSET, CLASSES_ASSET, EMBEDDINGS_ASSET
 from prx_assets.defs.captions.resources import (
     CaptionerResource,

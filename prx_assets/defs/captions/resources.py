@@ -1,6 +1,6 @@
 """Resources that choose and configure the caption stage's model backends.
 
-Each resource builds one backend of ``prx_assets.core.models``. ``identity()`` is computed
+Each resource builds one backend of ``prx_assets.core.captions.models``. ``identity()`` is computed
 from configuration alone (no model load, no network, no secret), so ``build_caption_assets``
 can derive code versions from it when the graph is defined, and the swap sensor can compare
 it with the fingerprints stored in the lab. API keys come from the environment
@@ -12,8 +12,7 @@ from typing import Any, Literal
 
 from dagster import ConfigurableResource, EnvVar
 
-from prx_assets.core.caption_tables import VECTOR_INDEX_MIN_ROWS
-from prx_assets.core.models import (
+from prx_assets.core.captions.models import (
     AltTextCaptioner,
     BackendIdentity,
     CaptionClassifier,
@@ -26,9 +25,10 @@ from prx_assets.core.models import (
     TransformersCaptioner,
     TransformersClassifier,
 )
-from prx_assets.core.models.captioners import DEFAULT_VLM_ID
-from prx_assets.core.models.classifiers import DEFAULT_LM_ID
-from prx_assets.core.models.embeddings import MINILM_MODEL_ID
+from prx_assets.core.captions.models.captioners import DEFAULT_VLM_ID
+from prx_assets.core.captions.models.classifiers import DEFAULT_LM_ID
+from prx_assets.core.captions.models.embeddings import MINILM_MODEL_ID
+from prx_assets.core.captions.tables import VECTOR_INDEX_MIN_ROWS
 
 ALT_TEXT_NOTE = "offline fallback: source alt text, not a VLM caption"
 EMBEDDING_NOTE = "offline fallback: embedding zero-shot"

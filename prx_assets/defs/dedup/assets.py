@@ -6,7 +6,7 @@ every partition whenever one batch arrived (2,001 batches: 4,002 asset partition
 ``phash_clusters(B)`` depends on ``image_hashes(B)`` only, and reads the other batches'
 hashes as a table at run time, through the ``phash`` index. What its decision changes in
 other batches is written to ``dedup_dirty``; the dedup sensor (``sensors.py``) reruns
-exactly those partitions. See :mod:`prx_assets.core.dedup` for the logic.
+exactly those partitions. See :mod:`prx_assets.core.dedup.decisions` for the logic.
 """
 
 import time
@@ -30,8 +30,7 @@ from dagster import (
     asset,
 )
 
-from prx_assets.core.decode import DecodeRejected
-from prx_assets.core.dedup import (
+from prx_assets.core.dedup.decisions import (
     DECISION_FIELDS,
     BatchPlan,
     DecisionChange,
@@ -48,10 +47,17 @@ from prx_assets.core.dedup import (
     read_dirty,
     state_row,
 )
-from prx_assets.core.dedup_tables import DEDUP_DIRTY, DEDUP_STATE, IMAGE_HASHES, PHASH_CLUSTERS
+from prx_assets.core.dedup.phash import hash_to_int64, phash_many
+from prx_assets.core.ingest.decode import DecodeRejected
 from prx_assets.core.lab import Lab, in_list, sql_literal
-from prx_assets.core.phash import hash_to_int64, phash_many
-from prx_assets.core.tables import IMAGES, RESOLUTION
+from prx_assets.core.tables import (
+    DEDUP_DIRTY,
+    DEDUP_STATE,
+    IMAGE_HASHES,
+    IMAGES,
+    PHASH_CLUSTERS,
+    RESOLUTION,
+)
 from prx_assets.defs.dedup.config import DedupConfigResource
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.metadata import counts_table, png_markdown

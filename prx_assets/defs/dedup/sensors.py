@@ -33,8 +33,8 @@ from dagster import (
     sensor,
 )
 
-from prx_assets.core import dedup as core_dedup
-from prx_assets.core.dedup import DedupRerun, DedupSettings
+from prx_assets.core.dedup import decisions as core_dedup
+from prx_assets.core.dedup.decisions import DedupRerun, DedupSettings
 from prx_assets.core.lab import Lab
 from prx_assets.defs.dedup.assets import IMAGE_HASHES_ASSET, PHASH_CLUSTERS_ASSET
 from prx_assets.defs.dedup.config import DedupConfigResource
@@ -50,7 +50,7 @@ def dedup_reruns(
     downstream: Sequence[str] = (),
     registered: set[str] | None = None,
 ) -> dict[str, DedupRerun]:
-    """The sensor's decision (:func:`prx_assets.core.dedup.dedup_reruns`), this stage's assets."""
+    """The sensor's decision (:func:`prx_assets.core.dedup.decisions.dedup_reruns`), this stage's assets."""
     return core_dedup.dedup_reruns(
         lab,
         settings,
@@ -135,7 +135,7 @@ def settle_dedup(
     downstream: Sequence[str] = (),
     max_rounds: int = 3,
 ) -> list[DedupRerun]:
-    """:func:`prx_assets.core.dedup.settle_dedup` with asset keys; raises unless settled.
+    """:func:`prx_assets.core.dedup.decisions.settle_dedup` with asset keys; raises unless settled.
 
     ``execute(batch, asset_keys)`` materialises one partition and returns success.
     """

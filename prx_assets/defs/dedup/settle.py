@@ -4,8 +4,8 @@
 The CLI (``register-batch --materialize``) and the demo call this after materialising, so
 a user who never starts the daemon still reaches the settled state: every partition whose
 stored keepers a newer batch contradicts gets its ``phash_clusters`` and skip-lists rerun.
-The decision of what to rerun is the sensor's own (:func:`prx_assets.core.dedup.dedup_reruns`
-via :func:`prx_assets.core.dedup.settle_dedup`); only the execution differs (in process).
+The decision of what to rerun is the sensor's own (:func:`prx_assets.core.dedup.decisions.dedup_reruns`
+via :func:`prx_assets.core.dedup.decisions.settle_dedup`); only the execution differs (in process).
 """
 
 from __future__ import annotations
@@ -14,7 +14,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 from dagster import AssetKey, DagsterInstance, Definitions
 
-from prx_assets.core.dedup import DEFAULT_SETTLE_ROUNDS, DedupRerun, SettleReport, settle_dedup
+from prx_assets.core.dedup.decisions import (
+    DEFAULT_SETTLE_ROUNDS,
+    DedupRerun,
+    SettleReport,
+    settle_dedup,
+)
 from prx_assets.defs.dedup.assets import IMAGE_HASHES_ASSET, PHASH_CLUSTERS_ASSET
 from prx_assets.defs.dedup.sensors import TRIGGER_TAG
 from prx_assets.defs.partitions import BATCHES

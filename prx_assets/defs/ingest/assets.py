@@ -4,8 +4,8 @@ import os
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
-from prx_assets.core.ingest import BatchIngest
-from prx_assets.core.sources import resolve_batch
+from prx_assets.core.ingest.runner import BatchIngest
+from prx_assets.core.ingest.sources import resolve_batch
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.core.text import printable_name
 from prx_assets.defs.metadata import counts_table

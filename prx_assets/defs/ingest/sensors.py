@@ -11,7 +11,7 @@ from dagster import (
     sensor,
 )
 
-from prx_assets.core.sources import BatchError, discover_batches
+from prx_assets.core.ingest.sources import BatchError, discover_batches
 from prx_assets.defs.jobs import batch_pipeline_job
 from prx_assets.defs.metadata import bounded
 from prx_assets.defs.partitions import BATCHES

@@ -16,7 +16,7 @@ from dagster import (
 from pydantic import Field
 
 from prx_assets.core.lab import ORPHAN_MIN_AGE, TARGET_ROWS_PER_FRAGMENT
-from prx_assets.core.table_registry import LAB_TABLES
+from prx_assets.core.tables import LAB_TABLES
 from prx_assets.defs.resources import LabResource
 
 # Below this, a long partition write still in flight could lose its fragments before its

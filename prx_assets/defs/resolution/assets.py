@@ -4,7 +4,7 @@ import numpy as np
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
 from prx_assets.core.plots import resolution_histogram
-from prx_assets.core.resolution import MIN_SIDE, profile_images, summarise
+from prx_assets.core.resolution.profile import MIN_SIDE, profile_images, summarise
 from prx_assets.core.tables import IMAGES, RESOLUTION
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.metadata import counts_table, png_markdown

@@ -3,9 +3,10 @@
 from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
-from prx_assets.core.buckets import bucket_table
 from prx_assets.core.lab import sql_literal
-from prx_assets.core.mds import (
+from prx_assets.core.plots import bar_chart
+from prx_assets.core.shards.buckets import bucket_table
+from prx_assets.core.shards.mds import (
     DEFAULT_SIZE_LIMIT,
     directory_bytes,
     list_partition_dirs,
@@ -13,20 +14,17 @@ from prx_assets.core.mds import (
     small_bucket_hazards,
     write_partition_streams,
 )
-from prx_assets.core.plots import bar_chart
-from prx_assets.core.resize import (
+from prx_assets.core.shards.resize import (
     JPEG_QUALITY,
     JPEG_SUBSAMPLING,
     JPEG_SUBSAMPLING_REASON,
     RESAMPLE,
     RESAMPLE_DESCRIPTION,
 )
-from prx_assets.core.shard_screening import ShardScreener
-from prx_assets.core.shard_tables import (
-    BUCKET_ASSIGNMENTS,
+from prx_assets.core.shards.screening import ShardScreener
+from prx_assets.core.shards.tables import (
     CAPTION_COLUMNS,
     MDS_EXTRA_COLUMNS,
-    SHARD_SAMPLES,
     BucketRenderer,
     BucketTotals,
     assignment_rows,
@@ -35,9 +33,9 @@ from prx_assets.core.shard_tables import (
     plan_shards,
     summarise_assignments,
 )
-from prx_assets.core.skip_policy import SkipPolicyError
-from prx_assets.core.skiplists import current_generation
-from prx_assets.core.tables import CAPTIONS, IMAGES, RESOLUTION
+from prx_assets.core.skiplists.policy import SkipPolicyError
+from prx_assets.core.skiplists.sidecars import current_generation
+from prx_assets.core.tables import BUCKET_ASSIGNMENTS, CAPTIONS, IMAGES, RESOLUTION, SHARD_SAMPLES
 from prx_assets.defs.metadata import counts_table, md_table, png_markdown
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile

@@ -33,11 +33,10 @@ from dagster import (
     asset,
 )
 
-from prx_assets.core.dedup_tables import PHASH_CLUSTERS
 from prx_assets.core.lab import Lab
-from prx_assets.core.mds import list_partition_dirs, partition_digest, partition_dir
-from prx_assets.core.shard_tables import SHARD_SAMPLES, written_without_caption
-from prx_assets.core.skip_decisions import (
+from prx_assets.core.shards.mds import list_partition_dirs, partition_digest, partition_dir
+from prx_assets.core.shards.tables import written_without_caption
+from prx_assets.core.skiplists.decisions import (
     caption_coverage,
     changed_during_run,
     clear_skip_dirty,
@@ -47,8 +46,7 @@ from prx_assets.core.skip_decisions import (
     mark_skip_dirty,
     read_skip_dirty,
 )
-from prx_assets.core.skip_policy import (
-    SKIP_AUDIT,
+from prx_assets.core.skiplists.policy import (
     WAITS_FOR_CLASS,
     WAITS_FOR_DEDUP,
     PartitionDecisions,
@@ -57,13 +55,20 @@ from prx_assets.core.skip_policy import (
     exclusion_changes,
     samples_from_rows,
 )
-from prx_assets.core.skiplists import (
+from prx_assets.core.skiplists.sidecars import (
     SkipListError,
     publish_partition_skiplists,
     read_index_shards,
     skiplist_digest,
 )
-from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS, IMAGES
+from prx_assets.core.tables import (
+    CAPTION_CLASSES,
+    CAPTIONS,
+    IMAGES,
+    PHASH_CLUSTERS,
+    SHARD_SAMPLES,
+    SKIP_AUDIT,
+)
 from prx_assets.defs.metadata import counts_table, md_table
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource

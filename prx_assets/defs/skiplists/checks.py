@@ -16,7 +16,7 @@ from dagster import (
     PreviewWarning,
 )
 
-from prx_assets.core.skip_decisions import CaptionCoverage
+from prx_assets.core.skiplists.decisions import CaptionCoverage
 from prx_assets.defs.partitions import BATCHES
 
 CAPTION_COVERAGE = "skip_lists_caption_coverage"

@@ -11,8 +11,8 @@ from pathlib import Path
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from prx_assets.core.optouts import DEFAULT_MAX_LINE_BYTES, DEFAULT_MAX_LIST_BYTES
-from prx_assets.core.skip_policy import (
+from prx_assets.core.skiplists.optouts import DEFAULT_MAX_LINE_BYTES, DEFAULT_MAX_LIST_BYTES
+from prx_assets.core.skiplists.policy import (
     DEFAULT_EXCLUDED_CLASSES,
     EXCLUDABLE_CLASSES,
     SkipPolicy,

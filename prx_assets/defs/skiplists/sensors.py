@@ -16,7 +16,7 @@ own ``RunRequest`` (``asset_selection=[skip_lists]``) whose run key names the li
 applies, so every run is traceable to the lists that caused it and Dagster never requests
 the same (lists, partition) twice, even when the cursor is lost.
 
-Opt-out formats and rules: see :mod:`prx_assets.core.optouts`.
+Opt-out formats and rules: see :mod:`prx_assets.core.skiplists.optouts`.
 """
 
 import hashlib
@@ -39,13 +39,12 @@ from dagster import (
     sensor,
 )
 
-from prx_assets.core.dedup import read_dirty
+from prx_assets.core.dedup.decisions import read_dirty
 from prx_assets.core.lab import Lab, sql_literal
-from prx_assets.core.optouts import (
+from prx_assets.core.skiplists.decisions import cluster_copies, read_skip_dirty
+from prx_assets.core.skiplists.optouts import (
     DEFAULT_MAX_LINE_BYTES,
     DEFAULT_MAX_LIST_BYTES,
-    OPT_OUT_LISTS,
-    OPT_OUTS,
     OptOutListError,
     discover_lists,
     ensure_image_lookup_indexes,
@@ -59,8 +58,7 @@ from prx_assets.core.optouts import (
     resolve_identifiers,
     sharded_batches,
 )
-from prx_assets.core.skip_decisions import cluster_copies, read_skip_dirty
-from prx_assets.core.skip_policy import SKIP_AUDIT
+from prx_assets.core.tables import OPT_OUT_LISTS, OPT_OUTS, SKIP_AUDIT
 from prx_assets.core.text import printable_name
 from prx_assets.defs.metadata import bounded
 from prx_assets.defs.partitions import BATCHES

@@ -193,7 +193,7 @@ def demo_photos() -> dict[str, bytes]:
 
 @pytest.fixture(scope="session")
 def minilm() -> Any:
-    from prx_assets.core.models import MiniLMEmbedder
+    from prx_assets.core.captions.models import MiniLMEmbedder
 
     return MiniLMEmbedder(device="cpu")
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from prx_assets.core.models import (
+from prx_assets.core.captions.models import (
     LABELS,
     BackendConfigError,
     BackendInputError,

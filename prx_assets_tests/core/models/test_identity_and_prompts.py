@@ -7,7 +7,7 @@ import io
 import pytest
 from PIL import Image
 
-from prx_assets.core.models import (
+from prx_assets.core.captions.models import (
     ALT_TEXT_MODEL_ID,
     CAPTION_PROMPT_HASH,
     CAPTION_SYSTEM_PROMPT,
@@ -20,8 +20,8 @@ from prx_assets.core.models import (
     caption_length_ok,
     caption_word_count,
 )
-from prx_assets.core.models.base import load_caption_image
-from prx_assets.core.models.prompts import (
+from prx_assets.core.captions.models.base import load_caption_image
+from prx_assets.core.captions.models.prompts import (
     CLASSIFIER_PROMPT,
     EMBEDDING_LABEL_DESCRIPTIONS,
     _short_hash,

@@ -10,7 +10,7 @@ import time
 import pytest
 from PIL import Image
 
-from prx_assets.core.models import (
+from prx_assets.core.captions.models import (
     CAPTION_PROMPT_VERSION,
     CAPTION_SYSTEM_PROMPT,
     BackendConfigError,

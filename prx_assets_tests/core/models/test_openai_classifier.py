@@ -6,13 +6,13 @@ import math
 
 import pytest
 
-from prx_assets.core.models import (
+from prx_assets.core.captions.models import (
     LABELS,
     BackendRequestError,
     MalformedResponseError,
     OpenAIClassifier,
 )
-from prx_assets.core.models.classifiers import first_token_label_logprobs
+from prx_assets.core.captions.models.classifiers import first_token_label_logprobs
 
 from .conftest import ChatServer, chat_reply
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from prx_assets.core.models import (
+from prx_assets.core.captions.models import (
     CAPTION_PROMPT_VERSION,
     LABELS,
     BackendConfigError,
@@ -20,7 +20,7 @@ from prx_assets.core.models import (
     TransformersCaptioner,
     TransformersClassifier,
 )
-from prx_assets.core.models.classifiers import label_score, probs_from_scores
+from prx_assets.core.captions.models.classifiers import label_score, probs_from_scores
 
 
 @pytest.fixture(scope="module")

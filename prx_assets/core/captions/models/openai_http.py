@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from prx_assets.core.models.base import (
+from prx_assets.core.captions.models.base import (
     BackendCancelledError,
     BackendConfigError,
     BackendRequestError,

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from prx_assets.core.models.base import (
+from prx_assets.core.captions.models.base import (
     LABELS,
     BackendConfigError,
     BackendIdentity,
@@ -37,14 +37,14 @@ from prx_assets.core.models.base import (
     check_texts,
     softmax,
 )
-from prx_assets.core.models.embeddings import MiniLMEmbedder
-from prx_assets.core.models.openai_http import (
+from prx_assets.core.captions.models.embeddings import MiniLMEmbedder
+from prx_assets.core.captions.models.openai_http import (
     OpenAIChatClient,
     message_text,
     resolve_api_key,
     resolve_base_url,
 )
-from prx_assets.core.models.prompts import (
+from prx_assets.core.captions.models.prompts import (
     CLASSIFIER_PROMPT_HASH,
     CLASSIFIER_PROMPT_VERSION,
     EMBEDDING_LABEL_DESCRIPTIONS,
@@ -136,7 +136,7 @@ class TransformersClassifier:
             if self._model is None:
                 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-                from prx_assets.core.models.captioners import load_pretrained
+                from prx_assets.core.captions.models.captioners import load_pretrained
 
                 tok, model = load_pretrained(
                     AutoTokenizer,

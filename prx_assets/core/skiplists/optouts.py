@@ -68,6 +68,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from prx_assets.core.lab import Lab, TableSpec, in_list, sql_literal
+from prx_assets.core.tables import OPT_OUT_LISTS, OPT_OUTS
 from prx_assets.core.text import bound_text, printable_name, quote_bounded, read_lines
 
 KIND_KEY = "key"
@@ -102,48 +103,6 @@ _COLUMN_KINDS: dict[str, str] = {
     "sample_id": KIND_SOURCE_ID,
 }
 _SOURCE_COLUMN = "source"
-
-OPT_OUTS = TableSpec(
-    name="opt_outs",
-    schema=pa.schema(
-        [
-            pa.field("list_id", pa.string(), nullable=False),
-            pa.field("identifier", pa.string(), nullable=False),  # canonical form (see kinds)
-            pa.field("identifier_kind", pa.string(), nullable=False),  # key | url | source_id
-            pa.field("received_at", pa.timestamp("us", tz="UTC"), nullable=False),
-            # One row per image the identifier matched when the list arrived (null: none yet).
-            pa.field("matched_key", pa.string()),
-            pa.field("matched_batch", pa.string()),
-        ]
-    ),
-    identity=("list_id", "identifier", "matched_batch", "matched_key"),
-    indexes=(
-        ("identifier", "BTREE"),
-        ("list_id", "BTREE"),
-        ("matched_key", "BTREE"),
-        ("matched_batch", "BITMAP"),
-    ),
-)
-
-OPT_OUT_LISTS = TableSpec(
-    name="opt_out_lists",
-    schema=pa.schema(
-        [
-            pa.field("list_id", pa.string(), nullable=False),  # "<file name>@<sha256[:16]>"
-            pa.field("path", pa.string(), nullable=False),
-            pa.field("format", pa.string()),
-            pa.field("sha256", pa.string(), nullable=False),
-            pa.field("status", pa.string(), nullable=False),  # accepted | rejected
-            pa.field("reason", pa.string()),  # "<code>: <details>" when rejected
-            pa.field("rows", pa.int64()),  # distinct identifiers in the list
-            pa.field("matched_images", pa.int64()),  # (batch, key) pairs matched on arrival
-            pa.field("batches", pa.list_(pa.string())),  # batches holding a match on arrival
-            pa.field("received_at", pa.timestamp("us", tz="UTC"), nullable=False),
-        ]
-    ),
-    identity=("list_id",),
-    indexes=(("list_id", "BTREE"), ("status", "BITMAP")),
-)
 
 
 class OptOutListError(ValueError):

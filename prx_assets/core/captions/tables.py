@@ -21,11 +21,57 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prx_assets.core.captions.models.base import BackendIdentity, CaptionResult, ClassProbs
+from prx_assets.core.captions.models.embeddings import MINILM_DIM
+from prx_assets.core.captions.models.prompts import caption_word_count
 from prx_assets.core.lab import TableSpec
-from prx_assets.core.models.base import BackendIdentity, CaptionResult, ClassProbs
-from prx_assets.core.models.embeddings import MINILM_DIM
-from prx_assets.core.models.prompts import caption_word_count
-from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS
+
+CAPTIONS = TableSpec(
+    name="captions",
+    schema=pa.schema(
+        [
+            pa.field("key", pa.string(), nullable=False),
+            pa.field("batch", pa.string(), nullable=False),
+            pa.field("caption", pa.string()),
+            pa.field("word_count", pa.int32()),
+            pa.field("length_ok", pa.bool_()),  # inside the prompt's 100-200 word window
+            pa.field("is_fallback", pa.bool_()),  # True: alt text, not a VLM caption
+            pa.field("fallback_reason", pa.string()),
+            # Provenance: which backend wrote it, with what prompt and parameters.
+            pa.field("backend", pa.string()),  # openai | transformers | alt_text
+            pa.field("model_id", pa.string()),
+            pa.field("prompt_version", pa.string()),
+            pa.field("prompt_hash", pa.string()),
+            pa.field("params", pa.string()),  # canonical JSON
+            pa.field("backend_fingerprint", pa.string()),
+            pa.field("created_at", pa.timestamp("us", tz="UTC")),
+        ]
+    ),
+    identity=("batch", "key"),
+    indexes=(("key", "BTREE"), ("batch", "BITMAP"), ("backend_fingerprint", "BITMAP")),
+)
+
+CAPTION_CLASSES = TableSpec(
+    name="caption_classes",
+    schema=pa.schema(
+        [
+            pa.field("key", pa.string(), nullable=False),
+            pa.field("batch", pa.string(), nullable=False),
+            pa.field("label", pa.string()),  # visual | text | nsfw (argmax)
+            pa.field("p_visual", pa.float32()),
+            pa.field("p_text", pa.float32()),
+            pa.field("p_nsfw", pa.float32()),
+            pa.field("backend", pa.string()),
+            pa.field("model_id", pa.string()),
+            pa.field("prompt_version", pa.string()),
+            pa.field("backend_fingerprint", pa.string()),
+            pa.field("caption_fingerprint", pa.string()),  # the captioner it classified
+            pa.field("created_at", pa.timestamp("us", tz="UTC")),
+        ]
+    ),
+    identity=("batch", "key"),
+    indexes=(("key", "BTREE"), ("batch", "BITMAP"), ("label", "BITMAP")),
+)
 
 CAPTION_EMBEDDINGS = TableSpec(
     name="caption_embeddings",

@@ -25,7 +25,7 @@ from typing import Any
 
 from PIL import Image
 
-from prx_assets.core.models.base import (
+from prx_assets.core.captions.models.base import (
     BackendConfigError,
     BackendIdentity,
     BackendInputError,
@@ -35,13 +35,13 @@ from prx_assets.core.models.base import (
     check_caption_inputs,
     load_caption_image,
 )
-from prx_assets.core.models.openai_http import (
+from prx_assets.core.captions.models.openai_http import (
     OpenAIChatClient,
     message_text,
     resolve_api_key,
     resolve_base_url,
 )
-from prx_assets.core.models.prompts import (
+from prx_assets.core.captions.models.prompts import (
     CAPTION_PROMPT_HASH,
     CAPTION_PROMPT_VERSION,
     CAPTION_SYSTEM_PROMPT,

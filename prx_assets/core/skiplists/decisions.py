@@ -5,7 +5,7 @@ directory and ``skip_lists`` refreshes it; both must decide the same way from th
 inputs, so both call :func:`decide_partition`.
 
 Why it reads other batches: a sample's fate depends on the other copies of its picture
-(see :mod:`prx_assets.core.skip_policy`). The clusters touching the partition are read
+(see :mod:`prx_assets.core.skiplists.policy`). The clusters touching the partition are read
 whole through the ``cluster_id`` BTREE of ``phash_clusters``, and every fact about their
 members (keeper order, caption, class label, dedup staleness, whether written, opt-outs)
 through the ``key`` BTREEs of the tables holding it, so the cost follows the partition and
@@ -33,20 +33,16 @@ from typing import Any
 import lance
 import pyarrow as pa
 
-from prx_assets.core.dedup import (
+from prx_assets.core.dedup.decisions import (
     DEFAULT_LOOKUP_CHUNK,
     cluster_members,
     keeper_order,
     lookup_by_keys,
     read_dirty,
 )
-from prx_assets.core.dedup_tables import IMAGE_HASHES, PHASH_CLUSTERS
 from prx_assets.core.lab import Lab, TableSpec, in_list, sql_literal
-from prx_assets.core.optouts import opted_out_keys
-from prx_assets.core.shard_tables import SHARD_SAMPLES
-from prx_assets.core.skip_policy import (
-    SKIP_AUDIT,
-    SKIP_DIRTY,
+from prx_assets.core.skiplists.optouts import opted_out_keys
+from prx_assets.core.skiplists.policy import (
     Copy,
     Outcome,
     PartitionDecisions,
@@ -55,7 +51,17 @@ from prx_assets.core.skip_policy import (
     SkipPolicyError,
     decide,
 )
-from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS, IMAGES, RESOLUTION
+from prx_assets.core.tables import (
+    CAPTION_CLASSES,
+    CAPTIONS,
+    IMAGE_HASHES,
+    IMAGES,
+    PHASH_CLUSTERS,
+    RESOLUTION,
+    SHARD_SAMPLES,
+    SKIP_AUDIT,
+    SKIP_DIRTY,
+)
 
 IMAGE_ID_COLUMNS = ["key", "url", "source", "source_id"]  # every way a list names an image
 

@@ -45,9 +45,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from prx_assets.core.lab import TableSpec
-from prx_assets.core.models.base import LABELS
-from prx_assets.core.skiplists import REASON_CODES
+from prx_assets.core.captions.models.base import LABELS
+from prx_assets.core.skiplists.sidecars import REASON_CODES
+from prx_assets.core.tables import SKIP_AUDIT
 
 POLICY_VERSION = 2  # 2: fail closed (pending), low_information, no_caption, cluster-wide
 DEFAULT_EXCLUDED_CLASSES: frozenset[str] = frozenset({"text", "nsfw"})
@@ -58,61 +58,6 @@ R_LOW_INFORMATION, R_NO_CAPTION = "low_information", "no_caption"
 WAITS_FOR_CLASS = "caption_classes"
 WAITS_FOR_DEDUP = "phash_clusters"
 WAITS_FOR_HASH = "image_hashes"
-
-SKIP_AUDIT = TableSpec(
-    name="skip_audit",
-    schema=pa.schema(
-        [
-            pa.field("key", pa.string(), nullable=False),
-            pa.field("batch", pa.string(), nullable=False),
-            pa.field("tier", pa.int32()),
-            pa.field("shape", pa.string()),
-            pa.field("relative_dir", pa.string()),  # "mds/<tier>/<H>x<W>/<batch>"
-            pa.field("shard", pa.string()),
-            pa.field("index_in_shard", pa.int32()),
-            pa.field("excluded", pa.bool_()),
-            pa.field("reasons", pa.list_(pa.string())),  # sorted reason codes (empty: kept)
-            pa.field("opt_out_list_ids", pa.list_(pa.string())),
-            pa.field("class_label", pa.string()),  # the label the decision saw (null: none)
-            pa.field("duplicate_of", pa.string()),  # the training copy's key ("duplicate")
-            pa.field("decided_at", pa.timestamp("us", tz="UTC")),  # this materialisation
-            # Start of the current exclusion: carried over while the sample stays excluded.
-            pa.field("first_excluded_at", pa.timestamp("us", tz="UTC")),
-            pa.field("policy_fingerprint", pa.string()),
-            # Added by policy v2 (appended, so older tables gain them as null columns):
-            pa.field("opt_out_via", pa.list_(pa.string())),  # keys of the copies lists named
-            pa.field("duplicate_of_batch", pa.string()),  # the training copy's batch
-            pa.field("cluster_id", pa.string()),  # the pHash cluster decided (null: none)
-            pa.field("pending_on", pa.list_(pa.string())),  # what a "pending" sample awaits
-        ]
-    ),
-    identity=("batch", "key"),
-    indexes=(
-        ("key", "BTREE"),
-        ("batch", "BITMAP"),
-        ("excluded", "BITMAP"),
-        ("policy_fingerprint", "BITMAP"),
-    ),
-)
-
-SKIP_DIRTY = TableSpec(
-    name="skip_dirty",
-    schema=pa.schema(
-        [
-            pa.field("dirty_id", pa.string(), nullable=False),  # digest of the other columns
-            pa.field("batch", pa.string(), nullable=False),  # the batch whose audit is stale
-            pa.field("key", pa.string(), nullable=False),
-            pa.field("cluster_id", pa.string()),
-            pa.field("change", pa.string()),  # recorded -> current decision, human-readable
-            pa.field("detected_by", pa.string()),  # the batch whose skip_lists saw it
-            pa.field("detected_at", pa.timestamp("us", tz="UTC")),
-        ]
-    ),
-    # Other batches whose recorded skip decisions a skip_lists run contradicts (a copy of
-    # theirs became, or stopped being, the training copy): skip_dirty_sensor reruns them.
-    identity=("dirty_id",),
-    indexes=(),  # a handful of pending rows at any time: scans are cheaper than indexes
-)
 
 
 class SkipPolicyError(ValueError):

@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 from PIL import Image
 
-from prx_assets.core.decode import DecodeRejected, decode_rgb, to_rgb
+from prx_assets.core.ingest.decode import DecodeRejected, decode_rgb, to_rgb
 
 #: The caption classes, in the fixed order every classifier reports them.
 LABELS: tuple[str, ...] = ("visual", "text", "nsfw")

@@ -15,7 +15,7 @@ Choosing a backend:
 - embeddings: :class:`MiniLMEmbedder` (bundled all-MiniLM-L6-v2, 384-d).
 """
 
-from prx_assets.core.models.base import (
+from prx_assets.core.captions.models.base import (
     LABELS,
     BackendCancelledError,
     BackendConfigError,
@@ -34,19 +34,19 @@ from prx_assets.core.models.base import (
     MalformedResponseError,
     TextEmbedder,
 )
-from prx_assets.core.models.captioners import (
+from prx_assets.core.captions.models.captioners import (
     ALT_TEXT_MODEL_ID,
     AltTextCaptioner,
     OpenAICaptioner,
     TransformersCaptioner,
 )
-from prx_assets.core.models.classifiers import (
+from prx_assets.core.captions.models.classifiers import (
     EmbeddingClassifier,
     OpenAIClassifier,
     TransformersClassifier,
 )
-from prx_assets.core.models.embeddings import MINILM_DIM, MiniLMEmbedder, minilm_model_path
-from prx_assets.core.models.prompts import (
+from prx_assets.core.captions.models.embeddings import MINILM_DIM, MiniLMEmbedder, minilm_model_path
+from prx_assets.core.captions.models.prompts import (
     CAPTION_PROMPT_HASH,
     CAPTION_PROMPT_VERSION,
     CAPTION_SYSTEM_PROMPT,

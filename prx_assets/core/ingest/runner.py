@@ -14,8 +14,13 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from prx_assets.core.decode import DEFAULT_MAX_PIXELS, DecodeRejected, inspect_image
-from prx_assets.core.sources import DEFAULT_MAX_FILE_BYTES, BatchRef, Candidate, iter_candidates
+from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS, DecodeRejected, inspect_image
+from prx_assets.core.ingest.sources import (
+    DEFAULT_MAX_FILE_BYTES,
+    BatchRef,
+    Candidate,
+    iter_candidates,
+)
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.core.text import bound_text, quote_bounded
 

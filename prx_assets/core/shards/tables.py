@@ -23,7 +23,9 @@ from typing import Any
 import lance
 import pyarrow as pa
 
-from prx_assets.core.buckets import (
+from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS
+from prx_assets.core.lab import TableSpec, in_list, sql_literal
+from prx_assets.core.shards.buckets import (
     MIN_SIDE,
     Assignment,
     BucketShape,
@@ -32,10 +34,8 @@ from prx_assets.core.buckets import (
     bucket_table,
     bucket_table_json,
 )
-from prx_assets.core.decode import DEFAULT_MAX_PIXELS
-from prx_assets.core.lab import TableSpec, in_list, sql_literal
-from prx_assets.core.mds import MDSSample, Placement
-from prx_assets.core.resize import RESAMPLE, RESAMPLE_CHOICES, render_jpeg
+from prx_assets.core.shards.mds import MDSSample, Placement
+from prx_assets.core.shards.resize import RESAMPLE, RESAMPLE_CHOICES, render_jpeg
 
 BUCKET_ASSIGNMENTS = TableSpec(
     name="bucket_assignments",

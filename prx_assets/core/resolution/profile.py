@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from prx_assets.core.buckets import assign_bucket, max_fillable_tier
+from prx_assets.core.shards.buckets import assign_bucket, max_fillable_tier
 from prx_assets.core.tables import RESOLUTION
 
 MIN_SIDE = 384  # images under 384x384 px are not used for training

@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from prx_assets.core.buckets import Assignment
-from prx_assets.core.decode import DEFAULT_MAX_PIXELS, decode_rgb
+from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS, decode_rgb
+from prx_assets.core.shards.buckets import Assignment
 
 DETAIL_MARGIN = 2  # fast-path intermediates keep >= 2x the pixels of the resized target
 RESAMPLE = "bicubic-aa"  # the shard path's filter (see module doc); "lanczos": Pillow's

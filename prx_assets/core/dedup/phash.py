@@ -3,7 +3,7 @@
 Both modes follow imagehash's pHash definition: greyscale, Lanczos to 32x32, 2-D DCT-II
 (scipy.fftpack, unnormalised), the top-left 8x8 block, bit = coefficient > median, bits in
 row-major order with element [0, 0] as the most significant bit (so ``f"{h:016x}"`` equals
-``str(imagehash.phash(img))``). Images are decoded by ``prx_assets.core.decode`` (EXIF
+``str(imagehash.phash(img))``). Images are decoded by ``prx_assets.core.ingest.decode`` (EXIF
 orientation, RGB policy): we hash what training sees.
 
 - ``reference``: bit-identical to ``imagehash.phash`` on the policy-decoded full image.
@@ -52,7 +52,7 @@ import numpy as np
 import scipy.fftpack
 from PIL import Image
 
-from prx_assets.core.decode import ALLOWED_FORMATS, decode_rgb
+from prx_assets.core.ingest.decode import ALLOWED_FORMATS, decode_rgb
 
 PHASH_MODES: tuple[str, ...] = ("reference", "fast")
 _VERSIONS = {"reference": "reference-v1", "fast": "fast-v1"}

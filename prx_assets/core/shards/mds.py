@@ -7,7 +7,7 @@ trainer build a stream per bucket from the directories it finds.
 
 Atomicity: a directory is written under a hidden temporary sibling
 (``.<batch>.tmp-<uuid>``): shards and ``index.json``, then its first skip-list generation
-(``core/skiplists.py``: sidecars + ``skiplists.json``) from the caller's ``skips_for``
+(``core/skiplists/sidecars.py``: sidecars + ``skiplists.json``) from the caller's ``skips_for``
 callback, all fsynced, then renamed into place; a previous version is first renamed away
 (``.<batch>.old-<uuid>``) and deleted after the new one is in. A reader of the final path
 therefore sees the old complete directory, the new complete one, or (only in the instant
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from prx_assets.core.crashpoints import crashpoint
-from prx_assets.core.skiplists import write_partition_skiplists
+from prx_assets.core.skiplists.sidecars import write_partition_skiplists
 
 MDS_DIRNAME = "mds"
 DEFAULT_SIZE_LIMIT = 128 << 20  # 128 MiB per shard, MDSWriter's ``size_limit``

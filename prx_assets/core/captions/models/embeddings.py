@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from prx_assets.core.models.base import BackendConfigError, BackendIdentity, check_texts
+from prx_assets.core.captions.models.base import BackendConfigError, BackendIdentity, check_texts
 
 MINILM_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 MINILM_DIM = 384

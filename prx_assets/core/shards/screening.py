@@ -2,7 +2,7 @@
 
 Why at write time: a bucket x batch directory must never become visible without a complete,
 current skip-list generation (a directory without one would be trained on whole). So
-``core/mds.py`` calls a ``skips_for(placements)`` callback once a directory's shards are in
+``core/shards/mds.py`` calls a ``skips_for(placements)`` callback once a directory's shards are in
 its temporary directory; ``ShardScreener`` is that callback. It decides with the same entry
 point as ``skip_lists`` (``skip_decisions.decide_partition``, the lab's decisions at that
 moment, ``SampleRef``s at their *final* ``relative_dir``), so ``skip_lists`` later refreshes
@@ -20,9 +20,9 @@ import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 
 from prx_assets.core.lab import Lab
-from prx_assets.core.mds import MDS_DIRNAME, Placement
-from prx_assets.core.skip_decisions import decide_partition
-from prx_assets.core.skip_policy import (
+from prx_assets.core.shards.mds import MDS_DIRNAME, Placement
+from prx_assets.core.skiplists.decisions import decide_partition
+from prx_assets.core.skiplists.policy import (
     PartitionDecisions,
     SampleDecision,
     SampleRef,

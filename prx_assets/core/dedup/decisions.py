@@ -38,12 +38,16 @@ import numpy as np
 import pyarrow as pa
 from PIL import Image, ImageDraw, ImageOps
 
-from prx_assets.core.clustering import chunk_masks, cluster_exact, cluster_radius, radius_pairs
-from prx_assets.core.decode import decode_rgb
-from prx_assets.core.dedup_tables import DEDUP_DIRTY, DEDUP_STATE, IMAGE_HASHES, PHASH_CLUSTERS
+from prx_assets.core.dedup.clustering import (
+    chunk_masks,
+    cluster_exact,
+    cluster_radius,
+    radius_pairs,
+)
+from prx_assets.core.dedup.phash import DEFAULT_LOW_INFO_THRESHOLD, PHASH_MODES, phash_version
+from prx_assets.core.ingest.decode import decode_rgb
 from prx_assets.core.lab import Lab, in_list, sql_literal
-from prx_assets.core.phash import DEFAULT_LOW_INFO_THRESHOLD, PHASH_MODES, phash_version
-from prx_assets.core.tables import IMAGES
+from prx_assets.core.tables import DEDUP_DIRTY, DEDUP_STATE, IMAGE_HASHES, IMAGES, PHASH_CLUSTERS
 
 KEEPER_RULE_VERSION = "keeper-v1"
 MAX_DEDUP_RADIUS = 8

@@ -1,0 +1,58 @@
+"""The ingest stage's lab tables: every accepted image, every refused file."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from prx_assets.core.lab import TableSpec
+
+IMAGES = TableSpec(
+    name="images",
+    schema=pa.schema(
+        [
+            pa.field("key", pa.string(), nullable=False),  # sha256 of the original bytes
+            pa.field("batch", pa.string(), nullable=False),
+            pa.field("source", pa.string()),
+            pa.field("license", pa.string()),
+            pa.field("alt_text", pa.string()),
+            pa.field("url", pa.string()),
+            pa.field("source_id", pa.string()),
+            pa.field("path", pa.string()),  # path inside the batch (folder/archive/manifest)
+            pa.field("format", pa.string()),
+            pa.field("width", pa.int32()),  # after EXIF orientation
+            pa.field("height", pa.int32()),
+            pa.field("mode", pa.string()),  # original Pillow mode
+            pa.field("conversion", pa.string()),  # how it becomes RGB (decode policy)
+            pa.field("orientation", pa.int8()),
+            pa.field("n_frames", pa.int32()),  # >1: animated, first frame used
+            pa.field("file_size", pa.int64()),
+            pa.field("image", pa.large_binary()),  # the original bytes
+        ]
+    ),
+    identity=("batch", "key"),
+    # url / source_id: opt-out lists name images by them; the audit looks them up (and path).
+    indexes=(
+        ("key", "BTREE"),
+        ("batch", "BITMAP"),
+        ("url", "BTREE"),
+        ("source_id", "BTREE"),
+        ("path", "BTREE"),
+    ),
+)
+
+REJECTS = TableSpec(
+    name="rejects",
+    schema=pa.schema(
+        [
+            pa.field("batch", pa.string(), nullable=False),
+            pa.field("path", pa.string(), nullable=False),
+            pa.field("reason", pa.string(), nullable=False),  # stable code
+            pa.field("detail", pa.string()),  # human-readable specifics
+            pa.field("source", pa.string()),
+            pa.field("key", pa.string()),  # sha256 when bytes were readable
+            pa.field("file_size", pa.int64()),
+        ]
+    ),
+    identity=("batch", "path"),
+    indexes=(("batch", "BITMAP"), ("path", "BTREE"), ("key", "BTREE")),  # audit look-ups
+)

@@ -1,0 +1,105 @@
+"""The skip-list stage's lab tables: opt-out lists and entries, skip decisions, the
+re-decision queue."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from prx_assets.core.lab import TableSpec
+
+OPT_OUTS = TableSpec(
+    name="opt_outs",
+    schema=pa.schema(
+        [
+            pa.field("list_id", pa.string(), nullable=False),
+            pa.field("identifier", pa.string(), nullable=False),  # canonical form (see kinds)
+            pa.field("identifier_kind", pa.string(), nullable=False),  # key | url | source_id
+            pa.field("received_at", pa.timestamp("us", tz="UTC"), nullable=False),
+            # One row per image the identifier matched when the list arrived (null: none yet).
+            pa.field("matched_key", pa.string()),
+            pa.field("matched_batch", pa.string()),
+        ]
+    ),
+    identity=("list_id", "identifier", "matched_batch", "matched_key"),
+    indexes=(
+        ("identifier", "BTREE"),
+        ("list_id", "BTREE"),
+        ("matched_key", "BTREE"),
+        ("matched_batch", "BITMAP"),
+    ),
+)
+
+OPT_OUT_LISTS = TableSpec(
+    name="opt_out_lists",
+    schema=pa.schema(
+        [
+            pa.field("list_id", pa.string(), nullable=False),  # "<file name>@<sha256[:16]>"
+            pa.field("path", pa.string(), nullable=False),
+            pa.field("format", pa.string()),
+            pa.field("sha256", pa.string(), nullable=False),
+            pa.field("status", pa.string(), nullable=False),  # accepted | rejected
+            pa.field("reason", pa.string()),  # "<code>: <details>" when rejected
+            pa.field("rows", pa.int64()),  # distinct identifiers in the list
+            pa.field("matched_images", pa.int64()),  # (batch, key) pairs matched on arrival
+            pa.field("batches", pa.list_(pa.string())),  # batches holding a match on arrival
+            pa.field("received_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        ]
+    ),
+    identity=("list_id",),
+    indexes=(("list_id", "BTREE"), ("status", "BITMAP")),
+)
+
+SKIP_AUDIT = TableSpec(
+    name="skip_audit",
+    schema=pa.schema(
+        [
+            pa.field("key", pa.string(), nullable=False),
+            pa.field("batch", pa.string(), nullable=False),
+            pa.field("tier", pa.int32()),
+            pa.field("shape", pa.string()),
+            pa.field("relative_dir", pa.string()),  # "mds/<tier>/<H>x<W>/<batch>"
+            pa.field("shard", pa.string()),
+            pa.field("index_in_shard", pa.int32()),
+            pa.field("excluded", pa.bool_()),
+            pa.field("reasons", pa.list_(pa.string())),  # sorted reason codes (empty: kept)
+            pa.field("opt_out_list_ids", pa.list_(pa.string())),
+            pa.field("class_label", pa.string()),  # the label the decision saw (null: none)
+            pa.field("duplicate_of", pa.string()),  # the training copy's key ("duplicate")
+            pa.field("decided_at", pa.timestamp("us", tz="UTC")),  # this materialisation
+            # Start of the current exclusion: carried over while the sample stays excluded.
+            pa.field("first_excluded_at", pa.timestamp("us", tz="UTC")),
+            pa.field("policy_fingerprint", pa.string()),
+            # Added by policy v2 (appended, so older tables gain them as null columns):
+            pa.field("opt_out_via", pa.list_(pa.string())),  # keys of the copies lists named
+            pa.field("duplicate_of_batch", pa.string()),  # the training copy's batch
+            pa.field("cluster_id", pa.string()),  # the pHash cluster decided (null: none)
+            pa.field("pending_on", pa.list_(pa.string())),  # what a "pending" sample awaits
+        ]
+    ),
+    identity=("batch", "key"),
+    indexes=(
+        ("key", "BTREE"),
+        ("batch", "BITMAP"),
+        ("excluded", "BITMAP"),
+        ("policy_fingerprint", "BITMAP"),
+    ),
+)
+
+SKIP_DIRTY = TableSpec(
+    name="skip_dirty",
+    schema=pa.schema(
+        [
+            pa.field("dirty_id", pa.string(), nullable=False),  # digest of the other columns
+            pa.field("batch", pa.string(), nullable=False),  # the batch whose audit is stale
+            pa.field("key", pa.string(), nullable=False),
+            pa.field("cluster_id", pa.string()),
+            pa.field("change", pa.string()),  # recorded -> current decision, human-readable
+            pa.field("detected_by", pa.string()),  # the batch whose skip_lists saw it
+            pa.field("detected_at", pa.timestamp("us", tz="UTC")),
+        ]
+    ),
+    # Other batches whose recorded skip decisions a skip_lists run contradicts (a copy of
+    # theirs became, or stopped being, the training copy): skip_dirty_sensor reruns them.
+    identity=("dirty_id",),
+    indexes=(),  # a handful of pending rows at any time: scans are cheaper than indexes
+)
