@@ -14,7 +14,7 @@ import contextlib
 import fcntl
 import hashlib
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -110,15 +110,27 @@ class Lab:
     def uri(self, table: str) -> str:
         return f"{self.root}/{table}.lance"
 
-    def exists(self, table: str) -> bool:
+    def _open(self, table: str, version: int | None = None) -> lance.LanceDataset | None:
+        """The dataset, or None when the table does not exist (one open either way)."""
         try:
-            lance.dataset(self.uri(table))
+            return lance.dataset(self.uri(table), version=version)
         except (ValueError, OSError, FileNotFoundError):
-            return False
-        return True
+            return None
+
+    def exists(self, table: str) -> bool:
+        return self._open(table) is not None
 
     def dataset(self, table: str, version: int | None = None) -> lance.LanceDataset:
+        """The Lance dataset itself: for code inside this module and its tests only.
+
+        Everything else goes through the methods of ``Lab`` and ``LabView``, so that one
+        place decides how the lab is read, written and indexed.
+        """
         return lance.dataset(self.uri(table), version=version)
+
+    def view(self, versions: Mapping[str, int] | None = None) -> LabView:
+        """A read view that opens each table once (at ``versions[table]`` when given)."""
+        return LabView(self, versions)
 
     def ensure(self, spec: TableSpec) -> lance.LanceDataset:
         """Create the table empty if missing (tolerating a concurrent creator)."""
@@ -220,7 +232,7 @@ class Lab:
                 time.sleep(0.05 * (2**attempt))
                 continue
             crashpoint("lab.committed")
-            self._ensure_indexes(spec)
+            self.ensure_indexes(spec)
             return {
                 "rows_written": rows,
                 "rows_replaced": addresses.num_rows,
@@ -229,28 +241,31 @@ class Lab:
         assert last is not None
         raise last
 
-    def _ensure_indexes(self, spec: TableSpec, attempts: int = 8) -> None:
-        """Create the spec's missing scalar indexes, tolerating concurrent writers.
+    def ensure_indexes(self, spec: TableSpec, attempts: int = 8) -> list[str]:
+        """Create the spec's missing scalar indexes, tolerating concurrent writers; the
+        columns indexed now.
 
         Two partitions committing at once may both try to create the same index: Lance
         then rejects one CreateIndex as preempted (retryable) or says it already exists.
         Either way the other writer's index serves; re-read and carry on.
         """
+        created: list[str] = []
         if not spec.indexes:
-            return
-        for attempt in range(attempts):
-            ds = self.dataset(spec.name)
-            if ds.count_rows() == 0:
-                return
+            return created
+        for attempt in range(attempts + len(spec.indexes)):  # one round per index, + retries
+            ds = self._open(spec.name)
+            if ds is None or ds.count_rows() == 0:
+                return created
             have = {tuple(ix["fields"]) for ix in ds.list_indices()}
             missing = [(c, k) for c, k in spec.indexes if (c,) not in have]
             if not missing:
-                return
+                return created
             column, kind = missing[0]
             try:
                 ds.create_scalar_index(column, kind)
+                created.append(column)
             except CommitConflictError:
-                time.sleep(0.05 * (2**attempt))
+                time.sleep(0.05 * (2 ** min(attempt, 5)))
             except (OSError, ValueError) as exc:
                 if "already exists" not in str(exc):
                     raise
@@ -259,6 +274,7 @@ class Lab:
         still = [c for c, _ in spec.indexes if (c,) not in have]
         if still:
             raise RuntimeError(f"{spec.name}: could not create indexes on {still} (conflicts)")
+        return created
 
     def read(
         self,
@@ -268,14 +284,158 @@ class Lab:
         version: int | None = None,
     ) -> pa.Table:
         """Projection + predicate pushdown read; an absent table reads as empty."""
-        if not self.exists(table):
+        ds = self._open(table, version)
+        if ds is None:
             return pa.table({})
-        return self.dataset(table, version).to_table(
-            columns=list(columns) if columns else None, filter=filter
-        )
+        return ds.to_table(columns=list(columns) if columns else None, filter=filter)
 
     def read_batch(self, table: str, batch: str, columns: Sequence[str] | None = None) -> pa.Table:
         return self.read(table, columns, f"batch = {sql_literal(batch)}")
+
+    def count(self, table: str, filter: str | None = None) -> int:
+        """Rows of ``table`` matching ``filter``; an absent table has none."""
+        ds = self._open(table)
+        return 0 if ds is None else ds.count_rows(filter)
+
+    def version(self, table: str) -> int | None:
+        """The table's current version; None when it does not exist."""
+        ds = self._open(table)
+        return None if ds is None else ds.version
+
+    def append(self, spec: TableSpec, rows: pa.Table) -> int:
+        """Add ``rows`` in one commit (for small queue/log tables); returns the version."""
+        self.ensure(spec)
+        rows = rows.select(spec.schema.names).cast(spec.schema)
+        if rows.num_rows:
+            lance.write_dataset(rows, self.uri(spec.name), mode="append")
+            self.ensure_indexes(spec)
+        return self.dataset(spec.name).version
+
+    def delete(self, table: str, predicate: str, attempts: int = 8) -> int:
+        """Delete the rows matching ``predicate`` in one commit, retrying lost races.
+
+        Returns the version after the delete (the current one when the table is absent or
+        nothing matched is still a valid answer: the rows are gone either way).
+        """
+        last: Exception | None = None
+        for attempt in range(attempts):
+            ds = self._open(table)
+            if ds is None:
+                return 0
+            try:
+                ds.delete(predicate)
+                return self.dataset(table).version
+            except (OSError, RuntimeError) as exc:
+                if "conflict" not in str(exc).lower() and not isinstance(exc, CommitConflictError):
+                    raise
+                last = exc
+                time.sleep(0.05 * (2**attempt))
+        assert last is not None
+        raise last
+
+    def replace_rows(self, spec: TableSpec, column: str, value: str, rows: pa.Table) -> int:
+        """Make ``rows`` exactly the rows of ``spec`` whose ``column`` is ``value``, in one
+        commit (a full-replacement ``merge_insert`` on the identity columns): a replay leaves
+        the same rows, never duplicates. For tables keyed by something other than ``batch``
+        (an opt-out list's rows); returns the table version."""
+        rows = rows.select(spec.schema.names).cast(spec.schema)
+        others = set(rows.column(column).to_pylist()) - {value}
+        if others:
+            raise ValueError(f"rows for {column}={value!r} include other values {sorted(others)}")
+        ds = self.ensure(spec)
+        (
+            ds.merge_insert(list(spec.identity))
+            .when_matched_update_all()
+            .when_not_matched_insert_all()
+            .when_not_matched_by_source_delete(f"{column} = {sql_literal(value)}")
+            .execute(rows)
+        )
+        self.ensure_indexes(spec)
+        return self.dataset(spec.name).version
+
+    def ensure_scalar_indexes(self, table: str, indexes: Iterable[tuple[str, str]]) -> list[str]:
+        """Create the missing scalar indexes of a non-empty table; the columns indexed now.
+
+        For indexes a reader wants on another stage's table (the spec's own indexes are
+        kept by ``ensure_indexes`` on every write).
+        """
+        return self.ensure_indexes(TableSpec(table, pa.schema([]), (), tuple(indexes)))
+
+    def ensure_text_index(self, table: str, column: str, name: str) -> str:
+        """Create the INVERTED (full-text) index on ``column``, or fold new fragments into it.
+
+        Returns ``"created"``, ``"optimized"``, ``"empty"``, ``"absent"`` or ``"deferred
+        (...)"`` when concurrent commits kept winning: unindexed fragments are still searched
+        (flat), and the next write or the maintenance job indexes them.
+        """
+
+        def act(ds: lance.LanceDataset) -> str:
+            if ds.count_rows() == 0:
+                return "empty"
+            if _has_index(ds, column, ("INVERTED", "FTS")):
+                names = sorted({ix["name"] for ix in ds.list_indices() if ix["fields"] == [column]})
+                ds.optimize.optimize_indices(index_names=names)
+                return "optimized"
+            ds.create_scalar_index(column, "INVERTED", name=name, replace=False)
+            return "created"
+
+        return self._index_action(table, act)
+
+    def ensure_vector_index(
+        self,
+        table: str,
+        column: str,
+        name: str,
+        *,
+        min_rows: int,
+        index_type: str,
+        index_types: Sequence[str],
+        metric: str = "cosine",
+        **params: Any,
+    ) -> str:
+        """Build a vector index once ``table`` has ``min_rows`` rows; then keep it fed.
+
+        Returns ``"below_threshold (n < min)"``, ``"created"``, ``"optimized"``, ``"absent"``
+        or ``"deferred (...)"``. New data is assigned to the trained partitions (no
+        retraining). ``index_types``: the kinds that count as "already indexed".
+        """
+
+        def act(ds: lance.LanceDataset) -> str:
+            rows = ds.count_rows()
+            if _has_index(ds, column, index_types):
+                names = sorted({ix["name"] for ix in ds.list_indices() if ix["fields"] == [column]})
+                ds.optimize.optimize_indices(index_names=names)
+                return "optimized"
+            if rows < min_rows:
+                return f"below_threshold ({rows} < {min_rows})"
+            ds.create_index(column, index_type, name=name, metric=metric, **params)
+            return "created"
+
+        return self._index_action(table, act)
+
+    def _index_action(
+        self, table: str, action: Callable[[lance.LanceDataset], str], attempts: int = 3
+    ) -> str:
+        """Run an index action; a conflicting concurrent commit is retried, then reported.
+
+        Any other error is raised: only a lost race is an acceptable reason to skip.
+        """
+        last: Exception | None = None
+        for attempt in range(attempts):
+            ds = self._open(table)
+            if ds is None:
+                return "absent"
+            try:
+                return action(ds)
+            except (OSError, RuntimeError, ValueError) as exc:
+                message = str(exc)
+                if "already exists" in message:  # a concurrent writer built it
+                    return "exists"
+                if "conflict" not in message.lower():
+                    raise
+                last = exc
+                time.sleep(0.05 * (2**attempt))
+        return f"deferred ({type(last).__name__}: {str(last)[:160]})"
 
     def maintain(
         self,
@@ -288,7 +448,7 @@ class Lab:
         remove files no version references once they are ``orphan_min_age`` old."""
         if not self.exists(spec.name):
             return {"table": spec.name, "skipped": "absent"}
-        self._ensure_indexes(spec)
+        self.ensure_indexes(spec)
         ds = self.dataset(spec.name)
         before = len(ds.get_fragments())
         # Index every fragment first: Lance only merges fragments of equal index coverage.
@@ -369,3 +529,68 @@ class Lab:
             "orphan_files_unmapped": unmapped,
             "orphan_scan_truncated": plan.candidate_files_truncated,
         }
+
+
+def _has_index(ds: lance.LanceDataset, column: str, kinds: Iterable[str]) -> bool:
+    wanted = {k.upper() for k in kinds}
+    return any(
+        ix["fields"] == [column] and str(ix["type"]).upper() in wanted for ix in ds.list_indices()
+    )
+
+
+class LabView:
+    """Reads of several tables through one open dataset each, optionally at fixed versions.
+
+    Why: opening a Lance dataset reads its manifest; a caller that reads a table several
+    times (the audit's trail, a browser query, a stage's inputs) should pay that once, and
+    reads pinned to versions see one consistent state of the lab even while stages commit.
+    """
+
+    def __init__(self, lab: Lab, versions: Mapping[str, int] | None = None) -> None:
+        self.lab = lab
+        self.versions = dict(versions or {})
+        self._open: dict[str, lance.LanceDataset | None] = {}
+
+    def _ds(self, table: str) -> lance.LanceDataset | None:
+        if table not in self._open:
+            self._open[table] = self.lab._open(table, self.versions.get(table))
+        return self._open[table]
+
+    def exists(self, table: str) -> bool:
+        return self._ds(table) is not None
+
+    def version(self, table: str) -> int | None:
+        ds = self._ds(table)
+        return None if ds is None else ds.version
+
+    def schema(self, table: str) -> pa.Schema | None:
+        ds = self._ds(table)
+        return None if ds is None else ds.schema
+
+    def indexed_columns(self, table: str) -> dict[str, set[str]]:
+        """Column -> index types present on ``table`` (empty when absent)."""
+        ds = self._ds(table)
+        out: dict[str, set[str]] = {}
+        for ix in [] if ds is None else ds.list_indices():
+            for column in ix["fields"]:
+                out.setdefault(column, set()).add(str(ix["type"]).upper())
+        return out
+
+    def read(
+        self,
+        table: str,
+        columns: Sequence[str] | None = None,
+        filter: str | None = None,
+        **scan: Any,
+    ) -> pa.Table:
+        """A pushed-down read; ``scan`` passes Lance scanner options (``limit``,
+        ``full_text_query``, ``nearest``, ``prefilter``, ``with_row_id``...). An absent
+        table reads as empty."""
+        ds = self._ds(table)
+        if ds is None:
+            return pa.table({})
+        return ds.to_table(columns=list(columns) if columns else None, filter=filter, **scan)
+
+    def count(self, table: str, filter: str | None = None) -> int:
+        ds = self._ds(table)
+        return 0 if ds is None else ds.count_rows(filter)

@@ -109,7 +109,7 @@ def test_the_lab_works_through_a_uri_as_on_object_storage(tmp_path):
 
 
 def _ensure(root: str) -> bool:
-    Lab(root)._ensure_indexes(SPEC)
+    Lab(root).ensure_indexes(SPEC)
     return True
 
 

@@ -97,7 +97,7 @@ WORD_WINDOW: tuple[int, int] = (100, 200)
 #: IVF index has too few vectors per partition to train well, so none is built.
 VECTOR_INDEX_MIN_ROWS = 10_000
 
-FTS_INDEX_NAME = "caption_idx"  # Lance's default name, so Lab._ensure_indexes agrees
+FTS_INDEX_NAME = "caption_idx"  # Lance's default name, so Lab.ensure_indexes agrees
 VECTOR_INDEX_NAME = "vector_idx"
 VECTOR_INDEX_TYPES = ("IVF_HNSW_SQ", "IVF_PQ")
 
