@@ -28,7 +28,7 @@ import hashlib
 import io
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -38,6 +38,7 @@ import numpy as np
 import pyarrow as pa
 from PIL import Image, ImageDraw, ImageOps
 
+from prx_assets.core.batching import chunked
 from prx_assets.core.dedup.clustering import (
     chunk_masks,
     cluster_exact,
@@ -330,11 +331,6 @@ def radius_closure(seeds: np.ndarray, universe: np.ndarray, radius: int) -> np.n
 # Reading what touches a batch from the lab
 
 
-def _chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
 def _int_list(column: str, values: Iterable[int]) -> str:
     vals = sorted({int(v) for v in values})
     return f"{column} IN ({', '.join(str(v) for v in vals)})" if vals else "false"
@@ -369,7 +365,7 @@ def _cluster_members(
             columns,
             f"{in_list('cluster_id', part)} AND {condition}",
         )
-        for part in _chunks(cluster_ids, chunk)
+        for part in chunked(cluster_ids, chunk)
     ]
     return _concat(parts, PHASH_CLUSTERS.schema, columns)
 
@@ -398,7 +394,7 @@ def lookup_by_hashes(
             HASH_COLUMNS,
             f"{_int_list('phash', part)} AND phash_version = {sql_literal(version)}",
         )
-        for part in _chunks(signed, chunk)
+        for part in chunked(signed, chunk)
     ]
     return _concat(parts, IMAGE_HASHES.schema, HASH_COLUMNS)
 
@@ -417,7 +413,7 @@ def lookup_by_keys(
     keys = sorted({k for _, k in wanted})
     cols = list(dict.fromkeys(["batch", "key", *columns]))
     parts = []
-    for part in _chunks(keys, chunk):
+    for part in chunked(keys, chunk):
         where = in_list("key", part) + (f" AND {extra}" if extra else "")
         got = _read(lab, table, schema, cols, where)
         if got.num_rows:

@@ -47,7 +47,7 @@ class IngestStats:
             )
 
 
-def _chunks(rows: Iterator[dict], schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+def _record_batches(rows: Iterator[dict], schema: pa.Schema) -> Iterator[pa.RecordBatch]:
     """Record batches of at most ROWS_PER_RECORD_BATCH rows or about BYTES_PER_RECORD_BATCH
     image bytes, so memory holds a bounded slice of the batch whatever its files weigh."""
     buf: list[dict] = []
@@ -168,4 +168,4 @@ class BatchIngest:
         self._done = True
 
     def image_batches(self) -> Iterator[pa.RecordBatch]:
-        return _chunks(self._accepted_rows(), IMAGES.schema)
+        return _record_batches(self._accepted_rows(), IMAGES.schema)

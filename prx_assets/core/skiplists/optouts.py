@@ -67,6 +67,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from prx_assets.core.batching import chunked
 from prx_assets.core.lab import Lab, TableSpec, in_list, sql_literal
 from prx_assets.core.tables import OPT_OUT_LISTS, OPT_OUTS
 from prx_assets.core.text import bound_text, printable_name, quote_bounded, read_lines
@@ -639,11 +640,6 @@ def match_filter(kind: str, values: Sequence[str]) -> str:
     raise ValueError(f"unknown identifier kind {kind!r}; expected one of {KINDS}")
 
 
-def _chunks(items: Sequence[Any], size: int = LOOKUP_CHUNK) -> Iterator[Sequence[Any]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
 def resolve_identifiers(
     lab: Lab, identifiers: Sequence[OptOutIdentifier], images_table: str = "images"
 ) -> dict[OptOutIdentifier, list[tuple[str, str]]]:
@@ -665,7 +661,7 @@ def resolve_identifiers(
             probe = sorted(i.value for i in group)
             column = {KIND_KEY: "key", KIND_URL: "url"}[kind]
             columns = list(dict.fromkeys(["batch", "key", column]))
-        for chunk in _chunks(probe):
+        for chunk in chunked(probe, LOOKUP_CHUNK):
             rows = ds.to_table(columns=columns, filter=match_filter(kind, chunk)).to_pylist()
             for r in rows:
                 if kind == KIND_SOURCE_ID:
@@ -765,7 +761,7 @@ def sharded_batches(
     ds = lab.dataset(shard_table)
     keys = sorted({k for _, k in wanted})
     found: set[str] = set()
-    for chunk in _chunks(keys):
+    for chunk in chunked(keys, LOOKUP_CHUNK):
         rows = ds.to_table(columns=["batch", "key"], filter=in_list("key", chunk))
         for b, k in zip(
             rows.column("batch").to_pylist(), rows.column("key").to_pylist(), strict=True
@@ -798,7 +794,7 @@ def opted_out_keys(lab: Lab, images: pa.Table) -> dict[str, tuple[str, ...]]:
     ds = lab.dataset(OPT_OUTS.name)
     hits: dict[str, set[str]] = {}
     values = sorted({v for _, v in candidates})
-    for chunk in _chunks(values):
+    for chunk in chunked(values, LOOKUP_CHUNK):
         rows = ds.to_table(
             columns=["list_id", "identifier", "identifier_kind"],
             filter=in_list("identifier", chunk),

@@ -7,7 +7,6 @@ sensor in ``reconcile.py`` compares). A backend failure fails the whole partitio
 anything is written; the previous rows of the partition stay as they were.
 """
 
-from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,6 +22,7 @@ from dagster import (
     asset,
 )
 
+from prx_assets.core.batching import chunked
 from prx_assets.core.captions.models import LABELS, BackendError, BackendIdentity, CaptionInput
 from prx_assets.core.captions.tables import (
     caption_rows,
@@ -59,11 +59,6 @@ GROUP = "captions"
 CAPTIONS_ASSET = "captions"
 CLASSES_ASSET = "caption_classes"
 EMBEDDINGS_ASSET = "caption_embeddings"
-
-
-def _chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
 
 
 def _identity_metadata(identity: BackendIdentity, backend: str) -> dict[str, Any]:
@@ -125,7 +120,7 @@ def _captions(
     columns = ["key", "alt_text"] + ([] if captioner.is_fallback else ["image"])
     results = []
     try:
-        for chunk in _chunks(keys, captioner.chunk_size):
+        for chunk in chunked(keys, captioner.chunk_size):
             where = f"batch = {sql_literal(batch)} AND {in_list('key', chunk)}"
             rows = {r["key"]: r for r in store.read(IMAGES.name, columns, where).to_pylist()}
             missing = [k for k in chunk if k not in rows]
@@ -204,7 +199,7 @@ def _caption_classes(
     identity = backend.identity
     probs: list[Any] = [None] * len(keys)
     try:
-        for chunk in _chunks(todo, classifier.chunk_size):
+        for chunk in chunked(todo, classifier.chunk_size):
             for i, p in zip(chunk, backend.classify([texts[i] for i in chunk]), strict=True):
                 probs[i] = p
     except BackendError as exc:
@@ -266,7 +261,7 @@ def _caption_embeddings(
     identity = backend.identity
     parts = []
     try:
-        for chunk in _chunks(rows, embedder.chunk_size):
+        for chunk in chunked(rows, embedder.chunk_size):
             parts.append(backend.embed([t for _, t, _ in chunk]))
     except BackendError as exc:
         raise Failure(

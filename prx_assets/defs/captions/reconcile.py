@@ -49,6 +49,7 @@ from prx_assets.defs.captions.resources import (
 )
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
+from prx_assets.defs.tags import TRIGGER_TAG
 
 #: Assets rebuilt when a partition's captions are. The lead appends later stages that read
 #: captions (e.g. "mds_shards", "skip_lists") via ``build_model_swap_sensor``.
@@ -202,7 +203,7 @@ def build_model_swap_sensor(
                     run_key=run_key,
                     partition_key=batch,
                     asset_selection=[AssetKey(a) for a in assets],
-                    tags={"prx/trigger": "model_swap"},
+                    tags={TRIGGER_TAG: "model_swap"},
                 )
             )
             pending.add(run_key)

@@ -30,6 +30,7 @@ from dagster import (
     asset,
 )
 
+from prx_assets.core.batching import chunked
 from prx_assets.core.dedup.decisions import (
     DECISION_FIELDS,
     BatchPlan,
@@ -86,11 +87,6 @@ def _some(items: list[str]) -> list[str]:
     return items[:_LIST_LIMIT] + ([f"... and {more} more"] if more > 0 else [])
 
 
-def _chunks(items: list[str], size: int) -> Iterator[list[str]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
 # --------------------------------------------------------------------------- image_hashes
 
 
@@ -123,7 +119,7 @@ class _Hasher:
         settings = self.dedup.settings()
         columns = ["key", "image", "file_size", "width", "height"]
         kw = {"mode": settings.phash_mode, "low_info_threshold": settings.low_info_threshold}
-        for chunk in _chunks(self.keys, self.dedup.read_chunk):
+        for chunk in chunked(self.keys, self.dedup.read_chunk):
             where = f"batch = {sql_literal(self.batch)} AND {in_list('key', chunk)}"
             rows = {r["key"]: r for r in self.store.read(IMAGES.name, columns, where).to_pylist()}
             chunk_rows = [rows[k] for k in chunk]

@@ -40,8 +40,7 @@ from prx_assets.defs.dedup.assets import IMAGE_HASHES_ASSET, PHASH_CLUSTERS_ASSE
 from prx_assets.defs.dedup.config import DedupConfigResource
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
-
-TRIGGER_TAG = "prx/trigger"
+from prx_assets.defs.tags import TRIGGER_TAG
 
 
 def dedup_reruns(

@@ -21,9 +21,9 @@ from prx_assets.core.dedup.decisions import (
     settle_dedup,
 )
 from prx_assets.defs.dedup.assets import IMAGE_HASHES_ASSET, PHASH_CLUSTERS_ASSET
-from prx_assets.defs.dedup.sensors import TRIGGER_TAG
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.run_requests import QUIET
+from prx_assets.defs.tags import TRIGGER_TAG
 
 
 def settle_dedup_in_process(

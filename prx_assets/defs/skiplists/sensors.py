@@ -65,8 +65,8 @@ from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
 from prx_assets.defs.skiplists.assets import SKIP_LISTS_ASSET
 from prx_assets.defs.skiplists.config import OptOutResource, SkipPolicyResource
+from prx_assets.defs.tags import TRIGGER_TAG
 
-TRIGGER_TAG = "prx/trigger"
 LISTS_TAG = "prx/opt_out_lists"
 
 
