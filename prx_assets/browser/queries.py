@@ -262,6 +262,8 @@ class Step:
 
 @dataclass
 class Result:
+    """A query's answer with its cost: the hits, and every Lance read (``steps``) behind them."""
+
     mode: str  # "search", "similar" or "browse"
     hits: list[dict[str, Any]]
     candidates: int  # primary rows examined

@@ -114,6 +114,9 @@ class CopyVerdict:
 
 @dataclass
 class AuditTrail:
+    """What the lab knows about the image(s) a query names: rows per table, the Lance version
+    each table was read at, and one verdict per copy (best first)."""
+
     query: str
     keys: list[str]
     tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)

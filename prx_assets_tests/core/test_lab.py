@@ -1,3 +1,6 @@
+"""The lab's contract on real Lance tables: one commit per partition, concurrent writers and
+index builders, maintenance and orphan removal, and the read and write API every stage uses."""
+
 import multiprocessing as mp
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
