@@ -12,7 +12,8 @@ building on two cores): run it once, not in a loop.
    unit vectors have no neighbours at all), written in 100k-row chunks,
    in 100 batches and 5 sources. Then the indexes, timed: the INVERTED index on
    ``captions.caption``, a cosine IVF_PQ index on the vectors (the caption stage's
-   ``ensure_vector_index``) and the browser's scalar indexes (``ensure_browser_indexes``).
+   ``ensure_vector_index``) and the scalar indexes the tables' specs declare
+   (``Lab.ensure_indexes``, as every stage write does).
 2. Time queries through :class:`prx_assets.browser.queries.LabQueries`, the code the app
    runs (each includes reading the 60 result cards' details by key): full text, nearest
    neighbours, and filtered variants (batch prefilter, selective key-set prefilter, broad
@@ -44,11 +45,12 @@ import numpy as np
 import pyarrow as pa
 
 from prx_assets.browser.queries import (
+    BROWSER_TABLES,
     CAPTIONS,
     EMBEDDINGS,
     Filters,
     LabQueries,
-    ensure_browser_indexes,
+    index_report,
 )
 from prx_assets.core.captions.tables import ensure_fts_index, ensure_vector_index
 from prx_assets.core.lab import Lab, TableSpec
@@ -167,9 +169,11 @@ def build_lab(root: Path, rows: int, seed: int = 0) -> tuple[Lab, dict[str, floa
     timings["vector_index_s"] = time.perf_counter() - t0
     print(f"  IVF_PQ index {timings['vector_index_s']:.1f} s", flush=True)
     t0 = time.perf_counter()
-    report = ensure_browser_indexes(lab)
+    for spec in BROWSER_TABLES:
+        lab.ensure_indexes(spec)
     timings["scalar_indexes_s"] = time.perf_counter() - t0
-    bad = {k: v for k, v in report.items() if v not in ("created", "present", "absent table")}
+    report = index_report(lab.view())
+    bad = {k: v for k, v in report.items() if v not in ("present", "absent table")}
     if bad:
         raise RuntimeError(f"index build failed: {bad}")
     print(f"  scalar indexes {timings['scalar_indexes_s']:.1f} s", flush=True)

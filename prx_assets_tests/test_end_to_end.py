@@ -1,10 +1,12 @@
 """The whole graph on the demo data, through the same path `make demo` takes."""
 
 import os
+import re
 
 from prx_assets.cli import main as cli_main
 from prx_assets.core.tables import IMAGES, RESOLUTION
 from prx_assets.defs.resources import LabResource
+from prx_assets.demo.build import build_demo_landing
 
 
 def test_demo_materialises_every_stage(tmp_path, monkeypatch, capsys):
@@ -16,8 +18,8 @@ def test_demo_materialises_every_stage(tmp_path, monkeypatch, capsys):
     assert "newly registered" in out and "public-skimage.000" in out
     assert f"Lance lab: {tmp_path / 'data' / 'lab'}" in out  # nothing outside the data root
     lab = LabResource(data_root=str(tmp_path / "data")).lab()
-    assert lab.dataset(IMAGES.name).count_rows() > 0
-    assert lab.dataset(RESOLUTION.name).count_rows() == lab.dataset(IMAGES.name).count_rows()
+    assert lab.count(IMAGES.name) > 0
+    assert lab.count(RESOLUTION.name) == lab.count(IMAGES.name)
 
     from dagster import DagsterInstance
 
@@ -51,15 +53,27 @@ def test_demo_materialises_every_stage(tmp_path, monkeypatch, capsys):
     finally:
         instance.dispose()
     assert "no skipped sample appeared" in out
-    assert "planted duplicate pairs found" in out
+    # Every planted pair is found (or its copy is under the size cutoff, never hashed), and
+    # each found pair keeps the larger image: the numbers, not just the sentence.
+    planted = len(build_demo_landing(tmp_path / "manifest-only", size="small").planted_duplicates)
+    numbers = re.search(
+        r"planted duplicate pairs found (\d+) of (\d+) \(keeper = higher resolution: (\d+); "
+        r"copies under the size cutoff, never hashed: (\d+)\)",
+        out,
+    )
+    assert numbers, out
+    found, of, keeper_larger, not_hashed = map(int, numbers.groups())
+    assert of == planted > 0
+    assert found > 0 and found + not_hashed == planted
+    assert keeper_larger == found
     for key in partitions:  # the no-caption count per batch (the demo's photos all have one)
         assert f"  {key}: 0 of " in out and "eligible without a caption" in out
 
     # Running the demo again registers nothing new and changes no counts.
-    before = lab.dataset(IMAGES.name).count_rows()
+    before = lab.count(IMAGES.name)
     assert cli_main(["demo", "--data-root", str(tmp_path / "data"), "--size", "small"]) == 0
     assert "already registered" in capsys.readouterr().out
-    assert lab.dataset(IMAGES.name).count_rows() == before
+    assert lab.count(IMAGES.name) == before
     assert os.environ["DAGSTER_HOME"] == str(tmp_path / "home")
 
 

@@ -2,8 +2,9 @@
 
 Binds 127.0.0.1 by default. ``--host`` may name another interface, but the server still
 answers only requests addressed to a loopback name unless ``--allow-host`` lists more
-(the DNS-rebinding guard); it never writes a row, only adds missing indexes at start
-(``--no-index`` to skip).
+(the DNS-rebinding guard). It never writes: the indexes its queries use are the tables'
+own (the write path builds them); at start it warns about any a lab lacks (a lab written
+before a spec listed them: the ``lance_maintenance`` job builds them).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 from prx_assets.browser.app import LOOPBACK_HOSTS, BrowserApp, make_server
-from prx_assets.browser.queries import LabQueries, ensure_browser_indexes
+from prx_assets.browser.queries import LabQueries, index_report
 from prx_assets.browser.thumbs import ThumbnailCache
 from prx_assets.core.lab import Lab
 
@@ -31,7 +32,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="another Host header name to answer (repeatable); loopback names always are",
     )
-    p.add_argument("--no-index", action="store_true", help="do not add missing indexes")
     p.add_argument("--thumb-cache-mb", type=int, default=64)
     p.add_argument("--quiet", action="store_true", help="no per-request log lines")
     return p.parse_args(argv)
@@ -44,14 +44,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no lab at {lab_root} (run `make demo` or pass --data-root)", file=sys.stderr)
         return 2
     lab = Lab(lab_root)
-    if not args.no_index:
-        report = ensure_browser_indexes(lab)
-        created = sorted(k for k, v in report.items() if v == "created")
-        failed = {k: v for k, v in report.items() if v.startswith(("failed", "deferred"))}
-        if created:
-            print(f"added indexes: {', '.join(created)}", file=sys.stderr)
-        for name, why in failed.items():
-            print(f"warning: index {name} {why} (queries still answer, slower)", file=sys.stderr)
+    missing = sorted(k for k, v in index_report(lab.view()).items() if v == "missing")
+    if missing:
+        print(
+            f"warning: no index on {', '.join(missing)}: queries still answer, by scanning; "
+            "run the lance_maintenance job to build the indexes the table specs declare",
+            file=sys.stderr,
+        )
     if args.host not in LOOPBACK_HOSTS:
         print(
             f"warning: listening on {args.host}; only Host names "

@@ -58,6 +58,8 @@ SECURITY_HEADERS: dict[str, str] = {
 
 @dataclass
 class Response:
+    """One HTTP answer, built without a socket (the security headers are added by ``handle``)."""
+
     status: int
     body: bytes
     content_type: str = "application/json; charset=utf-8"

@@ -13,8 +13,11 @@ filter is a predicate on its own table, answered by that table's scalar index:
   the index. The primary search first fetches ``limit`` / (share of rows passing), the
   share estimated from index-only counts, and widens x4 while too few pass.
 
-Nothing here writes rows; :func:`ensure_browser_indexes` only adds missing indexes.
-No web code: the HTTP app (``app.py``) and the benchmark call the same functions.
+Nothing here writes: the indexes are the tables' own (declared in their specs, built by
+every write, kept by the maintenance job); :func:`index_report` only says which are there.
+All Lance access goes through ``Lab``/``LabView`` (``core/lab.py``), table names come
+from the registry (``core/tables.py``). No web code: the HTTP app (``app.py``) and the
+benchmark call the same functions.
 """
 
 from __future__ import annotations
@@ -28,23 +31,31 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import lance
 import numpy as np
 import pyarrow as pa
-from lance.query import FullTextOperator, MatchQuery
 
+from prx_assets.core import tables as lab_tables
 from prx_assets.core.audit import audit_image
 from prx_assets.core.captions.models.base import LABELS
-from prx_assets.core.lab import Lab, in_list, sql_literal
+from prx_assets.core.lab import Lab, LabView, TableSpec, full_text_query, in_list, sql_literal
 from prx_assets.core.skiplists.sidecars import REASON_CODES
 
-IMAGES = "images"
-RESOLUTION = "resolution"
-CAPTIONS = "captions"
-CLASSES = "caption_classes"
-EMBEDDINGS = "caption_embeddings"
-BUCKETS = "bucket_assignments"
-SKIP_AUDIT = "skip_audit"
+#: The tables the browser reads, as the registry declares them.
+BROWSER_TABLES: tuple[TableSpec, ...] = (
+    lab_tables.IMAGES,
+    lab_tables.RESOLUTION,
+    lab_tables.CAPTIONS,
+    lab_tables.CAPTION_CLASSES,
+    lab_tables.CAPTION_EMBEDDINGS,
+    lab_tables.BUCKET_ASSIGNMENTS,
+    lab_tables.SKIP_AUDIT,
+)
+IMAGES, RESOLUTION, CAPTIONS, CLASSES, EMBEDDINGS, BUCKETS, SKIP_AUDIT = (
+    t.name for t in BROWSER_TABLES
+)
+#: Full-text search needs this INVERTED index, which the caption stage keeps (it is not a
+#: scalar index of the spec); every other index the browser uses is in the tables' specs.
+TEXT_INDEX = (CAPTIONS, "caption")
 
 #: Tables later stages write; until they exist their filters are unavailable, not errors.
 OPTIONAL_TABLES: dict[str, str] = {
@@ -73,26 +84,6 @@ MAX_CANDIDATES = 20_000
 WIDEN_FACTOR = 4
 OVERFETCH = 1.5  # margin on the estimated candidates a post-filtered page needs
 REFINE_BUDGET = 2_000  # most vectors re-ranked exactly per nearest-neighbour read
-
-#: (table, column, index type) the browser's filters and lookups rely on. The stages build
-#: most of them; the rest (source, sizes, skip reasons) are added by the browser at start.
-BROWSER_INDEXES: tuple[tuple[str, str, str], ...] = (
-    *((t, "key", "BTREE") for t in (IMAGES, RESOLUTION, CAPTIONS, CLASSES, EMBEDDINGS)),
-    *((t, "batch", "BITMAP") for t in (IMAGES, RESOLUTION, CAPTIONS, CLASSES, EMBEDDINGS)),
-    (IMAGES, "source", "BITMAP"),
-    (RESOLUTION, "width", "BTREE"),
-    (RESOLUTION, "height", "BTREE"),
-    (RESOLUTION, "megapixels", "BTREE"),
-    (CLASSES, "label", "BITMAP"),
-    (BUCKETS, "key", "BTREE"),
-    (BUCKETS, "batch", "BITMAP"),
-    (BUCKETS, "tier", "BITMAP"),
-    (BUCKETS, "shape", "BITMAP"),
-    (SKIP_AUDIT, "key", "BTREE"),
-    (SKIP_AUDIT, "batch", "BITMAP"),
-    (SKIP_AUDIT, "excluded", "BITMAP"),
-    (SKIP_AUDIT, "reasons", "LABEL_LIST"),
-)
 
 
 class QueryError(ValueError):
@@ -271,6 +262,8 @@ class Step:
 
 @dataclass
 class Result:
+    """A query's answer with its cost: the hits, and every Lance read (``steps``) behind them."""
+
     mode: str  # "search", "similar" or "browse"
     hits: list[dict[str, Any]]
     candidates: int  # primary rows examined
@@ -315,56 +308,28 @@ class _Plan:
 # --------------------------------------------------------------------------- indexes
 
 
-def _indexed_columns(ds: lance.LanceDataset) -> dict[str, set[str]]:
-    out: dict[str, set[str]] = {}
-    for ix in ds.list_indices():
-        if len(ix["fields"]) == 1:
-            out.setdefault(ix["fields"][0], set()).add(str(ix["type"]).upper())
-    return out
+def index_report(view: LabView) -> dict[str, str]:
+    """``"table.column" -> present | missing | empty table | absent table`` for each index
+    the browser's reads use: the indexes the specs of :data:`BROWSER_TABLES` declare, and
+    the caption full-text index.
 
-
-def ensure_browser_indexes(lab: Lab, attempts: int = 3) -> dict[str, str]:
-    """Add the scalar and full-text indexes the browser's filters need, where missing.
-
-    Returns ``"table.column" -> present | created | absent table | empty table |
-    failed (...)``. Indexes only change how a query runs, never its answer, so a lost race
-    with a concurrent writer is reported, not raised; Lance then scans that column.
+    Read-only. A missing index changes how fast a query runs, never its answer (Lance scans
+    the column instead). The write path builds a spec's indexes on every commit, so one is
+    missing only on a lab written before the spec listed it; the ``lance_maintenance`` job
+    builds it there.
     """
-    from prx_assets.core.captions.tables import ensure_fts_index
-
+    wanted = [(t.name, column) for t in BROWSER_TABLES for column, _ in t.indexes]
     report: dict[str, str] = {}
-    for table, column, kind in BROWSER_INDEXES:
+    for table, column in [*wanted, TEXT_INDEX]:
         name = f"{table}.{column}"
-        if not lab.exists(table):
+        if not view.exists(table):
             report[name] = "absent table"
-            continue
-        for attempt in range(attempts):
-            ds = lab.dataset(table)
-            if column not in ds.schema.names:
-                report[name] = "no such column"
-                break
-            if ds.count_rows() == 0:
-                report[name] = "empty table"
-                break
-            if column in _indexed_columns(ds):
-                report[name] = report.get(name, "present")
-                break
-            try:
-                ds.create_scalar_index(column, kind)
-                report[name] = "created"
-                break
-            except (OSError, RuntimeError, ValueError) as exc:
-                if "already exists" in str(exc):
-                    report[name] = "present"
-                    break
-                report[name] = f"failed ({type(exc).__name__}: {str(exc)[:120]})"
-                time.sleep(0.05 * (2**attempt))
-    if lab.exists(CAPTIONS):
-        indexed = _indexed_columns(lab.dataset(CAPTIONS)).get("caption", set())
-        if indexed & {"INVERTED", "FTS"}:
-            report[f"{CAPTIONS}.caption"] = "present"
-        else:  # the caption stage builds it; a lab written before that gets it here
-            report[f"{CAPTIONS}.caption"] = ensure_fts_index(lab.uri(CAPTIONS), "caption")
+        elif column in view.indexed_columns(table):
+            report[name] = "present"
+        elif view.count(table) == 0:
+            report[name] = "empty table"  # Lance indexes nothing until the first rows
+        else:
+            report[name] = "missing"
     return report
 
 
@@ -416,59 +381,54 @@ class LabQueries:
         self.refine_factor = refine_factor
         self.use_vector_index = use_vector_index
         self._lock = threading.Lock()
-        self._open: dict[str, tuple[float, lance.LanceDataset | None]] = {}
-        self._facet_cache: dict[tuple[str, str, int], list[Any]] = {}
+        self._view: tuple[float, LabView] | None = None
+        self._facet_cache: dict[tuple[str, str, int | None], list[Any]] = {}
 
-    # ------------------------------------------------------------------ datasets
+    # ------------------------------------------------------------------ the lab
 
-    def dataset(self, table: str) -> lance.LanceDataset | None:
-        """The table's latest version (re-checked every ``refresh_s``), or None if absent."""
+    def view(self) -> LabView:
+        """The lab as queries read it now: one view (each table opened once), replaced after
+        ``refresh_s`` so that new partitions show up without a restart."""
         now = time.monotonic()
         with self._lock:
-            cached = self._open.get(table)
-            if cached is not None and now - cached[0] < self.refresh_s:
-                return cached[1]
-        try:
-            ds: lance.LanceDataset | None = lance.dataset(self.lab.uri(table))
-        except (ValueError, OSError, FileNotFoundError):
-            ds = None
-        with self._lock:
-            self._open[table] = (now, ds)
-        return ds
+            if self._view is None or now - self._view[0] >= self.refresh_s:
+                self._view = (now, self.lab.view())
+            return self._view[1]
 
-    def _need(self, table: str) -> lance.LanceDataset:
-        ds = self.dataset(table)
-        if ds is None:
+    def _need(self, table: str) -> LabView:
+        view = self.view()
+        if not view.exists(table):
             note = OPTIONAL_TABLES.get(table, f"materialise the {table} asset first")
             raise QueryError(f"no {table} table in the lab: {note}")
-        return ds
+        return view
 
     def tables(self) -> dict[str, dict[str, Any]]:
         """Presence, rows, version and indexed columns of every table the browser reads."""
+        view = self.view()
         out: dict[str, dict[str, Any]] = {}
-        for table in (IMAGES, RESOLUTION, CAPTIONS, CLASSES, EMBEDDINGS, BUCKETS, SKIP_AUDIT):
-            ds = self.dataset(table)
-            if ds is None:
+        for table in (t.name for t in BROWSER_TABLES):
+            if not view.exists(table):
                 out[table] = {"present": False, "note": OPTIONAL_TABLES.get(table, "")}
                 continue
-            indexed = _indexed_columns(ds)
+            indexed = view.indexed_columns(table)
             out[table] = {
                 "present": True,
-                "rows": ds.count_rows(),
-                "version": ds.version,
+                "rows": view.count(table),
+                "version": view.version(table),
                 "indexes": {c: sorted(k) for c, k in sorted(indexed.items())},
             }
         return out
 
     def _distinct(self, table: str, column: str) -> list[Any]:
-        ds = self.dataset(table)
-        if ds is None or column not in ds.schema.names:
+        view = self.view()
+        schema = view.schema(table)
+        if schema is None or column not in schema.names:
             return []
-        cache_key = (table, column, ds.version)
+        cache_key = (table, column, view.version(table))
         with self._lock:
             if cache_key in self._facet_cache:
                 return self._facet_cache[cache_key]
-        values = ds.to_table(columns=[column]).column(column).unique().to_pylist()
+        values = view.read(table, [column]).column(column).unique().to_pylist()
         values = sorted(v for v in values if v is not None)
         with self._lock:
             for old in [k for k in self._facet_cache if k[:2] == (table, column)]:
@@ -519,21 +479,16 @@ class LabQueries:
         limit: int | None = None,
         **search: Any,
     ) -> pa.Table:
-        ds = self._need(table)
-        kwargs: dict[str, Any] = {
-            "columns": columns,
-            "filter": filter,
-            "limit": limit,
-            "use_scalar_index": self.use_scalar_index,
-            **search,
-        }
+        view = self._need(table)
+        scan: dict[str, Any] = {"limit": limit, "use_scalar_index": self.use_scalar_index}
+        scan.update(search)
         if search and filter:
-            kwargs["prefilter"] = True
+            scan["prefilter"] = True
         t0 = time.perf_counter()
-        scanner = ds.scanner(**kwargs)
-        table_out = scanner.to_table()
+        table_out = view.read(table, columns, filter, **scan)
         ms = (time.perf_counter() - t0) * 1000
-        plan = scanner.explain_plan(True) if (self.explain or result.explain) else None
+        explain = self.explain or result.explain
+        plan = view.explain(table, columns, filter, **scan) if explain else None
         result.steps.append(
             Step(table, purpose, table_out.num_rows, round(ms, 2), plan_operators(plan or ""), plan)
         )
@@ -542,14 +497,13 @@ class LabQueries:
     # ------------------------------------------------------------------ filter planning
 
     def _count(self, result: Result, table: str, purpose: str, predicate: str | None) -> int:
-        ds = self._need(table)
+        view = self._need(table)
+        scan = {"use_scalar_index": self.use_scalar_index}
         t0 = time.perf_counter()
-        scanner = ds.scanner(
-            columns=[], with_row_id=True, filter=predicate, use_scalar_index=self.use_scalar_index
-        )
-        n = scanner.count_rows()
+        n = view.count(table, predicate, **scan)
         ms = (time.perf_counter() - t0) * 1000
-        plan = scanner.explain_plan(True) if (self.explain or result.explain) else None
+        explain = self.explain or result.explain
+        plan = view.explain(table, [], predicate, with_row_id=True, **scan) if explain else None
         result.steps.append(Step(table, purpose, n, round(ms, 2), plan_operators(plan or ""), plan))
         return n
 
@@ -568,7 +522,7 @@ class LabQueries:
             # Its share of the rows the primary search sees (batch is already prefiltered).
             total = self._count(result, table, "count: scope", scope) if scope else None
             if total is None:
-                total = self._need(table).count_rows()
+                total = self._need(table).count(table)
             plan.post.append((table, predicate, n / max(1, total)))
         if keysets:
             plan.keys = set.intersection(*keysets)
@@ -649,8 +603,7 @@ class LabQueries:
         if plan.keys is not None and not plan.keys:
             return _finish(result, t0, exhausted=True)
         where = plan.where(f)
-        operator = FullTextOperator.AND if match == "all" else FullTextOperator.OR
-        query = MatchQuery(text, "caption", operator=operator)
+        query = full_text_query(text, TEXT_INDEX[1], all_terms=match == "all")
 
         def page(k: int) -> list[dict[str, Any]]:
             rows = self._read(
@@ -785,11 +738,12 @@ class LabQueries:
             BUCKETS: ["key", "tier", "shape"],
             SKIP_AUDIT: ["key", "excluded", "reasons"],
         }
+        view = self.view()
         jobs = []
         for table, columns in wanted.items():
-            ds = self.dataset(table)
-            if ds is not None:
-                jobs.append((table, [c for c in columns if c in ds.schema.names]))
+            schema = view.schema(table)
+            if schema is not None:
+                jobs.append((table, [c for c in columns if c in schema.names]))
         tables = []
         if jobs:  # one key lookup per table, side by side (Lance releases the GIL)
             with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
@@ -814,10 +768,10 @@ class LabQueries:
         """The original bytes of one image (BTREE lookup on ``images.key``)."""
         if not KEY_RE.match(key or ""):
             raise QueryError(f"not an image key (64 lowercase hex digits): {key[:80]!r}")
-        ds = self._need(IMAGES)
-        rows = ds.to_table(
-            columns=["image"],
-            filter=f"key = {sql_literal(key)}",
+        rows = self._need(IMAGES).read(
+            IMAGES,
+            ["image"],
+            f"key = {sql_literal(key)}",
             limit=1,
             use_scalar_index=self.use_scalar_index,
         )

@@ -20,8 +20,9 @@ Identifiers (every form the README lists): a content key; an original URL; ``sou
 manifest rows, absolute under the landing zone too) or the path inside the batch. Rejected
 files are found by path, and by key where their bytes were read. Look-ups are filtered
 Lance reads (BTREE on key, url, source_id, path); each table is read at one pinned version,
-recorded in the trail. Why generic tables: each stage owns its table, so every lab table
-with a ``key`` column is read, binary and vector columns dropped.
+recorded in the trail (one ``LabView`` pinned when the audit starts). Why generic tables:
+each stage owns its tables, declared in the registry (``core/tables.py``), so every
+registered table with a ``key`` column is read, binary and vector columns dropped.
 
 No Dagster import: the CLI, the ``image_audit`` job and the curation browser share this.
 """
@@ -30,33 +31,21 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import lance
 import pyarrow as pa
 
 from prx_assets.core.ingest.sources import ARCHIVE_SUFFIXES, MANIFEST_SUFFIXES, batch_key
-from prx_assets.core.lab import Lab, in_list, sql_literal
+from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
 from prx_assets.core.markdown import md_code
+from prx_assets.core.tables import LAB_TABLES
 
-# The order a data lead reads a trail in: where it came from, to where it went.
-TABLE_ORDER = (
-    "images",
-    "rejects",
-    "resolution",
-    "captions",
-    "caption_classes",
-    "image_hashes",
-    "phash_clusters",
-    "bucket_assignments",
-    "shard_samples",
-    "skip_audit",
-    "opt_outs",
-)
+# The registry lists the tables in the order a data lead reads a trail in: where an image
+# came from, to where it went.
+TABLE_ORDER = tuple(spec.name for spec in LAB_TABLES)
 _HIDDEN_COLUMNS = {"image", "vector"}
 KEY_COLUMNS = ("key", "matched_key")  # opt_outs names the image it matched
 MAX_KEYS = 20  # images one query may list; the rest are counted
@@ -125,6 +114,9 @@ class CopyVerdict:
 
 @dataclass
 class AuditTrail:
+    """What the lab knows about the image(s) a query names: rows per table, the Lance version
+    each table was read at, and one verdict per copy (best first)."""
+
     query: str
     keys: list[str]
     tables: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
@@ -239,43 +231,34 @@ def _display(v: Any) -> Any:
 
 
 class _Snapshot:
-    """Every lab table opened once, at one version, for the whole audit."""
+    """Every registered lab table opened once, at one version, for the whole audit.
+
+    A ``LabView`` pinned when the audit starts: every look-up sees the lab as it was then,
+    and ``versions`` are exactly the versions the trail was read at.
+    """
 
     def __init__(self, lab: Lab) -> None:
-        self.lab = lab
-        self.datasets: dict[str, lance.LanceDataset] = {}
-        for table in _table_names(lab):
-            try:
-                self.datasets[table] = lab.dataset(table)
-            except (ValueError, OSError, FileNotFoundError):
-                continue
+        self.view = LabView(lab)
+        self.versions = self.view.pin(TABLE_ORDER)
+        self.tables = [t for t in TABLE_ORDER if t in self.versions]
 
     def read(self, table: str, flt: str, columns: Sequence[str] | None = None) -> list[dict]:
-        ds = self.datasets.get(table)
-        if ds is None:
+        schema = self.view.schema(table) if table in self.versions else None
+        if schema is None:
             return []
         names = [
             n
-            for n in (columns or ds.schema.names)
-            if n in ds.schema.names
+            for n in (columns or schema.names)
+            if n in schema.names
             and n not in _HIDDEN_COLUMNS
-            and not pa.types.is_binary(ds.schema.field(n).type)
-            and not pa.types.is_large_binary(ds.schema.field(n).type)
+            and not pa.types.is_binary(schema.field(n).type)
+            and not pa.types.is_large_binary(schema.field(n).type)
         ]
-        return ds.to_table(columns=names, filter=flt).to_pylist()
+        return self.view.read(table, names, flt).to_pylist() if names else []
 
     def has(self, table: str, column: str) -> bool:
-        ds = self.datasets.get(table)
-        return ds is not None and column in ds.schema.names
-
-
-def _table_names(lab: Lab) -> list[str]:
-    if "://" in lab.root:
-        candidates = list(TABLE_ORDER)
-    else:
-        present = {n[: -len(".lance")] for n in os.listdir(lab.root) if n.endswith(".lance")}
-        candidates = [t for t in TABLE_ORDER if t in present] + sorted(present - set(TABLE_ORDER))
-    return [t for t in candidates if lab.exists(t)]
+        schema = self.view.schema(table) if table in self.versions else None
+        return schema is not None and column in schema.names
 
 
 def _is_key(text: str) -> bool:
@@ -534,13 +517,13 @@ def audit_image(lab: Lab, query: str, landing: Path | str | None = None) -> Audi
     trail.keys_not_listed = max(0, len(keys) - MAX_KEYS) + max(0, len(rejects) - MAX_KEYS)
     if not keys and not matches.rejects:
         return trail
-    for table, ds in snap.datasets.items():
+    for table in snap.tables:
         rows = _rows_by_key(snap, table, trail.keys)
         if table == "rejects":
             seen = {(r["batch"], r["path"]) for r in rows}
             rows += [r for r in matches.rejects if (r["batch"], r["path"]) not in seen]
         if rows or any(snap.has(table, c) for c in KEY_COLUMNS):
             trail.tables[table] = rows
-            trail.versions[table] = ds.version
+            trail.versions[table] = snap.versions[table]
     trail.copies = _verdicts(snap, trail)
     return trail

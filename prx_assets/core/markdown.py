@@ -1,7 +1,7 @@
-"""Untrusted text inside Markdown: data is shown, never interpreted.
+r"""Untrusted text inside Markdown: data is shown, never interpreted.
 
 Why code spans and not backslash escapes: the Dagster UI renders Markdown with remark-gfm,
-whose autolink pass runs over *decoded* text, so ``https\\://x`` or ``www\\.x`` still becomes
+whose autolink pass runs over *decoded* text, so ``https\://x`` or ``www\.x`` still becomes
 a link once the escapes are resolved, and any image or HTML syntax that survives an escaper
 is fetched by the browser as soon as the page renders (``![](/graphql?query=mutation...)``
 is a stored CSRF against Dagster's GET-accepting GraphQL endpoint). Inside a code span
@@ -12,7 +12,7 @@ opt-out entries, batch and source names) enters Markdown in this project:
 - the fence is one backtick longer than the longest backtick run in the value, padded with
   a space where the value starts or ends with a backtick or a space (CommonMark strips one);
 - characters that are not printable (line breaks, tabs, controls, bidi overrides, zero-width
-  marks) are shown as Python-style escapes (``\\n``, ``\\x1b``, ``\\u202e``), so a value can
+  marks) are shown as Python-style escapes (``\n``, ``\x1b``, ``\u202e``), so a value can
   end neither the line, the table row nor the list item it sits in, and cannot reorder or
   hide what is displayed (also in a terminal);
 - ``|`` is escaped inside table cells (``cell=True``): GFM splits rows on pipes before it

@@ -1,4 +1,4 @@
-"""Bounded, printable text from untrusted input: quotes in reasons and logs, file names as keys.
+r"""Bounded, printable text from untrusted input: quotes in reasons and logs, file names as keys.
 
 Why one module: every rejection reason, log line and stored path that carries part of an
 input (a file name, an opt-out entry, a decoder message) must be bounded in size and hold
@@ -15,7 +15,7 @@ is written as text by this rule, which is lossless (``name_bytes`` inverts it):
   (Zl, Zp) become the ``%XX`` of their UTF-8 bytes;
 - every other character (letters of any script, spaces, punctuation, ``/``) stays as it is.
 
-So ``café.jpg`` stays ``café.jpg``, the Latin-1 bytes ``caf\\xe9.jpg`` become ``caf%E9.jpg``,
+So ``café.jpg`` stays ``café.jpg``, the Latin-1 bytes ``caf\xe9.jpg`` become ``caf%E9.jpg``,
 ``100%.jpg`` becomes ``100%25.jpg`` and a newline becomes ``%0A``.
 """
 

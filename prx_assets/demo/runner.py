@@ -69,9 +69,9 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
     print(f"  {'partition':24} {'files':>6} {'accepted':>9} {'rejected':>9} {'eligible':>9}")
     for key in manifest.batches:
         flt = f"batch = '{key}'"
-        acc = store.dataset(IMAGES.name).count_rows(flt)
-        rej = store.dataset(REJECTS.name).count_rows(flt)
-        elig = store.dataset(RESOLUTION.name).count_rows(f"{flt} AND eligible")
+        acc = store.count(IMAGES.name, flt)
+        rej = store.count(REJECTS.name, flt)
+        elig = store.count(RESOLUTION.name, f"{flt} AND eligible")
         print(f"  {key:24} {manifest.counts[key]:>6} {acc:>9} {rej:>9} {elig:>9}")
     print("\nRejections by reason:")
     reasons: dict[str, int] = {}
@@ -97,7 +97,7 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
             labels[str(lab_)] = labels.get(str(lab_), 0) + 1
         print(f"Caption classes (embedding zero-shot fallback): {labels}")
     if store.exists("caption_embeddings"):
-        print(f"Caption embeddings: {store.dataset('caption_embeddings').count_rows()}")
+        print(f"Caption embeddings: {store.count('caption_embeddings')}")
     if store.exists("phash_clusters"):
         from prx_assets.core.dedup.decisions import summarise_planted
 

@@ -28,6 +28,8 @@ Pooling = Literal["last_hidden", "mean"]
 
 
 class TextEncoder(Protocol):
+    """Captions -> (latents, token mask): what the collator calls to encode text on the fly."""
+
     def __call__(self, captions: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 

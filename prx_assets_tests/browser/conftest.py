@@ -10,6 +10,7 @@ import pytest
 from dagster import instance_for_test, materialize
 
 from prx_assets.core.lab import Lab, TableSpec
+from prx_assets.core.tables import BUCKET_ASSIGNMENTS, SKIP_AUDIT
 from prx_assets.defs.captions.assets import build_caption_assets
 from prx_assets.defs.captions.resources import (
     CaptionerResource,
@@ -25,32 +26,19 @@ from prx_assets.demo.build import build_demo_landing
 BATCH_A = "public-skimage.000"  # 22 files, some under the size cutoff
 BATCH_B = "public-sklearn.001"  # 8 files
 
-# The columns of the later stages' tables the browser reads (their contracts:
-# core/shards/tables.py BUCKET_ASSIGNMENTS and core/skiplists/policy.py SKIP_AUDIT).
-BUCKETS_SPEC = TableSpec(
-    "bucket_assignments",
-    pa.schema(
-        [
-            pa.field("key", pa.string(), nullable=False),
-            pa.field("batch", pa.string(), nullable=False),
-            pa.field("tier", pa.int32()),
-            pa.field("shape", pa.string()),
-        ]
-    ),
-    ("batch", "key"),
-)
-SKIP_SPEC = TableSpec(
-    "skip_audit",
-    pa.schema(
-        [
-            pa.field("key", pa.string(), nullable=False),
-            pa.field("batch", pa.string(), nullable=False),
-            pa.field("excluded", pa.bool_()),
-            pa.field("reasons", pa.list_(pa.string())),
-        ]
-    ),
-    ("batch", "key"),
-)
+
+def _browser_columns(spec: TableSpec, columns: tuple[str, ...]) -> TableSpec:
+    """``spec`` cut to the columns the browser reads, with the indexes the spec declares on
+    them: what the real stage's write path builds (the rest of its rows needs its inputs)."""
+    schema = pa.schema([spec.schema.field(c) for c in columns])
+    indexes = tuple((c, kind) for c, kind in spec.indexes if c in columns)
+    return TableSpec(spec.name, schema, spec.identity, indexes)
+
+
+# The later stages' tables as far as the browser reads them (their contracts:
+# core/shards/tables.py BUCKET_ASSIGNMENTS and core/skiplists/tables.py SKIP_AUDIT).
+BUCKETS_SPEC = _browser_columns(BUCKET_ASSIGNMENTS, ("key", "batch", "tier", "shape"))
+SKIP_SPEC = _browser_columns(SKIP_AUDIT, ("key", "batch", "excluded", "reasons"))
 
 
 @pytest.fixture(scope="session")

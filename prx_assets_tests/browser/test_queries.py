@@ -23,7 +23,7 @@ from prx_assets.browser.queries import (
     LabQueries,
     NotFound,
     QueryError,
-    ensure_browser_indexes,
+    index_report,
 )
 from prx_assets.browser.thumbs import ThumbnailCache, render_thumbnail
 from prx_assets.core.captions.models.base import BackendIdentity
@@ -31,6 +31,7 @@ from prx_assets.core.captions.tables import embedding_rows, ensure_vector_index
 from prx_assets.core.ingest.decode import DecodeRejected
 from prx_assets.core.lab import Lab
 from prx_assets.core.tables import CAPTION_EMBEDDINGS
+from prx_assets.core.tables import IMAGES as IMAGES_SPEC
 from prx_assets_tests.browser.conftest import (
     BATCH_A,
     BATCH_B,
@@ -98,26 +99,46 @@ def captions_with(lab: Lab, *terms: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def indexed_lab(browser_lab) -> Lab:
-    ensure_browser_indexes(browser_lab)
+    """The stage-built lab as it is: its writes built every index the browser uses."""
     return browser_lab
 
 
 # --------------------------------------------------------------------------- indexes
 
 
-def test_browser_indexes_added_once_and_missing_tables_reported(browser_data_root, tmp_path):
+def test_the_stages_writes_build_every_index_the_browser_uses(browser_data_root, tmp_path):
     lab = copy_lab(browser_data_root / "lab", tmp_path / "lab")
-    report = ensure_browser_indexes(lab)
+    versions = {t: lab.version(t) for t in (IMAGES, RESOLUTION, CAPTIONS, CLASSES, EMBEDDINGS)}
+    report = index_report(lab.view())
     for name in ("images.source", "resolution.width", "resolution.height", "resolution.megapixels"):
-        assert report[name] == "created", (name, report[name])
+        assert report[name] == "present", (name, report[name])  # from the specs, at write
     for name in ("images.key", "captions.caption", "caption_classes.label"):
-        assert report[name] == "present", (name, report[name])  # the stages built these
+        assert report[name] == "present", (name, report[name])
     assert report["bucket_assignments.tier"] == "absent table"
     assert report["skip_audit.reasons"] == "absent table"
-    versions = {t: lab.dataset(t).version for t in (IMAGES, RESOLUTION, CAPTIONS)}
-    again = ensure_browser_indexes(lab)
-    assert set(again.values()) <= {"present", "absent table"}
-    assert {t: lab.dataset(t).version for t in versions} == versions  # no write the 2nd time
+    present = {n for n, v in report.items() if v != "absent table"}
+    assert {n for n in present if report[n] != "present"} == set(), report
+    assert {t: lab.version(t) for t in versions} == versions  # the report wrote nothing
+
+
+def test_a_lab_written_before_a_spec_listed_an_index_gets_it_from_maintenance(
+    browser_data_root, tmp_path
+):
+    lab = copy_lab(browser_data_root / "lab", tmp_path / "lab")
+    lab.dataset(IMAGES).drop_index("source_idx")  # as a lab written before the spec had it
+    assert index_report(lab.view())["images.source"] == "missing"
+    q = LabQueries(lab, explain=True)
+    f = Filters(sources=("public-sklearn",))
+    scanned = q.browse(f, limit=200)  # still the right answer, by a scan
+    assert {h["key"] for h in scanned.hits} == expected_keys(lab, f)
+    [step] = [s for s in scanned.steps if s.table == IMAGES and s.purpose.startswith("filter")]
+    assert "source_idx" not in step.plan
+    lab.maintain(IMAGES_SPEC)  # what the lance_maintenance job does for every registry table
+    assert index_report(lab.view())["images.source"] == "present"
+    indexed = LabQueries(lab, explain=True).browse(f, limit=200)
+    assert {h["key"] for h in indexed.hits} == expected_keys(lab, f)
+    [step] = [s for s in indexed.steps if s.table == IMAGES and s.purpose.startswith("filter")]
+    assert "source_idx(Bitmap)" in step.plan
 
 
 # --------------------------------------------------------------------------- full text
@@ -360,9 +381,9 @@ def test_later_stage_filters_disabled_until_their_tables_exist(browser_data_root
     assert q.search("black", limit=3).hits  # everything else still works
 
     _add_later_stage_tables(lab)
-    report = ensure_browser_indexes(lab)
-    assert report["bucket_assignments.tier"] == "created"
-    assert report["skip_audit.reasons"] == "created"
+    report = index_report(lab.view())  # the writes built the specs' indexes
+    assert report["bucket_assignments.tier"] == "present"
+    assert report["skip_audit.reasons"] == "present"
     facets = q.facets()
     assert not {"tier", "shape", "skip"} & set(facets["disabled"])
     assert facets["tiers"] == [0, 1, 2] and facets["shapes"] == ["384x672", "512x512"]

@@ -1,16 +1,20 @@
-"""BatchIngest accounting over hostile folders: every entry is seen, and rows stay bounded."""
+"""BatchIngest on real files: every entry is seen and accounted for, rows stay bounded, and
+a batch written through the lab twice leaves the same rows."""
 
+import hashlib
 import io
 import os
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
 from PIL import Image
 
 from prx_assets.core.ingest import runner as ingest
 from prx_assets.core.ingest.runner import BatchIngest
 from prx_assets.core.ingest.sources import discover_batches, resolve_batch
-from prx_assets.core.tables import IMAGES
+from prx_assets.core.lab import Lab
+from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets_tests.bounds import fail_after
 
 
@@ -86,3 +90,84 @@ def test_record_batches_are_bounded_by_image_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(ingest, "BYTES_PER_RECORD_BATCH", 1)  # every image is over it
     run = BatchIngest(resolve_batch(tmp_path, "s.000"))
     assert [x.num_rows for x in run.image_batches()] == [1] * 6
+
+
+def _png_rgba() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGBA", (40, 30), (0, 0, 255, 128)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _mixed_batch(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    """One of each outcome: two accepted images and four kinds of refusal."""
+    b = tmp_path / "s" / "000"
+    b.mkdir(parents=True)
+    buf = io.BytesIO()
+    Image.effect_noise((160, 120), 60).convert("RGB").save(buf, "JPEG")
+    photo = buf.getvalue()  # noise: most of the file is scan data, so a cut lands in it
+    files = {
+        "a.jpg": photo,
+        "b.png": _png_rgba(),
+        "copy.jpg": photo,  # the same bytes as a.jpg
+        "cut.jpg": photo[: len(photo) // 2],
+        "text.jpg": b"just some text, not an image",
+        "empty.jpg": b"",
+    }
+    for name, data in files.items():
+        (b / name).write_bytes(data)
+    (b / "_SUCCESS").write_text("")
+    return tmp_path, files
+
+
+def test_every_file_of_a_mixed_batch_is_an_image_or_a_refusal_with_its_reason(tmp_path):
+    landing, files = _mixed_batch(tmp_path)
+    run = BatchIngest(resolve_batch(landing, "s.000"))
+    with pytest.raises(RuntimeError, match="consume image_batches"):
+        _ = run.rejects  # incomplete until the stream is consumed: never a partial answer
+    images = [row for b in run.image_batches() for row in b.to_pylist()]
+    rejects = {r["path"]: r for r in run.rejects.to_pylist()}
+
+    assert {r["path"]: r["key"] for r in images} == {
+        "a.jpg": hashlib.sha256(files["a.jpg"]).hexdigest(),
+        "b.png": hashlib.sha256(files["b.png"]).hexdigest(),
+    }
+    assert all(r["image"] == files[r["path"]] for r in images)  # the original bytes
+    assert {r["path"]: (r["format"], r["conversion"]) for r in images} == {
+        "a.jpg": ("JPEG", "none"),
+        "b.png": ("PNG", "alpha_on_white"),
+    }
+    assert {p: r["reason"] for p, r in rejects.items()} == {
+        "copy.jpg": "duplicate_bytes_in_batch",
+        "cut.jpg": "truncated",
+        "text.jpg": "not_an_image",
+        "empty.jpg": "empty_file",
+    }
+    assert "a.jpg" in rejects["copy.jpg"]["detail"]
+    assert rejects["copy.jpg"]["key"] == hashlib.sha256(files["a.jpg"]).hexdigest()
+    stats = run.stats
+    assert (stats.seen, stats.accepted, stats.rejected) == (6, 2, 4)
+    assert stats.bytes_accepted == len(files["a.jpg"]) + len(files["b.png"])
+    assert dict(stats.formats) == {"JPEG": 1, "PNG": 1}
+    assert dict(stats.conversions) == {"none": 1, "alpha_on_white": 1}
+
+
+def test_a_batch_written_through_the_lab_twice_leaves_identical_rows(tmp_path):
+    landing, _ = _mixed_batch(tmp_path)
+    lab = Lab(tmp_path / "lab")
+
+    def ingest() -> tuple[dict, dict]:
+        run = BatchIngest(resolve_batch(landing, "s.000"))
+        written = lab.replace_partition(IMAGES, "s.000", run.image_batches())
+        return written, lab.replace_partition(REJECTS, "s.000", run.rejects)
+
+    def content() -> tuple[list[dict], list[dict]]:
+        images = sorted(lab.read(IMAGES.name).to_pylist(), key=lambda r: r["key"])
+        rejects = sorted(lab.read(REJECTS.name).to_pylist(), key=lambda r: r["path"])
+        return images, rejects
+
+    first = ingest()
+    before = content()
+    again = ingest()
+    assert [w["rows_written"] for w in first] == [2, 4]
+    assert [(w["rows_written"], w["rows_replaced"]) for w in again] == [(2, 2), (4, 4)]
+    assert content() == before  # byte-identical, image bytes included

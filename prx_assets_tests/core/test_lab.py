@@ -1,9 +1,13 @@
+"""The lab's contract on real Lance tables: one commit per partition, concurrent writers and
+index builders, maintenance and orphan removal, and the read and write API every stage uses."""
+
 import multiprocessing as mp
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pyarrow as pa
 
-from prx_assets.core.lab import Lab, TableSpec
+from prx_assets.core.lab import Lab, TableSpec, full_text_query
 
 SPEC = TableSpec(
     name="t",
@@ -250,3 +254,114 @@ def test_a_negative_orphan_age_is_refused(tmp_path):
     lab.replace_partition(SPEC, "a", _rows("a", 1))
     with pytest.raises(ValueError, match="min_age"):
         lab.remove_orphaned_files("t", timedelta(days=7), timedelta(hours=-1))
+
+
+# --------------------------------------------------------------------------- the read API
+
+
+def test_absent_tables_read_as_empty_and_count_nothing(tmp_path):
+    lab = Lab(tmp_path)
+    assert lab.read("t").num_rows == 0 and lab.count("t") == 0 and lab.version("t") is None
+    view = lab.view()
+    assert not view.exists("t") and view.count("t") == 0 and view.schema("t") is None
+    assert view.read("t").num_rows == 0 and view.explain("t") is None
+    assert view.indexed_columns("t") == {} and view.pin(["t"]) == {}
+
+
+def test_a_pinned_view_keeps_reading_the_version_it_opened(tmp_path):
+    lab = Lab(tmp_path)
+    lab.replace_partition(SPEC, "a", _rows("a", 3))
+    view = lab.view()
+    pinned = view.pin(["t", "absent"])
+    assert pinned == {"t": lab.version("t")} and view.versions == pinned
+    lab.replace_partition(SPEC, "a", _rows("a", 5, v=1))
+    lab.replace_partition(SPEC, "b", _rows("b", 2))
+    assert view.count("t") == 3 and view.version("t") == pinned["t"]
+    assert {r["v"] for r in view.read("t", ["v"]).to_pylist()} == {0}
+    assert lab.count("t") == 7 and lab.view().count("t", "batch = 'a'") == 5
+    again = lab.view(pinned)  # a new view at the same versions reads the same rows
+    assert again.read("t").to_pylist() == view.read("t").to_pylist()
+
+
+def test_a_view_opens_each_table_once_whatever_it_reads_and_from_how_many_threads(tmp_path):
+    lab = Lab(tmp_path)
+    lab.replace_partition(SPEC, "a", _rows("a", 3))
+    opened: list[str] = []
+    real_open = lab._open
+    lab._open = lambda table, version=None: opened.append(table) or real_open(table, version)
+    view = lab.view()
+    with ThreadPoolExecutor(8) as pool:
+        counts = list(pool.map(lambda _: view.count("t", "batch = 'a'"), range(32)))
+    view.read("t", ["key"])
+    view.schema("t")
+    view.explain("t", ["key"])
+    view.count("absent")
+    view.read("absent")
+    assert counts == [3] * 32 and sorted(opened) == ["absent", "t"]
+
+
+def test_a_view_passes_scan_options_and_explains_the_same_read(tmp_path):
+    lab = Lab(tmp_path)
+    lab.replace_partition(SPEC, "a", _rows("a", 40))
+    lab.replace_partition(SPEC, "b", _rows("b", 10))
+    view = lab.view()
+    assert view.indexed_columns("t") == {"key": {"BTREE"}, "batch": {"BITMAP"}}
+    assert view.read("t", ["key"], "batch = 'a'", limit=4).num_rows == 4
+    assert view.count("t", "batch = 'b'") == 10
+    assert view.count("t", "batch = 'b'", use_scalar_index=False) == 10
+    assert "ScalarIndexQuery" in view.explain("t", ["key"], "key = 'a-3'")
+    assert "ScalarIndexQuery" not in view.explain(
+        "t", ["key"], "key = 'a-3'", use_scalar_index=False
+    )
+
+
+def test_full_text_queries_are_built_by_the_lab(tmp_path):
+    spec = TableSpec(
+        "docs",
+        pa.schema([("batch", pa.string()), ("key", pa.string()), ("text", pa.string())]),
+        ("batch", "key"),
+    )
+    lab = Lab(tmp_path)
+    texts = ["a red brick wall", "a red door", "green grass"]
+    rows = [{"batch": "a", "key": f"k{i}", "text": t} for i, t in enumerate(texts)]
+    lab.replace_partition(spec, "a", pa.Table.from_pylist(rows, schema=spec.schema))
+    assert lab.ensure_text_index("docs", "text", "text_idx") == "created"
+    view = lab.view()
+
+    def hits(text: str, all_terms: bool) -> set[str]:
+        query = full_text_query(text, "text", all_terms=all_terms)
+        return set(view.read("docs", ["key"], full_text_query=query).column("key").to_pylist())
+
+    assert hits("red wall", all_terms=True) == {"k0"}
+    assert hits("red wall", all_terms=False) == {"k0", "k1"}
+    assert hits("blue", all_terms=False) == set()
+
+
+# --------------------------------------------------------------------------- other writes
+
+
+def test_append_and_delete_are_one_commit_each(tmp_path):
+    lab = Lab(tmp_path)
+    v1 = lab.append(SPEC, _rows("q", 4))
+    assert lab.count("t") == 4 and lab.version("t") == v1
+    assert lab.append(SPEC, _rows("q", 0)) == v1  # nothing to add: no commit
+    v2 = lab.delete("t", "key IN ('q-0', 'q-2')")
+    assert v2 == v1 + 1 and sorted(r["key"] for r in _content(lab)) == ["q-1", "q-3"]
+    assert lab.delete("absent", "true") == 0
+
+
+def test_replace_rows_makes_exactly_the_rows_of_one_value(tmp_path):
+    lab = Lab(tmp_path)
+    lab.replace_rows(SPEC, "batch", "l1", _rows("l1", 3))
+    lab.replace_rows(SPEC, "batch", "l2", _rows("l2", 2))
+    lab.replace_rows(SPEC, "batch", "l1", _rows("l1", 2, v=7))  # one row gone, two updated
+    lab.replace_rows(SPEC, "batch", "l1", _rows("l1", 2, v=7))  # a replay changes nothing
+    rows = _content(lab)
+    assert [(r["key"], r["v"]) for r in rows if r["batch"] == "l1"] == [("l1-0", 7), ("l1-1", 7)]
+    assert len([r for r in rows if r["batch"] == "l2"]) == 2
+    try:
+        lab.replace_rows(SPEC, "batch", "l1", _rows("l2", 1))
+    except ValueError as exc:
+        assert "other values" in str(exc)
+    else:
+        raise AssertionError("rows of l2 were accepted as the rows of l1")

@@ -1,3 +1,6 @@
+"""The landing zone as ingest reads it: complete batches only, folders, archives and manifests
+kept inside their batch, names made printable without loss, oversize entries refused unread."""
+
 import io
 import json
 import os

@@ -21,6 +21,7 @@ from prx_assets.core.audit import (
     path_conditions,
 )
 from prx_assets.core.lab import sql_literal
+from prx_assets.core.tables import LAB_TABLES
 from prx_assets_tests.defs.conftest import (
     HOSTILE_BATCH,
     HOSTILE_ID,
@@ -235,3 +236,22 @@ def test_audit_command_and_job(audit_world: World, capsys):
     assert metadata["status"].value == REJECTED
     text = metadata["trail"].value
     assert text.splitlines()[2] == f"**Verdict:** `{metadata['verdict'].value}`"
+
+
+def test_the_trail_reads_every_registered_table_at_the_version_it_reports(audit_world: World):
+    lab = audit_world.lab()
+    trail = audit_image(lab, audit_world.duplicate)
+    view = lab.view()
+    with_keys = {
+        spec.name
+        for spec in LAB_TABLES
+        if (schema := view.schema(spec.name)) is not None
+        and {"key", "matched_key"} & set(schema.names)
+    }
+    assert {"images", "phash_clusters", "skip_audit"} <= set(trail.tables) == with_keys
+    assert trail.versions == {t: view.version(t) for t in trail.tables}
+    pinned = lab.view(trail.versions)  # the same rows, read again at the reported versions
+    for table, rows in trail.tables.items():
+        column = "key" if "key" in pinned.schema(table).names else "matched_key"
+        again = pinned.read(table, filter=f"{column} = {sql_literal(audit_world.duplicate)}")
+        assert len(rows) == again.num_rows, table

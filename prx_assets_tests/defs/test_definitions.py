@@ -1,3 +1,6 @@
+"""The code location: it loads, every stage is partitioned by batch, and each job, sensor
+and schedule runs what it claims to."""
+
 from dagster import AssetKey, Definitions, DynamicPartitionsDefinition
 
 from prx_assets.definitions import defs
@@ -24,13 +27,46 @@ def test_lineage_resolution_profile_reads_raw_images():
     assert AssetKey("raw_images") in graph.get(AssetKey("resolution_profile")).parent_keys
 
 
-def test_jobs_sensors_and_the_maintenance_schedule_is_off_by_default():
+# Every per-batch stage, by the asset the README names for it.
+STAGE_ASSETS = {
+    "raw_images",
+    "resolution_profile",
+    "captions",
+    "caption_classes",
+    "caption_embeddings",
+    "image_hashes",
+    "phash_clusters",
+    "bucket_assignments",
+    "mds_shards",
+    "skip_lists",
+}
+
+
+def test_batch_pipeline_runs_every_per_batch_stage_and_nothing_else():
+    # One run of it per batch is what the landing sensor requests and the demo executes:
+    # a stage missing from its selection would never run for a new batch.
+    graph = defs.resolve_asset_graph()
+    job = defs.resolve_job_def("batch_pipeline")
+    selected = {k.to_user_string() for k in job.asset_layer.selected_asset_keys}
+    per_batch = {
+        k.to_user_string()
+        for k in graph.get_all_asset_keys()
+        if getattr(graph.get(k).partitions_def, "name", None) == BATCHES.name
+    }
+    assert selected == per_batch and STAGE_ASSETS <= selected
+    assert job.partitions_def == BATCHES
+
+
+def test_sensors_and_schedules_target_the_jobs_they_name_and_maintenance_is_off_by_default():
     from dagster import DefaultScheduleStatus
 
-    assert defs.resolve_job_def("batch_pipeline") is not None
-    assert defs.resolve_job_def("lance_maintenance") is not None
-    assert defs.get_sensor_def("landing_sensor") is not None
+    assert defs.get_sensor_def("landing_sensor").job_name == "batch_pipeline"
+    maintenance = defs.resolve_job_def("lance_maintenance")
+    assert [node.name for node in maintenance.graph.nodes] == ["compact_lab_tables"]
+    audit = defs.resolve_job_def("image_audit")
+    assert [node.name for node in audit.graph.nodes] == ["audit_one_image"]
     schedule = defs.get_schedule_def("lance_maintenance_schedule")
+    assert schedule.job_name == "lance_maintenance"
     assert schedule.default_status == DefaultScheduleStatus.STOPPED
 
 

@@ -1,3 +1,6 @@
+"""raw_images and resolution_profile as Dagster runs them: every file accounted for, reruns
+and concurrent partitions safe, the lab maintainable, limits configured on the resource."""
+
 import io
 import multiprocessing as mp
 import os

@@ -1,3 +1,6 @@
+"""The landing sensor registers each complete batch once and requests its run once, across
+ticks, hand registrations and partitions deleted by hand."""
+
 import shutil
 
 from dagster import SensorResult, SkipReason, build_sensor_context

@@ -30,6 +30,8 @@ BYTES_PER_RECORD_BATCH = 64 * 1024 * 1024  # a record batch also ends at this ma
 
 @dataclass
 class IngestStats:
+    """The batch's accounting: every file seen is accepted or rejected (``check``)."""
+
     seen: int = 0
     accepted: int = 0
     rejected: int = 0

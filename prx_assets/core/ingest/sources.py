@@ -152,6 +152,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class BatchRef:
+    """One complete batch of the landing zone: its partition key and where its files are."""
+
     key: str
     source: str  # printable
     chunk: str  # printable

@@ -37,6 +37,7 @@ IMAGES = TableSpec(
         ("url", "BTREE"),
         ("source_id", "BTREE"),
         ("path", "BTREE"),
+        ("source", "BITMAP"),  # the browser's source filter
     ),
 )
 

@@ -61,6 +61,8 @@ def profile_images(images: pa.Table, min_side: int = MIN_SIDE) -> pa.Table:
 
 @dataclass(frozen=True)
 class ProfileSummary:
+    """One batch's profile in numbers: what the asset shows a data lead about its sizes."""
+
     images: int
     eligible: int
     ineligible_reasons: dict[str, int]

@@ -23,5 +23,11 @@ RESOLUTION = TableSpec(
         ]
     ),
     identity=("batch", "key"),
-    indexes=(("key", "BTREE"), ("batch", "BITMAP")),
+    indexes=(
+        ("key", "BTREE"),
+        ("batch", "BITMAP"),
+        ("width", "BTREE"),  # width, height, megapixels: the browser's size filters
+        ("height", "BTREE"),
+        ("megapixels", "BTREE"),
+    ),
 )

@@ -63,7 +63,7 @@ BUCKET_ASSIGNMENTS = TableSpec(
         ]
     ),
     identity=("batch", "key"),
-    indexes=(("key", "BTREE"), ("batch", "BITMAP")),
+    indexes=(("key", "BTREE"), ("batch", "BITMAP"), ("tier", "BITMAP"), ("shape", "BITMAP")),
 )
 
 SHARD_SAMPLES = TableSpec(

@@ -82,6 +82,7 @@ SKIP_AUDIT = TableSpec(
         ("batch", "BITMAP"),
         ("excluded", "BITMAP"),
         ("policy_fingerprint", "BITMAP"),
+        ("reasons", "LABEL_LIST"),  # the browser's skip-reason filter
     ),
 )
 

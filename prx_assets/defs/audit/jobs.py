@@ -8,6 +8,8 @@ from prx_assets.defs.resources import LabResource
 
 
 class AuditConfig(Config):
+    """Which image to audit."""
+
     # A content key, an original URL, `source:id`, a landing path or a path inside a batch.
     query: str
 

@@ -25,6 +25,8 @@ MIN_ORPHAN_AGE_HOURS = 1.0
 
 
 class MaintenanceConfig(Config):
+    """How far to compact, how long to keep old versions and unreferenced files."""
+
     # The seed found fragment size decides query speed; ~1M rows is its sweet spot.
     target_rows_per_fragment: int = TARGET_ROWS_PER_FRAGMENT
     retention_days: float = 7.0

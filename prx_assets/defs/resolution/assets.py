@@ -1,11 +1,9 @@
 """resolution_profile: size facts per image, computed from metadata columns only."""
 
-import numpy as np
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
-from prx_assets.core.plots import resolution_histogram
-from prx_assets.core.resolution.profile import MIN_SIDE, profile_images, summarise
-from prx_assets.core.tables import IMAGES, RESOLUTION
+from prx_assets.core.resolution.profile import MIN_SIDE
+from prx_assets.core.resolution.runner import profile_batch
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.metadata import counts_table, png_markdown
 from prx_assets.defs.partitions import BATCHES
@@ -25,15 +23,8 @@ from prx_assets.defs.resources import LabResource
     ),
 )
 def resolution_profile(context: AssetExecutionContext, lab: LabResource) -> MaterializeResult:
-    store = lab.lab()
-    batch = context.partition_key
-    images = store.read_batch(IMAGES.name, batch, columns=["key", "batch", "width", "height"])
-    profile = profile_images(images)
-    written = store.replace_partition(RESOLUTION, batch, profile)
-    summary = summarise(profile)
-    w = profile.column("width").to_numpy().astype(np.int64)
-    h = profile.column("height").to_numpy().astype(np.int64)
-    png = resolution_histogram(w, h, MIN_SIDE, f"{batch}: {summary.images} images")
+    run = profile_batch(lab.lab(), context.partition_key)
+    summary = run.summary
     return MaterializeResult(
         metadata={
             "images": summary.images,
@@ -44,7 +35,7 @@ def resolution_profile(context: AssetExecutionContext, lab: LabResource) -> Mate
             "upscaled_to_lowest_tier": summary.upscaled_to_lowest_tier,
             "megapixels_percentiles": MetadataValue.json(summary.megapixel_percentiles),
             "aspect_percentiles": MetadataValue.json(summary.aspect_percentiles),
-            "histogram": png_markdown(png, "resolution histogram"),
-            "resolution_lance_version": written["version"],
+            "histogram": png_markdown(run.histogram_png, "resolution histogram"),
+            "resolution_lance_version": run.version,
         }
     )
