@@ -16,13 +16,14 @@ from prx_assets.core.shards.mds import (
     partition_digest,
     partition_dir,
     recover_partition,
+    relative_partition_dir,
     skip_nothing,
-    small_bucket_hazards,
     write_bucket_partition,
     write_partition_buckets,
     write_partition_streams,
 )
 from prx_assets.core.shards.resize import encode_jpeg, resize_to_bucket
+from prx_assets.core.shards.small_buckets import small_bucket_problems
 
 REPO = Path(__file__).resolve().parents[2]
 PHOTOS = REPO / "prx_assets" / "demo" / "photos"
@@ -347,16 +348,39 @@ def test_partition_digest_pins_the_content(tmp_path: Path, samples: list[MDSSamp
     assert partition_digest(plain) != digest
 
 
+def test_one_spelling_of_a_partition_directory(tmp_path: Path, samples: list[MDSSample]) -> None:
+    """``relative_partition_dir`` is what the writer creates, what placements and listed
+    directories report, and it refuses names that would escape the layout."""
+    s = samples[0]
+    rel = relative_partition_dir(s.tier, s.shape, "demo.b0")
+    assert rel == f"mds/{s.tier}/{s.shape}/demo.b0"
+    assert partition_dir(tmp_path, s.tier, s.shape, "demo.b0") == tmp_path / rel
+    placements = write_bucket_partition(
+        tmp_path, "demo.b0", s.tier, s.shape, [s], skips_for=skip_nothing
+    )
+    assert {p.relative_dir for p in placements} == {rel}
+    assert [d.relative_dir for d in list_partition_dirs(tmp_path, "demo.b0")] == [rel]
+    assert (tmp_path / rel / "index.json").is_file()
+    for bad_shape, bad_batch in (
+        ("16x", "b0"),
+        ("../x", "b0"),
+        ("16x16", "../b0"),
+        ("16x16", ".b0"),
+    ):
+        with pytest.raises(ValueError, match="not"):
+            relative_partition_dir(1024, bad_shape, bad_batch)
+
+
 def test_small_bucket_rule() -> None:
-    assert small_bucket_hazards(64, 64, 64) == []
-    assert small_bucket_hazards(8 * 32, 8, 8, 32) == []
-    problems = small_bucket_hazards(63, 2, 64)
+    assert small_bucket_problems(64, 64, 64) == []
+    assert small_bucket_problems(8 * 32, 8, 8, 32) == []
+    problems = small_bucket_problems(63, 2, 64)
     assert len(problems) == 2 and "63 samples" in problems[0] and "2 shards" in problems[1]
-    assert small_bucket_hazards(100, 8, 8, 16) == [
+    assert small_bucket_problems(100, 8, 8, 16) == [
         "100 samples < canonical nodes x device batch = 8 x 16"
     ]
     with pytest.raises(ValueError, match=">= 1"):
-        small_bucket_hazards(1, 1, 0)
+        small_bucket_problems(1, 1, 0)
 
 
 def test_each_directory_appears_with_its_first_skiplist_generation(

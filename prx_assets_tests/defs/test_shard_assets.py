@@ -347,13 +347,9 @@ def _jpeg(name: str, size: tuple[int, int]) -> bytes:
 
 def test_renderer_skips_a_broken_image_and_keeps_the_rest(tmp_path: Path) -> None:
     from prx_assets.core.lab import Lab
-    from prx_assets.core.shards.tables import (
-        BucketRenderer,
-        RenderFailures,
-        assignment_from_row,
-        assignment_rows,
-        plan_shards,
-    )
+    from prx_assets.core.shards.plan import plan_shards
+    from prx_assets.core.shards.render import BucketRenderer, RenderFailures
+    from prx_assets.core.shards.tables import assignment_from_row, assignment_rows
 
     store = Lab(tmp_path / "lab")
     good = _jpeg("coffee.png", (900, 600))
@@ -373,14 +369,14 @@ def test_renderer_skips_a_broken_image_and_keeps_the_rest(tmp_path: Path) -> Non
     )
     plan = plan_shards(assignments, captions)
     ((bucket, planned),) = plan.buckets.items()
-    renderer = BucketRenderer(store.dataset(IMAGES.name), "b0", plan.captions, chunk_size=2)
+    renderer = BucketRenderer(store.view(), "b0", plan.captions, chunk_size=2)
     samples = list(renderer.samples(planned))
     assert [s.key for s in samples] == ["a-good", "c-good"]
     assert samples[0].image == samples[1].image  # same source, same bytes
     assert set(renderer.log.failures) == {"b-broken"}
     assert "truncated" in renderer.log.failures["b-broken"]
     # A systematic fault (every image failing) stops the run instead of emptying shards.
-    strict = BucketRenderer(store.dataset(IMAGES.name), "b0", plan.captions, max_failures=0)
+    strict = BucketRenderer(store.view(), "b0", plan.captions, max_failures=0)
     with pytest.raises(RenderFailures, match="1 images of batch 'b0' failed.*b-broken"):
         list(strict.samples(planned))
     # Inconsistent inputs are refused with a specific message.
