@@ -330,7 +330,7 @@ def ensure_browser_indexes(lab: Lab, attempts: int = 3) -> dict[str, str]:
     failed (...)``. Indexes only change how a query runs, never its answer, so a lost race
     with a concurrent writer is reported, not raised; Lance then scans that column.
     """
-    from prx_assets.core.captions.tables import ensure_fts_index
+    from prx_assets.core.captions.tables import ensure_caption_text_index
 
     report: dict[str, str] = {}
     for table, column, kind in BROWSER_INDEXES:
@@ -364,7 +364,7 @@ def ensure_browser_indexes(lab: Lab, attempts: int = 3) -> dict[str, str]:
         if indexed & {"INVERTED", "FTS"}:
             report[f"{CAPTIONS}.caption"] = "present"
         else:  # the caption stage builds it; a lab written before that gets it here
-            report[f"{CAPTIONS}.caption"] = ensure_fts_index(lab.uri(CAPTIONS), "caption")
+            report[f"{CAPTIONS}.caption"] = ensure_caption_text_index(lab)
     return report
 
 

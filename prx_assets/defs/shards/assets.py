@@ -211,9 +211,7 @@ def _shard_metadata(out: ShardOutcome, shards_root: str) -> dict[str, Any]:
         "written_without_caption": len(out.uncaptioned),
         "uncaptioned_keys": MetadataValue.json(_by_cause(out.uncaptioned)),
         "excluded_by_first_skiplists": out.excluded,
-        "first_skiplist_reasons": counts_table(
-            out.decisions.reason_counts(), "reason", sort=False
-        ),
+        "first_skiplist_reasons": counts_table(out.decisions.reason_counts(), "reason", sort=False),
         "skip_policy_fingerprint": out.policy_fingerprint,
         "skiplist_generations": MetadataValue.json(
             {d.relative_dir: d.generation for d in out.directories}
