@@ -16,10 +16,7 @@ import streaming
 
 from prx_assets.core.captions.models import BackendIdentity, CaptionResult
 from prx_assets.core.captions.tables import caption_rows
-from prx_assets.core.ingest.runner import BatchIngest
-from prx_assets.core.ingest.sources import resolve_batch
 from prx_assets.core.lab import Lab
-from prx_assets.core.resolution.profile import profile_images
 from prx_assets.core.shards.buckets import assign_bucket
 from prx_assets.core.shards.mds import partition_digest
 from prx_assets.core.shards.runner import (
@@ -34,39 +31,14 @@ from prx_assets.core.tables import (
     BUCKET_ASSIGNMENTS,
     CAPTION_CLASSES,
     CAPTIONS,
-    IMAGES,
-    REJECTS,
     RESOLUTION,
     SHARD_SAMPLES,
 )
+from prx_assets_tests.core.stage_inputs import DEMO_BATCH, RecordingLab, ingest_demo_batch
 from prx_assets_tests.facts import plant_decision_facts
 
-KEY = "public-skimage.000"
+KEY = DEMO_BATCH
 IDENTITY = BackendIdentity.create(kind="test", model_id="test-model", prompt_version="v-test")
-
-
-class RecordingLab(Lab):
-    """A real lab that remembers every ``read``: (table, columns, filter, rows returned)."""
-
-    def __init__(self, root: str | Path) -> None:
-        super().__init__(root)
-        self.reads: list[tuple[str, tuple[str, ...], str | None, pa.Table]] = []
-
-    def read(self, table, columns=None, filter=None, version=None):  # noqa: A002
-        out = super().read(table, columns, filter, version)
-        self.reads.append((table, tuple(columns or ()), filter, out))
-        return out
-
-
-def _ingest(lab: Lab, landing: Path, batch: str = KEY) -> list[str]:
-    """The real ingest and resolution of a demo batch; returns its eligible keys."""
-    run = BatchIngest(resolve_batch(landing, batch))
-    lab.replace_partition(IMAGES, batch, run.image_batches())
-    lab.replace_partition(REJECTS, batch, run.rejects)
-    sizes = lab.read_batch(IMAGES.name, batch, ["key", "batch", "width", "height"])
-    lab.replace_partition(RESOLUTION, batch, profile_images(sizes))
-    res = lab.read_batch(RESOLUTION.name, batch, ["key", "eligible"]).to_pylist()
-    return sorted(r["key"] for r in res if r["eligible"])
 
 
 def _captions(lab: Lab, keys: list[str], batch: str = KEY) -> None:
@@ -82,7 +54,7 @@ def world(data_root: Path):
     """The demo batch ingested, profiled, assigned, captioned but for one image, with every
     fact the policy needs (one image labelled text, one a copy of another)."""
     lab = RecordingLab(data_root / "lab")
-    eligible = _ingest(lab, data_root / "landing")
+    eligible = ingest_demo_batch(lab, data_root / "landing")
     assert len(eligible) >= 8
     BatchAssignment(lab, KEY).run()
     uncaptioned = eligible[0]
@@ -104,7 +76,7 @@ def _read_dir(directory: Path) -> list[dict]:
 
 def test_assignment_runner_assigns_every_eligible_image_by_the_bucket_rule(data_root):
     lab = Lab(data_root / "lab")
-    eligible = _ingest(lab, data_root / "landing")
+    eligible = ingest_demo_batch(lab, data_root / "landing")
     out = BatchAssignment(lab, KEY).run()
     rows = {r["key"]: r for r in lab.read_batch(BUCKET_ASSIGNMENTS.name, KEY).to_pylist()}
     assert sorted(rows) == eligible and out.eligible == len(eligible)

@@ -1,0 +1,40 @@
+"""Real upstream inputs for a stage's core runner: a demo batch through the real ingest and
+resolution code into a real lab, and a ``Lab`` that remembers what it was asked to read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+
+from prx_assets.core.ingest.runner import BatchIngest
+from prx_assets.core.ingest.sources import resolve_batch
+from prx_assets.core.lab import Lab
+from prx_assets.core.resolution.profile import profile_images
+from prx_assets.core.tables import IMAGES, REJECTS, RESOLUTION
+
+DEMO_BATCH = "public-skimage.000"  # 22 files, some under the size cutoff
+
+
+class RecordingLab(Lab):
+    """A real lab that remembers every ``read``: (table, columns, filter, rows returned)."""
+
+    def __init__(self, root: str | Path) -> None:
+        super().__init__(root)
+        self.reads: list[tuple[str, tuple[str, ...], str | None, pa.Table]] = []
+
+    def read(self, table, columns=None, filter=None, version=None):  # noqa: A002
+        out = super().read(table, columns, filter, version)
+        self.reads.append((table, tuple(columns or ()), filter, out))
+        return out
+
+
+def ingest_demo_batch(lab: Lab, landing: Path, batch: str = DEMO_BATCH) -> list[str]:
+    """The real ingest and resolution of a demo batch; returns its eligible keys, sorted."""
+    run = BatchIngest(resolve_batch(landing, batch))
+    lab.replace_partition(IMAGES, batch, run.image_batches())
+    lab.replace_partition(REJECTS, batch, run.rejects)
+    sizes = lab.read_batch(IMAGES.name, batch, ["key", "batch", "width", "height"])
+    lab.replace_partition(RESOLUTION, batch, profile_images(sizes))
+    profile = lab.read_batch(RESOLUTION.name, batch, ["key", "eligible"]).to_pylist()
+    return sorted(r["key"] for r in profile if r["eligible"])
