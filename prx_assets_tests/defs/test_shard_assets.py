@@ -27,7 +27,6 @@ from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.shards.assets import bucket_assignments, mds_shards
 from prx_assets.defs.skiplists.config import SkipPolicyResource
 
-PHOTOS = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos"
 KEY = "public-skimage.000"
 SHARD_LIMIT = 1_000_000  # not the default: the run config must reach the writer
 RUN_CONFIG = {"ops": {"mds_shards": {"config": {"shard_size_limit": SHARD_LIMIT}}}}
@@ -337,59 +336,6 @@ def test_stage_contract() -> None:
     assert {d.asset_key for d in next(iter(bucket_assignments.specs)).deps} == {
         AssetKey("resolution_profile")
     }
-
-
-def _jpeg(name: str, size: tuple[int, int]) -> bytes:
-    buf = io.BytesIO()
-    Image.open(PHOTOS / name).convert("RGB").resize(size).save(buf, "JPEG", quality=90)
-    return buf.getvalue()
-
-
-def test_renderer_skips_a_broken_image_and_keeps_the_rest(tmp_path: Path) -> None:
-    from prx_assets.core.lab import Lab
-    from prx_assets.core.shards.plan import plan_shards
-    from prx_assets.core.shards.render import BucketRenderer, RenderFailures
-    from prx_assets.core.shards.tables import assignment_from_row, assignment_rows
-
-    store = Lab(tmp_path / "lab")
-    good = _jpeg("coffee.png", (900, 600))
-    images = {"a-good": good, "b-broken": good[: len(good) // 2], "c-good": good}
-    rows = [
-        {"key": k, "batch": "b0", "width": 900, "height": 600, "image": v, "source": "s"}
-        for k, v in images.items()
-    ]
-    store.replace_partition(IMAGES, "b0", pa.Table.from_pylist(rows, schema=IMAGES.schema))
-    assignments = assignment_rows(
-        pa.Table.from_pylist(rows).select(["key", "batch", "width", "height"])
-    )
-    a = assignment_from_row(assignments.to_pylist()[0])
-    assert a == assign_bucket(900, 600)
-    captions = pa.Table.from_pylist(
-        [{"key": k, "caption": f"c {k}", "is_fallback": False} for k in images]
-    )
-    plan = plan_shards(assignments, captions)
-    ((bucket, planned),) = plan.buckets.items()
-    renderer = BucketRenderer(store.view(), "b0", plan.captions, chunk_size=2)
-    samples = list(renderer.samples(planned))
-    assert [s.key for s in samples] == ["a-good", "c-good"]
-    assert samples[0].image == samples[1].image  # same source, same bytes
-    assert set(renderer.log.failures) == {"b-broken"}
-    assert "truncated" in renderer.log.failures["b-broken"]
-    # A systematic fault (every image failing) stops the run instead of emptying shards.
-    strict = BucketRenderer(store.view(), "b0", plan.captions, max_failures=0)
-    with pytest.raises(RenderFailures, match="1 images of batch 'b0' failed.*b-broken"):
-        list(strict.samples(planned))
-    # Inconsistent inputs are refused with a specific message.
-    bad = {**assignments.to_pylist()[0], "shape": "1x1"}
-    with pytest.raises(ValueError, match="disagrees"):
-        assignment_from_row(bad)
-    with pytest.raises(ValueError, match="two caption rows"):
-        plan_shards(assignments, pa.concat_tables([captions, captions]))
-    with pytest.raises(ValueError, match="resample must be"):
-        BucketRenderer(None, "b0", {}, resample="nearest")
-    tiny = pa.table({"key": ["k"], "batch": ["b0"], "width": [100], "height": [100]})
-    with pytest.raises(ValueError, match="under the bucket cutoff"):
-        assignment_rows(tiny)
 
 
 # -- findings of issue 10 ----------------------------------------------------------------
