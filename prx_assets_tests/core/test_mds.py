@@ -1,4 +1,3 @@
-import gc
 import hashlib
 import io
 import json
@@ -24,6 +23,7 @@ from prx_assets.core.shards.mds import (
 )
 from prx_assets.core.shards.resize import encode_jpeg, resize_to_bucket
 from prx_assets.core.shards.small_buckets import small_bucket_problems
+from prx_assets_tests.core.stage_inputs import read_mds_dir, streaming_memory_released
 
 REPO = Path(__file__).resolve().parents[2]
 PHOTOS = REPO / "prx_assets" / "demo" / "photos"
@@ -59,15 +59,7 @@ def samples() -> list[MDSSample]:
 
 def _read_all(directory: Path) -> list[dict]:
     """Read a directory back with the official reader, as the trainer would."""
-    ds = streaming.StreamingDataset(local=str(directory), batch_size=1, shuffle=False)
-    try:
-        rows = [dict(row) for row in ds]
-        by_index = [ds[i]["key"] for i in range(len(ds))]
-    finally:
-        del ds
-        gc.collect()
-    assert [r["key"] for r in rows] == by_index
-    return rows
+    return read_mds_dir(directory)
 
 
 def _hashes(root: Path) -> dict[str, str]:
@@ -414,10 +406,11 @@ def test_each_directory_appears_with_its_first_skiplist_generation(
         if gone:
             assert live[first.shard].indices == (first.index_in_shard,)
         assert sum(len(s) for s in live.values()) == len(gone)
-        ds = SkipListDataset(local=str(tmp_path / rel), batch_size=1)
-        assert sorted(s["key"] for s in ds) == sorted(p.key for p in mine if p.key not in gone)
-        del ds
-        gc.collect()
+        with streaming_memory_released():
+            ds = SkipListDataset(local=str(tmp_path / rel), batch_size=1)
+            kept = sorted(s["key"] for s in ds)
+            del ds
+        assert kept == sorted(p.key for p in mine if p.key not in gone)
     assert screened_out >= 1
 
     # A callback that fails leaves the previous version (with its generation) in place.

@@ -6,13 +6,11 @@ on a lab filled by the real ingest and resolution code.
 
 from __future__ import annotations
 
-import gc
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
-import streaming
 
 from prx_assets.core.captions.models import BackendIdentity, CaptionResult
 from prx_assets.core.captions.tables import caption_rows
@@ -34,7 +32,12 @@ from prx_assets.core.tables import (
     RESOLUTION,
     SHARD_SAMPLES,
 )
-from prx_assets_tests.core.stage_inputs import DEMO_BATCH, RecordingLab, ingest_demo_batch
+from prx_assets_tests.core.stage_inputs import (
+    DEMO_BATCH,
+    RecordingLab,
+    ingest_demo_batch,
+    read_mds_dir,
+)
 from prx_assets_tests.facts import plant_decision_facts
 
 KEY = DEMO_BATCH
@@ -63,15 +66,6 @@ def world(data_root: Path):
     plant_decision_facts(lab, KEY, eligible, labels={text: "text"}, copies={dup: keeper})
     planted = {text: ("class_text",), dup: ("duplicate",), uncaptioned: ("no_caption",)}
     return lab, data_root / "shards", eligible, planted
-
-
-def _read_dir(directory: Path) -> list[dict]:
-    ds = streaming.StreamingDataset(local=str(directory), batch_size=1, shuffle=False)
-    try:
-        return [dict(ds[i]) for i in range(len(ds))]
-    finally:
-        del ds
-        gc.collect()
 
 
 def test_assignment_runner_assigns_every_eligible_image_by_the_bucket_rule(data_root):
@@ -113,7 +107,7 @@ def test_shard_runner_writes_screened_directories_that_streaming_reads_back(worl
     read = {}
     for d in out.directories:
         path = root / d.relative_dir
-        samples = _read_dir(path)
+        samples = read_mds_dir(path)
         read.update({s["key"]: (d, i, s) for i, s in enumerate(samples)})
         assert d.samples == len(samples)
         assert d.generation == current_generation(path) is not None

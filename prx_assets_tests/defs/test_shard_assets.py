@@ -1,4 +1,3 @@
-import gc
 import hashlib
 import io
 import json
@@ -7,7 +6,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-import streaming
 from dagster import materialize
 from PIL import Image
 
@@ -26,6 +24,7 @@ from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.shards.assets import bucket_assignments, mds_shards
 from prx_assets.defs.skiplists.config import SkipPolicyResource
+from prx_assets_tests.core.stage_inputs import read_mds_dir, streaming_memory_released
 
 KEY = "public-skimage.000"
 SHARD_LIMIT = 1_000_000  # not the default: the run config must reach the writer
@@ -61,18 +60,6 @@ def _write_captions(store, keys: list[str]) -> None:
             }
         )
     store.replace_partition(CAPTIONS, KEY, pa.Table.from_pylist(rows, schema=CAPTIONS.schema))
-
-
-def _read_dir(directory: Path) -> list[dict]:
-    """Every sample of one directory with the official reader, in index order."""
-    ds = streaming.StreamingDataset(local=str(directory), batch_size=1, shuffle=False)
-    try:
-        rows = [dict(ds[i]) for i in range(len(ds))]
-        assert [r["key"] for r in ds] == [r["key"] for r in rows]
-    finally:
-        del ds
-        gc.collect()
-    return rows
 
 
 def _tree_hashes(root: Path) -> dict[str, str]:
@@ -166,7 +153,7 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
         for r in store.read_batch(IMAGES.name, KEY, ["key", "source", "license"]).to_pylist()
     }
     seen: dict[str, tuple[Path, int]] = {}
-    read = {d: _read_dir(d) for d in dirs}
+    read = {d: read_mds_dir(d) for d in dirs}
     for d in dirs:
         for i, row in enumerate(read[d]):
             key = row["key"]
@@ -356,15 +343,14 @@ def _default_loader_keys(root: Path) -> list[str]:
 
     from prx_assets.loader import ShapeBatchedLoader, discover_streams
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), streaming_memory_released():
         warnings.simplefilter("ignore")  # tiny buckets: small-bucket warnings are expected
         buckets = discover_streams(root)
         if not buckets:  # every sample of every bucket skipped: nothing to yield
             return []
         loader = ShapeBatchedLoader(buckets, batch_size=1, shuffle=False, num_canonical_nodes=1)
         keys = [k for batch in loader for k in batch["key"]]
-    del loader
-    gc.collect()
+        del loader
     return keys
 
 
@@ -395,7 +381,7 @@ def test_an_image_without_caption_is_written_and_skipped_as_no_caption(
     rows = {r["key"]: r for r in _shard_rows(store)}
     assert uncaptioned in rows  # written ...
     r = rows[uncaptioned]
-    raw = _read_dir(root / r["relative_dir"])[r["sample_index"]]
+    raw = read_mds_dir(root / r["relative_dir"])[r["sample_index"]]
     assert raw["key"] == uncaptioned and raw["caption"] == ""
     yielded = _default_loader_keys(root)
     assert yielded and uncaptioned not in yielded  # ... and never trained on
