@@ -53,24 +53,27 @@ def streaming_memory_released() -> Iterator[None]:
     """Release, on exit, the shared memory streaming readers opened inside the block.
 
     Streaming keeps each shared-memory segment it opens alive until the process exits (an
-    atexit handler per segment), so a long test session that builds many readers runs out
-    of file descriptors. The handlers registered inside the block are captured and run once
-    its readers are gone (drop every reference inside the block).
+    atexit handler per segment, ``streaming.base.shared.memory.SharedMemory.cleanup``), so a
+    long test session that builds many readers runs out of file descriptors. Those handlers
+    alone are held back and run when the block ends (drop every reader inside it); any other
+    atexit registration goes through untouched.
     """
-    handlers: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
+    held: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
     real_register = atexit.register
 
-    def capture(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
-        handlers.append((f, args, kwargs))
+    def register(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        if not str(getattr(f, "__module__", "")).startswith("streaming."):
+            return real_register(f, *args, **kwargs)
+        held.append((f, args, kwargs))
         return f
 
-    atexit.register = capture  # type: ignore[assignment]
+    atexit.register = register  # type: ignore[assignment]
     try:
         yield
     finally:
         atexit.register = real_register
         gc.collect()
-        for f, args, kwargs in reversed(handlers):
+        for f, args, kwargs in reversed(held):
             with contextlib.suppress(Exception):  # best-effort release of shared memory
                 f(*args, **kwargs)
 
