@@ -28,6 +28,7 @@ from prx_assets.core.captions.runner import (
     BatchCaptions,
     BatchClasses,
     BatchEmbeddings,
+    CaptionOutcome,
     CaptionStageError,
 )
 from prx_assets.core.tables import CAPTIONS
@@ -98,6 +99,15 @@ def _captions(
     )
     with _failing_the_run():
         out = run.run()
+    check = length_window_result(out.stats, captioner.is_fallback)
+    return MaterializeResult(
+        metadata=_caption_metadata(out, captioner, store.uri(CAPTIONS.name)), check_results=[check]
+    )
+
+
+def _caption_metadata(
+    out: CaptionOutcome, captioner: CaptionerResource, uri: str
+) -> dict[str, Any]:
     stats = out.stats
     metadata: dict[str, Any] = {
         **_identity_metadata(out.identity, captioner.backend),
@@ -112,14 +122,13 @@ def _captions(
         "mean_words": out.mean_words,
         "fts_index": out.fts_index,
         "captions_lance_version": out.version,
-        "lab": MetadataValue.path(store.uri(CAPTIONS.name)),
+        "lab": MetadataValue.path(uri),
     }
     if captioner.is_fallback:
         metadata["caption_source"] = MetadataValue.text(ALT_TEXT_NOTE)
     if out.endpoint is not None:
         metadata["endpoint"] = out.endpoint
-    check = length_window_result(stats, captioner.is_fallback)
-    return MaterializeResult(metadata=metadata, check_results=[check])
+    return metadata
 
 
 # --------------------------------------------------------------------------- caption_classes
