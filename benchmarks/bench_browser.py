@@ -12,7 +12,7 @@ building on two cores): run it once, not in a loop.
    unit vectors have no neighbours at all), written in 100k-row chunks,
    in 100 batches and 5 sources. Then the indexes, timed: the INVERTED index on
    ``captions.caption``, a cosine IVF_PQ index on the vectors (the caption stage's
-   ``ensure_vector_index``) and the scalar indexes the tables' specs declare
+   ``ensure_embedding_index``) and the scalar indexes the tables' specs declare
    (``Lab.ensure_indexes``, as every stage write does).
 2. Time queries through :class:`prx_assets.browser.queries.LabQueries`, the code the app
    runs (each includes reading the 60 result cards' details by key): full text, nearest
@@ -46,13 +46,12 @@ import pyarrow as pa
 
 from prx_assets.browser.queries import (
     BROWSER_TABLES,
-    CAPTIONS,
     EMBEDDINGS,
     Filters,
     LabQueries,
     index_report,
 )
-from prx_assets.core.captions.tables import ensure_fts_index, ensure_vector_index
+from prx_assets.core.captions.tables import ensure_caption_text_index, ensure_embedding_index
 from prx_assets.core.lab import Lab, TableSpec
 from prx_assets.core.tables import CAPTION_CLASSES, CAPTION_EMBEDDINGS, IMAGES, RESOLUTION
 from prx_assets.core.tables import CAPTIONS as CAPTIONS_SPEC
@@ -161,11 +160,11 @@ def build_lab(root: Path, rows: int, seed: int = 0) -> tuple[Lab, dict[str, floa
         print(f"  wrote {start + n:,}/{rows:,} rows", flush=True)
     timings["write_tables_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    assert ensure_fts_index(lab.uri(CAPTIONS)) == "created"
+    assert ensure_caption_text_index(lab) == "created"
     timings["fts_index_s"] = time.perf_counter() - t0
     print(f"  FTS index {timings['fts_index_s']:.1f} s", flush=True)
     t0 = time.perf_counter()
-    assert ensure_vector_index(lab.uri(EMBEDDINGS), min_rows=256, index_type="IVF_PQ") == "created"
+    assert ensure_embedding_index(lab, min_rows=256, index_type="IVF_PQ") == "created"
     timings["vector_index_s"] = time.perf_counter() - t0
     print(f"  IVF_PQ index {timings['vector_index_s']:.1f} s", flush=True)
     t0 = time.perf_counter()

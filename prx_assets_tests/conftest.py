@@ -15,6 +15,19 @@ os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
 PHOTOS = Path(__file__).resolve().parents[1] / "prx_assets" / "demo" / "photos"
 
 
+@pytest.fixture(autouse=True)
+def _release_streaming_shared_memory():
+    """Every test's streaming readers give their shared memory back when the test ends.
+
+    Streaming holds each segment (and its file descriptor) until the process exits; over the
+    whole suite in one process that exhausts the descriptor limit.
+    """
+    from prx_assets_tests.core.stage_inputs import streaming_memory_released
+
+    with streaming_memory_released():
+        yield
+
+
 @pytest.fixture(scope="session")
 def demo_source(tmp_path_factory) -> tuple[Path, object]:
     """The small demo landing zone, built once; copy it before changing it."""

@@ -56,6 +56,7 @@ from streaming import Stream, StreamingDataset
 from streaming.base.storage import CloudDownloader
 from streaming.base.world import World
 
+from prx_assets.core.shards import small_buckets
 from prx_assets.core.skiplists.sidecars import (
     INDEX_BASENAME,
     MANIFEST_BASENAME,
@@ -69,6 +70,11 @@ from prx_assets.core.skiplists.sidecars import (
     digest_skip_sets,
     parse_manifest,
     verify_sidecar,
+)
+
+# The small-bucket rule in the loader's words: kept samples and shards, its parameter names.
+LOADER_TERMS = small_buckets.RuleTerms(
+    "kept samples", "kept shards", "num_canonical_nodes", "batch_size", "×"
 )
 
 REQUIRE_SKIPLISTS = "require"
@@ -366,20 +372,12 @@ def small_bucket_problems(
 ) -> list[str]:
     """Why a bucket is too small: the rule behind ``SmallBucketWarning``.
 
-    A bucket needs at least ``num_canonical_nodes * batch_size`` kept samples (else
-    streaming repeats samples so every canonical node gets a full device batch) and at least
-    ``num_canonical_nodes`` kept shards (else several canonical nodes read the same shards,
-    so each node downloads more than its share).
+    The rule ``mds_shards`` reports at write time (``core/shards/small_buckets.py``), judged
+    on kept samples and shards and stated in the loader's parameter names.
     """
-    problems = []
-    if kept_samples < num_canonical_nodes * batch_size:
-        problems.append(
-            f"{kept_samples} kept samples < num_canonical_nodes × batch_size = "
-            f"{num_canonical_nodes} × {batch_size}"
-        )
-    if kept_shards < num_canonical_nodes:
-        problems.append(f"{kept_shards} kept shards < num_canonical_nodes = {num_canonical_nodes}")
-    return problems
+    return small_buckets.small_bucket_problems(
+        kept_samples, kept_shards, num_canonical_nodes, batch_size, LOADER_TERMS
+    )
 
 
 def default_num_canonical_nodes(shuffle_algo: str = "py1e") -> int:

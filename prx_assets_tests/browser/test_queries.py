@@ -27,7 +27,7 @@ from prx_assets.browser.queries import (
 )
 from prx_assets.browser.thumbs import ThumbnailCache, render_thumbnail
 from prx_assets.core.captions.models.base import BackendIdentity
-from prx_assets.core.captions.tables import embedding_rows, ensure_vector_index
+from prx_assets.core.captions.tables import embedding_rows, ensure_embedding_index
 from prx_assets.core.ingest.decode import DecodeRejected
 from prx_assets.core.lab import Lab
 from prx_assets.core.tables import CAPTION_EMBEDDINGS
@@ -293,7 +293,7 @@ def test_more_like_this_uses_the_vector_index_with_a_prefilter(tmp_path):
     for batch, part in (("b.000", slice(0, 300)), ("b.001", slice(300, 600))):
         table = embedding_rows(batch, keys[part], ["fp"] * 300, vectors[part], identity, when)
         lab.replace_partition(CAPTION_EMBEDDINGS, batch, table)
-    assert ensure_vector_index(lab.uri(EMBEDDINGS), min_rows=256, index_type="IVF_PQ") == "created"
+    assert ensure_embedding_index(lab, min_rows=256, index_type="IVF_PQ") == "created"
     q = LabQueries(lab, explain=True, nprobes=64, refine_factor=10)
     result = q.similar(keys[5], Filters(batches=("b.001",)), limit=10)
     assert len(result.hits) == 10 and all(h["batch"] == "b.001" for h in result.hits)

@@ -1,3 +1,5 @@
+"""The bucket table: tiers, patch-aligned shapes, token budget, aspect range and assignment."""
+
 import json
 import math
 

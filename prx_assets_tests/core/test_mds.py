@@ -1,4 +1,5 @@
-import gc
+"""MDS writing: partition directories, atomic replacement, shard contents read back by streaming."""
+
 import hashlib
 import io
 import json
@@ -16,13 +17,15 @@ from prx_assets.core.shards.mds import (
     partition_digest,
     partition_dir,
     recover_partition,
+    relative_partition_dir,
     skip_nothing,
-    small_bucket_hazards,
     write_bucket_partition,
     write_partition_buckets,
     write_partition_streams,
 )
 from prx_assets.core.shards.resize import encode_jpeg, resize_to_bucket
+from prx_assets.core.shards.small_buckets import small_bucket_problems
+from prx_assets_tests.core.stage_inputs import read_mds_dir, streaming_memory_released
 
 REPO = Path(__file__).resolve().parents[2]
 PHOTOS = REPO / "prx_assets" / "demo" / "photos"
@@ -58,15 +61,7 @@ def samples() -> list[MDSSample]:
 
 def _read_all(directory: Path) -> list[dict]:
     """Read a directory back with the official reader, as the trainer would."""
-    ds = streaming.StreamingDataset(local=str(directory), batch_size=1, shuffle=False)
-    try:
-        rows = [dict(row) for row in ds]
-        by_index = [ds[i]["key"] for i in range(len(ds))]
-    finally:
-        del ds
-        gc.collect()
-    assert [r["key"] for r in rows] == by_index
-    return rows
+    return read_mds_dir(directory)
 
 
 def _hashes(root: Path) -> dict[str, str]:
@@ -347,16 +342,39 @@ def test_partition_digest_pins_the_content(tmp_path: Path, samples: list[MDSSamp
     assert partition_digest(plain) != digest
 
 
+def test_one_spelling_of_a_partition_directory(tmp_path: Path, samples: list[MDSSample]) -> None:
+    """``relative_partition_dir`` is what the writer creates, what placements and listed
+    directories report, and it refuses names that would escape the layout."""
+    s = samples[0]
+    rel = relative_partition_dir(s.tier, s.shape, "demo.b0")
+    assert rel == f"mds/{s.tier}/{s.shape}/demo.b0"
+    assert partition_dir(tmp_path, s.tier, s.shape, "demo.b0") == tmp_path / rel
+    placements = write_bucket_partition(
+        tmp_path, "demo.b0", s.tier, s.shape, [s], skips_for=skip_nothing
+    )
+    assert {p.relative_dir for p in placements} == {rel}
+    assert [d.relative_dir for d in list_partition_dirs(tmp_path, "demo.b0")] == [rel]
+    assert (tmp_path / rel / "index.json").is_file()
+    for bad_shape, bad_batch in (
+        ("16x", "b0"),
+        ("../x", "b0"),
+        ("16x16", "../b0"),
+        ("16x16", ".b0"),
+    ):
+        with pytest.raises(ValueError, match="not"):
+            relative_partition_dir(1024, bad_shape, bad_batch)
+
+
 def test_small_bucket_rule() -> None:
-    assert small_bucket_hazards(64, 64, 64) == []
-    assert small_bucket_hazards(8 * 32, 8, 8, 32) == []
-    problems = small_bucket_hazards(63, 2, 64)
+    assert small_bucket_problems(64, 64, 64) == []
+    assert small_bucket_problems(8 * 32, 8, 8, 32) == []
+    problems = small_bucket_problems(63, 2, 64)
     assert len(problems) == 2 and "63 samples" in problems[0] and "2 shards" in problems[1]
-    assert small_bucket_hazards(100, 8, 8, 16) == [
+    assert small_bucket_problems(100, 8, 8, 16) == [
         "100 samples < canonical nodes x device batch = 8 x 16"
     ]
     with pytest.raises(ValueError, match=">= 1"):
-        small_bucket_hazards(1, 1, 0)
+        small_bucket_problems(1, 1, 0)
 
 
 def test_each_directory_appears_with_its_first_skiplist_generation(
@@ -390,10 +408,11 @@ def test_each_directory_appears_with_its_first_skiplist_generation(
         if gone:
             assert live[first.shard].indices == (first.index_in_shard,)
         assert sum(len(s) for s in live.values()) == len(gone)
-        ds = SkipListDataset(local=str(tmp_path / rel), batch_size=1)
-        assert sorted(s["key"] for s in ds) == sorted(p.key for p in mine if p.key not in gone)
-        del ds
-        gc.collect()
+        with streaming_memory_released():
+            ds = SkipListDataset(local=str(tmp_path / rel), batch_size=1)
+            kept = sorted(s["key"] for s in ds)
+            del ds
+        assert kept == sorted(p.key for p in mine if p.key not in gone)
     assert screened_out >= 1
 
     # A callback that fails leaves the previous version (with its generation) in place.

@@ -1,3 +1,5 @@
+"""Resizing into buckets: fast path equals plain path, exact shapes, EXIF, q92 JPEG."""
+
 import io
 from pathlib import Path
 

@@ -11,7 +11,7 @@ from prx_assets.core.captions.models import MiniLMEmbedder, caption_word_count
 from prx_assets.core.captions.tables import (
     VECTOR_INDEX_MIN_ROWS,
     embedding_rows,
-    ensure_vector_index,
+    ensure_embedding_index,
 )
 from prx_assets.core.lab import Lab
 from prx_assets.core.tables import CAPTION_CLASSES, CAPTION_EMBEDDINGS, CAPTIONS, IMAGES, RESOLUTION
@@ -274,11 +274,11 @@ def test_vector_index_waits_for_enough_rows(tmp_path):
 
     uri = lab.uri(CAPTION_EMBEDDINGS.name)
     add("a", 200)
-    assert ensure_vector_index(uri, min_rows=300) == "below_threshold (200 < 300)"
+    assert ensure_embedding_index(lab, min_rows=300) == "below_threshold (200 < 300)"
     add("b", 200)
-    assert ensure_vector_index(uri, min_rows=300) == "created"
+    assert ensure_embedding_index(lab, min_rows=300) == "created"
     add("c", 50)
-    assert ensure_vector_index(uri, min_rows=300) == "optimized"
+    assert ensure_embedding_index(lab, min_rows=300) == "optimized"
     ds = lance.dataset(uri)
     # optimize adds a delta segment for the new fragment: the whole table is indexed
     segments = [ix for ix in ds.list_indices() if ix["fields"] == ["vector"]]
@@ -288,7 +288,7 @@ def test_vector_index_waits_for_enough_rows(tmp_path):
     nearest = ds.to_table(nearest={"column": "vector", "q": q, "k": 1}, columns=["key"])
     assert nearest["key"].to_pylist() == ["c-7"]
     with pytest.raises(ValueError, match="index_type"):
-        ensure_vector_index(uri, index_type="FLAT")
+        ensure_embedding_index(lab, index_type="FLAT")
 
 
 def test_caption_stage_loads_into_definitions(tmp_path):

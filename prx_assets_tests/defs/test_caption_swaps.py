@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 from dagster import AssetKey, SensorResult, build_sensor_context, materialize
 
-from prx_assets.core.captions.tables import (
+from prx_assets.core.captions.swaps import (
     ConfiguredFingerprints,
     plan_reruns,
     stale_batches,

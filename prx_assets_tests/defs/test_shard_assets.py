@@ -1,4 +1,5 @@
-import gc
+"""The bucket_assignments and mds_shards assets materialised on real lab data."""
+
 import hashlib
 import io
 import json
@@ -7,7 +8,6 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-import streaming
 from dagster import materialize
 from PIL import Image
 
@@ -26,8 +26,8 @@ from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.shards.assets import bucket_assignments, mds_shards
 from prx_assets.defs.skiplists.config import SkipPolicyResource
+from prx_assets_tests.core.stage_inputs import read_mds_dir, streaming_memory_released
 
-PHOTOS = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos"
 KEY = "public-skimage.000"
 SHARD_LIMIT = 1_000_000  # not the default: the run config must reach the writer
 RUN_CONFIG = {"ops": {"mds_shards": {"config": {"shard_size_limit": SHARD_LIMIT}}}}
@@ -62,18 +62,6 @@ def _write_captions(store, keys: list[str]) -> None:
             }
         )
     store.replace_partition(CAPTIONS, KEY, pa.Table.from_pylist(rows, schema=CAPTIONS.schema))
-
-
-def _read_dir(directory: Path) -> list[dict]:
-    """Every sample of one directory with the official reader, in index order."""
-    ds = streaming.StreamingDataset(local=str(directory), batch_size=1, shuffle=False)
-    try:
-        rows = [dict(ds[i]) for i in range(len(ds))]
-        assert [r["key"] for r in ds] == [r["key"] for r in rows]
-    finally:
-        del ds
-        gc.collect()
-    return rows
 
 
 def _tree_hashes(root: Path) -> dict[str, str]:
@@ -167,7 +155,7 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
         for r in store.read_batch(IMAGES.name, KEY, ["key", "source", "license"]).to_pylist()
     }
     seen: dict[str, tuple[Path, int]] = {}
-    read = {d: _read_dir(d) for d in dirs}
+    read = {d: read_mds_dir(d) for d in dirs}
     for d in dirs:
         for i, row in enumerate(read[d]):
             key = row["key"]
@@ -339,63 +327,6 @@ def test_stage_contract() -> None:
     }
 
 
-def _jpeg(name: str, size: tuple[int, int]) -> bytes:
-    buf = io.BytesIO()
-    Image.open(PHOTOS / name).convert("RGB").resize(size).save(buf, "JPEG", quality=90)
-    return buf.getvalue()
-
-
-def test_renderer_skips_a_broken_image_and_keeps_the_rest(tmp_path: Path) -> None:
-    from prx_assets.core.lab import Lab
-    from prx_assets.core.shards.tables import (
-        BucketRenderer,
-        RenderFailures,
-        assignment_from_row,
-        assignment_rows,
-        plan_shards,
-    )
-
-    store = Lab(tmp_path / "lab")
-    good = _jpeg("coffee.png", (900, 600))
-    images = {"a-good": good, "b-broken": good[: len(good) // 2], "c-good": good}
-    rows = [
-        {"key": k, "batch": "b0", "width": 900, "height": 600, "image": v, "source": "s"}
-        for k, v in images.items()
-    ]
-    store.replace_partition(IMAGES, "b0", pa.Table.from_pylist(rows, schema=IMAGES.schema))
-    assignments = assignment_rows(
-        pa.Table.from_pylist(rows).select(["key", "batch", "width", "height"])
-    )
-    a = assignment_from_row(assignments.to_pylist()[0])
-    assert a == assign_bucket(900, 600)
-    captions = pa.Table.from_pylist(
-        [{"key": k, "caption": f"c {k}", "is_fallback": False} for k in images]
-    )
-    plan = plan_shards(assignments, captions)
-    ((bucket, planned),) = plan.buckets.items()
-    renderer = BucketRenderer(store.dataset(IMAGES.name), "b0", plan.captions, chunk_size=2)
-    samples = list(renderer.samples(planned))
-    assert [s.key for s in samples] == ["a-good", "c-good"]
-    assert samples[0].image == samples[1].image  # same source, same bytes
-    assert set(renderer.log.failures) == {"b-broken"}
-    assert "truncated" in renderer.log.failures["b-broken"]
-    # A systematic fault (every image failing) stops the run instead of emptying shards.
-    strict = BucketRenderer(store.dataset(IMAGES.name), "b0", plan.captions, max_failures=0)
-    with pytest.raises(RenderFailures, match="1 images of batch 'b0' failed.*b-broken"):
-        list(strict.samples(planned))
-    # Inconsistent inputs are refused with a specific message.
-    bad = {**assignments.to_pylist()[0], "shape": "1x1"}
-    with pytest.raises(ValueError, match="disagrees"):
-        assignment_from_row(bad)
-    with pytest.raises(ValueError, match="two caption rows"):
-        plan_shards(assignments, pa.concat_tables([captions, captions]))
-    with pytest.raises(ValueError, match="resample must be"):
-        BucketRenderer(None, "b0", {}, resample="nearest")
-    tiny = pa.table({"key": ["k"], "batch": ["b0"], "width": [100], "height": [100]})
-    with pytest.raises(ValueError, match="under the bucket cutoff"):
-        assignment_rows(tiny)
-
-
 # -- findings of issue 10 ----------------------------------------------------------------
 
 
@@ -414,15 +345,14 @@ def _default_loader_keys(root: Path) -> list[str]:
 
     from prx_assets.loader import ShapeBatchedLoader, discover_streams
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), streaming_memory_released():
         warnings.simplefilter("ignore")  # tiny buckets: small-bucket warnings are expected
         buckets = discover_streams(root)
         if not buckets:  # every sample of every bucket skipped: nothing to yield
             return []
         loader = ShapeBatchedLoader(buckets, batch_size=1, shuffle=False, num_canonical_nodes=1)
         keys = [k for batch in loader for k in batch["key"]]
-    del loader
-    gc.collect()
+        del loader
     return keys
 
 
@@ -453,7 +383,7 @@ def test_an_image_without_caption_is_written_and_skipped_as_no_caption(
     rows = {r["key"]: r for r in _shard_rows(store)}
     assert uncaptioned in rows  # written ...
     r = rows[uncaptioned]
-    raw = _read_dir(root / r["relative_dir"])[r["sample_index"]]
+    raw = read_mds_dir(root / r["relative_dir"])[r["sample_index"]]
     assert raw["key"] == uncaptioned and raw["caption"] == ""
     yielded = _default_loader_keys(root)
     assert yielded and uncaptioned not in yielded  # ... and never trained on

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -314,6 +315,23 @@ def test_small_bucket_warning_states_the_rule(mds_root: MdsRoot):
     with warnings.catch_warnings():
         warnings.simplefilter("error", SmallBucketWarning)
         _dataset(mds_root, num_canonical_nodes=2, batch_size=4)
+
+
+def test_loader_and_shard_writer_judge_small_buckets_by_one_rule():
+    """The loader's warning and mds_shards' hazard report are one rule in two vocabularies."""
+    from prx_assets.core.shards.small_buckets import small_bucket_problems as shard_rule
+
+    for samples, shards, nodes, batch in itertools.product(
+        (0, 3, 8, 64), (1, 4, 8), (1, 4, 8), (1, 2)
+    ):
+        loader = small_bucket_problems(samples, shards, nodes, batch)
+        writer = shard_rule(samples, shards, nodes, batch)
+        assert len(loader) == len(writer)
+        assert [p.split()[0] for p in loader] == [p.split()[0] for p in writer]
+    assert shard_rule(30, 2, 4, 16) == [
+        "30 samples < canonical nodes x device batch = 4 x 16",
+        "2 shards < canonical nodes = 4",
+    ]
 
 
 def test_a_directory_without_skiplists_is_refused_by_default(tmp_path: Path):

@@ -1,30 +1,26 @@
-"""The caption stage's table, row builders, index upkeep and model-swap detection.
+"""The caption stage's tables, their row builders, length statistics and index upkeep.
 
-Why swaps are detected from rows: every caption, class and embedding row records the
-fingerprint of the backend that made it (and, downstream, the captioner fingerprint it was
-made from). Dagster 1.13 offers no public way to ask "which partitions are stale because a
-code version changed", so the project compares stored fingerprints with the configured
-ones itself (:func:`stale_batches`, :func:`plan_reruns`).
+Every row records the fingerprint of the backend that made it (and, for classes and
+embeddings, of the captioner whose caption it was made from): what model-swap detection
+(``swaps.py``) and the in-sync checks (``verify.py``) compare. The indexes are kept through
+``Lab`` (``ensure_caption_text_index``, ``ensure_embedding_index``); this module only holds
+what is specific to captions: names, kinds and the vector index's parameters.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-import lance
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from prx_assets.core.captions.models.base import BackendIdentity, CaptionResult, ClassProbs
 from prx_assets.core.captions.models.embeddings import MINILM_DIM
 from prx_assets.core.captions.models.prompts import caption_word_count
-from prx_assets.core.lab import TableSpec
+from prx_assets.core.lab import Lab, TableSpec
 
 CAPTIONS = TableSpec(
     name="captions",
@@ -254,205 +250,39 @@ def caption_stats(rows: pa.Table, window: tuple[int, int] = WORD_WINDOW) -> Capt
     )
 
 
-# --------------------------------------------------------------------------- swap detection
-
-
-@dataclass(frozen=True)
-class ConfiguredFingerprints:
-    """The fingerprints of the backends configured now (what fresh rows would carry)."""
-
-    captioner: str
-    classifier: str
-    embedder: str
-
-
-@dataclass(frozen=True)
-class StaleBatch:
-    """One partition whose stored rows were made by something other than the configuration.
-
-    ``found`` lists the distinct stored values that differ (``"<null>"`` for a missing one);
-    ``newest`` is the newest ``created_at`` of those rows: together they identify the stale
-    materialisation, so a rerun request for it can be made exactly once.
-    """
-
-    batch: str
-    rows: int
-    found: tuple[str, ...]
-    newest: str
-
-    @property
-    def marker(self) -> str:
-        return f"{'|'.join(self.found)}@{self.newest}"
-
-
-def stale_batches(rows: pa.Table, expected: Mapping[str, str]) -> dict[str, StaleBatch]:
-    """Batches holding a row whose ``expected`` columns differ from the expected values.
-
-    ``rows`` needs ``batch``, ``created_at`` and every column of ``expected``; any subset of
-    a table's rows may be passed (a reader can pre-filter), the answer only depends on the
-    rows that differ. A null fingerprint counts as different.
-    """
-    if not expected:
-        raise ValueError("expected must name at least one column")
-    if rows.num_rows == 0:
-        return {}
-    missing = [c for c in ("batch", "created_at", *expected) if c not in rows.column_names]
-    if missing:
-        raise ValueError(f"rows lack columns {missing}")
-    mask = None
-    for column, value in expected.items():
-        col = rows.column(column)
-        differs = pc.or_kleene(pc.not_equal(col, value), pc.is_null(col))
-        mask = differs if mask is None else pc.or_(mask, differs)
-    stale = rows.filter(mask)
-    out: dict[str, StaleBatch] = {}
-    if stale.num_rows == 0:
-        return out
-    by_batch: dict[str, list[int]] = {}
-    for i, b in enumerate(stale.column("batch").to_pylist()):
-        by_batch.setdefault(b, []).append(i)
-    created = stale.column("created_at").to_pylist()
-    values = {c: stale.column(c).to_pylist() for c in expected}
-    for batch, idx in sorted(by_batch.items()):
-        found = set()
-        for i in idx:
-            parts = []
-            for column, want in expected.items():
-                got = values[column][i]
-                if got != want:
-                    parts.append(f"{column}={'<null>' if got is None else got}")
-            found.add(",".join(parts))
-        stamps = [created[i] for i in idx if created[i] is not None]
-        newest = max(stamps).isoformat() if stamps else "<null>"
-        out[batch] = StaleBatch(batch, len(idx), tuple(sorted(found)), newest)
-    return out
-
-
-def plan_reruns(
-    stale: Mapping[str, Iterable[str]], downstream: Mapping[str, Sequence[str]]
-) -> dict[str, list[str]]:
-    """Asset -> sorted batches to rerun: each stale asset plus everything downstream of it.
-
-    ``downstream[a]`` lists the assets that must be rebuilt when ``a`` is (transitively
-    closed here, so listing direct children is enough). Assets with nothing to rerun are
-    left out.
-    """
-    plan: dict[str, set[str]] = {}
-    for asset, batches in stale.items():
-        batches = set(batches)
-        if not batches:
-            continue
-        todo, seen = [asset], set()
-        while todo:
-            current = todo.pop()
-            if current in seen:
-                continue
-            seen.add(current)
-            plan.setdefault(current, set()).update(batches)
-            todo.extend(downstream.get(current, ()))
-    return {asset: sorted(b) for asset, b in sorted(plan.items()) if b}
-
-
-def reruns_by_batch(
-    plan: Mapping[str, Iterable[str]], order: Sequence[str]
-) -> dict[str, list[str]]:
-    """Batch -> the assets to rerun in it, in ``order`` (then by name for unknown ones)."""
-    rank = {name: i for i, name in enumerate(order)}
-    out: dict[str, set[str]] = {}
-    for asset, batches in plan.items():
-        for b in batches:
-            out.setdefault(b, set()).add(asset)
-    return {
-        b: sorted(assets, key=lambda a: (rank.get(a, len(rank)), a))
-        for b, assets in sorted(out.items())
-    }
-
-
-def swap_run_key(batch: str, assets: Sequence[str], markers: Sequence[str]) -> str:
-    """A run key naming the partition, the assets and the stale materialisations it fixes."""
-    digest = hashlib.sha256("\0".join([batch, *assets, *sorted(markers)]).encode()).hexdigest()
-    return f"model-swap:{batch}:{digest[:16]}"
-
-
 # --------------------------------------------------------------------------- indexes
 
 
-def _has_index(ds: lance.LanceDataset, column: str, kinds: Iterable[str]) -> bool:
-    wanted = {k.upper() for k in kinds}
-    for ix in ds.list_indices():
-        if ix["fields"] == [column] and str(ix["type"]).upper() in wanted:
-            return True
-    return False
+def ensure_caption_text_index(lab: Lab) -> str:
+    """The full-text (INVERTED) index on ``captions.caption``, created or fed new fragments.
 
-
-def _with_retries(uri: str, action: Callable[[lance.LanceDataset], str], attempts: int = 3) -> str:
-    """Run an index action; a conflicting concurrent commit is retried, then reported.
-
-    Any other error is raised: only a lost race is an acceptable reason to skip.
+    ``Lab.ensure_text_index`` answers ``"created"``, ``"optimized"``, ``"empty"``, ``"absent"``
+    or ``"deferred (...)"`` (unindexed fragments are still searched, flat).
     """
-    last: Exception | None = None
-    for attempt in range(attempts):
-        try:
-            return action(lance.dataset(uri))
-        except (OSError, RuntimeError, ValueError) as exc:
-            message = str(exc)
-            if "already exists" in message:  # a concurrent writer built it
-                return "exists"
-            if "conflict" not in message.lower():
-                raise
-            last = exc
-            time.sleep(0.05 * (2**attempt))
-    return f"deferred ({type(last).__name__}: {str(last)[:160]})"
+    return lab.ensure_text_index(CAPTIONS.name, "caption", FTS_INDEX_NAME)
 
 
-def ensure_fts_index(uri: str, column: str = "caption") -> str:
-    """Create the INVERTED (full-text) index, or fold new fragments into it.
-
-    Returns ``"created"``, ``"optimized"``, ``"empty"`` or ``"deferred (...)"`` when
-    concurrent commits kept winning: unindexed fragments are still searched (flat), and
-    the next write or the maintenance job indexes them.
-    """
-
-    def act(ds: lance.LanceDataset) -> str:
-        if ds.count_rows() == 0:
-            return "empty"
-        if _has_index(ds, column, ("INVERTED", "FTS")):
-            names = sorted({ix["name"] for ix in ds.list_indices() if ix["fields"] == [column]})
-            ds.optimize.optimize_indices(index_names=names)
-            return "optimized"
-        ds.create_scalar_index(column, "INVERTED", name=FTS_INDEX_NAME, replace=False)
-        return "created"
-
-    return _with_retries(uri, act)
-
-
-def ensure_vector_index(
-    uri: str,
-    column: str = "vector",
-    min_rows: int = VECTOR_INDEX_MIN_ROWS,
-    index_type: str = "IVF_HNSW_SQ",
+def ensure_embedding_index(
+    lab: Lab, min_rows: int = VECTOR_INDEX_MIN_ROWS, index_type: str = "IVF_HNSW_SQ"
 ) -> str:
-    """Build a cosine vector index once the table has ``min_rows`` rows; then keep it fed.
+    """A cosine vector index on ``caption_embeddings.vector`` once ``min_rows`` rows exist.
 
-    Returns ``"below_threshold (n < min)"``, ``"created"``, ``"optimized"`` or
-    ``"deferred (...)"``. New data is assigned to the trained partitions (no retraining);
-    retrain with ``optimize_indices(retrain=True)`` after the lab has grown many-fold.
+    Returns ``"below_threshold (n < min)"``, ``"created"``, ``"optimized"`` or ``"deferred
+    (...)"``. New data is assigned to the trained partitions (no retraining); retrain with
+    ``optimize_indices(retrain=True)`` after the lab has grown many-fold.
     """
     if index_type not in VECTOR_INDEX_TYPES:
         raise ValueError(f"index_type must be one of {VECTOR_INDEX_TYPES}, got {index_type!r}")
     if min_rows < 256:
         raise ValueError(f"min_rows must be >= 256 (quantiser training), got {min_rows}")
-
-    def act(ds: lance.LanceDataset) -> str:
-        rows = ds.count_rows()
-        if _has_index(ds, column, VECTOR_INDEX_TYPES):
-            names = sorted({ix["name"] for ix in ds.list_indices() if ix["fields"] == [column]})
-            ds.optimize.optimize_indices(index_names=names)
-            return "optimized"
-        if rows < min_rows:
-            return f"below_threshold ({rows} < {min_rows})"
-        kwargs = {"num_sub_vectors": MINILM_DIM // 8} if index_type == "IVF_PQ" else {}
-        ds.create_index(column, index_type, name=VECTOR_INDEX_NAME, metric="cosine", **kwargs)
-        return "created"
-
-    return _with_retries(uri, act)
+    params = {"num_sub_vectors": MINILM_DIM // 8} if index_type == "IVF_PQ" else {}
+    return lab.ensure_vector_index(
+        CAPTION_EMBEDDINGS.name,
+        "vector",
+        VECTOR_INDEX_NAME,
+        min_rows=min_rows,
+        index_type=index_type,
+        index_types=VECTOR_INDEX_TYPES,
+        metric="cosine",
+        **params,
+    )

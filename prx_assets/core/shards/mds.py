@@ -98,7 +98,7 @@ class Placement:
 
     @property
     def relative_dir(self) -> str:
-        return f"{MDS_DIRNAME}/{self.tier}/{self.shape}/{self.batch}"
+        return relative_partition_dir(self.tier, self.shape, self.batch)
 
 
 SkipsFor = Callable[[Sequence["Placement"]], Mapping[str, Mapping[int, Iterable[str]]]]
@@ -111,9 +111,16 @@ def skip_nothing(placements: Sequence[Placement]) -> dict[str, dict[int, list[st
 
 @dataclass(frozen=True)
 class PartitionDir:
+    """One bucket x batch directory of the MDS tree: its tier, its shape and where it is."""
+
     tier: int
     shape: str
     path: Path
+
+    @property
+    def relative_dir(self) -> str:
+        """``mds/<tier>/<H>x<W>/<batch>``: how ``shard_samples`` and skip decisions name it."""
+        return relative_partition_dir(self.tier, self.shape, self.path.name)
 
 
 def _check_batch(batch: str) -> None:
@@ -135,9 +142,19 @@ def bucket_dir(root: str | os.PathLike[str], tier: int, shape: str) -> Path:
     return Path(root) / MDS_DIRNAME / str(int(tier)) / shape
 
 
-def partition_dir(root: str | os.PathLike[str], tier: int, shape: str, batch: str) -> Path:
+def relative_partition_dir(tier: int, shape: str, batch: str) -> str:
+    """``mds/<tier>/<H>x<W>/<batch>``: one partition's directory relative to the shards root.
+
+    The one spelling of the layout: ``shard_samples.relative_dir``, skip decisions, sidecar
+    paths and metadata all name a directory by this string.
+    """
     _check_batch(batch)
-    return bucket_dir(root, tier, shape) / batch
+    _check_shape(shape)
+    return f"{MDS_DIRNAME}/{int(tier)}/{shape}/{batch}"
+
+
+def partition_dir(root: str | os.PathLike[str], tier: int, shape: str, batch: str) -> Path:
+    return Path(root) / relative_partition_dir(tier, shape, batch)
 
 
 def _fsync_path(path: Path) -> None:
@@ -585,29 +602,3 @@ def partition_digest(directory: str | os.PathLike[str]) -> str:
 def directory_bytes(directory: str | os.PathLike[str]) -> int:
     """Bytes of the regular files directly inside ``directory`` (shards, index, skip-lists)."""
     return sum(p.stat().st_size for p in Path(directory).iterdir() if p.is_file())
-
-
-def small_bucket_hazards(
-    samples: int, shards: int, canonical_nodes: int, device_batch_size: int = 1
-) -> list[str]:
-    """Why a bucket is too small to train on cleanly with streaming (empty: fine).
-
-    Rule (the same as the loader's): a bucket needs at least ``canonical_nodes x
-    device_batch_size`` samples, else streaming repeats samples to give every canonical
-    node a full batch, and at least ``canonical_nodes`` shards, else canonical nodes share
-    shards and the shard locality that makes elastic resumption cheap is lost.
-    """
-    if canonical_nodes < 1 or device_batch_size < 1:
-        raise ValueError(
-            f"canonical_nodes and device_batch_size must be >= 1, got "
-            f"{canonical_nodes} and {device_batch_size}"
-        )
-    problems = []
-    if samples < canonical_nodes * device_batch_size:
-        problems.append(
-            f"{samples} samples < canonical nodes x device batch = "
-            f"{canonical_nodes} x {device_batch_size}"
-        )
-    if shards < canonical_nodes:
-        problems.append(f"{shards} shards < canonical nodes = {canonical_nodes}")
-    return problems

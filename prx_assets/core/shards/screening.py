@@ -2,16 +2,16 @@
 
 Why at write time: a bucket x batch directory must never become visible without a complete,
 current skip-list generation (a directory without one would be trained on whole). So
-``core/shards/mds.py`` calls a ``skips_for(placements)`` callback once a directory's shards are in
-its temporary directory; ``ShardScreener`` is that callback. It decides with the same entry
-point as ``skip_lists`` (``skip_decisions.decide_partition``, the lab's decisions at that
-moment, ``SampleRef``s at their *final* ``relative_dir``), so ``skip_lists`` later refreshes
-the same decisions, not different ones.
+``core/shards/mds.py`` calls a ``skips_for(placements)`` callback once a directory's shards
+are in its temporary directory; ``ShardScreener`` is that callback. It decides with the same
+entry point as ``skip_lists`` (``core/skiplists/decisions.py`` ``decide_partition``, the
+lab's decisions at that moment, ``SampleRef``s at their *final* ``relative_dir``), so
+``skip_lists`` later refreshes the same decisions, not different ones.
 
-``no_caption``: a sample written without a usable caption (``shard_tables.plan_shards``)
-goes to the policy with ``SampleRef.caption_usable=False``, which excludes it whatever the
+``no_caption``: a sample written without a usable caption (``core/shards/plan.py``) goes to
+the policy with ``SampleRef.caption_usable=False``, which excludes it whatever the
 ``captions`` table says by then; ``skip_lists`` passes the same from ``shard_samples``
-(``caption_fingerprint`` is null for such a sample, ``shard_tables.written_without_caption``).
+(``caption_fingerprint`` is null for such a sample: ``tables.written_without_caption``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 
 from prx_assets.core.lab import Lab
-from prx_assets.core.shards.mds import MDS_DIRNAME, Placement
+from prx_assets.core.shards.mds import Placement, relative_partition_dir
 from prx_assets.core.skiplists.decisions import decide_partition
 from prx_assets.core.skiplists.policy import (
     PartitionDecisions,
@@ -75,7 +75,7 @@ class ShardScreener:
         refs = [
             SampleRef(
                 key=key,
-                relative_dir=f"{MDS_DIRNAME}/{tier}/{shape}/{batch}",
+                relative_dir=relative_partition_dir(tier, shape, batch),
                 shard=PLANNED_SHARD,
                 index_in_shard=i,
                 tier=tier,

@@ -1,18 +1,19 @@
 """captions, caption_classes and caption_embeddings: one batch at a time, into the lab.
 
-Built by :func:`build_caption_assets` from the configured resources, so each asset's
-``code_version`` carries its backend's fingerprint: swapping a model, prompt or decoding
-parameter changes the code version (and the fingerprints stored per row, which the swap
-sensor in ``reconcile.py`` compares). A backend failure fails the whole partition before
-anything is written; the previous rows of the partition stay as they were.
+The stage's logic is ``core/captions/runner.py`` (``BatchCaptions``, ``BatchClasses``,
+``BatchEmbeddings``); these assets build the configured backend, call a runner and present
+its outcome as metadata and check results. Built by :func:`build_caption_assets` from the
+configured resources, so each asset's ``code_version`` carries its backend's fingerprint:
+swapping a model, prompt or decoding parameter changes the code version (and the
+fingerprints stored per row, which the swap sensor in ``reconcile.py`` compares). A backend
+failure fails the whole partition before anything is written; the previous rows of the
+partition stay as they were.
 """
 
-from datetime import UTC, datetime
+import contextlib
+from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
-import numpy as np
-import pyarrow as pa
 from dagster import (
     AssetExecutionContext,
     AssetsDefinition,
@@ -22,18 +23,15 @@ from dagster import (
     asset,
 )
 
-from prx_assets.core.batching import chunked
-from prx_assets.core.captions.models import LABELS, BackendError, BackendIdentity, CaptionInput
-from prx_assets.core.captions.tables import (
-    caption_rows,
-    caption_stats,
-    class_rows,
-    embedding_rows,
-    ensure_fts_index,
-    ensure_vector_index,
+from prx_assets.core.captions.models import BackendIdentity
+from prx_assets.core.captions.runner import (
+    BatchCaptions,
+    BatchClasses,
+    BatchEmbeddings,
+    CaptionOutcome,
+    CaptionStageError,
 )
-from prx_assets.core.lab import Lab, in_list, sql_literal
-from prx_assets.core.tables import CAPTION_CLASSES, CAPTION_EMBEDDINGS, CAPTIONS, IMAGES, RESOLUTION
+from prx_assets.core.tables import CAPTIONS
 from prx_assets.defs.captions.checks import (
     classes_in_sync_result,
     classes_in_sync_spec,
@@ -73,25 +71,14 @@ def _identity_metadata(identity: BackendIdentity, backend: str) -> dict[str, Any
     }
 
 
-def _endpoint(base_url: str) -> str:
-    """Scheme, host, port and path only (the URL can hold no credentials, but be sure)."""
-    parts = urlsplit(base_url)
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{parts.hostname}{port}{parts.path}"
-
-
-def _close(backend: object) -> None:
-    close = getattr(backend, "close", None)
-    if callable(close):
-        close()
-
-
-def _read_captions(store: Lab, batch: str, columns: list[str]) -> pa.Table:
-    if not store.exists(CAPTIONS.name):
-        raise Failure(
-            description=f"no captions table yet: materialise captions for {batch} first",
-        )
-    return store.read_batch(CAPTIONS.name, batch, columns)
+@contextlib.contextmanager
+def _failing_the_run() -> Iterator[None]:
+    """A batch the runner refuses fails its run; a backend error stays the cause."""
+    try:
+        yield
+    except CaptionStageError as exc:
+        failure = Failure(description=str(exc), metadata=exc.details or None)
+        raise failure from exc.__cause__
 
 
 # --------------------------------------------------------------------------- captions
@@ -100,86 +87,48 @@ def _read_captions(store: Lab, batch: str, columns: list[str]) -> pa.Table:
 def _captions(
     context: AssetExecutionContext, lab: LabResource, captioner: CaptionerResource
 ) -> MaterializeResult:
-    store = lab.lab()
-    batch = context.partition_key
-    if not store.exists(RESOLUTION.name):
-        raise Failure(
-            description=f"no resolution table yet: materialise resolution_profile for {batch}"
-        )
-    profile = store.read_batch(RESOLUTION.name, batch, ["key", "eligible"])
-    keys = sorted(
-        k
-        for k, ok in zip(
-            profile.column("key").to_pylist(), profile.column("eligible").to_pylist(), strict=True
-        )
-        if ok
+    store, batch = lab.lab(), context.partition_key
+    run = BatchCaptions(
+        store,
+        batch,
+        captioner.build,
+        backend=captioner.backend,
+        pixels=not captioner.is_fallback,  # the fallback reads alt text alone
+        chunk_size=captioner.chunk_size,
+        log=context.log.info,
     )
-    backend = captioner.build()
-    identity = backend.identity
-    # Only the model backends need pixels: the fallback reads alt text alone.
-    columns = ["key", "alt_text"] + ([] if captioner.is_fallback else ["image"])
-    results = []
-    try:
-        for chunk in chunked(keys, captioner.chunk_size):
-            where = f"batch = {sql_literal(batch)} AND {in_list('key', chunk)}"
-            rows = {r["key"]: r for r in store.read(IMAGES.name, columns, where).to_pylist()}
-            missing = [k for k in chunk if k not in rows]
-            if missing:
-                raise Failure(
-                    description=(
-                        f"{len(missing)} eligible image(s) of {batch} are not in `images` "
-                        f"(e.g. {missing[0]}): rematerialise raw_images and resolution_profile"
-                    )
-                )
-            inputs = [
-                CaptionInput(k, image=rows[k].get("image"), alt_text=rows[k]["alt_text"])
-                for k in chunk
-            ]
-            out = backend.caption(inputs)
-            if [r.key for r in out] != list(chunk):
-                raise Failure(description=f"{identity.kind} returned results out of order")
-            results.extend(out)
-            context.log.info(f"{batch}: captioned {len(results)}/{len(keys)}")
-    except BackendError as exc:
-        raise Failure(
-            description=(
-                f"captioning {batch} with {identity.kind} ({identity.model_id}) failed: "
-                f"{type(exc).__name__}: {exc}. No rows were written; the partition's "
-                "previous captions are unchanged."
-            ),
-            metadata={"backend": captioner.backend, "fingerprint": identity.fingerprint()},
-        ) from exc
-    finally:
-        _close(backend)
+    with _failing_the_run():
+        out = run.run()
+    check = length_window_result(out.stats, captioner.is_fallback)
+    return MaterializeResult(
+        metadata=_caption_metadata(out, captioner, store.uri(CAPTIONS.name)), check_results=[check]
+    )
 
-    table = caption_rows(batch, results, identity, captioner.backend, datetime.now(UTC))
-    written = store.replace_partition(CAPTIONS, batch, table)
-    fts = ensure_fts_index(store.uri(CAPTIONS.name), "caption")
-    stats = caption_stats(table)
-    words = table.column("word_count").to_numpy(zero_copy_only=False)
+
+def _caption_metadata(
+    out: CaptionOutcome, captioner: CaptionerResource, uri: str
+) -> dict[str, Any]:
+    stats = out.stats
     metadata: dict[str, Any] = {
-        **_identity_metadata(identity, captioner.backend),
+        **_identity_metadata(out.identity, captioner.backend),
         "captions": stats.captions,
-        "eligible_images": len(keys),
+        "eligible_images": out.eligible,
         "fallback_captions": stats.fallback,
         "vlm_captions": stats.captions - stats.fallback,
         "outside_100_200_words": stats.outside,
         "too_short": stats.too_short,
         "too_long": stats.too_long,
         "empty_captions": stats.empty,
-        "mean_words": float(np.mean(words)) if len(words) else 0.0,
-        "fts_index": fts,
-        "captions_lance_version": written["version"],
-        "lab": MetadataValue.path(store.uri(CAPTIONS.name)),
+        "mean_words": out.mean_words,
+        "fts_index": out.fts_index,
+        "captions_lance_version": out.version,
+        "lab": MetadataValue.path(uri),
     }
     if captioner.is_fallback:
         metadata["caption_source"] = MetadataValue.text(ALT_TEXT_NOTE)
-    if captioner.backend == "openai":
-        metadata["endpoint"] = _endpoint(backend.base_url)  # type: ignore[attr-defined]
-    return MaterializeResult(
-        metadata=metadata,
-        check_results=[length_window_result(stats, captioner.is_fallback)],
-    )
+    if out.endpoint is not None:
+        metadata["endpoint"] = out.endpoint
+    return metadata
 
 
 # --------------------------------------------------------------------------- caption_classes
@@ -188,54 +137,27 @@ def _captions(
 def _caption_classes(
     context: AssetExecutionContext, lab: LabResource, classifier: ClassifierResource
 ) -> MaterializeResult:
-    store = lab.lab()
-    batch = context.partition_key
-    caps = _read_captions(store, batch, ["key", "caption", "backend_fingerprint"])
-    keys = caps.column("key").to_pylist()
-    texts = caps.column("caption").to_pylist()
-    cap_fps = caps.column("backend_fingerprint").to_pylist()
-    todo = [i for i, t in enumerate(texts) if (t or "").strip()]  # nothing to classify in ""
-    backend = classifier.build()
-    identity = backend.identity
-    probs: list[Any] = [None] * len(keys)
-    try:
-        for chunk in chunked(todo, classifier.chunk_size):
-            for i, p in zip(chunk, backend.classify([texts[i] for i in chunk]), strict=True):
-                probs[i] = p
-    except BackendError as exc:
-        raise Failure(
-            description=(
-                f"classifying {batch} with {identity.kind} ({identity.model_id}) failed: "
-                f"{type(exc).__name__}: {exc}. No rows were written."
-            ),
-            metadata={"backend": classifier.backend, "fingerprint": identity.fingerprint()},
-        ) from exc
-    finally:
-        _close(backend)
-
-    table = class_rows(batch, keys, cap_fps, probs, identity, classifier.backend, datetime.now(UTC))
-    written = store.replace_partition(CAPTION_CLASSES, batch, table)
-    labels = [p.label for p in probs if p is not None]
-    stored = store.read_batch(
-        CAPTION_CLASSES.name,
-        batch,
-        ["key", "caption_fingerprint", "label", "p_visual", "p_text", "p_nsfw"],
+    run = BatchClasses(
+        lab.lab(),
+        context.partition_key,
+        classifier.build,
+        backend=classifier.backend,
+        chunk_size=classifier.chunk_size,
     )
-    current = store.read_batch(CAPTIONS.name, batch, ["key", "backend_fingerprint"])
+    with _failing_the_run():
+        out = run.run()
     metadata: dict[str, Any] = {
-        **_identity_metadata(identity, classifier.backend),
-        "classified": len(labels),
-        "unclassified_empty_captions": len(keys) - len(labels),
-        "label_counts": counts_table({lbl: labels.count(lbl) for lbl in LABELS}, "label"),
-        **{f"n_{lbl}": labels.count(lbl) for lbl in LABELS},
-        "caption_fingerprints": MetadataValue.json(sorted({fp for fp in cap_fps if fp})),
-        "caption_classes_lance_version": written["version"],
+        **_identity_metadata(out.identity, classifier.backend),
+        "classified": out.classified,
+        "unclassified_empty_captions": out.captions - out.classified,
+        "label_counts": counts_table(out.label_counts, "label"),
+        **{f"n_{label}": n for label, n in out.label_counts.items()},
+        "caption_fingerprints": MetadataValue.json(out.caption_fingerprints),
+        "caption_classes_lance_version": out.version,
     }
     if classifier.is_fallback:
         metadata["classifier_source"] = MetadataValue.text(EMBEDDING_NOTE)
-    return MaterializeResult(
-        metadata=metadata, check_results=[classes_in_sync_result(current, stored)]
-    )
+    return MaterializeResult(metadata=metadata, check_results=[classes_in_sync_result(out.sync)])
 
 
 # --------------------------------------------------------------------------- caption_embeddings
@@ -244,60 +166,28 @@ def _caption_classes(
 def _caption_embeddings(
     context: AssetExecutionContext, lab: LabResource, embedder: EmbedderResource
 ) -> MaterializeResult:
-    store = lab.lab()
-    batch = context.partition_key
-    caps = _read_captions(store, batch, ["key", "caption", "backend_fingerprint"])
-    rows = [
-        (k, t, fp)
-        for k, t, fp in zip(
-            caps.column("key").to_pylist(),
-            caps.column("caption").to_pylist(),
-            caps.column("backend_fingerprint").to_pylist(),
-            strict=True,
-        )
-        if (t or "").strip()  # an empty caption has no meaningful embedding
-    ]
-    backend = embedder.build()
-    identity = backend.identity
-    parts = []
-    try:
-        for chunk in chunked(rows, embedder.chunk_size):
-            parts.append(backend.embed([t for _, t, _ in chunk]))
-    except BackendError as exc:
-        raise Failure(
-            description=f"embedding {batch} failed: {type(exc).__name__}: {exc}. Nothing written."
-        ) from exc
-    vectors = np.concatenate(parts) if parts else np.zeros((0, backend.dim), np.float32)
-    table = embedding_rows(
-        batch,
-        [k for k, _, _ in rows],
-        [fp for _, _, fp in rows],
-        vectors,
-        identity,
-        datetime.now(UTC),
-    )
-    written = store.replace_partition(CAPTION_EMBEDDINGS, batch, table)
-    index = ensure_vector_index(
-        store.uri(CAPTION_EMBEDDINGS.name),
-        min_rows=embedder.index_min_rows,
+    run = BatchEmbeddings(
+        lab.lab(),
+        context.partition_key,
+        embedder.build,
+        chunk_size=embedder.chunk_size,
+        index_min_rows=embedder.index_min_rows,
         index_type=embedder.index_type,
     )
-    stored = store.read_batch(
-        CAPTION_EMBEDDINGS.name, batch, ["key", "caption_fingerprint", "vector"]
-    )
-    current = store.read_batch(CAPTIONS.name, batch, ["key", "caption", "backend_fingerprint"])
+    with _failing_the_run():
+        out = run.run()
     return MaterializeResult(
         metadata={
-            **_identity_metadata(identity, "sentence_transformers"),
-            "embeddings": table.num_rows,
-            "skipped_empty_captions": caps.num_rows - table.num_rows,
-            "dim": backend.dim,
-            "vector_index": index,
+            **_identity_metadata(out.identity, "sentence_transformers"),
+            "embeddings": out.embeddings,
+            "skipped_empty_captions": out.skipped_empty,
+            "dim": out.dim,
+            "vector_index": out.vector_index,
             "vector_index_min_rows": embedder.index_min_rows,
-            "table_rows": store.dataset(CAPTION_EMBEDDINGS.name).count_rows(),
-            "caption_embeddings_lance_version": written["version"],
+            "table_rows": out.table_rows,
+            "caption_embeddings_lance_version": out.version,
         },
-        check_results=[embeddings_in_sync_result(current, stored)],
+        check_results=[embeddings_in_sync_result(out.sync)],
     )
 
 

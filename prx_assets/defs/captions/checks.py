@@ -7,8 +7,6 @@ result standing for every batch.
 
 import warnings
 
-import numpy as np
-import pyarrow as pa
 from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
@@ -17,8 +15,8 @@ from dagster import (
     PreviewWarning,
 )
 
-from prx_assets.core.captions.models import LABELS
 from prx_assets.core.captions.tables import CaptionStats
+from prx_assets.core.captions.verify import SyncReport
 from prx_assets.defs.captions.resources import ALT_TEXT_NOTE
 from prx_assets.defs.partitions import BATCHES
 
@@ -84,84 +82,25 @@ def length_window_result(stats: CaptionStats, is_fallback: bool) -> AssetCheckRe
     )
 
 
-def _coverage(expected: dict[str, str], derived: pa.Table) -> dict[str, int]:
-    """Counts of missing, extra, duplicated and fingerprint-mismatched derived rows."""
-    keys = derived.column("key").to_pylist()
-    fps = derived.column("caption_fingerprint").to_pylist()
-    seen: dict[str, int] = {}
-    mismatched = 0
-    for k, fp in zip(keys, fps, strict=True):
-        seen[k] = seen.get(k, 0) + 1
-        if k in expected and expected[k] != fp:
-            mismatched += 1
-    return {
-        "missing": sum(1 for k in expected if k not in seen),
-        "extra": sum(1 for k in seen if k not in expected),
-        "duplicated": sum(1 for n in seen.values() if n > 1),
-        "fingerprint_mismatch": mismatched,
-    }
-
-
-def classes_in_sync_result(captions: pa.Table, classes: pa.Table) -> AssetCheckResult:
-    """``captions``: key, backend_fingerprint; ``classes``: key, caption_fingerprint, p_*, label."""
-    expected = dict(
-        zip(
-            captions.column("key").to_pylist(),
-            captions.column("backend_fingerprint").to_pylist(),
-            strict=True,
-        )
-    )
-    counts = _coverage(expected, classes)
-    probs = np.stack(
-        [
-            np.asarray(classes.column(c).to_numpy(zero_copy_only=False), dtype=np.float64)
-            for c in ("p_visual", "p_text", "p_nsfw")
-        ],
-        axis=1,
-    ).reshape(-1, 3)
-    labels = np.array(classes.column("label").to_pylist(), dtype=object)
-    scored = ~np.isnan(probs).any(axis=1)
-    bad_sum = int((np.abs(probs[scored].sum(axis=1) - 1.0) > 1e-3).sum())
-    argmax = np.array(LABELS, dtype=object)[np.argmax(probs[scored], axis=1)]
-    bad_label = int((labels[scored] != argmax).sum())
-    counts.update(probabilities_not_summing_to_1=bad_sum, label_not_argmax=bad_label)
-    counts["unclassified"] = int((~scored).sum())
-    problems = {k: v for k, v in counts.items() if v and k != "unclassified"}
+def classes_in_sync_result(report: SyncReport) -> AssetCheckResult:
+    """From ``verify.classes_sync`` over what ``caption_classes`` stored."""
     return AssetCheckResult(
         check_name=CLASSES_IN_SYNC,
-        passed=not problems,
-        metadata={"class_rows": classes.num_rows, "captions": len(expected), **counts},
-        description="in sync" if not problems else f"problems: {problems}",
+        passed=report.in_sync,
+        metadata={"class_rows": report.derived_rows, "captions": report.expected, **report.counts},
+        description="in sync" if report.in_sync else f"problems: {report.problems}",
     )
 
 
-def embeddings_in_sync_result(captions: pa.Table, embeddings: pa.Table) -> AssetCheckResult:
-    """``captions``: key, caption, backend_fingerprint; ``embeddings``: key, caption_fingerprint,
-    vector."""
-    expected = {
-        k: fp
-        for k, text, fp in zip(
-            captions.column("key").to_pylist(),
-            captions.column("caption").to_pylist(),
-            captions.column("backend_fingerprint").to_pylist(),
-            strict=True,
-        )
-        if (text or "").strip()
-    }
-    counts = _coverage(expected, embeddings)
-    if embeddings.num_rows:
-        vectors = np.asarray(
-            embeddings.column("vector").combine_chunks().flatten().to_numpy(zero_copy_only=False),
-            dtype=np.float32,
-        ).reshape(embeddings.num_rows, -1)
-        norms = np.linalg.norm(vectors, axis=1)
-        counts["not_unit_norm"] = int((np.abs(norms - 1.0) > 1e-3).sum())
-    else:
-        counts["not_unit_norm"] = 0
-    problems = {k: v for k, v in counts.items() if v}
+def embeddings_in_sync_result(report: SyncReport) -> AssetCheckResult:
+    """From ``verify.embeddings_sync`` over what ``caption_embeddings`` stored."""
     return AssetCheckResult(
         check_name=EMBEDDINGS_IN_SYNC,
-        passed=not problems,
-        metadata={"embeddings": embeddings.num_rows, "captions_with_text": len(expected), **counts},
-        description="in sync" if not problems else f"problems: {problems}",
+        passed=report.in_sync,
+        metadata={
+            "embeddings": report.derived_rows,
+            "captions_with_text": report.expected,
+            **report.counts,
+        },
+        description="in sync" if report.in_sync else f"problems: {report.problems}",
     )

@@ -31,7 +31,7 @@ from dagster import (
     sensor,
 )
 
-from prx_assets.core.captions.tables import (
+from prx_assets.core.captions.swaps import (
     ConfiguredFingerprints,
     StaleBatch,
     plan_reruns,

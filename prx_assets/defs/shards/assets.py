@@ -1,19 +1,16 @@
-"""bucket_assignments and mds_shards: from eligible, captioned images to MDS bucket shards."""
+"""bucket_assignments and mds_shards: from eligible, captioned images to MDS bucket shards.
+
+The stage's logic is ``core/shards/runner.py`` (``BatchAssignment``, ``BatchShards``); these
+assets resolve the partition, call a runner and present its outcome as metadata.
+"""
+
+from typing import Any
 
 from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
-from prx_assets.core.lab import sql_literal
 from prx_assets.core.plots import bar_chart
-from prx_assets.core.shards.buckets import bucket_table
-from prx_assets.core.shards.mds import (
-    DEFAULT_SIZE_LIMIT,
-    directory_bytes,
-    list_partition_dirs,
-    partition_digest,
-    small_bucket_hazards,
-    write_partition_streams,
-)
+from prx_assets.core.shards.mds import DEFAULT_SIZE_LIMIT
 from prx_assets.core.shards.resize import (
     JPEG_QUALITY,
     JPEG_SUBSAMPLING,
@@ -21,21 +18,15 @@ from prx_assets.core.shards.resize import (
     RESAMPLE,
     RESAMPLE_DESCRIPTION,
 )
-from prx_assets.core.shards.screening import ShardScreener
-from prx_assets.core.shards.tables import (
-    CAPTION_COLUMNS,
-    MDS_EXTRA_COLUMNS,
-    BucketRenderer,
-    BucketTotals,
-    assignment_rows,
-    bucket_totals,
-    placement_rows,
-    plan_shards,
-    summarise_assignments,
+from prx_assets.core.shards.runner import (
+    AssignmentOutcome,
+    BatchAssignment,
+    BatchShards,
+    ScreeningRefused,
+    ShardOutcome,
+    ShardSettings,
 )
 from prx_assets.core.skiplists.policy import SkipPolicyError
-from prx_assets.core.skiplists.sidecars import current_generation
-from prx_assets.core.tables import BUCKET_ASSIGNMENTS, CAPTIONS, IMAGES, RESOLUTION, SHARD_SAMPLES
 from prx_assets.defs.metadata import counts_table, md_table, png_markdown
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile
@@ -43,17 +34,6 @@ from prx_assets.defs.resources import LabResource
 from prx_assets.defs.skiplists.config import SkipPolicyResource
 
 MAX_LISTED_KEYS = 50
-
-
-def _fill_markdown(fill: dict[int, dict[str, int]]) -> MetadataValue:
-    """One row per aspect slot (portrait to landscape), one column per tier: "shape: n"."""
-    tiers = sorted(fill)
-    n = len(next(iter(fill.values())))
-    rows: list[list[object]] = [
-        [i, *(f"{list(fill[t])[i]}: {list(fill[t].values())[i]}" for t in tiers)] for i in range(n)
-    ]
-    rows.append(["total", *(sum(fill[t].values()) for t in tiers)])
-    return MetadataValue.md(md_table(["shape (aspect order)", *map(str, tiers)], rows))
 
 
 @asset(
@@ -68,45 +48,21 @@ def _fill_markdown(fill: dict[int, dict[str, int]]) -> MetadataValue:
     ),
 )
 def bucket_assignments(context: AssetExecutionContext, lab: LabResource) -> MaterializeResult:
-    store = lab.lab()
-    batch = context.partition_key
-    eligible = store.read(
-        RESOLUTION.name,
-        columns=["key", "batch", "width", "height"],
-        filter=f"batch = {sql_literal(batch)} AND eligible = true",
-    )
-    table = bucket_table()
-    if eligible.num_rows:
-        rows = assignment_rows(eligible, table)
-    else:
-        rows = BUCKET_ASSIGNMENTS.schema.empty_table()
-    written = store.replace_partition(BUCKET_ASSIGNMENTS, batch, rows)
-    summary = summarise_assignments(rows, table)
-    pictures = {
-        f"fill_tier_{tier}": png_markdown(
-            bar_chart(
-                list(shapes),
-                [float(v) for v in shapes.values()],
-                f"{batch}: tier {tier}, {sum(shapes.values())} images",
-                "bucket (H x W)",
-            ),
-            f"bucket fill, tier {tier}",
-        )
-        for tier, shapes in summary.fill.items()
-    }
+    out = BatchAssignment(lab.lab(), context.partition_key).run()
+    s = out.summary
     return MaterializeResult(
         metadata={
-            "eligible": eligible.num_rows,
-            "assigned": summary.assigned,
-            "outside_aspect_range": summary.outside_aspect_range,
-            "upscaled": summary.upscaled,
-            "mean_crop_fraction": round(summary.mean_crop_fraction, 4),
+            "eligible": out.eligible,
+            "assigned": s.assigned,
+            "outside_aspect_range": s.outside_aspect_range,
+            "upscaled": s.upscaled,
+            "mean_crop_fraction": round(s.mean_crop_fraction, 4),
             "images_per_tier": counts_table(
-                {str(t): sum(s.values()) for t, s in summary.fill.items()}, "tier"
+                {str(t): sum(shapes.values()) for t, shapes in s.fill.items()}, "tier"
             ),
-            "bucket_fill": _fill_markdown(summary.fill),
-            **pictures,
-            "bucket_assignments_lance_version": written["version"],
+            "bucket_fill": _fill_markdown(s.fill),
+            **_fill_pictures(out),
+            "bucket_assignments_lance_version": out.version,
         }
     )
 
@@ -143,40 +99,17 @@ class MDSShardsConfig(Config):
         default=1, description="Per-device batch size for the small-bucket hazard rule."
     )
 
-
-def _bucket_report(
-    batch: str,
-    mine: dict[tuple[int, str], BucketTotals],
-    everywhere: dict[tuple[int, str], BucketTotals],
-    mb: dict[str, float],
-    config: MDSShardsConfig,
-) -> tuple[MetadataValue, dict[str, list[str]], dict[str, list[str]]]:
-    """Per-bucket table, and small-bucket hazards for this batch and for all batches."""
-    rule = (config.canonical_nodes, config.device_batch_size)
-    rows: list[tuple[object, ...]] = []
-    hazards: dict[str, list[str]] = {}
-    for (tier, shape), t in mine.items():
-        rel = f"mds/{tier}/{shape}/{batch}"
-        problems = small_bucket_hazards(t.samples, t.shards, *rule)
-        if problems:
-            hazards[rel] = problems
-        hazard = "; ".join(problems) or "ok"
-        rows.append((f"{tier}/{shape}", t.samples, t.shards, round(mb[rel], 2), hazard))
-    header = ["bucket", "samples", "shards", "MB", "hazard (this batch)"]
-    hazards_all = {
-        f"{tier}/{shape}": problems
-        for (tier, shape), t in everywhere.items()
-        if (tier, shape) in mine and (problems := small_bucket_hazards(t.samples, t.shards, *rule))
-    }
-    return MetadataValue.md(md_table(header, rows)), hazards, hazards_all
-
-
-def _by_cause(uncaptioned: dict[str, str]) -> dict[str, list[str]]:
-    """cause -> (up to MAX_LISTED_KEYS) keys written without a usable caption."""
-    out: dict[str, list[str]] = {}
-    for key, why in sorted(uncaptioned.items()):
-        out.setdefault(why, []).append(key)
-    return {why: keys[:MAX_LISTED_KEYS] for why, keys in out.items()}
+    def settings(self, max_pixels: int) -> ShardSettings:
+        return ShardSettings(
+            size_limit=self.shard_size_limit,
+            resample=self.resample,
+            max_render_failures=self.max_render_failures,
+            read_chunk=self.read_chunk,
+            render_threads=self.render_threads,
+            max_pixels=max_pixels,
+            canonical_nodes=self.canonical_nodes,
+            device_batch_size=self.device_batch_size,
+        )
 
 
 @asset(
@@ -204,99 +137,107 @@ def mds_shards(
     lab: LabResource,
     skip_policy: SkipPolicyResource,
 ) -> MaterializeResult:
+    batch = context.partition_key
     try:
         policy = skip_policy.policy()
     except SkipPolicyError as exc:
         raise Failure(description=f"invalid skip policy: {exc}") from None
-    store = lab.lab()
-    batch = context.partition_key
-    assignments = store.read_batch(BUCKET_ASSIGNMENTS.name, batch)
-    if assignments.num_rows == 0:
-        assignments = BUCKET_ASSIGNMENTS.schema.empty_table()
-    captions = store.read_batch(CAPTIONS.name, batch, columns=list(CAPTION_COLUMNS))
-    plan = plan_shards(assignments, captions)
-    renderer = BucketRenderer(
-        store.dataset(IMAGES.name) if plan.buckets else None,
-        batch,
-        plan.captions,
-        chunk_size=config.read_chunk,
-        threads=config.render_threads,
-        max_pixels=lab.max_pixels,
-        resample=config.resample,
-        max_failures=config.max_render_failures,
-    )
+    run = BatchShards(lab.lab(), lab.shards_root, batch, policy, config.settings(lab.max_pixels))
     try:
-        screener = ShardScreener(
-            store,
-            batch,
-            policy,
-            {bucket: [r["key"] for r in rows] for bucket, rows in plan.buckets.items()},
-            plan.uncaptioned,
-        )
-    except SkipPolicyError as exc:
-        raise Failure(description=f"{batch}: cannot decide its skip-lists: {exc}") from None
-    placements = write_partition_streams(
-        lab.shards_root,
-        batch,
-        {bucket: renderer.samples(rows) for bucket, rows in plan.buckets.items()},
-        skips_for=screener,
-        extra_columns=MDS_EXTRA_COLUMNS,
-        size_limit=config.shard_size_limit,
-        hashes=("sha256",),
-    )
-    dirs = list_partition_dirs(lab.shards_root, batch)
-    digests = {f"mds/{d.tier}/{d.shape}/{batch}": partition_digest(d.path) for d in dirs}
-    rows = placement_rows(placements, batch, digests, renderer.log, plan.captions)
-    written = store.replace_partition(SHARD_SAMPLES, batch, rows)
-
-    mb = {f"mds/{d.tier}/{d.shape}/{batch}": directory_bytes(d.path) / 1e6 for d in dirs}
-    everywhere = bucket_totals(
-        store.read(SHARD_SAMPLES.name, columns=["tier", "shape", "relative_dir", "shard"])
-    )
-    table, hazards, hazards_all = _bucket_report(batch, bucket_totals(rows), everywhere, mb, config)
-    failures = renderer.log.failures
-    for key, why in failures.items():
+        out = run.run()
+    except ScreeningRefused as exc:
+        raise Failure(description=str(exc)) from None
+    for key, why in out.failures.items():
         context.log.warning(f"{batch}: image {key} not written: {why}")
-    decisions = screener.decisions()
-    excluded = len(decisions.excluded_keys)
     context.log.info(
-        f"{batch}: wrote {len(placements)} samples in {len(dirs)} bucket directories "
-        f"({len(plan.uncaptioned)} without a usable caption), {excluded} excluded by their "
-        f"first skip-lists, {len(failures)} not written (render failures)"
+        f"{batch}: wrote {out.written} samples in {len(out.directories)} bucket directories "
+        f"({len(out.uncaptioned)} without a usable caption), {out.excluded} excluded by their "
+        f"first skip-lists, {len(out.failures)} not written (render failures)"
     )
-    return MaterializeResult(
-        metadata={
-            "assigned": assignments.num_rows,
-            "samples_written": len(placements),
-            "not_written": len(failures),
-            "not_written_keys": MetadataValue.json(
-                [f"{k}: {v}" for k, v in sorted(failures.items())][:MAX_LISTED_KEYS]
+    return MaterializeResult(metadata=_shard_metadata(out, lab.shards_root))
+
+
+# --------------------------------------------------------------------------- presentation
+
+
+def _fill_markdown(fill: dict[int, dict[str, int]]) -> MetadataValue:
+    """One row per aspect slot (portrait to landscape), one column per tier: "shape: n"."""
+    tiers = sorted(fill)
+    n = len(next(iter(fill.values())))
+    rows: list[list[object]] = [
+        [i, *(f"{list(fill[t])[i]}: {list(fill[t].values())[i]}" for t in tiers)] for i in range(n)
+    ]
+    rows.append(["total", *(sum(fill[t].values()) for t in tiers)])
+    return MetadataValue.md(md_table(["shape (aspect order)", *map(str, tiers)], rows))
+
+
+def _fill_pictures(out: AssignmentOutcome) -> dict[str, MetadataValue]:
+    """One bar chart of the bucket fill per tier."""
+    return {
+        f"fill_tier_{tier}": png_markdown(
+            bar_chart(
+                list(shapes),
+                [float(v) for v in shapes.values()],
+                f"{out.batch}: tier {tier}, {sum(shapes.values())} images",
+                "bucket (H x W)",
             ),
-            "written_without_caption": len(plan.uncaptioned),
-            "uncaptioned_keys": MetadataValue.json(_by_cause(plan.uncaptioned)),
-            "excluded_by_first_skiplists": excluded,
-            "first_skiplist_reasons": counts_table(decisions.reason_counts(), "reason", sort=False),
-            "skip_policy_fingerprint": policy.fingerprint(),
-            "skiplist_generations": MetadataValue.json(
-                {f"mds/{d.tier}/{d.shape}/{batch}": current_generation(d.path) for d in dirs}
-            ),
-            "buckets": table,
-            "mb_written": round(sum(mb.values()), 3),
-            "hazard_rule": (
-                f"hazard when samples < canonical_nodes x device_batch_size = "
-                f"{config.canonical_nodes} x {config.device_batch_size} (streaming repeats "
-                f"samples) or shards < canonical_nodes = {config.canonical_nodes} (nodes "
-                "share shards)"
-            ),
-            "small_bucket_hazards": MetadataValue.json(hazards),
-            "small_bucket_hazards_all_batches": MetadataValue.json(hazards_all),
-            "tree": MetadataValue.json(sorted(mb)),
-            "jpeg": f"quality {JPEG_QUALITY}, subsampling {JPEG_SUBSAMPLING}",
-            "resample": config.resample
-            + (f": {RESAMPLE_DESCRIPTION}" if config.resample == RESAMPLE else ""),
-            "jpeg_subsampling_reason": JPEG_SUBSAMPLING_REASON,
-            "shard_size_limit": config.shard_size_limit,
-            "shards_root": MetadataValue.path(lab.shards_root),
-            "shard_samples_lance_version": written["version"],
-        }
-    )
+            f"bucket fill, tier {tier}",
+        )
+        for tier, shapes in out.summary.fill.items()
+    }
+
+
+def _by_cause(uncaptioned: dict[str, str]) -> dict[str, list[str]]:
+    """cause -> (up to MAX_LISTED_KEYS) keys written without a usable caption."""
+    out: dict[str, list[str]] = {}
+    for key, why in sorted(uncaptioned.items()):
+        out.setdefault(why, []).append(key)
+    return {why: keys[:MAX_LISTED_KEYS] for why, keys in out.items()}
+
+
+def _shard_metadata(out: ShardOutcome, shards_root: str) -> dict[str, Any]:
+    s = out.settings
+    buckets = [
+        (f"{d.tier}/{d.shape}", d.samples, d.shards, round(d.bytes / 1e6, 2), "; ".join(d.hazards))
+        for d in out.directories
+    ]
+    return {
+        "assigned": out.assigned,
+        "samples_written": out.written,
+        "not_written": len(out.failures),
+        "not_written_keys": MetadataValue.json(
+            [f"{k}: {v}" for k, v in sorted(out.failures.items())][:MAX_LISTED_KEYS]
+        ),
+        "written_without_caption": len(out.uncaptioned),
+        "uncaptioned_keys": MetadataValue.json(_by_cause(out.uncaptioned)),
+        "excluded_by_first_skiplists": out.excluded,
+        "first_skiplist_reasons": counts_table(out.decisions.reason_counts(), "reason", sort=False),
+        "skip_policy_fingerprint": out.policy_fingerprint,
+        "skiplist_generations": MetadataValue.json(
+            {d.relative_dir: d.generation for d in out.directories}
+        ),
+        "buckets": MetadataValue.md(
+            md_table(
+                ["bucket", "samples", "shards", "MB", "hazard (this batch)"],
+                [(*row[:4], row[4] or "ok") for row in buckets],
+            )
+        ),
+        "mb_written": round(out.bytes_written / 1e6, 3),
+        "hazard_rule": (
+            f"hazard when samples < canonical_nodes x device_batch_size = "
+            f"{s.canonical_nodes} x {s.device_batch_size} (streaming repeats "
+            f"samples) or shards < canonical_nodes = {s.canonical_nodes} (nodes "
+            "share shards)"
+        ),
+        "small_bucket_hazards": MetadataValue.json(
+            {d.relative_dir: list(d.hazards) for d in out.directories if d.hazards}
+        ),
+        "small_bucket_hazards_all_batches": MetadataValue.json(out.hazards_all_batches),
+        "tree": MetadataValue.json(sorted(d.relative_dir for d in out.directories)),
+        "jpeg": f"quality {JPEG_QUALITY}, subsampling {JPEG_SUBSAMPLING}",
+        "resample": s.resample + (f": {RESAMPLE_DESCRIPTION}" if s.resample == RESAMPLE else ""),
+        "jpeg_subsampling_reason": JPEG_SUBSAMPLING_REASON,
+        "shard_size_limit": s.size_limit,
+        "shards_root": MetadataValue.path(shards_root),
+        "shard_samples_lance_version": out.version,
+    }

@@ -247,6 +247,8 @@ class ClassProbs:
 
 @runtime_checkable
 class Captioner(Protocol):
+    """A model that writes one dense caption per image; its identity says which model and settings."""
+
     identity: BackendIdentity
 
     def caption(self, images: Sequence[CaptionInput]) -> list[CaptionResult]: ...
@@ -254,6 +256,8 @@ class Captioner(Protocol):
 
 @runtime_checkable
 class CaptionClassifier(Protocol):
+    """A text model that gives each caption its visual/text/nsfw probabilities."""
+
     identity: BackendIdentity
 
     def classify(self, captions: Sequence[str]) -> list[ClassProbs]: ...
@@ -261,6 +265,8 @@ class CaptionClassifier(Protocol):
 
 @runtime_checkable
 class TextEmbedder(Protocol):
+    """A text encoder that turns captions into ``dim``-wide vectors (for search, not training)."""
+
     identity: BackendIdentity
     dim: int
 

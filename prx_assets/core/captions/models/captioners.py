@@ -21,7 +21,7 @@ import io
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Unpack
 
 from PIL import Image
 
@@ -36,10 +36,9 @@ from prx_assets.core.captions.models.base import (
     load_caption_image,
 )
 from prx_assets.core.captions.models.openai_http import (
-    OpenAIChatClient,
+    ClientOptions,
+    OpenAIBackend,
     message_text,
-    resolve_api_key,
-    resolve_base_url,
 )
 from prx_assets.core.captions.models.prompts import (
     CAPTION_PROMPT_HASH,
@@ -62,15 +61,19 @@ def image_to_data_url(img: Image.Image, quality: int = 90) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-class OpenAICaptioner:
+class OpenAICaptioner(OpenAIBackend):
     """Captions through any OpenAI-compatible chat-completions server (vLLM, SGLang).
 
     ``base_url`` (``.../v1``) and ``api_key`` come from arguments or the environment
     (``PRX_CAPTION_BASE_URL``/``OPENAI_BASE_URL``, ``PRX_CAPTION_API_KEY``/``OPENAI_API_KEY``);
     no key means no ``Authorization`` header. The identity holds the model, prompt and
     decoding/encoding parameters, not the URL, key or concurrency: moving the server does
-    not re-caption the lake.
+    not re-caption the lake. ``client``: timeouts, retries and concurrency (``ClientOptions``).
     """
+
+    BASE_URL_ENV = CAPTION_BASE_URL_ENV
+    API_KEY_ENV = CAPTION_API_KEY_ENV
+    CLIENT_DEFAULTS: ClassVar[ClientOptions] = {"timeout_s": 120.0, "max_concurrency": 8}
 
     def __init__(
         self,
@@ -82,12 +85,7 @@ class OpenAICaptioner:
         temperature: float = 0.0,
         max_side: int = 1024,
         jpeg_quality: int = 90,
-        max_concurrency: int = 8,
-        timeout_s: float = 120.0,
-        max_attempts: int = 5,
-        backoff_base_s: float = 0.5,
-        backoff_max_s: float = 30.0,
-        max_retry_after_s: float = 60.0,
+        **client: Unpack[ClientOptions],
     ) -> None:
         if max_tokens < 1:
             raise BackendConfigError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -100,16 +98,7 @@ class OpenAICaptioner:
         self.temperature = float(temperature)
         self.max_side = max_side
         self.jpeg_quality = jpeg_quality
-        self._client = OpenAIChatClient(
-            resolve_base_url(base_url, CAPTION_BASE_URL_ENV),
-            resolve_api_key(api_key, CAPTION_API_KEY_ENV),
-            timeout_s=timeout_s,
-            max_attempts=max_attempts,
-            backoff_base_s=backoff_base_s,
-            backoff_max_s=backoff_max_s,
-            max_retry_after_s=max_retry_after_s,
-            max_concurrency=max_concurrency,
-        )
+        self._connect(base_url, api_key, client)
         self.identity = BackendIdentity.create(
             kind="openai_vlm",
             model_id=model,
@@ -122,25 +111,6 @@ class OpenAICaptioner:
                 "jpeg_quality": jpeg_quality,
             },
         )
-
-    @property
-    def base_url(self) -> str:
-        return self._client.base_url
-
-    def __repr__(self) -> str:
-        return (
-            f"OpenAICaptioner(model={self.model!r}, base_url={self.base_url!r}, "
-            f"fingerprint={self.identity.fingerprint()!r})"
-        )
-
-    def close(self) -> None:
-        self._client.close()
-
-    def __enter__(self) -> OpenAICaptioner:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def image_url(self, item: CaptionInput) -> str:
         """The JPEG data URL sent for an input (bounded side, fixed quality)."""

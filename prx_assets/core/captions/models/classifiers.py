@@ -23,7 +23,7 @@ import math
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Unpack
 
 import numpy as np
 
@@ -39,10 +39,9 @@ from prx_assets.core.captions.models.base import (
 )
 from prx_assets.core.captions.models.embeddings import MiniLMEmbedder
 from prx_assets.core.captions.models.openai_http import (
-    OpenAIChatClient,
+    ClientOptions,
+    OpenAIBackend,
     message_text,
-    resolve_api_key,
-    resolve_base_url,
 )
 from prx_assets.core.captions.models.prompts import (
     CLASSIFIER_PROMPT_HASH,
@@ -259,7 +258,7 @@ def first_token_label_logprobs(top_logprobs: Sequence[Mapping[str, Any]]) -> lis
     return [x if x is not None else floor for x in found]
 
 
-class OpenAIClassifier:
+class OpenAIClassifier(OpenAIBackend):
     """Label probabilities from an OpenAI-compatible server (vLLM/SGLang).
 
     ``mode="auto"`` (default): ask for one token with ``logprobs: true, top_logprobs: k``
@@ -268,8 +267,13 @@ class OpenAIClassifier:
     constrained choice and report a one-hot result (``method="constrained_choice"``).
     ``mode="logprobs"`` never falls back; ``mode="choice"`` always constrains. The choice
     is sent as vLLM's ``structured_outputs: {"choice": [...]}`` or, for older servers,
-    ``guided_choice`` (``choice_field="guided_choice"``).
+    ``guided_choice`` (``choice_field="guided_choice"``). ``client``: timeouts, retries and
+    concurrency (``ClientOptions``).
     """
+
+    BASE_URL_ENV = CLASSIFIER_BASE_URL_ENV
+    API_KEY_ENV = CLASSIFIER_API_KEY_ENV
+    CLIENT_DEFAULTS: ClassVar[ClientOptions] = {"timeout_s": 60.0, "max_concurrency": 16}
 
     def __init__(
         self,
@@ -281,12 +285,7 @@ class OpenAIClassifier:
         top_logprobs: int = 10,
         choice_field: Literal["structured_outputs", "guided_choice"] = "structured_outputs",
         enable_thinking: bool | None = False,
-        max_concurrency: int = 16,
-        timeout_s: float = 60.0,
-        max_attempts: int = 5,
-        backoff_base_s: float = 0.5,
-        backoff_max_s: float = 30.0,
-        max_retry_after_s: float = 60.0,
+        **client: Unpack[ClientOptions],
     ) -> None:
         if mode not in ("auto", "logprobs", "choice"):
             raise BackendConfigError(f"mode must be auto/logprobs/choice, got {mode!r}")
@@ -300,16 +299,7 @@ class OpenAIClassifier:
         self.choice_field = choice_field
         self.enable_thinking = enable_thinking
         self._logprobs_ok = mode != "choice"
-        self._client = OpenAIChatClient(
-            resolve_base_url(base_url, CLASSIFIER_BASE_URL_ENV),
-            resolve_api_key(api_key, CLASSIFIER_API_KEY_ENV),
-            timeout_s=timeout_s,
-            max_attempts=max_attempts,
-            backoff_base_s=backoff_base_s,
-            backoff_max_s=backoff_max_s,
-            max_retry_after_s=max_retry_after_s,
-            max_concurrency=max_concurrency,
-        )
+        self._connect(base_url, api_key, client)
         self.identity = BackendIdentity.create(
             kind="openai_lm",
             model_id=model,
@@ -324,18 +314,8 @@ class OpenAIClassifier:
             },
         )
 
-    @property
-    def base_url(self) -> str:
-        return self._client.base_url
-
-    def __repr__(self) -> str:
-        return (
-            f"OpenAIClassifier(model={self.model!r}, base_url={self.base_url!r}, "
-            f"mode={self.mode!r}, fingerprint={self.identity.fingerprint()!r})"
-        )
-
-    def close(self) -> None:
-        self._client.close()
+    def _repr_extra(self) -> str:
+        return f", mode={self.mode!r}"
 
     def _base_body(self, caption: str) -> dict[str, Any]:
         body: dict[str, Any] = {

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Self, TypedDict, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -35,6 +35,7 @@ import httpx
 from prx_assets.core.captions.models.base import (
     BackendCancelledError,
     BackendConfigError,
+    BackendIdentity,
     BackendRequestError,
     BackendTimeoutError,
     BackendUnavailableError,
@@ -304,6 +305,65 @@ class OpenAIChatClient:
             for i, f in enumerate(futures):
                 results[i] = f.result()
         return results
+
+
+class ClientOptions(TypedDict, total=False):
+    """How a backend talks to its server: deployment, so never part of its identity."""
+
+    timeout_s: float
+    max_attempts: int
+    backoff_base_s: float
+    backoff_max_s: float
+    max_retry_after_s: float
+    max_concurrency: int
+
+
+class OpenAIBackend:
+    """What every backend on an OpenAI-compatible server shares: its client and lifecycle.
+
+    The server is ``base_url`` or the first set variable of ``BASE_URL_ENV``; the key is
+    ``api_key`` or the first set variable of ``API_KEY_ENV`` (none: no ``Authorization``
+    header). ``CLIENT_DEFAULTS`` are the backend's defaults for the client options. The
+    subclass sets ``model`` and ``identity`` (model, prompt and decoding parameters, not the
+    URL, key or client options: moving the server re-makes nothing).
+    """
+
+    BASE_URL_ENV: ClassVar[tuple[str, ...]] = ()
+    API_KEY_ENV: ClassVar[tuple[str, ...]] = ()
+    CLIENT_DEFAULTS: ClassVar[ClientOptions] = {}
+
+    model: str
+    identity: BackendIdentity
+
+    def _connect(self, base_url: str | None, api_key: str | None, options: ClientOptions) -> None:
+        self._client = OpenAIChatClient(
+            resolve_base_url(base_url, self.BASE_URL_ENV),
+            resolve_api_key(api_key, self.API_KEY_ENV),
+            **{**self.CLIENT_DEFAULTS, **options},
+        )
+
+    @property
+    def base_url(self) -> str:
+        return self._client.base_url
+
+    def _repr_extra(self) -> str:
+        """``, name=value`` pairs a subclass adds to its repr."""
+        return ""
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(model={self.model!r}, base_url={self.base_url!r}"
+            f"{self._repr_extra()}, fingerprint={self.identity.fingerprint()!r})"
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _snippet(text: str, n: int = 200) -> str:

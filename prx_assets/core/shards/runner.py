@@ -1,0 +1,293 @@
+"""The shard stage's two runs: assign a batch's images to buckets, write its MDS shards.
+
+Each run reads its inputs through ``Lab``, decides, writes (Lance through ``Lab``, shards
+through ``mds.py``), checks its own accounting and returns a typed outcome; the Dagster
+assets in ``defs/shards`` only turn that outcome into metadata.
+
+Order inside ``BatchShards.run`` is part of the crash contract: every bucket directory is in
+place (with its first skip-list generation) before ``shard_samples`` is committed, so a
+crash in between leaves rows that a ``dir_digest`` check reveals as stale, never a sample
+that is trained on without a decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS
+from prx_assets.core.lab import Lab, sql_literal
+from prx_assets.core.shards.buckets import BucketTable, bucket_table
+from prx_assets.core.shards.mds import (
+    DEFAULT_SIZE_LIMIT,
+    PartitionDir,
+    directory_bytes,
+    list_partition_dirs,
+    partition_digest,
+    relative_partition_dir,
+    write_partition_streams,
+)
+from prx_assets.core.shards.plan import CAPTION_COLUMNS, ShardPlan, plan_shards
+from prx_assets.core.shards.render import MDS_EXTRA_COLUMNS, BucketRenderer
+from prx_assets.core.shards.resize import RESAMPLE
+from prx_assets.core.shards.screening import ShardScreener
+from prx_assets.core.shards.small_buckets import small_bucket_problems
+from prx_assets.core.shards.tables import (
+    AssignmentSummary,
+    BucketTotals,
+    assignment_rows,
+    bucket_totals,
+    placement_rows,
+    summarise_assignments,
+)
+from prx_assets.core.skiplists.policy import PartitionDecisions, SkipPolicy, SkipPolicyError
+from prx_assets.core.skiplists.sidecars import current_generation
+from prx_assets.core.tables import BUCKET_ASSIGNMENTS, CAPTIONS, RESOLUTION, SHARD_SAMPLES
+
+SHARD_HASHES = ("sha256",)  # recorded per shard in index.json: the dir_digest commits to bytes
+_TOTALS_COLUMNS = ["tier", "shape", "relative_dir", "shard"]
+
+# --------------------------------------------------------------------------- assignments
+
+
+@dataclass(frozen=True)
+class AssignmentOutcome:
+    """What ``BatchAssignment`` wrote: the bucket fill of one batch."""
+
+    batch: str
+    eligible: int
+    summary: AssignmentSummary
+    version: int  # of bucket_assignments after the write
+
+    def check(self) -> None:
+        if self.summary.assigned != self.eligible:
+            raise AssertionError(
+                f"{self.batch}: {self.eligible} eligible images but {self.summary.assigned} "
+                "assignments"
+            )
+
+
+class BatchAssignment:
+    """Tier, shape, scale and crop box for every eligible image of a batch.
+
+    From the ``resolution`` table's sizes alone: no image bytes are read, so the plan (and
+    the bucket fill) can be judged before a pixel is resized.
+    """
+
+    def __init__(self, lab: Lab, batch: str, table: BucketTable | None = None) -> None:
+        self.lab = lab
+        self.batch = batch
+        self.table = bucket_table() if table is None else table
+
+    def run(self) -> AssignmentOutcome:
+        eligible = self.lab.read(
+            RESOLUTION.name,
+            columns=["key", "batch", "width", "height"],
+            filter=f"batch = {sql_literal(self.batch)} AND eligible = true",
+        )
+        if eligible.num_rows:
+            rows = assignment_rows(eligible, self.table)
+        else:
+            rows = BUCKET_ASSIGNMENTS.schema.empty_table()
+        written = self.lab.replace_partition(BUCKET_ASSIGNMENTS, self.batch, rows)
+        outcome = AssignmentOutcome(
+            batch=self.batch,
+            eligible=eligible.num_rows,
+            summary=summarise_assignments(rows, self.table),
+            version=written["version"],
+        )
+        outcome.check()
+        return outcome
+
+
+# --------------------------------------------------------------------------- shards
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    """How shards are written (size, resample, reads, threads) and judged (hazard rule)."""
+
+    size_limit: int = DEFAULT_SIZE_LIMIT
+    resample: str = RESAMPLE
+    max_render_failures: int = 20
+    read_chunk: int = 32
+    render_threads: int = 2
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    canonical_nodes: int = 64  # the small-bucket rule: loader canonical nodes ...
+    device_batch_size: int = 1  # ... and per-device batch size it is judged against
+
+
+class ScreeningRefused(RuntimeError):
+    """The batch's first skip-lists cannot be decided: nothing was written."""
+
+
+@dataclass(frozen=True)
+class WrittenDir:
+    """One bucket directory of the batch as written."""
+
+    relative_dir: str
+    tier: int
+    shape: str
+    samples: int
+    shards: int
+    bytes: int
+    generation: str | None  # its live skip-list generation
+    hazards: tuple[str, ...]  # small-bucket problems of this batch's directory alone
+
+
+@dataclass(frozen=True)
+class ShardOutcome:
+    """What ``BatchShards`` wrote, and what it found while writing."""
+
+    batch: str
+    assigned: int
+    written: int
+    failures: dict[str, str]  # key -> why it could not be rendered (not written)
+    uncaptioned: dict[str, str]  # key -> why it was written with an empty caption
+    decisions: PartitionDecisions  # the first generation's, at the written positions
+    policy_fingerprint: str
+    directories: tuple[WrittenDir, ...]  # tier, then aspect order
+    # "tier/shape" -> small-bucket problems of the bucket over every batch, for the buckets
+    # this batch wrote (what a trainer's stream for that bucket sees).
+    hazards_all_batches: dict[str, list[str]]
+    version: int  # of shard_samples after the write
+    settings: ShardSettings = field(default_factory=ShardSettings)
+
+    @property
+    def excluded(self) -> int:
+        return len(self.decisions.excluded_keys)
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(d.bytes for d in self.directories)
+
+    def check(self) -> None:
+        if self.written + len(self.failures) != self.assigned:
+            raise AssertionError(
+                f"{self.batch}: {self.assigned} assigned but {self.written} written and "
+                f"{len(self.failures)} render failures"
+            )
+
+
+class BatchShards:
+    """Render every assigned image of a batch into its bucket's MDS directory, screened.
+
+    Reads the batch's assignments and captions, decides the whole partition's first
+    skip-lists once (``ShardScreener``), streams each bucket's samples through the atomic
+    MDS writer, then records every sample's place in ``shard_samples``.
+    """
+
+    def __init__(
+        self,
+        lab: Lab,
+        shards_root: str,
+        batch: str,
+        policy: SkipPolicy,
+        settings: ShardSettings | None = None,
+    ) -> None:
+        self.lab = lab
+        self.shards_root = shards_root
+        self.batch = batch
+        self.policy = policy
+        self.settings = settings or ShardSettings()
+
+    def plan(self) -> ShardPlan:
+        assignments = self.lab.read_batch(BUCKET_ASSIGNMENTS.name, self.batch)
+        if assignments.num_rows == 0:
+            assignments = BUCKET_ASSIGNMENTS.schema.empty_table()
+        captions = self.lab.read_batch(CAPTIONS.name, self.batch, columns=list(CAPTION_COLUMNS))
+        return plan_shards(assignments, captions)
+
+    def run(self) -> ShardOutcome:
+        s, batch = self.settings, self.batch
+        plan = self.plan()
+        renderer = BucketRenderer(
+            self.lab.view() if plan.buckets else None,
+            batch,
+            plan.captions,
+            chunk_size=s.read_chunk,
+            threads=s.render_threads,
+            max_pixels=s.max_pixels,
+            resample=s.resample,
+            max_failures=s.max_render_failures,
+        )
+        keys = {bucket: [r["key"] for r in rows] for bucket, rows in plan.buckets.items()}
+        try:
+            screener = ShardScreener(self.lab, batch, self.policy, keys, plan.uncaptioned)
+        except SkipPolicyError as exc:
+            raise ScreeningRefused(f"{batch}: cannot decide its skip-lists: {exc}") from None
+        placements = write_partition_streams(
+            self.shards_root,
+            batch,
+            {bucket: renderer.samples(rows) for bucket, rows in plan.buckets.items()},
+            skips_for=screener,
+            extra_columns=MDS_EXTRA_COLUMNS,
+            size_limit=s.size_limit,
+            hashes=SHARD_HASHES,
+        )
+        dirs = list_partition_dirs(self.shards_root, batch)
+        digests = {d.relative_dir: partition_digest(d.path) for d in dirs}
+        rows = placement_rows(placements, batch, digests, renderer.log.jpeg, plan.captions)
+        written = self.lab.replace_partition(SHARD_SAMPLES, batch, rows)
+
+        mine = bucket_totals(rows)
+        outcome = ShardOutcome(
+            batch=batch,
+            assigned=plan.planned,
+            written=len(placements),
+            failures=dict(renderer.log.failures),
+            uncaptioned=dict(plan.uncaptioned),
+            decisions=screener.decisions(),
+            policy_fingerprint=self.policy.fingerprint(),
+            directories=self._directories(mine, {d.relative_dir: d for d in dirs}),
+            hazards_all_batches=self._hazards_all_batches(mine),
+            version=written["version"],
+            settings=s,
+        )
+        outcome.check()
+        return outcome
+
+    def _rule(self, totals: BucketTotals) -> list[str]:
+        s = self.settings
+        return small_bucket_problems(
+            totals.samples, totals.shards, s.canonical_nodes, s.device_batch_size
+        )
+
+    def _directories(
+        self, mine: dict[tuple[int, str], BucketTotals], dirs: dict[str, PartitionDir]
+    ) -> tuple[WrittenDir, ...]:
+        out = []
+        for (tier, shape), totals in mine.items():
+            d = dirs[relative_partition_dir(tier, shape, self.batch)]
+            out.append(
+                WrittenDir(
+                    relative_dir=d.relative_dir,
+                    tier=tier,
+                    shape=shape,
+                    samples=totals.samples,
+                    shards=totals.shards,
+                    bytes=directory_bytes(d.path),
+                    generation=current_generation(d.path),
+                    hazards=tuple(self._rule(totals)),
+                )
+            )
+        return tuple(out)
+
+    def _hazards_all_batches(
+        self, mine: dict[tuple[int, str], BucketTotals]
+    ) -> dict[str, list[str]]:
+        """The rule over every batch's samples of the buckets this batch wrote.
+
+        Reads only those buckets' rows, four columns of them (the ``tier``/``shape`` bitmap
+        indexes serve the filter), not the whole ``shard_samples`` table.
+        """
+        if not mine:
+            return {}
+        where = " OR ".join(
+            f"(tier = {int(tier)} AND shape = {sql_literal(shape)})" for tier, shape in mine
+        )
+        everywhere = bucket_totals(self.lab.read(SHARD_SAMPLES.name, _TOTALS_COLUMNS, where))
+        return {
+            f"{tier}/{shape}": problems
+            for (tier, shape), totals in everywhere.items()
+            if (tier, shape) in mine and (problems := self._rule(totals))
+        }

@@ -1,0 +1,99 @@
+"""Real inputs and read-backs for a stage's core runner: a demo batch through the real ingest
+and resolution code into a real lab, a ``Lab`` that remembers what it was asked to read, and
+MDS directories read back by the official reader."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import streaming
+
+from prx_assets.core.ingest.runner import BatchIngest
+from prx_assets.core.ingest.sources import resolve_batch
+from prx_assets.core.lab import Lab
+from prx_assets.core.resolution.profile import profile_images
+from prx_assets.core.tables import IMAGES, REJECTS, RESOLUTION
+
+DEMO_BATCH = "public-skimage.000"  # 22 files, some under the size cutoff
+
+
+class RecordingLab(Lab):
+    """A real lab that remembers every ``read``: (table, columns, filter, rows returned)."""
+
+    def __init__(self, root: str | Path) -> None:
+        super().__init__(root)
+        self.reads: list[tuple[str, tuple[str, ...], str | None, pa.Table]] = []
+
+    def read(self, table, columns=None, filter=None, version=None):  # noqa: A002
+        out = super().read(table, columns, filter, version)
+        self.reads.append((table, tuple(columns or ()), filter, out))
+        return out
+
+
+def ingest_demo_batch(lab: Lab, landing: Path, batch: str = DEMO_BATCH) -> list[str]:
+    """The real ingest and resolution of a demo batch; returns its eligible keys, sorted."""
+    run = BatchIngest(resolve_batch(landing, batch))
+    lab.replace_partition(IMAGES, batch, run.image_batches())
+    lab.replace_partition(REJECTS, batch, run.rejects)
+    sizes = lab.read_batch(IMAGES.name, batch, ["key", "batch", "width", "height"])
+    lab.replace_partition(RESOLUTION, batch, profile_images(sizes))
+    profile = lab.read_batch(RESOLUTION.name, batch, ["key", "eligible"]).to_pylist()
+    return sorted(r["key"] for r in profile if r["eligible"])
+
+
+@contextlib.contextmanager
+def streaming_memory_released() -> Iterator[None]:
+    """Release, on exit, the shared memory streaming readers opened inside the block.
+
+    Streaming keeps each shared-memory segment it opens alive until the process exits (an
+    atexit handler per segment, ``streaming.base.shared.memory.SharedMemory.cleanup``), so a
+    long test session that builds many readers runs out of file descriptors. Those handlers
+    alone are held back and run when the block ends (drop every reader inside it); any other
+    atexit registration goes through untouched.
+    """
+    held: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
+    real_register = atexit.register
+
+    def register(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        if not str(getattr(f, "__module__", "")).startswith("streaming."):
+            return real_register(f, *args, **kwargs)
+        held.append((f, args, kwargs))
+        return f
+
+    atexit.register = register  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        atexit.register = real_register
+        gc.collect()
+        for f, args, kwargs in reversed(held):
+            with contextlib.suppress(Exception):  # best-effort release of shared memory
+                f(*args, **kwargs)
+
+
+def read_mds_dir(directory: str | Path) -> list[dict[str, Any]]:
+    """Every sample of one MDS directory, read by the official ``StreamingDataset``.
+
+    Its shared-memory prefix is picked by scanning for a free number, which races with any
+    other process on the machine doing the same (FileExistsError): that alone is retried.
+    """
+    with streaming_memory_released():
+        for attempt in range(20):
+            try:
+                ds = streaming.StreamingDataset(local=str(directory), batch_size=1, shuffle=False)
+                break
+            except FileExistsError:
+                if attempt == 19:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
+        rows = [dict(ds[i]) for i in range(len(ds))]
+        assert [r["key"] for r in ds] == [r["key"] for r in rows]  # iteration agrees
+        del ds
+    return rows

@@ -1,0 +1,235 @@
+"""The shard stage's row builders and planners: rows exactly as the tables' contracts say."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from PIL import Image
+
+from prx_assets.core.lab import Lab
+from prx_assets.core.shards.buckets import assign_bucket, bucket_table, bucket_table_json
+from prx_assets.core.shards.mds import Placement
+from prx_assets.core.shards.plan import (
+    CAPTION_EMPTY,
+    CAPTION_MISSING,
+    NO_USABLE_CAPTION,
+    CaptionInfo,
+    plan_shards,
+)
+from prx_assets.core.shards.render import BucketRenderer, RenderFailures
+from prx_assets.core.shards.tables import (
+    BUCKET_ASSIGNMENTS,
+    SHARD_SAMPLES,
+    assignment_from_row,
+    assignment_rows,
+    bucket_table_sha256,
+    bucket_totals,
+    placement_rows,
+    summarise_assignments,
+    written_without_caption,
+)
+from prx_assets.core.tables import IMAGES
+
+PHOTOS = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos"
+SIZES = [(900, 600), (600, 900), (1024, 1024), (4000, 1000), (384, 2000), (3000, 2000)]
+
+
+def _resolution(sizes=SIZES, batch: str = "b0") -> pa.Table:
+    return pa.table(
+        {
+            "key": [f"k{i}" for i in range(len(sizes))],
+            "batch": [batch] * len(sizes),
+            "width": [w for w, _ in sizes],
+            "height": [h for _, h in sizes],
+        }
+    )
+
+
+def test_assignment_rows_record_the_bucket_rule_exactly_and_read_back_to_it():
+    rows = assignment_rows(_resolution())
+    assert rows.schema == BUCKET_ASSIGNMENTS.schema
+    assert set(rows.column("bucket_table_sha256").to_pylist()) == {bucket_table_sha256()}
+    assert bucket_table_sha256() != bucket_table_sha256({512: bucket_table()[512]})
+    assert len(bucket_table_json()) > 0
+    for row, (w, h) in zip(rows.to_pylist(), SIZES, strict=True):
+        a = assign_bucket(w, h)
+        assert a is not None
+        assert assignment_from_row(row) == a  # the row is the assignment, no recomputation
+        assert (row["tier"], row["shape"], row["height"], row["width"]) == (
+            a.tier,
+            a.shape.name,
+            a.shape.height,
+            a.shape.width,
+        )
+        assert (row["source_width"], row["source_height"]) == (w, h)
+        assert row["crop_fraction"] == pytest.approx(a.crop_fraction)
+    with pytest.raises(ValueError, match="no recorded size"):
+        assignment_rows(pa.table({"key": ["k"], "batch": ["b0"], "width": [None], "height": [9]}))
+    with pytest.raises(ValueError, match="under the bucket cutoff"):
+        assignment_rows(_resolution([(100, 100)]))
+    bad = {**rows.to_pylist()[0]}
+    bad["crop_right"] += 1
+    with pytest.raises(ValueError, match="crop box"):
+        assignment_from_row(bad)
+
+
+def test_summary_lists_every_bucket_in_aspect_order_and_counts_the_hazards():
+    rows = assignment_rows(_resolution())
+    summary = summarise_assignments(rows)
+    table = bucket_table()
+    assert {t: list(s) for t, s in summary.fill.items()} == {
+        t: [s.name for s in shapes] for t, shapes in table.items()
+    }
+    assert summary.assigned == sum(n for s in summary.fill.values() for n in s.values()) == 6
+    listed = rows.to_pylist()
+    assert summary.upscaled == sum(r["upscaled"] for r in listed)
+    assert summary.outside_aspect_range == sum(r["outside_aspect_range"] for r in listed)
+    mean = sum(r["crop_fraction"] for r in listed) / len(listed)
+    assert summary.mean_crop_fraction == pytest.approx(mean)
+    empty = summarise_assignments(BUCKET_ASSIGNMENTS.schema.empty_table())
+    assert empty.assigned == 0 and empty.mean_crop_fraction == 0.0
+    foreign = rows.set_column(rows.schema.get_field_index("shape"), "shape", pa.array(["1x1"] * 6))
+    with pytest.raises(ValueError, match="not in the bucket table"):
+        summarise_assignments(foreign)
+
+
+def _caption(key: str, text: str, fp: str = "fp") -> dict:
+    provenance = {"backend": "alt_text", "model_id": "m", "prompt_version": "v"}
+    return {
+        "key": key,
+        "caption": text,
+        "is_fallback": True,
+        "backend_fingerprint": fp,
+    } | provenance
+
+
+def test_plan_writes_every_assigned_image_and_names_why_one_has_no_caption():
+    assignments = assignment_rows(_resolution())
+    captions = pa.Table.from_pylist(
+        [_caption("k0", "a dog"), _caption("k1", "   "), _caption("k3", "a cat")]
+    )
+    plan = plan_shards(assignments, captions)
+    assert plan.planned == 6
+    assert plan.uncaptioned == {
+        "k1": CAPTION_EMPTY,
+        "k2": CAPTION_MISSING,
+        "k4": CAPTION_MISSING,
+        "k5": CAPTION_MISSING,
+    }
+    assert plan.captions["k0"] == CaptionInfo("a dog", True, "alt_text", "m", "v", "fp")
+    assert plan.captions["k1"] == CaptionInfo("", True, "alt_text", "m", "v", "fp", usable=False)
+    assert plan.captions["k2"] == NO_USABLE_CAPTION
+    for (tier, shape), rows in plan.buckets.items():
+        assert [r["key"] for r in rows] == sorted(r["key"] for r in rows)
+        assert all((r["tier"], r["shape"]) == (tier, shape) for r in rows)
+    assert sorted(r["key"] for rows in plan.buckets.values() for r in rows) == [
+        f"k{i}" for i in range(6)
+    ]
+    with pytest.raises(ValueError, match="two caption rows"):
+        plan_shards(assignments, pa.concat_tables([captions, captions]))
+    nothing = plan_shards(assignments, pa.table({}))  # no captions table at all
+    assert set(nothing.uncaptioned) == {f"k{i}" for i in range(6)}
+
+
+def test_placement_rows_locate_each_sample_and_mark_those_without_a_caption():
+    captions = {
+        "a": CaptionInfo("x", False, "openai", "m", "v", "fp-a"),
+        "b": NO_USABLE_CAPTION,
+    }
+    placements = [
+        Placement("b", 1024, "32x32", "b0", "shard.00001.mds", 0, 3),
+        Placement("a", 512, "16x24", "b0", "shard.00000.mds", 2, 2),
+    ]
+    digests = {"mds/1024/32x32/b0": "d1", "mds/512/16x24/b0": "d2"}
+    jpeg = {"a": ("sha-a", 10), "b": ("sha-b", 20)}
+    rows = placement_rows(placements, "b0", digests, jpeg, captions)
+    assert rows.schema == SHARD_SAMPLES.schema
+    got = rows.to_pylist()
+    assert [r["key"] for r in got] == ["a", "b"]  # sorted by key
+    assert got[0] == {
+        "key": "a",
+        "batch": "b0",
+        "tier": 512,
+        "shape": "16x24",
+        "relative_dir": "mds/512/16x24/b0",
+        "shard": "shard.00000.mds",
+        "index_in_shard": 2,
+        "sample_index": 2,
+        "dir_digest": "d2",
+        "jpeg_sha256": "sha-a",
+        "jpeg_bytes": 10,
+        "caption_fingerprint": "fp-a",
+    }
+    assert got[1]["caption_fingerprint"] is None and got[1]["dir_digest"] == "d1"
+    assert [written_without_caption(r) for r in got] == [False, True]
+    with pytest.raises(ValueError, match="is for batch 'b0', not 'b1'"):
+        placement_rows(placements, "b1", digests, jpeg, captions)
+
+
+def test_bucket_totals_count_samples_shards_and_directories_per_bucket():
+    rows = pa.table(
+        {
+            "tier": [512, 512, 512, 1024, 512],
+            "shape": ["24x16", "24x16", "24x16", "32x32", "16x24"],
+            "relative_dir": [
+                f"mds/{d}"
+                for d in (
+                    "512/24x16/b0",
+                    "512/24x16/b0",
+                    "512/24x16/b1",
+                    "1024/32x32/b0",
+                    "512/16x24/b0",
+                )
+            ],
+            "shard": [f"shard.0000{i}.mds" for i in (0, 1, 0, 0, 0)],
+        }
+    )
+    totals = bucket_totals(rows)
+    assert list(totals) == [(512, "24x16"), (512, "16x24"), (1024, "32x32")]  # aspect order
+    t = totals[(512, "24x16")]
+    assert (t.samples, t.shards, t.partitions) == (3, 3, 2)
+    assert bucket_totals(SHARD_SAMPLES.schema.empty_table()) == {}
+
+
+def _jpeg(name: str, size: tuple[int, int]) -> bytes:
+    buf = io.BytesIO()
+    Image.open(PHOTOS / name).convert("RGB").resize(size).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def test_renderer_skips_a_broken_image_and_keeps_the_rest(tmp_path: Path) -> None:
+    store = Lab(tmp_path / "lab")
+    good = _jpeg("coffee.png", (900, 600))
+    images = {"a-good": good, "b-broken": good[: len(good) // 2], "c-good": good}
+    rows = [
+        {"key": k, "batch": "b0", "width": 900, "height": 600, "image": v, "source": "s"}
+        for k, v in images.items()
+    ]
+    store.replace_partition(IMAGES, "b0", pa.Table.from_pylist(rows, schema=IMAGES.schema))
+    assignments = assignment_rows(
+        pa.Table.from_pylist(rows).select(["key", "batch", "width", "height"])
+    )
+    captions = pa.Table.from_pylist(
+        [{"key": k, "caption": f"c {k}", "is_fallback": False} for k in images]
+    )
+    plan = plan_shards(assignments, captions)
+    ((bucket, planned),) = plan.buckets.items()
+    renderer = BucketRenderer(store.view(), "b0", plan.captions, chunk_size=2)
+    samples = list(renderer.samples(planned))
+    assert [s.key for s in samples] == ["a-good", "c-good"]
+    assert samples[0].image == samples[1].image  # same source, same bytes
+    assert set(renderer.log.failures) == {"b-broken"}
+    assert "truncated" in renderer.log.failures["b-broken"]
+    assert set(renderer.log.jpeg) == {"a-good", "c-good"}
+    # A systematic fault (every image failing) stops the run instead of emptying shards.
+    strict = BucketRenderer(store.view(), "b0", plan.captions, max_failures=0)
+    with pytest.raises(RenderFailures, match="1 images of batch 'b0' failed.*b-broken"):
+        list(strict.samples(planned))
+    with pytest.raises(ValueError, match="resample must be"):
+        BucketRenderer(None, "b0", {}, resample="nearest")
+    # No images table at all is refused at once, not turned into a failure per image.
+    with pytest.raises(ValueError, match="no images table"):
+        BucketRenderer(Lab(tmp_path / "empty").view(), "b0", plan.captions)
