@@ -15,7 +15,6 @@ Partitions whose caption-stage rows are merely *missing* are left to the batch p
 (it may be running them right now); only rows with a different fingerprint count.
 """
 
-import json
 from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
@@ -27,7 +26,6 @@ from dagster import (
     SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
-    SkipReason,
     sensor,
 )
 
@@ -49,6 +47,7 @@ from prx_assets.defs.captions.resources import (
 )
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
+from prx_assets.defs.sensor_requests import check_max_runs, request_once
 from prx_assets.defs.tags import TRIGGER_TAG
 
 #: Assets rebuilt when a partition's captions are. The lead appends later stages that read
@@ -154,8 +153,7 @@ def build_model_swap_sensor(
     beyond ``max_runs_per_tick`` are requested on later ticks. A run that fails is not
     re-requested until its rows or the configuration change: rerun it by hand.
     """
-    if max_runs_per_tick < 1:
-        raise ValueError(f"max_runs_per_tick must be >= 1, got {max_runs_per_tick}")
+    check_max_runs(max_runs_per_tick)
     downstream = _downstream(
         downstream_of_captions, downstream_of_classes, downstream_of_embeddings
     )
@@ -185,34 +183,22 @@ def build_model_swap_sensor(
             for asset, batches in find_stale(lab.lab(), configured).items()
         }
         plan = plan_reruns({a: list(b) for a, b in stale.items()}, downstream)
-        wanted: dict[str, tuple[list[str], str]] = {}
+        wanted = []
         for batch, assets in reruns_by_batch(plan, targets).items():
             markers = [f"{a}:{s[batch].marker}" for a, s in stale.items() if batch in s]
             markers.append(f"configured:{configured}")
-            wanted[batch] = (assets, swap_run_key(batch, assets, markers))
-        keys = {rk for _, rk in wanted.values()}
-        pending = set(json.loads(context.cursor)) & keys if context.cursor else set()
-        requests = []
-        for batch, (assets, run_key) in wanted.items():
-            if run_key in pending:
-                continue
-            if len(requests) == max_runs_per_tick:
-                break
-            requests.append(
+            wanted.append(
                 RunRequest(
-                    run_key=run_key,
+                    run_key=swap_run_key(batch, assets, markers),
                     partition_key=batch,
                     asset_selection=[AssetKey(a) for a in assets],
                     tags={TRIGGER_TAG: "model_swap"},
                 )
             )
-            pending.add(run_key)
-        cursor = json.dumps(sorted(pending))
-        if not requests:
-            why = f"{len(wanted)} stale partition(s), all requested" if wanted else "none stale"
-            return SensorResult(skip_reason=SkipReason(why), cursor=cursor)
-        context.log.info(f"requesting {len(requests)} model-swap rerun(s)")
-        return SensorResult(run_requests=requests, cursor=cursor)
+        result = request_once(context.cursor, wanted, max_runs_per_tick)
+        if result.run_requests:
+            context.log.info(f"requesting {len(result.run_requests)} model-swap rerun(s)")
+        return result
 
     return _model_swap_sensor
 

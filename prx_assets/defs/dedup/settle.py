@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from dagster import AssetKey, DagsterInstance, Definitions
 
-from prx_assets.core.dedup.decisions import (
+from prx_assets.core.dedup.reruns import (
     DEFAULT_SETTLE_ROUNDS,
     DedupRerun,
     SettleReport,
