@@ -18,16 +18,7 @@ Partitions whose caption-stage rows are merely *missing* are left to the batch p
 from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
-from dagster import (
-    AssetKey,
-    AssetSelection,
-    DefaultSensorStatus,
-    RunRequest,
-    SensorDefinition,
-    SensorEvaluationContext,
-    SensorResult,
-    sensor,
-)
+from dagster import AssetKey, DefaultSensorStatus, RunRequest, SensorDefinition
 
 from prx_assets.core.captions.tables import (
     ConfiguredFingerprints,
@@ -47,7 +38,7 @@ from prx_assets.defs.captions.resources import (
 )
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
-from prx_assets.defs.sensor_requests import check_max_runs, request_once
+from prx_assets.defs.sensor_requests import rerun_sensor
 from prx_assets.defs.tags import TRIGGER_TAG
 
 #: Assets rebuilt when a partition's captions are. The lead appends later stages that read
@@ -153,29 +144,18 @@ def build_model_swap_sensor(
     beyond ``max_runs_per_tick`` are requested on later ticks. A run that fails is not
     re-requested until its rows or the configuration change: rerun it by hand.
     """
-    check_max_runs(max_runs_per_tick)
     downstream = _downstream(
         downstream_of_captions, downstream_of_classes, downstream_of_embeddings
     )
     targets = list(dict.fromkeys([*ASSET_ORDER, *(a for d in downstream.values() for a in d)]))
 
-    @sensor(
-        name=name,
-        target=AssetSelection.assets(*targets),
-        minimum_interval_seconds=minimum_interval_seconds,
-        default_status=default_status,
-        description=(
-            "Requests reruns of exactly the caption-stage partitions whose stored rows were "
-            "made by a backend other than the configured one (a model/prompt/param swap)."
-        ),
-    )
-    def _model_swap_sensor(
-        context: SensorEvaluationContext,
+    def wanted(
+        context,
         lab: LabResource,
         captioner: CaptionerResource,
         classifier: ClassifierResource,
         embedder: EmbedderResource,
-    ) -> SensorResult:
+    ) -> list[RunRequest]:
         configured = configured_fingerprints(captioner, classifier, embedder)
         registered = set(context.instance.get_dynamic_partitions(BATCHES.name))
         stale = {
@@ -183,11 +163,11 @@ def build_model_swap_sensor(
             for asset, batches in find_stale(lab.lab(), configured).items()
         }
         plan = plan_reruns({a: list(b) for a, b in stale.items()}, downstream)
-        wanted = []
+        requests = []
         for batch, assets in reruns_by_batch(plan, targets).items():
             markers = [f"{a}:{s[batch].marker}" for a, s in stale.items() if batch in s]
             markers.append(f"configured:{configured}")
-            wanted.append(
+            requests.append(
                 RunRequest(
                     run_key=swap_run_key(batch, assets, markers),
                     partition_key=batch,
@@ -195,12 +175,20 @@ def build_model_swap_sensor(
                     tags={TRIGGER_TAG: "model_swap"},
                 )
             )
-        result = request_once(context.cursor, wanted, max_runs_per_tick)
-        if result.run_requests:
-            context.log.info(f"requesting {len(result.run_requests)} model-swap rerun(s)")
-        return result
+        return requests
 
-    return _model_swap_sensor
+    return rerun_sensor(
+        wanted,
+        name=name,
+        targets=targets,
+        description=(
+            "Requests reruns of exactly the caption-stage partitions whose stored rows were "
+            "made by a backend other than the configured one (a model/prompt/param swap)."
+        ),
+        max_runs_per_tick=max_runs_per_tick,
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=default_status,
+    )
 
 
 model_swap_sensor = build_model_swap_sensor()

@@ -20,16 +20,7 @@ again until the state changes: rerun it by hand.
 
 from collections.abc import Callable, Sequence
 
-from dagster import (
-    AssetKey,
-    AssetSelection,
-    DefaultSensorStatus,
-    RunRequest,
-    SensorDefinition,
-    SensorEvaluationContext,
-    SensorResult,
-    sensor,
-)
+from dagster import AssetKey, DefaultSensorStatus, RunRequest, SensorDefinition
 
 from prx_assets.core.dedup import reruns as core_reruns
 from prx_assets.core.dedup.decisions import DedupSettings
@@ -39,7 +30,7 @@ from prx_assets.defs.dedup.assets import IMAGE_HASHES_ASSET, PHASH_CLUSTERS_ASSE
 from prx_assets.defs.dedup.config import DedupConfigResource
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
-from prx_assets.defs.sensor_requests import check_max_runs, request_once
+from prx_assets.defs.sensor_requests import rerun_sensor
 from prx_assets.defs.tags import TRIGGER_TAG
 
 REASON_TAG = "prx/dedup_reason"
@@ -75,42 +66,34 @@ def build_dedup_sensor(
     Pass ``("skip_lists",)`` in the full pipeline: a partition whose keepers changed needs its
     skip-list rewritten, never its shards.
     """
-    check_max_runs(max_runs_per_tick)
     downstream = tuple(downstream)
-    targets = list(dict.fromkeys([IMAGE_HASHES_ASSET, PHASH_CLUSTERS_ASSET, *downstream]))
 
-    @sensor(
+    def wanted(context, lab: LabResource, dedup: DedupConfigResource) -> list[RunRequest]:
+        registered = set(context.instance.get_dynamic_partitions(BATCHES.name))
+        stale = dedup_reruns(lab.lab(), dedup.settings(), downstream, registered)
+        return [
+            RunRequest(
+                run_key=rerun.run_key,
+                partition_key=rerun.batch,
+                asset_selection=[AssetKey(a) for a in rerun.assets],
+                tags={TRIGGER_TAG: "dedup", REASON_TAG: "; ".join(rerun.reasons)[:200]},
+            )
+            for rerun in stale.values()
+        ]
+
+    return rerun_sensor(
+        wanted,
         name=name,
-        target=AssetSelection.assets(*targets),
-        minimum_interval_seconds=minimum_interval_seconds,
-        default_status=default_status,
+        targets=[IMAGE_HASHES_ASSET, PHASH_CLUSTERS_ASSET, *downstream],
         description=(
             "Reruns phash_clusters (and the skip-lists) of exactly the partitions whose stored "
             "dedup decisions a newer batch contradicts (dedup_dirty), or that were decided "
             "under another dedup configuration."
         ),
-    )
-    def _dedup_sensor(
-        context: SensorEvaluationContext, lab: LabResource, dedup: DedupConfigResource
-    ) -> SensorResult:
-        settings = dedup.settings()
-        registered = set(context.instance.get_dynamic_partitions(BATCHES.name))
-        wanted = dedup_reruns(lab.lab(), settings, downstream, registered)
-        requests = [_rerun_request(rerun) for rerun in wanted.values()]
-        result = request_once(context.cursor, requests, max_runs_per_tick)
-        for r in result.run_requests or []:
-            context.log.info(f"dedup rerun of {r.partition_key}: {r.tags[REASON_TAG]}")
-        return result
-
-    return _dedup_sensor
-
-
-def _rerun_request(rerun: DedupRerun) -> RunRequest:
-    return RunRequest(
-        run_key=rerun.run_key,
-        partition_key=rerun.batch,
-        asset_selection=[AssetKey(a) for a in rerun.assets],
-        tags={TRIGGER_TAG: "dedup", REASON_TAG: "; ".join(rerun.reasons)[:200]},
+        max_runs_per_tick=max_runs_per_tick,
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=default_status,
+        reason_tag=REASON_TAG,
     )
 
 

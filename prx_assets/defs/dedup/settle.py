@@ -21,6 +21,7 @@ from prx_assets.core.dedup.reruns import (
     settle_dedup,
 )
 from prx_assets.defs.dedup.assets import IMAGE_HASHES_ASSET, PHASH_CLUSTERS_ASSET
+from prx_assets.defs.dedup.sensors import REASON_TAG
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.run_requests import QUIET
 from prx_assets.defs.tags import TRIGGER_TAG
@@ -56,7 +57,7 @@ def settle_dedup_in_process(
             instance=instance,
             run_config=QUIET,
             raise_on_error=False,
-            tags={TRIGGER_TAG: "dedup", "prx/dedup_reason": reason[:200], **(tags or {})},
+            tags={TRIGGER_TAG: "dedup", REASON_TAG: reason[:200], **(tags or {})},
         )
         return result.success
 
