@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import pyarrow as pa
@@ -210,7 +210,7 @@ class ClusterOutcome:
     rechecked: bool  # hashes landed between the read and the write: decided again
     keepers: KeeperCheck
     pending_dirty: int  # rows left in the queue after the run (every batch)
-    low_information_keys: list[str] = field(default_factory=list)
+    low_information_keys: list[str]  # flagged for review
 
     @property
     def kept(self) -> int:

@@ -4,8 +4,8 @@
 The CLI (``register-batch --materialize``) and the demo call this after materialising, so
 a user who never starts the daemon still reaches the settled state: every partition whose
 stored keepers a newer batch contradicts gets its ``phash_clusters`` and skip-lists rerun.
-The decision of what to rerun is the sensor's own (:func:`prx_assets.core.dedup.decisions.dedup_reruns`
-via :func:`prx_assets.core.dedup.decisions.settle_dedup`); only the execution differs (in process).
+The decision of what to rerun is the sensor's own (:func:`prx_assets.core.dedup.reruns.dedup_reruns`
+via :func:`prx_assets.core.dedup.reruns.settle_dedup`); only the execution differs (in process).
 """
 
 from __future__ import annotations
