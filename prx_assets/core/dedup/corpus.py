@@ -156,6 +156,8 @@ def corpus_hashes(reader: Reader, settings: DedupSettings) -> np.ndarray:
 
 @dataclass
 class Gathered:
+    """The rows one batch's decision needs, as read at one ``image_hashes`` version."""
+
     corpus: pa.Table  # HASH_COLUMNS
     stored: pa.Table  # STORED_COLUMNS of the other batches' members
     lookups: dict[str, int]

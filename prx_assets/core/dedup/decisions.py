@@ -154,6 +154,8 @@ class DecisionChange:
 
 @dataclass
 class BatchStats:
+    """Counts of one batch's decision: its duplicates, and what it changes elsewhere."""
+
     images: int = 0
     low_information: int = 0
     clusters_with_duplicates: int = 0  # clusters of size > 1 that hold an image of the batch
@@ -169,6 +171,8 @@ class BatchStats:
 
 @dataclass
 class BatchPlan:
+    """One batch decided against the corpus: its rows, the other batches' changes, stats."""
+
     rows: pa.Table  # this batch's PHASH_CLUSTERS rows
     changes: list[DecisionChange]
     stats: BatchStats

@@ -23,6 +23,8 @@ from prx_assets.core.tables import IMAGES
 
 @dataclass(frozen=True)
 class Tile:
+    """One image of a contact-sheet row: its bytes, caption lines, and whether it is kept."""
+
     data: bytes | None  # encoded image; None draws a placeholder
     lines: tuple[str, ...]  # up to two caption lines; the first gets KEEP / dup in front
     keeper: bool

@@ -50,6 +50,8 @@ def state_row(
 
 @dataclass(frozen=True)
 class StaleDecision:
+    """A batch whose stored decisions were made under another dedup configuration."""
+
     batch: str
     config_fingerprint: str | None  # found in dedup_state
     phash_version: str | None
@@ -82,6 +84,8 @@ def dedup_run_key(batch: str, assets: Sequence[str], markers: Iterable[str]) -> 
 
 @dataclass(frozen=True)
 class DedupRerun:
+    """What to rerun for one stale partition, under a run key digesting its stale state."""
+
     batch: str
     assets: tuple[str, ...]
     run_key: str
