@@ -15,7 +15,8 @@ from pathlib import Path
 from PIL import Image
 
 from prx_assets.cli import main as cli_main
-from prx_assets.core.dedup.decisions import DedupSettings, dedup_reruns
+from prx_assets.core.dedup.decisions import DedupSettings
+from prx_assets.core.dedup.reruns import dedup_reruns
 from prx_assets.core.tables import IMAGES
 from prx_assets.defs.resources import LabResource
 from prx_assets.demo.build import load_photo_metadata
@@ -115,7 +116,8 @@ def _dirty_lab(tmp_path: Path, batches: list[str]):
     """A real lab whose ``dedup_dirty`` lists one contradicted decision per batch."""
     from datetime import UTC, datetime
 
-    from prx_assets.core.dedup.decisions import DecisionChange, mark_dirty
+    from prx_assets.core.dedup.decisions import DecisionChange
+    from prx_assets.core.dedup.dirty import mark_dirty
     from prx_assets.core.lab import Lab
 
     lab = Lab(tmp_path / "lab")
@@ -125,7 +127,7 @@ def _dirty_lab(tmp_path: Path, batches: list[str]):
 
 
 def test_settling_stops_at_a_failed_rerun_and_names_what_is_left(tmp_path):
-    from prx_assets.core.dedup.decisions import settle_dedup
+    from prx_assets.core.dedup.reruns import settle_dedup
 
     lab = _dirty_lab(tmp_path, ["web.a", "web.b", "web.gone"])
     ran = []
@@ -139,7 +141,7 @@ def test_settling_stops_at_a_failed_rerun_and_names_what_is_left(tmp_path):
 
 
 def test_settling_is_bounded_in_rounds_when_reruns_change_nothing(tmp_path):
-    from prx_assets.core.dedup.decisions import settle_dedup
+    from prx_assets.core.dedup.reruns import settle_dedup
 
     lab = _dirty_lab(tmp_path, ["web.a"])
     report = settle_dedup(lab, DedupSettings(), {"web.a"}, lambda r: True, max_rounds=2)

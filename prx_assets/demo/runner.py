@@ -99,7 +99,7 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
     if store.exists("caption_embeddings"):
         print(f"Caption embeddings: {store.count('caption_embeddings')}")
     if store.exists("phash_clusters"):
-        from prx_assets.core.dedup.decisions import summarise_planted
+        from prx_assets.core.dedup.planted import summarise_planted
 
         planted = summarise_planted(store, manifest)
         clusters = store.read("phash_clusters", ["is_keeper", "low_information"])

@@ -14,7 +14,8 @@ from datetime import UTC, datetime
 
 import pyarrow as pa
 
-from prx_assets.core.dedup.decisions import DedupSettings, gather_corpus, plan_batch
+from prx_assets.core.dedup.corpus import gather_corpus
+from prx_assets.core.dedup.decisions import DedupSettings, plan_batch
 from prx_assets.core.lab import Lab
 from prx_assets.core.skiplists.optouts import opt_out_rows, parse_identifier, replace_rows
 from prx_assets.core.skiplists.policy import SampleRef, samples_from_rows

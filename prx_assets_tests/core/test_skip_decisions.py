@@ -11,7 +11,8 @@ import lance
 import pyarrow as pa
 import pytest
 
-from prx_assets.core.dedup.decisions import DecisionChange, mark_dirty
+from prx_assets.core.dedup.decisions import DecisionChange
+from prx_assets.core.dedup.dirty import mark_dirty
 from prx_assets.core.lab import Lab
 from prx_assets.core.skiplists.decisions import (
     MissingImages,

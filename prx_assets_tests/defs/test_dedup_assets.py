@@ -18,8 +18,11 @@ from dagster import (
 )
 from PIL import Image
 
-from prx_assets.core.dedup.decisions import DedupSettings, read_dirty, summarise_planted
+from prx_assets.core.dedup.checks import hash_coverage
+from prx_assets.core.dedup.decisions import DedupSettings
+from prx_assets.core.dedup.dirty import read_dirty
 from prx_assets.core.dedup.phash import phash_bytes
+from prx_assets.core.dedup.planted import summarise_planted
 from prx_assets.core.tables import IMAGE_HASHES, IMAGES, PHASH_CLUSTERS, RESOLUTION
 from prx_assets.defs.dedup.assets import build_dedup_assets, hashes_complete_result
 from prx_assets.defs.dedup.config import DedupConfigResource
@@ -382,10 +385,11 @@ def test_the_hash_check_fails_on_missing_extra_or_outdated_rows():
     stored = pa.table(
         {"key": ["a", "b", "x"], "phash_version": ["fast-v1", "reference-v1", "fast-v1"]}
     )
-    res = hashes_complete_result(["a", "b", "c"], stored, "fast-v1", {"c": "truncated: cut"})
+    coverage = hash_coverage(["a", "b", "c"], stored, "fast-v1", {"c": "truncated: cut"})
+    res = hashes_complete_result(coverage)
     assert not res.passed
     md = {k: v.value for k, v in res.metadata.items()}
     assert md["missing"] == ["c"] and md["not_eligible_but_hashed"] == ["x"]
     assert md["other_phash_version"] == ["b"] and md["undecodable"] == ["c: truncated: cut"]
-    ok = hashes_complete_result(["a"], stored.slice(0, 1), "fast-v1", {})
+    ok = hashes_complete_result(hash_coverage(["a"], stored.slice(0, 1), "fast-v1", {}))
     assert ok.passed

@@ -4,7 +4,8 @@ from datetime import UTC, datetime, timedelta
 
 from dagster import AssetKey, SensorResult, build_sensor_context
 
-from prx_assets.core.dedup.decisions import DecisionChange, mark_dirty
+from prx_assets.core.dedup.decisions import DecisionChange
+from prx_assets.core.dedup.dirty import mark_dirty
 from prx_assets.core.skiplists.decisions import (
     SkipChange,
     clear_skip_dirty,

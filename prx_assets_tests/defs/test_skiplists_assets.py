@@ -11,7 +11,8 @@ import pytest
 from dagster import AssetKey, SensorResult, SkipReason, build_sensor_context, materialize
 from PIL import Image
 
-from prx_assets.core.dedup.decisions import DedupSettings, gather_corpus, plan_batch
+from prx_assets.core.dedup.corpus import gather_corpus
+from prx_assets.core.dedup.decisions import DedupSettings, plan_batch
 from prx_assets.core.shards.buckets import assign_bucket
 from prx_assets.core.shards.mds import (
     MDSSample,

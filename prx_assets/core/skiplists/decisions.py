@@ -33,13 +33,9 @@ from typing import Any
 import lance
 import pyarrow as pa
 
-from prx_assets.core.dedup.decisions import (
-    DEFAULT_LOOKUP_CHUNK,
-    cluster_members,
-    keeper_order,
-    lookup_by_keys,
-    read_dirty,
-)
+from prx_assets.core.dedup.corpus import DEFAULT_LOOKUP_CHUNK, cluster_members, lookup_by_keys
+from prx_assets.core.dedup.decisions import keeper_order
+from prx_assets.core.dedup.dirty import read_dirty
 from prx_assets.core.lab import Lab, TableSpec, in_list, sql_literal
 from prx_assets.core.skiplists.optouts import opted_out_keys
 from prx_assets.core.skiplists.policy import (

@@ -15,21 +15,10 @@ Partitions whose caption-stage rows are merely *missing* are left to the batch p
 (it may be running them right now); only rows with a different fingerprint count.
 """
 
-import json
 from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
-from dagster import (
-    AssetKey,
-    AssetSelection,
-    DefaultSensorStatus,
-    RunRequest,
-    SensorDefinition,
-    SensorEvaluationContext,
-    SensorResult,
-    SkipReason,
-    sensor,
-)
+from dagster import AssetKey, DefaultSensorStatus, RunRequest, SensorDefinition
 
 from prx_assets.core.captions.swaps import (
     ConfiguredFingerprints,
@@ -49,6 +38,7 @@ from prx_assets.defs.captions.resources import (
 )
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
+from prx_assets.defs.sensor_requests import rerun_sensor
 from prx_assets.defs.tags import TRIGGER_TAG
 
 #: Assets rebuilt when a partition's captions are. The lead appends later stages that read
@@ -154,30 +144,18 @@ def build_model_swap_sensor(
     beyond ``max_runs_per_tick`` are requested on later ticks. A run that fails is not
     re-requested until its rows or the configuration change: rerun it by hand.
     """
-    if max_runs_per_tick < 1:
-        raise ValueError(f"max_runs_per_tick must be >= 1, got {max_runs_per_tick}")
     downstream = _downstream(
         downstream_of_captions, downstream_of_classes, downstream_of_embeddings
     )
     targets = list(dict.fromkeys([*ASSET_ORDER, *(a for d in downstream.values() for a in d)]))
 
-    @sensor(
-        name=name,
-        target=AssetSelection.assets(*targets),
-        minimum_interval_seconds=minimum_interval_seconds,
-        default_status=default_status,
-        description=(
-            "Requests reruns of exactly the caption-stage partitions whose stored rows were "
-            "made by a backend other than the configured one (a model/prompt/param swap)."
-        ),
-    )
-    def _model_swap_sensor(
-        context: SensorEvaluationContext,
+    def wanted(
+        context,
         lab: LabResource,
         captioner: CaptionerResource,
         classifier: ClassifierResource,
         embedder: EmbedderResource,
-    ) -> SensorResult:
+    ) -> list[RunRequest]:
         configured = configured_fingerprints(captioner, classifier, embedder)
         registered = set(context.instance.get_dynamic_partitions(BATCHES.name))
         stale = {
@@ -185,36 +163,32 @@ def build_model_swap_sensor(
             for asset, batches in find_stale(lab.lab(), configured).items()
         }
         plan = plan_reruns({a: list(b) for a, b in stale.items()}, downstream)
-        wanted: dict[str, tuple[list[str], str]] = {}
+        requests = []
         for batch, assets in reruns_by_batch(plan, targets).items():
             markers = [f"{a}:{s[batch].marker}" for a, s in stale.items() if batch in s]
             markers.append(f"configured:{configured}")
-            wanted[batch] = (assets, swap_run_key(batch, assets, markers))
-        keys = {rk for _, rk in wanted.values()}
-        pending = set(json.loads(context.cursor)) & keys if context.cursor else set()
-        requests = []
-        for batch, (assets, run_key) in wanted.items():
-            if run_key in pending:
-                continue
-            if len(requests) == max_runs_per_tick:
-                break
             requests.append(
                 RunRequest(
-                    run_key=run_key,
+                    run_key=swap_run_key(batch, assets, markers),
                     partition_key=batch,
                     asset_selection=[AssetKey(a) for a in assets],
                     tags={TRIGGER_TAG: "model_swap"},
                 )
             )
-            pending.add(run_key)
-        cursor = json.dumps(sorted(pending))
-        if not requests:
-            why = f"{len(wanted)} stale partition(s), all requested" if wanted else "none stale"
-            return SensorResult(skip_reason=SkipReason(why), cursor=cursor)
-        context.log.info(f"requesting {len(requests)} model-swap rerun(s)")
-        return SensorResult(run_requests=requests, cursor=cursor)
+        return requests
 
-    return _model_swap_sensor
+    return rerun_sensor(
+        wanted,
+        name=name,
+        targets=targets,
+        description=(
+            "Requests reruns of exactly the caption-stage partitions whose stored rows were "
+            "made by a backend other than the configured one (a model/prompt/param swap)."
+        ),
+        max_runs_per_tick=max_runs_per_tick,
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=default_status,
+    )
 
 
 model_swap_sensor = build_model_swap_sensor()

@@ -6,17 +6,15 @@ every partition whenever one batch arrived (2,001 batches: 4,002 asset partition
 ``phash_clusters(B)`` depends on ``image_hashes(B)`` only, and reads the other batches'
 hashes as a table at run time, through the ``phash`` index. What its decision changes in
 other batches is written to ``dedup_dirty``; the dedup sensor (``sensors.py``) reruns
-exactly those partitions. See :mod:`prx_assets.core.dedup.decisions` for the logic.
+exactly those partitions. The stage's logic is :mod:`prx_assets.core.dedup` (the runners in
+:mod:`prx_assets.core.dedup.runner`); this module is glue: run, then metadata and checks.
 """
 
-import time
+import contextlib
 import warnings
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
 from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
@@ -30,35 +28,11 @@ from dagster import (
     asset,
 )
 
-from prx_assets.core.batching import chunked
-from prx_assets.core.dedup.decisions import (
-    DECISION_FIELDS,
-    BatchPlan,
-    DecisionChange,
-    DedupSettings,
-    check_keepers,
-    clear_dirty,
-    contact_sheet,
-    describe_decision,
-    gallery_groups,
-    gather_corpus,
-    mark_dirty,
-    plan_batch,
-    read_cluster_members,
-    read_dirty,
-    state_row,
-)
-from prx_assets.core.dedup.phash import hash_to_int64, phash_many
-from prx_assets.core.ingest.decode import DecodeRejected
-from prx_assets.core.lab import Lab, in_list, sql_literal
-from prx_assets.core.tables import (
-    DEDUP_DIRTY,
-    DEDUP_STATE,
-    IMAGE_HASHES,
-    IMAGES,
-    PHASH_CLUSTERS,
-    RESOLUTION,
-)
+from prx_assets.core.dedup.checks import HashCoverage
+from prx_assets.core.dedup.gallery import contact_sheet, gallery_groups
+from prx_assets.core.dedup.runner import BatchClusters, BatchHashes, ClusterOutcome, InputNotReady
+from prx_assets.core.lab import Lab
+from prx_assets.core.tables import DEDUP_DIRTY, IMAGE_HASHES
 from prx_assets.defs.dedup.config import DedupConfigResource
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.metadata import counts_table, png_markdown
@@ -82,147 +56,60 @@ def _spec(name: str, asset: str, description: str) -> AssetCheckSpec:
         return AssetCheckSpec(name, asset=asset, partitions_def=BATCHES, description=description)
 
 
-def _some(items: list[str]) -> list[str]:
+def _some(items: list[str]) -> MetadataValue:
     more = len(items) - _LIST_LIMIT
-    return items[:_LIST_LIMIT] + ([f"... and {more} more"] if more > 0 else [])
+    return MetadataValue.json(items[:_LIST_LIMIT] + ([f"... and {more} more"] if more > 0 else []))
+
+
+@contextlib.contextmanager
+def _upstream_required() -> Iterator[None]:
+    """A missing upstream table or row fails the run with the runner's instruction."""
+    try:
+        yield
+    except InputNotReady as exc:
+        raise Failure(description=str(exc)) from None
 
 
 # --------------------------------------------------------------------------- image_hashes
 
 
-def _eligible_keys(store: Lab, batch: str) -> list[str]:
-    if not store.exists(RESOLUTION.name):
-        raise Failure(
-            description=f"no resolution table yet: materialise resolution_profile for {batch}"
-        )
-    profile = store.read_batch(RESOLUTION.name, batch, ["key", "eligible"])
-    return sorted(
-        k
-        for k, ok in zip(
-            profile.column("key").to_pylist(), profile.column("eligible").to_pylist(), strict=True
-        )
-        if ok
-    )
-
-
-class _Hasher:
-    """Streams the batch's hash rows chunk by chunk (only one chunk's bytes in memory)."""
-
-    def __init__(self, store: Lab, batch: str, keys: list[str], dedup: DedupConfigResource):
-        self.store, self.batch, self.keys, self.dedup = store, batch, keys, dedup
-        self.rejected: dict[str, str] = {}
-        self.hashed = 0
-        self.low_information = 0
-        self.bytes_read = 0
-
-    def batches(self) -> Iterator[pa.RecordBatch]:
-        settings = self.dedup.settings()
-        columns = ["key", "image", "file_size", "width", "height"]
-        kw = {"mode": settings.phash_mode, "low_info_threshold": settings.low_info_threshold}
-        for chunk in chunked(self.keys, self.dedup.read_chunk):
-            where = f"batch = {sql_literal(self.batch)} AND {in_list('key', chunk)}"
-            rows = {r["key"]: r for r in self.store.read(IMAGES.name, columns, where).to_pylist()}
-            chunk_rows = [rows[k] for k in chunk]
-            self.bytes_read += sum(len(r["image"]) for r in chunk_rows)
-            try:  # one batched DCT per chunk
-                results = phash_many([r["image"] for r in chunk_rows], **kw)
-                good = chunk_rows
-            except DecodeRejected:  # ingest accepted these bytes, so this is rare: find which
-                good, results = [], []
-                for row in chunk_rows:
-                    try:
-                        results += phash_many([row["image"]], **kw)
-                        good.append(row)
-                    except DecodeRejected as exc:
-                        self.rejected[row["key"]] = f"{exc.reason}: {exc.detail}"
-            self.hashed += len(good)
-            self.low_information += sum(r.low_information for r in results)
-            yield pa.RecordBatch.from_pylist(
-                [
-                    {
-                        "key": row["key"],
-                        "batch": self.batch,
-                        "phash": hash_to_int64(res.hash),
-                        "phash_mode": res.mode,
-                        "phash_version": res.version,
-                        "ac_energy": res.ac_energy,
-                        "low_information": res.low_information,
-                        "pixels": int(row["width"]) * int(row["height"]),
-                        "file_size": int(row["file_size"]),
-                    }
-                    for row, res in zip(good, results, strict=True)
-                ],
-                schema=IMAGE_HASHES.schema,
-            )
-
-
 def _image_hashes(
     context: AssetExecutionContext, lab: LabResource, dedup: DedupConfigResource
 ) -> MaterializeResult:
-    store = lab.lab()
-    batch = context.partition_key
-    settings = dedup.settings()
-    keys = _eligible_keys(store, batch)
-    present = set(store.read_batch(IMAGES.name, batch, ["key"]).column("key").to_pylist())
-    missing = [k for k in keys if k not in present]
-    if missing:
-        raise Failure(
-            description=(
-                f"{len(missing)} eligible image(s) of {batch} are not in `images` "
-                f"(e.g. {missing[0]}): rematerialise raw_images and resolution_profile"
-            )
-        )
-    hasher = _Hasher(store, batch, keys, dedup)
-    t0 = time.perf_counter()
-    written = store.replace_partition(IMAGE_HASHES, batch, hasher.batches())
-    elapsed = time.perf_counter() - t0
-    stored = store.read_batch(IMAGE_HASHES.name, batch, ["key", "phash_version"])
-    check = hashes_complete_result(keys, stored, settings.phash_version, hasher.rejected)
-    context.log.info(f"{batch}: hashed {hasher.hashed}/{len(keys)} in {elapsed:.1f} s")
+    store, settings = lab.lab(), dedup.settings()
+    with _upstream_required():
+        out = BatchHashes(store, context.partition_key, settings, dedup.read_chunk).run()
+    context.log.info(f"{out.batch}: hashed {out.hashed}/{out.eligible} in {out.seconds:.1f} s")
     return MaterializeResult(
         metadata={
-            "eligible_images": len(keys),
-            "hashed": hasher.hashed,
-            "undecodable": len(hasher.rejected),
+            "eligible_images": out.eligible,
+            "hashed": out.hashed,
+            "undecodable": len(out.coverage.undecodable),
             "phash_mode": settings.phash_mode,
             "phash_version": settings.phash_version,
-            "low_information": hasher.low_information,
+            "low_information": out.low_information,
             "low_info_threshold": settings.low_info_threshold,
-            "ms_per_image": 1e3 * elapsed / max(1, len(keys)),
-            "mb_read": round(hasher.bytes_read / 1e6, 3),
-            "image_hashes_lance_version": written["version"],
+            "ms_per_image": 1e3 * out.seconds / max(1, out.eligible),
+            "mb_read": round(out.bytes_read / 1e6, 3),
+            "image_hashes_lance_version": out.lance_version,
             "lab": MetadataValue.path(store.uri(IMAGE_HASHES.name)),
         },
-        check_results=[check],
+        check_results=[hashes_complete_result(out.coverage)],
     )
 
 
-def hashes_complete_result(
-    eligible: list[str], stored: pa.Table, version: str, rejected: dict[str, str]
-) -> AssetCheckResult:
-    versions = dict(
-        zip(
-            stored.column("key").to_pylist(),
-            stored.column("phash_version").to_pylist(),
-            strict=True,
-        )
-    )
-    missing = [k for k in eligible if k not in versions]
-    extra = sorted(set(versions) - set(eligible))
-    other_version = sorted(k for k, v in versions.items() if v != version)
+def hashes_complete_result(coverage: HashCoverage) -> AssetCheckResult:
     return AssetCheckResult(
         check_name=HASHES_COMPLETE,
-        passed=not (missing or extra or other_version),
+        passed=coverage.complete,
         severity=AssetCheckSeverity.ERROR,
         metadata={
-            "eligible": len(eligible),
-            "hashed": len(versions),
-            "missing": MetadataValue.json(_some(missing)),
-            "not_eligible_but_hashed": MetadataValue.json(_some(extra)),
-            "other_phash_version": MetadataValue.json(_some(other_version)),
-            "undecodable": MetadataValue.json(
-                _some([f"{k}: {why}" for k, why in sorted(rejected.items())])
-            ),
+            "eligible": coverage.eligible,
+            "hashed": coverage.hashed,
+            "missing": _some(coverage.missing),
+            "not_eligible_but_hashed": _some(coverage.not_eligible_but_hashed),
+            "other_phash_version": _some(coverage.other_phash_version),
+            "undecodable": _some(coverage.undecodable),
         },
     )
 
@@ -234,109 +121,69 @@ def _phash_clusters(
     context: AssetExecutionContext, lab: LabResource, dedup: DedupConfigResource
 ) -> MaterializeResult:
     store = lab.lab()
-    batch = context.partition_key
-    settings = dedup.settings()
-    if not store.exists(IMAGE_HASHES.name):
-        raise Failure(
-            description=f"no image_hashes table yet: materialise image_hashes for {batch}"
+    run = BatchClusters(store, context.partition_key, dedup.settings(), dedup.lookup_chunk)
+    with _upstream_required():
+        out = run.run()
+    affected = out.plan.stats.affected_batches
+    if affected:
+        context.log.info(
+            f"{out.batch}: decisions of {len(affected)} other batch(es) changed "
+            f"({', '.join(affected)}); marked in {DEDUP_DIRTY.name}"
         )
-    # The pending marks for this batch are read before the corpus, so the rows cleared below
-    # are exactly those this run's decisions account for; later marks stay for a later run.
-    pending = read_dirty(store, batch).column("dirty_id").to_pylist()
-    t0 = time.perf_counter()
-    gathered = gather_corpus(store, batch, settings, dedup.lookup_chunk)
-    plan = plan_batch(batch, gathered.corpus, gathered.stored, settings)
-    elapsed = time.perf_counter() - t0
-    written = store.replace_partition(PHASH_CLUSTERS, batch, plan.rows)
-    store.replace_partition(DEDUP_STATE, batch, state_row(batch, plan, settings, datetime.now(UTC)))
-    marked = mark_dirty(store, plan.changes, batch)
-    raced = _recheck(store, batch, plan, settings, dedup.lookup_chunk)
-    marked += len(raced)
-    cleared = clear_dirty(store, pending)
-    checks = _keeper_checks(store, plan, settings, dedup.lookup_chunk)
-    stats = plan.stats
-    low_keys = [r["key"] for r in plan.rows.to_pylist() if r["low_information"]]
-    metadata: dict[str, Any] = {
+    metadata = clusters_metadata(out)
+    metadata["gallery"] = _gallery(store, out, dedup.gallery_clusters)
+    return MaterializeResult(metadata=metadata, check_results=keeper_check_results(out))
+
+
+def clusters_metadata(out: ClusterOutcome) -> dict[str, Any]:
+    """The run's metadata: what it decided, what it changed elsewhere, how it looked up."""
+    stats, settings = out.plan.stats, out.settings
+    changes = [f"{c.batch}:{c.key}: {c.before} -> {c.after}" for c in out.plan.changes]
+    return {
         "images": stats.images,
         "clusters_with_duplicates": stats.clusters_with_duplicates,
         "duplicates_within_batch": stats.within_batch_duplicates,
         "duplicates_of_other_batches": stats.duplicates_of_other_batches,
         "keepers_over_other_batches": stats.keepers_over_other_batches,
         "displaced_keepers_in_other_batches": stats.displaced_in_other_batches,
-        "kept": int(np.sum(plan.rows.column("is_keeper").to_numpy(zero_copy_only=False))),
+        "kept": out.kept,
         "cluster_sizes": counts_table(
             {str(k): v for k, v in sorted(stats.cluster_sizes.items())}, "size", sort=False
         ),
         "affected_other_batches": MetadataValue.json(stats.affected_batches),
         "n_affected_other_batches": len(stats.affected_batches),
-        "changes_in_other_batches": MetadataValue.json(
-            _some([f"{c.batch}:{c.key}: {c.before} -> {c.after}" for c in plan.changes])
+        "changes_in_other_batches": _some(changes),
+        "dirty_rows_marked": out.dirty_marked,
+        "dirty_rows_cleared": out.dirty_cleared,
+        "changed_during_run": _some(
+            [f"{c.batch}:{c.key}: {c.before} -> {c.after}" for c in out.raced]
         ),
-        "dirty_rows_marked": marked,
-        "dirty_rows_cleared": cleared,
-        "changed_during_run": MetadataValue.json(
-            _some([f"{c.batch}:{c.key}: {c.before} -> {c.after}" for c in raced])
-        ),
+        "rechecked_after_write": out.rechecked,
         "low_information": stats.low_information,
         "low_info_threshold": settings.low_info_threshold,
-        "low_information_for_review": MetadataValue.json(_some(low_keys)),
+        "low_information_for_review": _some(out.low_information_keys),
         "radius": settings.radius,
         "phash_version": settings.phash_version,
         "config_fingerprint": settings.fingerprint(),
         "members_not_decided_yet": stats.undecided_members,
         "members_under_other_config": stats.other_config_members,
-        "lookups": MetadataValue.json(gathered.lookups),
-        "decide_seconds": round(elapsed, 3),
-        "phash_clusters_lance_version": written["version"],
+        "lookups": MetadataValue.json(out.lookups),
+        "decide_seconds": round(out.decide_seconds, 3),
+        "phash_clusters_lance_version": out.lance_version,
     }
-    groups = gallery_groups(store, batch, plan.decisions, dedup.gallery_clusters)
-    if groups:
-        png = contact_sheet(groups, title=f"{batch}: duplicate clusters (green = kept)")
-        metadata["gallery"] = png_markdown(png, f"duplicate clusters touching {batch}")
-    else:
-        metadata["gallery"] = MetadataValue.text("no duplicate clusters touch this batch")
-    if stats.affected_batches:
-        context.log.info(
-            f"{batch}: decisions of {len(stats.affected_batches)} other batch(es) changed "
-            f"({', '.join(stats.affected_batches)}); marked in {DEDUP_DIRTY.name}"
-        )
-    return MaterializeResult(metadata=metadata, check_results=checks)
 
 
-def _recheck(
-    store: Lab, batch: str, plan: BatchPlan, settings: DedupSettings, chunk: int
-) -> list[DecisionChange]:
-    """Decide again after writing; mark what hashes written meanwhile by other runs changed.
-
-    Closes the race of two new batches deciding at once: a batch whose hashes land after
-    this run read the corpus sees this run's rows when it decides (they were written
-    before this second read), or this second read sees its hashes. Changes to this batch's
-    own rows are marked against itself, so the sensor reruns it.
-    """
-    again = gather_corpus(store, batch, settings, chunk)
-    fresh = plan_batch(batch, again.corpus, again.stored, settings)
-    seen = {(c.batch, c.key, c.after) for c in plan.changes}
-    raced = [c for c in fresh.changes if (c.batch, c.key, c.after) not in seen]
-    before = {r["key"]: r for r in plan.rows.to_pylist()}
-    for r in fresh.rows.to_pylist():
-        old = before.get(r["key"])
-        if old is None or any(old[f] != r[f] for f in DECISION_FIELDS):
-            was = describe_decision(old) if old else "absent"
-            raced.append(
-                DecisionChange(batch, r["key"], r["cluster_id"], was, describe_decision(r))
-            )
-    mark_dirty(store, raced, batch)
-    return raced
+def _gallery(store: Lab, out: ClusterOutcome, max_clusters: int) -> MetadataValue:
+    groups = gallery_groups(store, out.batch, out.plan.decisions, max_clusters)
+    if not groups:
+        return MetadataValue.text("no duplicate clusters touch this batch")
+    png = contact_sheet(groups, title=f"{out.batch}: duplicate clusters (green = kept)")
+    return png_markdown(png, f"duplicate clusters touching {out.batch}")
 
 
-def _keeper_checks(
-    store: Lab, plan: BatchPlan, settings: DedupSettings, chunk: int
-) -> list[AssetCheckResult]:
-    ids = plan.rows.column("cluster_id").to_pylist()
-    members, pixels = read_cluster_members(store, ids, settings, chunk)
-    result = check_keepers(members, pixels)
-    pending = read_dirty(store).num_rows
-    common = {"clusters_checked": result.clusters, "pending_dirty_rows": pending}
+def keeper_check_results(out: ClusterOutcome) -> list[AssetCheckResult]:
+    result = out.keepers
+    common = {"clusters_checked": result.clusters, "pending_dirty_rows": out.pending_dirty}
     return [
         AssetCheckResult(
             check_name=ONE_KEEPER,
@@ -344,21 +191,16 @@ def _keeper_checks(
             severity=AssetCheckSeverity.ERROR,
             metadata={
                 **common,
-                "no_keeper": MetadataValue.json(_some(result.no_keeper)),
-                "several_keepers": MetadataValue.json(_some(result.several_keepers)),
-                "low_information_not_own_keeper": MetadataValue.json(
-                    _some(result.low_information_not_own_keeper)
-                ),
+                "no_keeper": _some(result.no_keeper),
+                "several_keepers": _some(result.several_keepers),
+                "low_information_not_own_keeper": _some(result.low_information_not_own_keeper),
             },
         ),
         AssetCheckResult(
             check_name=KEEPER_MOST_PIXELS,
             passed=result.keeper_largest,
             severity=AssetCheckSeverity.ERROR,
-            metadata={
-                **common,
-                "keeper_not_largest": MetadataValue.json(_some(result.keeper_not_largest)),
-            },
+            metadata={**common, "keeper_not_largest": _some(result.keeper_not_largest)},
         ),
     ]
 

@@ -9,7 +9,8 @@ nothing upstream; changing the hash mode reruns ``image_hashes`` too.
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from prx_assets.core.dedup.decisions import DEFAULT_LOOKUP_CHUNK, MAX_DEDUP_RADIUS, DedupSettings
+from prx_assets.core.dedup.corpus import DEFAULT_LOOKUP_CHUNK
+from prx_assets.core.dedup.decisions import MAX_DEDUP_RADIUS, DedupSettings
 from prx_assets.core.dedup.phash import DEFAULT_LOW_INFO_THRESHOLD, PHASH_MODES
 
 

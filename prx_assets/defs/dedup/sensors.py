@@ -18,29 +18,22 @@ beyond ``max_runs_per_tick`` are requested on later ticks. A failed rerun is not
 again until the state changes: rerun it by hand.
 """
 
-import json
 from collections.abc import Callable, Sequence
 
-from dagster import (
-    AssetKey,
-    AssetSelection,
-    DefaultSensorStatus,
-    RunRequest,
-    SensorDefinition,
-    SensorEvaluationContext,
-    SensorResult,
-    SkipReason,
-    sensor,
-)
+from dagster import AssetKey, DefaultSensorStatus, RunRequest, SensorDefinition
 
-from prx_assets.core.dedup import decisions as core_dedup
-from prx_assets.core.dedup.decisions import DedupRerun, DedupSettings
+from prx_assets.core.dedup import reruns as core_reruns
+from prx_assets.core.dedup.decisions import DedupSettings
+from prx_assets.core.dedup.reruns import DedupRerun
 from prx_assets.core.lab import Lab
 from prx_assets.defs.dedup.assets import IMAGE_HASHES_ASSET, PHASH_CLUSTERS_ASSET
 from prx_assets.defs.dedup.config import DedupConfigResource
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
+from prx_assets.defs.sensor_requests import rerun_sensor
 from prx_assets.defs.tags import TRIGGER_TAG
+
+REASON_TAG = "prx/dedup_reason"
 
 
 def dedup_reruns(
@@ -49,8 +42,8 @@ def dedup_reruns(
     downstream: Sequence[str] = (),
     registered: set[str] | None = None,
 ) -> dict[str, DedupRerun]:
-    """The sensor's decision (:func:`prx_assets.core.dedup.decisions.dedup_reruns`), this stage's assets."""
-    return core_dedup.dedup_reruns(
+    """The sensor's decision (:func:`prx_assets.core.dedup.reruns.dedup_reruns`), this stage's assets."""
+    return core_reruns.dedup_reruns(
         lab,
         settings,
         downstream,
@@ -73,54 +66,35 @@ def build_dedup_sensor(
     Pass ``("skip_lists",)`` in the full pipeline: a partition whose keepers changed needs its
     skip-list rewritten, never its shards.
     """
-    if max_runs_per_tick < 1:
-        raise ValueError(f"max_runs_per_tick must be >= 1, got {max_runs_per_tick}")
     downstream = tuple(downstream)
-    targets = list(dict.fromkeys([IMAGE_HASHES_ASSET, PHASH_CLUSTERS_ASSET, *downstream]))
 
-    @sensor(
+    def wanted(context, lab: LabResource, dedup: DedupConfigResource) -> list[RunRequest]:
+        registered = set(context.instance.get_dynamic_partitions(BATCHES.name))
+        stale = dedup_reruns(lab.lab(), dedup.settings(), downstream, registered)
+        return [
+            RunRequest(
+                run_key=rerun.run_key,
+                partition_key=rerun.batch,
+                asset_selection=[AssetKey(a) for a in rerun.assets],
+                tags={TRIGGER_TAG: "dedup", REASON_TAG: "; ".join(rerun.reasons)[:200]},
+            )
+            for rerun in stale.values()
+        ]
+
+    return rerun_sensor(
+        wanted,
         name=name,
-        target=AssetSelection.assets(*targets),
-        minimum_interval_seconds=minimum_interval_seconds,
-        default_status=default_status,
+        targets=[IMAGE_HASHES_ASSET, PHASH_CLUSTERS_ASSET, *downstream],
         description=(
             "Reruns phash_clusters (and the skip-lists) of exactly the partitions whose stored "
             "dedup decisions a newer batch contradicts (dedup_dirty), or that were decided "
             "under another dedup configuration."
         ),
+        max_runs_per_tick=max_runs_per_tick,
+        minimum_interval_seconds=minimum_interval_seconds,
+        default_status=default_status,
+        reason_tag=REASON_TAG,
     )
-    def _dedup_sensor(
-        context: SensorEvaluationContext, lab: LabResource, dedup: DedupConfigResource
-    ) -> SensorResult:
-        settings = dedup.settings()
-        registered = set(context.instance.get_dynamic_partitions(BATCHES.name))
-        wanted = dedup_reruns(lab.lab(), settings, downstream, registered)
-        keys = {r.run_key for r in wanted.values()}
-        pending = set(json.loads(context.cursor)) & keys if context.cursor else set()
-        requests = []
-        for rerun in wanted.values():
-            if rerun.run_key in pending:
-                continue
-            if len(requests) == max_runs_per_tick:
-                break
-            requests.append(
-                RunRequest(
-                    run_key=rerun.run_key,
-                    partition_key=rerun.batch,
-                    asset_selection=[AssetKey(a) for a in rerun.assets],
-                    tags={TRIGGER_TAG: "dedup", "prx/dedup_reason": "; ".join(rerun.reasons)[:200]},
-                )
-            )
-            pending.add(rerun.run_key)
-        cursor = json.dumps(sorted(pending))
-        if not requests:
-            why = f"{len(wanted)} stale partition(s), all requested" if wanted else "none stale"
-            return SensorResult(skip_reason=SkipReason(why), cursor=cursor)
-        for r in requests:
-            context.log.info(f"dedup rerun of {r.partition_key}: {r.tags['prx/dedup_reason']}")
-        return SensorResult(run_requests=requests, cursor=cursor)
-
-    return _dedup_sensor
 
 
 dedup_sensor = build_dedup_sensor()
@@ -134,11 +108,11 @@ def settle_dedup(
     downstream: Sequence[str] = (),
     max_rounds: int = 3,
 ) -> list[DedupRerun]:
-    """:func:`prx_assets.core.dedup.decisions.settle_dedup` with asset keys; raises unless settled.
+    """:func:`prx_assets.core.dedup.reruns.settle_dedup` with asset keys; raises unless settled.
 
     ``execute(batch, asset_keys)`` materialises one partition and returns success.
     """
-    report = core_dedup.settle_dedup(
+    report = core_reruns.settle_dedup(
         lab,
         settings,
         registered,

@@ -4,8 +4,8 @@
 The CLI (``register-batch --materialize``) and the demo call this after materialising, so
 a user who never starts the daemon still reaches the settled state: every partition whose
 stored keepers a newer batch contradicts gets its ``phash_clusters`` and skip-lists rerun.
-The decision of what to rerun is the sensor's own (:func:`prx_assets.core.dedup.decisions.dedup_reruns`
-via :func:`prx_assets.core.dedup.decisions.settle_dedup`); only the execution differs (in process).
+The decision of what to rerun is the sensor's own (:func:`prx_assets.core.dedup.reruns.dedup_reruns`
+via :func:`prx_assets.core.dedup.reruns.settle_dedup`); only the execution differs (in process).
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 from dagster import AssetKey, DagsterInstance, Definitions
 
-from prx_assets.core.dedup.decisions import (
+from prx_assets.core.dedup.reruns import (
     DEFAULT_SETTLE_ROUNDS,
     DedupRerun,
     SettleReport,
     settle_dedup,
 )
 from prx_assets.defs.dedup.assets import IMAGE_HASHES_ASSET, PHASH_CLUSTERS_ASSET
+from prx_assets.defs.dedup.sensors import REASON_TAG
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.run_requests import QUIET
 from prx_assets.defs.tags import TRIGGER_TAG
@@ -56,7 +57,7 @@ def settle_dedup_in_process(
             instance=instance,
             run_config=QUIET,
             raise_on_error=False,
-            tags={TRIGGER_TAG: "dedup", "prx/dedup_reason": reason[:200], **(tags or {})},
+            tags={TRIGGER_TAG: "dedup", REASON_TAG: reason[:200], **(tags or {})},
         )
         return result.success
 

@@ -39,7 +39,7 @@ from dagster import (
     sensor,
 )
 
-from prx_assets.core.dedup.decisions import read_dirty
+from prx_assets.core.dedup.dirty import read_dirty
 from prx_assets.core.lab import Lab, sql_literal
 from prx_assets.core.skiplists.decisions import cluster_copies, read_skip_dirty
 from prx_assets.core.skiplists.optouts import (

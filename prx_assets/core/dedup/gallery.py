@@ -1,0 +1,122 @@
+"""A contact sheet of a few duplicate clusters touching a batch, keeper framed green.
+
+For the reviewer of ``phash_clusters``: the sheet travels as one small PNG in the run's
+metadata (quantised to 256 colours), so the UI shows which copy was kept without opening
+the lab. :func:`gallery_groups` picks the clusters (cross-batch ones first) and reads
+their images; :func:`contact_sheet` draws them.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from PIL import Image, ImageDraw, ImageOps
+
+from prx_assets.core.dedup.corpus import Reader, lookup_by_keys
+from prx_assets.core.ingest.decode import decode_rgb
+from prx_assets.core.tables import IMAGES
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One image of a contact-sheet row: its bytes, caption lines, and whether it is kept."""
+
+    data: bytes | None  # encoded image; None draws a placeholder
+    lines: tuple[str, ...]  # up to two caption lines; the first gets KEEP / dup in front
+    keeper: bool
+
+
+_KEEPER_RGB = (20, 150, 60)
+_DUP_RGB = (200, 40, 40)
+
+
+def contact_sheet(groups: Sequence[Sequence[Tile]], thumb: int = 112, title: str = "") -> bytes:
+    """One row per cluster, thumbnails side by side, keeper framed green, copies red (PNG)."""
+    if not groups or not any(groups):
+        raise ValueError("contact_sheet needs at least one non-empty group")
+    if thumb < 32:
+        raise ValueError(f"thumb must be >= 32 px, got {thumb}")
+    pad, text_h, frame = 6, 26, 4
+    cell_w, cell_h = thumb + 2 * frame, thumb + 2 * frame + text_h
+    cols = max(len(g) for g in groups)
+    head = 18 if title else 0
+    sheet = Image.new(
+        "RGB",
+        (pad + cols * (cell_w + pad), head + pad + len(groups) * (cell_h + pad)),
+        (250, 250, 250),
+    )
+    draw = ImageDraw.Draw(sheet)
+    if title:
+        draw.text((pad, 3), title, fill=(0, 0, 0))
+    for row, group in enumerate(groups):
+        for col, tile in enumerate(group):
+            x = pad + col * (cell_w + pad)
+            y = head + pad + row * (cell_h + pad)
+            colour = _KEEPER_RGB if tile.keeper else _DUP_RGB
+            draw.rectangle((x, y, x + cell_w - 1, y + thumb + 2 * frame - 1), fill=colour)
+            if tile.data is not None:
+                img = decode_rgb(tile.data, draft_size=(thumb, thumb))
+                img = ImageOps.contain(img, (thumb, thumb), Image.Resampling.BILINEAR)
+            else:
+                img = Image.new("RGB", (thumb, thumb), (200, 200, 200))
+            ox = x + frame + (thumb - img.width) // 2
+            oy = y + frame + (thumb - img.height) // 2
+            sheet.paste(img, (ox, oy))
+            status = "KEEP" if tile.keeper else "dup"
+            lines = [f"{status}: {line}" if i == 0 else line for i, line in enumerate(tile.lines)]
+            draw.multiline_text(
+                (x + 1, y + thumb + 2 * frame + 1),
+                "\n".join(_fit(line, cell_w) for line in lines[:2]),
+                fill=colour,
+                spacing=1,
+            )
+    buf = io.BytesIO()
+    # 256 colours are plenty for a review sheet and keep the UI's event metadata small.
+    sheet.quantize(colors=256).save(buf, "PNG", optimize=True)
+    return buf.getvalue()
+
+
+def _fit(line: str, width_px: int, char_px: int = 6) -> str:
+    """Shorten from the left (batch names differ at the end: ``source.chunk``)."""
+    room = max(4, width_px // char_px)
+    return line if len(line) <= room else "…" + line[-(room - 1) :]
+
+
+def gallery_groups(
+    reader: Reader, batch: str, decisions: pa.Table, max_clusters: int = 4, max_members: int = 5
+) -> list[list[Tile]]:
+    """Tiles for a few duplicate clusters touching ``batch`` (cross-batch ones first)."""
+    rows = decisions.to_pylist()
+    by_cluster: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_cluster.setdefault(r["cluster_id"], []).append(r)
+    touching = [
+        c for c, ms in by_cluster.items() if len(ms) > 1 and any(m["batch"] == batch for m in ms)
+    ]
+    touching.sort(key=lambda c: (-len({m["batch"] for m in by_cluster[c]}), -len(by_cluster[c]), c))
+    chosen = touching[:max_clusters]
+    members = {
+        c: sorted(
+            by_cluster[c],
+            key=lambda m: (not m["is_keeper"], m["batch"] != batch, m["batch"], m["key"]),
+        )[:max_members]
+        for c in chosen
+    }
+    pairs = [(m["batch"], m["key"]) for c in chosen for m in members[c]]
+    images = lookup_by_keys(
+        reader, IMAGES.name, IMAGES.schema, pairs, ["batch", "key", "image", "width", "height"]
+    )
+    found = {(r["batch"], r["key"]): r for r in images.to_pylist()}
+    groups = []
+    for c in chosen:
+        tiles = []
+        for m in members[c]:
+            img = found.get((m["batch"], m["key"]))
+            size = f"{img['width']}x{img['height']}" if img else "?"
+            tiles.append(Tile(img["image"] if img else None, (size, m["batch"]), m["is_keeper"]))
+        groups.append(tiles)
+    return groups

@@ -1,0 +1,295 @@
+"""The dedup stage's runners: each reads, decides, writes and verifies one batch through Lab.
+
+- :class:`BatchHashes` (``image_hashes``): hash every eligible image of the batch, stream
+  the rows into one partition replacement, read them back against the eligible list.
+- :class:`BatchClusters` (``phash_clusters``): decide the batch against the whole corpus
+  (:func:`~prx_assets.core.dedup.corpus.gather_corpus`, then
+  :func:`~prx_assets.core.dedup.decisions.plan_batch`), write its rows and its
+  ``dedup_state`` row, queue the other batches it contradicts in ``dedup_dirty``, clear the
+  marks it answered, and check the stored clusters' keepers.
+
+Why the cluster runner reads the corpus once, and when it reads it again: two batches
+deciding at once must not both miss each other. A batch whose hashes land after this run
+read the corpus decides after they landed, so it sees this run's rows if they were written
+before its read; the one gap is hashes landing between this run's read and its write. The
+corpus read records the ``image_hashes`` version it saw; after writing, the runner compares
+it with the current one, and only when it moved does it read and decide again, marking what
+the new hashes changed (this batch's own rows included, so the sensor reruns it). A run
+that no other write overlapped reads the corpus once, the full scan at radius > 0 included.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import pyarrow as pa
+
+from prx_assets.core.batching import chunked
+from prx_assets.core.dedup.checks import (
+    HashCoverage,
+    KeeperCheck,
+    check_keepers,
+    hash_coverage,
+    read_cluster_members,
+)
+from prx_assets.core.dedup.corpus import DEFAULT_LOOKUP_CHUNK, Gathered, gather_corpus
+from prx_assets.core.dedup.decisions import (
+    DECISION_FIELDS,
+    BatchPlan,
+    DecisionChange,
+    DedupSettings,
+    describe_decision,
+    plan_batch,
+)
+from prx_assets.core.dedup.dirty import clear_dirty, mark_dirty, pending_dirty, read_dirty
+from prx_assets.core.dedup.phash import hash_to_int64, phash_many
+from prx_assets.core.dedup.reruns import state_row
+from prx_assets.core.ingest.decode import DecodeRejected
+from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
+from prx_assets.core.tables import DEDUP_STATE, IMAGE_HASHES, IMAGES, PHASH_CLUSTERS, RESOLUTION
+
+DEFAULT_READ_CHUNK = 256
+
+
+class InputNotReady(RuntimeError):
+    """An upstream table or row this run needs is missing: materialise that first."""
+
+
+# --------------------------------------------------------------------------- image_hashes
+
+
+@dataclass(frozen=True)
+class HashOutcome:
+    """What ``BatchHashes.run`` wrote, and the stored rows checked against the eligible list."""
+
+    batch: str
+    settings: DedupSettings
+    eligible: int
+    hashed: int
+    low_information: int
+    bytes_read: int
+    seconds: float  # hashing and writing
+    lance_version: int
+    coverage: HashCoverage
+
+
+class BatchHashes:
+    """Hash every eligible image of ``batch`` into its ``image_hashes`` rows (one commit).
+
+    Only one chunk of ``read_chunk`` images' bytes is in memory at a time; an image that
+    ingest accepted but the hasher cannot decode is left out and named in the outcome (the
+    completeness check then fails: nothing is silently dropped).
+    """
+
+    def __init__(
+        self,
+        lab: Lab,
+        batch: str,
+        settings: DedupSettings,
+        read_chunk: int = DEFAULT_READ_CHUNK,
+    ) -> None:
+        if read_chunk < 1:
+            raise ValueError(f"read_chunk must be >= 1, got {read_chunk}")
+        self.lab, self.batch, self.settings, self.read_chunk = lab, batch, settings, read_chunk
+        self.rejected: dict[str, str] = {}
+        self.hashed = 0
+        self.low_information = 0
+        self.bytes_read = 0
+
+    def eligible_keys(self, view: LabView) -> list[str]:
+        """The batch's eligible keys, all present in ``images`` (else :class:`InputNotReady`)."""
+        if not view.exists(RESOLUTION.name):
+            raise InputNotReady(
+                f"no resolution table yet: materialise resolution_profile for {self.batch}"
+            )
+        where = f"batch = {sql_literal(self.batch)}"
+        profile = view.read(RESOLUTION.name, ["key", "eligible"], where)
+        keys = sorted(
+            k
+            for k, ok in zip(
+                profile.column("key").to_pylist(),
+                profile.column("eligible").to_pylist(),
+                strict=True,
+            )
+            if ok
+        )
+        stored = view.read(IMAGES.name, ["key"], where)
+        present = set(stored.column("key").to_pylist()) if stored.num_columns else set()
+        missing = [k for k in keys if k not in present]
+        if missing:
+            raise InputNotReady(
+                f"{len(missing)} eligible image(s) of {self.batch} are not in `images` "
+                f"(e.g. {missing[0]}): rematerialise raw_images and resolution_profile"
+            )
+        return keys
+
+    def record_batches(self, view: LabView, keys: list[str]) -> Iterator[pa.RecordBatch]:
+        """The hash rows, one record batch per chunk of images (one batched DCT each)."""
+        columns = ["key", "image", "file_size", "width", "height"]
+        kw = {
+            "mode": self.settings.phash_mode,
+            "low_info_threshold": self.settings.low_info_threshold,
+        }
+        for chunk in chunked(keys, self.read_chunk):
+            where = f"batch = {sql_literal(self.batch)} AND {in_list('key', chunk)}"
+            rows = {r["key"]: r for r in view.read(IMAGES.name, columns, where).to_pylist()}
+            chunk_rows = [rows[k] for k in chunk]
+            self.bytes_read += sum(len(r["image"]) for r in chunk_rows)
+            try:
+                results = phash_many([r["image"] for r in chunk_rows], **kw)
+                good = chunk_rows
+            except DecodeRejected:  # ingest accepted these bytes, so this is rare: find which
+                good, results = [], []
+                for row in chunk_rows:
+                    try:
+                        results += phash_many([row["image"]], **kw)
+                        good.append(row)
+                    except DecodeRejected as exc:
+                        self.rejected[row["key"]] = f"{exc.reason}: {exc.detail}"
+            self.hashed += len(good)
+            self.low_information += sum(r.low_information for r in results)
+            yield pa.RecordBatch.from_pylist(
+                [
+                    {
+                        "key": row["key"],
+                        "batch": self.batch,
+                        "phash": hash_to_int64(res.hash),
+                        "phash_mode": res.mode,
+                        "phash_version": res.version,
+                        "ac_energy": res.ac_energy,
+                        "low_information": res.low_information,
+                        "pixels": int(row["width"]) * int(row["height"]),
+                        "file_size": int(row["file_size"]),
+                    }
+                    for row, res in zip(good, results, strict=True)
+                ],
+                schema=IMAGE_HASHES.schema,
+            )
+
+    def run(self) -> HashOutcome:
+        view = self.lab.view()  # resolution and images opened once for the whole run
+        keys = self.eligible_keys(view)
+        t0 = time.perf_counter()
+        written = self.lab.replace_partition(
+            IMAGE_HASHES, self.batch, self.record_batches(view, keys)
+        )
+        seconds = time.perf_counter() - t0
+        stored = self.lab.read_batch(IMAGE_HASHES.name, self.batch, ["key", "phash_version"])
+        return HashOutcome(
+            batch=self.batch,
+            settings=self.settings,
+            eligible=len(keys),
+            hashed=self.hashed,
+            low_information=self.low_information,
+            bytes_read=self.bytes_read,
+            seconds=seconds,
+            lance_version=written["version"],
+            coverage=hash_coverage(keys, stored, self.settings.phash_version, self.rejected),
+        )
+
+
+# --------------------------------------------------------------------------- phash_clusters
+
+
+@dataclass(frozen=True)
+class ClusterOutcome:
+    """What ``BatchClusters.run`` decided, wrote and queued, and the stored keepers' check."""
+
+    batch: str
+    settings: DedupSettings
+    plan: BatchPlan
+    lookups: dict[str, int]
+    decide_seconds: float
+    lance_version: int
+    dirty_marked: int  # other batches' contradicted rows queued (raced ones included)
+    dirty_cleared: int  # this batch's marks answered by this run
+    raced: list[DecisionChange]  # what hashes written during the run changed
+    rechecked: bool  # hashes landed between the read and the write: decided again
+    keepers: KeeperCheck
+    pending_dirty: int  # rows left in the queue after the run (every batch)
+    low_information_keys: list[str]  # flagged for review
+
+    @property
+    def kept(self) -> int:
+        return sum(self.plan.rows.column("is_keeper").to_pylist())
+
+
+class BatchClusters:
+    """Decide ``batch``'s near-duplicate clusters against the corpus and store them."""
+
+    def __init__(
+        self,
+        lab: Lab,
+        batch: str,
+        settings: DedupSettings,
+        lookup_chunk: int = DEFAULT_LOOKUP_CHUNK,
+    ) -> None:
+        if lookup_chunk < 1:
+            raise ValueError(f"lookup_chunk must be >= 1, got {lookup_chunk}")
+        self.lab, self.batch, self.settings, self.chunk = lab, batch, settings, lookup_chunk
+
+    def run(self) -> ClusterOutcome:
+        lab, batch, settings = self.lab, self.batch, self.settings
+        # The pending marks for this batch are read before the corpus (the view opens each
+        # table on first use), so the rows cleared below are exactly those this run's
+        # decisions account for; later marks stay.
+        answered = read_dirty(lab, batch).column("dirty_id").to_pylist()
+        view = lab.view()
+        if not view.exists(IMAGE_HASHES.name):
+            raise InputNotReady(f"no image_hashes table yet: materialise image_hashes for {batch}")
+        t0 = time.perf_counter()
+        gathered = gather_corpus(view, batch, settings, self.chunk)
+        plan = plan_batch(batch, gathered.corpus, gathered.stored, settings)
+        decide_seconds = time.perf_counter() - t0
+        written = lab.replace_partition(PHASH_CLUSTERS, batch, plan.rows)
+        lab.replace_partition(DEDUP_STATE, batch, state_row(batch, plan, settings, _now()))
+        marked = mark_dirty(lab, plan.changes, batch)
+        raced, rechecked = self._recheck(plan, gathered)
+        cleared = clear_dirty(lab, answered)
+        ids = plan.rows.column("cluster_id").to_pylist()
+        members, pixels = read_cluster_members(lab, ids, settings, self.chunk)
+        return ClusterOutcome(
+            batch=batch,
+            settings=settings,
+            plan=plan,
+            lookups=gathered.lookups,
+            decide_seconds=decide_seconds,
+            lance_version=written["version"],
+            dirty_marked=marked + len(raced),
+            dirty_cleared=cleared,
+            raced=raced,
+            rechecked=rechecked,
+            keepers=check_keepers(members, pixels),
+            pending_dirty=pending_dirty(lab),
+            low_information_keys=[r["key"] for r in plan.rows.to_pylist() if r["low_information"]],
+        )
+
+    def _recheck(self, plan: BatchPlan, gathered: Gathered) -> tuple[list[DecisionChange], bool]:
+        """Decide again if hashes were written since the corpus read; mark what they changed.
+
+        Changes to this batch's own rows are marked against itself, so the sensor reruns it.
+        Returns the marked changes and whether the corpus was read again.
+        """
+        if self.lab.version(IMAGE_HASHES.name) == gathered.hashes_version:
+            return [], False
+        again = gather_corpus(self.lab.view(), self.batch, self.settings, self.chunk)
+        fresh = plan_batch(self.batch, again.corpus, again.stored, self.settings)
+        seen = {(c.batch, c.key, c.after) for c in plan.changes}
+        raced = [c for c in fresh.changes if (c.batch, c.key, c.after) not in seen]
+        before = {r["key"]: r for r in plan.rows.to_pylist()}
+        for r in fresh.rows.to_pylist():
+            old = before.get(r["key"])
+            if old is None or any(old[f] != r[f] for f in DECISION_FIELDS):
+                was = describe_decision(old) if old else "absent"
+                raced.append(
+                    DecisionChange(self.batch, r["key"], r["cluster_id"], was, describe_decision(r))
+                )
+        mark_dirty(self.lab, raced, self.batch)
+        return raced, True
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
