@@ -95,7 +95,8 @@ class World:
         return {r["list_id"]: r for r in self.store.read(OPT_OUT_LISTS.name).to_pylist()}
 
     def opt_outs(self) -> list[dict]:
-        return self.store.read(OPT_OUTS.name).to_pylist()
+        rows = self.store.read(OPT_OUTS.name).to_pylist()
+        return sorted(rows, key=lambda r: (r["list_id"], r["identifier"], str(r["matched_key"])))
 
     def first(self, batch: str, **where) -> dict:
         return next(r for r in self.images[batch] if all(r[k] == v for k, v in where.items()))

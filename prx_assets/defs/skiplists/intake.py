@@ -7,6 +7,8 @@ recorded (accepted, what it matched, or the rejection reason) and a red check fo
 list; a failed intake (its file vanished) is a failed partition, rerun by hand.
 """
 
+from typing import Any
+
 from dagster import (
     AssetExecutionContext,
     DynamicPartitionsDefinition,
@@ -16,7 +18,12 @@ from dagster import (
     asset,
 )
 
-from prx_assets.core.skiplists.intake import IntakeError, ListIntake, list_id_of_partition
+from prx_assets.core.skiplists.intake import (
+    IntakeError,
+    IntakeOutcome,
+    ListIntake,
+    list_id_of_partition,
+)
 from prx_assets.defs.metadata import bounded
 from prx_assets.defs.resources import LabResource
 from prx_assets.defs.skiplists.checks import list_accepted_result, list_accepted_spec
@@ -26,6 +33,26 @@ OPT_OUT_LISTS_ASSET = "opt_out_lists"
 INTAKE_GROUP = "optouts"
 OPT_OUT_LISTS = DynamicPartitionsDefinition(name="opt_out_lists")
 MAX_BATCHES_LISTED = 50
+
+
+def _metadata(out: IntakeOutcome) -> dict[str, Any]:
+    """What the partition shows: the outcome, as text and numbers (never markdown)."""
+    return {
+        "list_id": out.list_id,
+        "status": out.status,
+        "reason": MetadataValue.text(out.reason or ""),
+        "format": out.format or "",
+        "identifiers": out.identifiers,
+        "matched_images": len(out.matched),
+        "batches": MetadataValue.json(out.batches[:MAX_BATCHES_LISTED]),
+        "path": MetadataValue.text(out.path),
+        "sha256": out.sha256,
+        "received_at": out.received_at.isoformat(),
+        "opt_outs_lance_version": (
+            MetadataValue.null() if out.opt_outs_version is None else out.opt_outs_version
+        ),
+        "opt_out_lists_lance_version": out.opt_out_lists_version,
+    }
 
 
 @asset(
@@ -66,22 +93,4 @@ def opt_out_lists(
         context.log.warning(
             f"opt-out list {out.list_id} rejected: {bounded(out.reason or '', 400)}"
         )
-    return MaterializeResult(
-        metadata={
-            "list_id": out.list_id,
-            "status": out.status,
-            "reason": MetadataValue.text(out.reason or ""),
-            "format": out.format or "",
-            "identifiers": out.identifiers,
-            "matched_images": len(out.matched),
-            "batches": MetadataValue.json(out.batches[:MAX_BATCHES_LISTED]),
-            "path": MetadataValue.text(out.path),
-            "sha256": out.sha256,
-            "received_at": out.received_at.isoformat(),
-            "opt_outs_lance_version": (
-                MetadataValue.null() if out.opt_outs_version is None else out.opt_outs_version
-            ),
-            "opt_out_lists_lance_version": out.opt_out_lists_version,
-        },
-        check_results=[list_accepted_result(out)],
-    )
+    return MaterializeResult(metadata=_metadata(out), check_results=[list_accepted_result(out)])
