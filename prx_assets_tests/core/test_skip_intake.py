@@ -185,3 +185,29 @@ def test_the_cursor_of_the_sensor_before_intake_runs_still_loads(world, drop):
     assert OptOutCursor.load(cursor.dump()) == cursor
     shutil.rmtree(drop)
     assert plan_opt_out_tick(world.lab, drop, cursor, 8, {A, B}).intake == []
+
+
+def _take_in(args: tuple[str, str, str]) -> str:
+    """One intake in its own process (spawned: Lance is not fork-safe)."""
+    lab_root, directory, list_id = args
+    return ListIntake(Lab(lab_root), directory, list_id).run().status
+
+
+def test_concurrent_intakes_of_different_lists_all_record(world, drop):
+    # The daemon may run several intake runs at once (one per list): each commit to
+    # opt_outs / opt_out_lists must survive the others (merge_insert retries contention).
+    import multiprocessing
+
+    names = ["photo", "copy", "lonely", "unsharded"]
+    for n in names:
+        _write(drop, f"{n}.txt", key_of(n) + "\n")
+    ids = _ids(drop)
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(len(ids)) as pool:
+        statuses = pool.map(_take_in, [(world.lab.root, str(drop), i) for i in ids])
+    assert statuses == ["accepted"] * len(ids)
+    assert sorted(world.lab.read(OPT_OUT_LISTS.name, ["list_id"]).column(0).to_pylist()) == ids
+    matched = world.lab.read(OPT_OUTS.name, ["list_id", "matched_key"]).to_pylist()
+    assert sorted((r["list_id"], r["matched_key"]) for r in matched) == sorted(
+        zip(ids, [key_of(n) for n in sorted(names)], strict=True)
+    )
