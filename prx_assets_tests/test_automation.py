@@ -10,7 +10,9 @@ the expected set: nothing more, nothing less. No test sees another's changes, in
 
 import hashlib
 import io
+import multiprocessing
 import shutil
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,6 +157,28 @@ def _list_partition(name: str, content: bytes) -> str:
     return list_partition_key(make_list_id(name, hashlib.sha256(content).hexdigest()))
 
 
+@pytest.fixture(scope="module")
+def training_process():
+    """A process of its own for the training loop: streaming keeps each StreamingDataset's
+    shared memory (one fd per segment) open until its process exits (an atexit cleanup),
+    so loops run in the test process would pile up thousands of fds over the suite."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
+def _training_loop(shards_root: str, lab_root: str) -> dict:
+    from prx_assets.core.lab import Lab
+    from prx_assets.demo.train_loop import run_training_loop
+
+    return run_training_loop(shards_root, Lab(lab_root), batch_size=2)
+
+
+def _train(pool: ProcessPoolExecutor, platform: Platform) -> dict:
+    """The demo's training loop over the platform's shards (the real loader)."""
+    lab = platform.defs().resources["lab"]
+    return pool.submit(_training_loop, lab.shards_root, lab.lab_root).result(timeout=600)
+
+
 def _everywhere(platform: Platform, assets: set[str]) -> set[tuple[str, str]]:
     batches = platform.instance.get_dynamic_partitions(BATCHES.name)
     return {(a, b) for a in assets for b in batches}
@@ -201,7 +225,7 @@ def test_dedup_radius_change_reruns_clusters_and_skip_lists_only(platform):
     assert platform.settle() == _everywhere(platform, {"phash_clusters", "skip_lists"})
 
 
-def test_new_opt_out_list_reruns_only_the_affected_skip_lists(platform):
+def test_new_opt_out_list_reruns_only_the_affected_skip_lists(platform, training_process):
     import os
 
     lab = platform.defs().resources["lab"].lab()
@@ -224,10 +248,7 @@ def test_new_opt_out_list_reruns_only_the_affected_skip_lists(platform):
     assert all("opt_out" in reasons[k] for k in keys)
 
     # The training loader never yields the opted-out images (nor anything else skipped).
-    from prx_assets.demo.train_loop import run_training_loop
-
-    shards_root = platform.defs().resources["lab"].shards_root
-    loop = run_training_loop(shards_root, lab, batch_size=2)
+    loop = _train(training_process, platform)
     excluded = set(lab.read("skip_audit", ["key"], "excluded = true").column("key").to_pylist())
     assert set(keys) <= excluded
     assert loop["skipped_sample_yielded"] == []
@@ -332,7 +353,7 @@ def test_a_reclassified_keeper_reruns_exactly_the_batches_whose_training_copy_ch
     assert platform.settle() == set()
 
 
-def test_an_opt_out_of_a_smaller_copy_reruns_every_batch_holding_a_copy(platform):
+def test_an_opt_out_of_a_smaller_copy_reruns_every_batch_holding_a_copy(platform, training_process):
     import os
 
     lab = _lab(platform)
@@ -355,7 +376,5 @@ def test_an_opt_out_of_a_smaller_copy_reruns_every_batch_holding_a_copy(platform
             "smaller-copy.txt@"
         )
 
-    from prx_assets.demo.train_loop import run_training_loop
-
-    loop = run_training_loop(platform.defs().resources["lab"].shards_root, lab, batch_size=2)
-    assert loop["skipped_sample_yielded"] == []
+    loop = _train(training_process, platform)
+    assert loop["skipped_sample_yielded"] == [] and loop["samples"] > 0
