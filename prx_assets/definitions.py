@@ -25,6 +25,8 @@ from prx_assets.defs.resources import LabResource, default_data_root
 from prx_assets.defs.shards.assets import bucket_assignments, mds_shards
 from prx_assets.defs.skiplists.assets import build_skiplist_assets
 from prx_assets.defs.skiplists.config import OptOutResource, SkipPolicyResource
+from prx_assets.defs.skiplists.intake import opt_out_lists
+from prx_assets.defs.skiplists.jobs import opt_out_intake_job, opt_out_skip_lists_job
 from prx_assets.defs.skiplists.sensors import (
     build_opt_out_sensor,
     build_skip_dirty_sensor,
@@ -91,8 +93,15 @@ def build_defs(
             bucket_assignments,
             mds_shards,
             *build_skiplist_assets(skip_policy),
+            opt_out_lists,
         ],
-        jobs=[batch_pipeline_job, lance_maintenance, image_audit],
+        jobs=[
+            batch_pipeline_job,
+            opt_out_intake_job,
+            opt_out_skip_lists_job,
+            lance_maintenance,
+            image_audit,
+        ],
         sensors=[
             landing_sensor,
             build_model_swap_sensor(

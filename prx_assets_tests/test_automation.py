@@ -1,13 +1,20 @@
 """Automation end to end: each kind of change reruns exactly the asset partitions it should.
 
-One pipeline is built on the small demo, then changed step by step. After each change every
-sensor of the project ticks (as the daemon would, cursors kept), the runs they request are
-executed, and ticks repeat until nothing more is requested. The set of asset partitions
-materialised by those runs must equal the expected set: nothing more, nothing less.
+One pipeline is built on the small demo and settled once per module; each test starts from
+its own copy of that settled state (data root, registered partitions, sensor cursors, a fresh
+Dagster instance), makes one change, and then every sensor of the project ticks (as the
+daemon would, cursors kept), the runs they request are executed, and ticks repeat until
+nothing more is requested. The set of asset partitions materialised by those runs must equal
+the expected set: nothing more, nothing less. No test sees another's changes, in any order.
 """
 
+import hashlib
 import io
+import multiprocessing
 import shutil
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -15,6 +22,8 @@ import pytest
 from dagster import DagsterEventType, DagsterInstance, instance_for_test
 from PIL import Image
 
+from prx_assets.core.skiplists.intake import list_partition_key
+from prx_assets.core.skiplists.optouts import make_list_id
 from prx_assets.definitions import build_defs
 from prx_assets.defs.captions.resources import CaptionerResource, ClassifierResource
 from prx_assets.defs.dedup.config import DedupConfigResource
@@ -103,8 +112,17 @@ def _photo_like(seed: int, size=(900, 640)) -> bytes:
     return buf.getvalue()
 
 
+@dataclass(frozen=True)
+class Settled:
+    """The demo after automation settled: what a test's platform starts from."""
+
+    data_root: Path
+    partitions: tuple[str, ...]
+    cursors: dict[str, str | None]
+
+
 @pytest.fixture(scope="module")
-def platform(tmp_path_factory, demo_source):
+def settled(tmp_path_factory, demo_source) -> Settled:
     landing, _ = demo_source
     root = tmp_path_factory.mktemp("automation") / "data"
     shutil.copytree(landing, root / "landing", symlinks=True)
@@ -116,7 +134,49 @@ def platform(tmp_path_factory, demo_source):
         # New data flowed through every stage for every batch without a human.
         assert {(a, b) for a in ALL_ASSETS for b in batches} <= first
         assert p.settle() == set()  # and then nothing moves
+        return Settled(root, tuple(sorted(batches)), dict(p.cursors))
+
+
+@pytest.fixture
+def platform(settled: Settled, tmp_path):
+    """A private copy of the settled platform: changes made by one test stay in it."""
+    root = tmp_path / "data"
+    shutil.copytree(settled.data_root, root, symlinks=True)
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions(BATCHES.name, list(settled.partitions))
+        p = Platform(str(root), instance)
+        p.cursors = dict(settled.cursors)
         yield p
+
+
+def test_a_copy_of_the_settled_platform_is_settled(platform):
+    assert platform.settle() == set()
+
+
+def _list_partition(name: str, content: bytes) -> str:
+    return list_partition_key(make_list_id(name, hashlib.sha256(content).hexdigest()))
+
+
+@pytest.fixture(scope="module")
+def training_process():
+    """A process of its own for the training loop: streaming keeps each StreamingDataset's
+    shared memory (one fd per segment) open until its process exits (an atexit cleanup),
+    so loops run in the test process would pile up thousands of fds over the suite."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
+def _training_loop(shards_root: str, lab_root: str) -> dict:
+    from prx_assets.core.lab import Lab
+    from prx_assets.demo.train_loop import run_training_loop
+
+    return run_training_loop(shards_root, Lab(lab_root), batch_size=2)
+
+
+def _train(pool: ProcessPoolExecutor, platform: Platform) -> dict:
+    """The demo's training loop over the platform's shards (the real loader)."""
+    lab = platform.defs().resources["lab"]
+    return pool.submit(_training_loop, lab.shards_root, lab.lab_root).result(timeout=600)
 
 
 def _everywhere(platform: Platform, assets: set[str]) -> set[tuple[str, str]]:
@@ -165,7 +225,7 @@ def test_dedup_radius_change_reruns_clusters_and_skip_lists_only(platform):
     assert platform.settle() == _everywhere(platform, {"phash_clusters", "skip_lists"})
 
 
-def test_new_opt_out_list_reruns_only_the_affected_skip_lists(platform):
+def test_new_opt_out_list_reruns_only_the_affected_skip_lists(platform, training_process):
     import os
 
     lab = platform.defs().resources["lab"].lab()
@@ -173,9 +233,14 @@ def test_new_opt_out_list_reruns_only_the_affected_skip_lists(platform):
     keys = rows.column("key").to_pylist()[:2]
     assert keys
     os.makedirs(platform.data_root + "/optouts", exist_ok=True)
-    with open(platform.data_root + "/optouts/request-1.txt", "w") as f:
-        f.write("\n".join(keys) + "\n")
-    assert platform.settle() == {("skip_lists", "public-sklearn.001")}
+    content = ("\n".join(keys) + "\n").encode()
+    with open(platform.data_root + "/optouts/request-1.txt", "wb") as f:
+        f.write(content)
+    # The list's intake (its own partition), then skip_lists where it applies: nothing else.
+    assert platform.settle() == {
+        ("opt_out_lists", _list_partition("request-1.txt", content)),
+        ("skip_lists", "public-sklearn.001"),
+    }
     audit = lab.read("skip_audit", ["key", "reasons"], "batch = 'public-sklearn.001'")
     reasons = dict(
         zip(audit.column("key").to_pylist(), audit.column("reasons").to_pylist(), strict=True)
@@ -183,10 +248,7 @@ def test_new_opt_out_list_reruns_only_the_affected_skip_lists(platform):
     assert all("opt_out" in reasons[k] for k in keys)
 
     # The training loader never yields the opted-out images (nor anything else skipped).
-    from prx_assets.demo.train_loop import run_training_loop
-
-    shards_root = platform.defs().resources["lab"].shards_root
-    loop = run_training_loop(shards_root, lab, batch_size=2)
+    loop = _train(training_process, platform)
     excluded = set(lab.read("skip_audit", ["key"], "excluded = true").column("key").to_pylist())
     assert set(keys) <= excluded
     assert loop["skipped_sample_yielded"] == []
@@ -291,7 +353,7 @@ def test_a_reclassified_keeper_reruns_exactly_the_batches_whose_training_copy_ch
     assert platform.settle() == set()
 
 
-def test_an_opt_out_of_a_smaller_copy_reruns_every_batch_holding_a_copy(platform):
+def test_an_opt_out_of_a_smaller_copy_reruns_every_batch_holding_a_copy(platform, training_process):
     import os
 
     lab = _lab(platform)
@@ -301,9 +363,12 @@ def test_an_opt_out_of_a_smaller_copy_reruns_every_batch_holding_a_copy(platform
     ranked = _ranked(lab, rows)
     smallest = ranked[-1]
     os.makedirs(platform.data_root + "/optouts", exist_ok=True)
-    with open(platform.data_root + "/optouts/smaller-copy.txt", "w") as f:
-        f.write(smallest[1] + "\n")
-    assert platform.settle() == {("skip_lists", b) for b, _ in ranked}
+    content = (smallest[1] + "\n").encode()
+    with open(platform.data_root + "/optouts/smaller-copy.txt", "wb") as f:
+        f.write(content)
+    assert platform.settle() == {("skip_lists", b) for b, _ in ranked} | {
+        ("opt_out_lists", _list_partition("smaller-copy.txt", content))
+    }
     for ref, row in _audit_of(lab, ranked).items():
         assert row["excluded"] and "opt_out" in row["reasons"], ref
         assert row["opt_out_via"] == [smallest[1]] and row["duplicate_of"] is None
@@ -311,7 +376,5 @@ def test_an_opt_out_of_a_smaller_copy_reruns_every_batch_holding_a_copy(platform
             "smaller-copy.txt@"
         )
 
-    from prx_assets.demo.train_loop import run_training_loop
-
-    loop = run_training_loop(platform.defs().resources["lab"].shards_root, lab, batch_size=2)
-    assert loop["skipped_sample_yielded"] == []
+    loop = _train(training_process, platform)
+    assert loop["skipped_sample_yielded"] == [] and loop["samples"] > 0

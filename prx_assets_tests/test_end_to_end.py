@@ -44,7 +44,9 @@ def test_demo_materialises_every_stage(tmp_path, monkeypatch, capsys):
         graph = build_defs(str(tmp_path / "data")).resolve_asset_graph()
         for asset_key in graph.get_all_asset_keys():
             done = instance.get_materialized_partitions(asset_key)
-            assert done == set(partitions), asset_key
+            # opt_out_lists is partitioned by list, and the demo receives none.
+            expected = set() if asset_key.to_user_string() == "opt_out_lists" else set(partitions)
+            assert done == expected, asset_key
         # Reruns beyond the pipeline are the dedup sensor's: cluster decisions + skip-lists.
         for r in runs:
             if r.dagster_run.job_name != "batch_pipeline":

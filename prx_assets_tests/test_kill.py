@@ -695,7 +695,8 @@ def _caption_rows(keys: list[str], version: str) -> pa.Table:
 def pipeline_states(workdir: Path, demo_source) -> PipelineStates:
     """The demo batch through every stage, by real materialisations, to four states."""
     from prx_assets.core.lab import Lab
-    from prx_assets.core.skiplists.optouts import content_key, opt_out_rows, replace_rows
+    from prx_assets.core.skiplists.identifiers import content_key
+    from prx_assets.core.skiplists.intake import opt_out_rows
     from prx_assets.core.tables import CAPTIONS, OPT_OUTS, RESOLUTION
     from prx_assets.defs.ingest.assets import raw_images
     from prx_assets.defs.resolution.assets import resolution_profile
@@ -731,7 +732,7 @@ def pipeline_states(workdir: Path, demo_source) -> PipelineStates:
     first, second = rest[0], next(k for k in rest if where[k] != where[rest[0]])
     ids = {content_key(first): [], content_key(second): []}
     when = datetime(2024, 1, 2, tzinfo=UTC)
-    replace_rows(lab, OPT_OUTS, "list_id", "kill.txt@1", opt_out_rows("kill.txt@1", ids, when))
+    lab.replace_rows(OPT_OUTS, "list_id", "kill.txt@1", opt_out_rows("kill.txt@1", ids, when))
     skip_old = _snapshot(root, workdir / "skip-old")
     _materialize_here(root, build_skiplist_assets())
     skip_new = _snapshot(root, workdir / "skip-new")

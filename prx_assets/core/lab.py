@@ -355,6 +355,14 @@ class Lab:
         self.ensure_indexes(spec)
         return self.dataset(spec.name).version
 
+    def add_columns(self, table: str, fields: Sequence[pa.Field]) -> int:
+        """Append null columns to ``table`` (a metadata-only commit): how a table written
+        under an older spec gains the fields a newer one added. Returns the version."""
+        ds = self.dataset(table)
+        if fields:
+            ds.add_columns(pa.schema(list(fields)))
+        return self.dataset(table).version
+
     def ensure_scalar_indexes(self, table: str, indexes: Iterable[tuple[str, str]]) -> list[str]:
         """Create the missing scalar indexes of a non-empty table; the columns indexed now.
 

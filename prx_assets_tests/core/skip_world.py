@@ -17,7 +17,8 @@ import pyarrow as pa
 from prx_assets.core.dedup.corpus import gather_corpus
 from prx_assets.core.dedup.decisions import DedupSettings, plan_batch
 from prx_assets.core.lab import Lab
-from prx_assets.core.skiplists.optouts import opt_out_rows, parse_identifier, replace_rows
+from prx_assets.core.skiplists.identifiers import parse_identifier
+from prx_assets.core.skiplists.intake import opt_out_rows
 from prx_assets.core.skiplists.policy import SampleRef, samples_from_rows
 from prx_assets.core.tables import (
     CAPTION_CLASSES,
@@ -149,8 +150,7 @@ class World:
 
     def opt_out(self, list_id: str, identifiers: list[str]) -> None:
         ids = [parse_identifier(i) for i in identifiers]
-        replace_rows(
-            self.lab,
+        self.lab.replace_rows(
             OPT_OUTS,
             "list_id",
             list_id,

@@ -10,27 +10,28 @@ import pyarrow.parquet as pq
 import pytest
 
 from prx_assets.core.lab import Lab
-from prx_assets.core.skiplists.optouts import (
+from prx_assets.core.skiplists.identifiers import (
     KIND_KEY,
     KIND_SOURCE_ID,
     KIND_URL,
     OptOutIdentifier,
-    OptOutListError,
-    discover_lists,
-    ensure_image_lookup_indexes,
-    file_sha256,
-    is_candidate,
-    list_row,
-    make_list_id,
-    match_filter,
-    opt_out_rows,
-    opted_out_keys,
     parse_identifier,
-    parse_list_bytes,
-    parse_list_file,
-    replace_rows,
+)
+from prx_assets.core.skiplists.intake import list_row, opt_out_rows
+from prx_assets.core.skiplists.matching import (
+    match_filter,
+    opted_out_keys,
     resolve_identifiers,
     sharded_batches,
+)
+from prx_assets.core.skiplists.optouts import (
+    OptOutListError,
+    discover_lists,
+    file_sha256,
+    is_candidate,
+    make_list_id,
+    parse_list_bytes,
+    parse_list_file,
 )
 from prx_assets.core.tables import IMAGES, OPT_OUT_LISTS, OPT_OUTS
 from prx_assets_tests.bounds import MIB, peak_rss_growth, sparse_file
@@ -292,8 +293,8 @@ def _keys(lab: Lab) -> dict[tuple[str, str], str]:
 def test_lookup_indexes_are_created_and_serve_every_kind(lab):
     # The images spec now carries the url/source_id indexes itself; this ensures them for
     # labs written before that, and is a no-op once they exist.
-    ensure_image_lookup_indexes(lab)
-    assert ensure_image_lookup_indexes(lab) == []
+    lab.ensure_indexes(IMAGES)
+    assert lab.ensure_indexes(IMAGES) == []
     names = {ix["name"] for ix in lab.dataset("images").list_indices()}
     assert {"key_idx", "url_idx", "source_id_idx"} <= names
     ds = lab.dataset("images")
@@ -303,11 +304,11 @@ def test_lookup_indexes_are_created_and_serve_every_kind(lab):
         ).explain_plan()
         column = {KIND_KEY: "key", KIND_URL: "url", KIND_SOURCE_ID: "source_id"}[kind]
         assert "ScalarIndexQuery" in plan and f"{column}_idx" in plan, plan
-    assert ensure_image_lookup_indexes(Lab(lab.root + "-empty")) == []
+    assert Lab(lab.root + "-empty").ensure_indexes(IMAGES) == []
 
 
 def test_resolution_finds_every_image_an_identifier_names(lab):
-    ensure_image_lookup_indexes(lab)
+    lab.ensure_indexes(IMAGES)
     keys = _keys(lab)
     photos = sorted(p for p in PHOTOS.iterdir() if p.suffix in (".jpg", ".png"))[:4]
     k0 = keys[("s.000", photos[0].name)]
@@ -327,7 +328,7 @@ def test_resolution_finds_every_image_an_identifier_names(lab):
 
 
 def test_recording_is_idempotent_and_matching_works_from_the_partition_side(lab):
-    ensure_image_lookup_indexes(lab)
+    lab.ensure_indexes(IMAGES)
     keys = _keys(lab)
     photos = sorted(p for p in PHOTOS.iterdir() if p.suffix in (".jpg", ".png"))[:4]
     k1 = keys[("s.000", photos[1].name)]
@@ -336,7 +337,7 @@ def test_recording_is_idempotent_and_matching_works_from_the_partition_side(lab)
     when = datetime(2024, 5, 1, tzinfo=UTC)
     rows = opt_out_rows("l1@x", resolve_identifiers(lab, ids), when)
     for _ in range(2):  # a replay (tick died before its cursor moved) adds nothing
-        replace_rows(lab, OPT_OUTS, "list_id", "l1@x", rows)
+        lab.replace_rows(OPT_OUTS, "list_id", "l1@x", rows)
     table = lab.read("opt_outs").to_pylist()
     assert len(table) == 3
     assert {(r["identifier"], r["matched_batch"]) for r in table} == {
@@ -344,10 +345,10 @@ def test_recording_is_idempotent_and_matching_works_from_the_partition_side(lab)
         ("studio:st-0", "s.001"),
         (KEY_A, None),
     }
-    replace_rows(lab, OPT_OUTS, "list_id", "l2@y", opt_out_rows("l2@y", {ids[0]: []}, when))
+    lab.replace_rows(OPT_OUTS, "list_id", "l2@y", opt_out_rows("l2@y", {ids[0]: []}, when))
     assert lab.dataset("opt_outs").count_rows() == 4  # other lists untouched
     with pytest.raises(ValueError, match="other values"):
-        replace_rows(lab, OPT_OUTS, "list_id", "l3@z", rows)
+        lab.replace_rows(OPT_OUTS, "list_id", "l3@z", rows)
     names = {ix["fields"][0] for ix in lab.dataset("opt_outs").list_indices()}
     assert {"identifier", "list_id"} <= names
 
@@ -364,8 +365,8 @@ def test_list_rows_and_sharded_batches(lab):
     when = datetime(2024, 5, 1, tzinfo=UTC)
     rej = list_row("x.txt@1", "/o/x.txt", "1" * 64, when, fmt=None, error=err).to_pylist()[0]
     assert rej["status"] == "rejected" and rej["reason"] == "empty: x.txt holds no identifiers"
-    replace_rows(
-        lab, OPT_OUT_LISTS, "list_id", "x.txt@1", list_row("x.txt@1", "/o", "1", when, fmt="txt")
+    lab.replace_rows(
+        OPT_OUT_LISTS, "list_id", "x.txt@1", list_row("x.txt@1", "/o", "1", when, fmt="txt")
     )
     assert lab.read("opt_out_lists").to_pylist()[0]["status"] == "accepted"
 

@@ -74,7 +74,7 @@ def _hostile_batch(landing: Path) -> None:
 
 @pytest.fixture(scope="session")
 def audit_world(tmp_path_factory) -> World:
-    from dagster import DagsterInstance
+    from dagster import AssetKey, DagsterInstance
 
     from prx_assets.cli import main as cli_main
     from prx_assets.definitions import build_defs
@@ -111,10 +111,15 @@ def audit_world(tmp_path_factory) -> World:
         defs = build_defs(str(data_root))
         instance = DagsterInstance.get()
         try:
-            requests, _ = evaluate_sensor(defs, instance, "opt_out_sensor")
-            assert requests, "the opt-out sensor requested no skip_lists run"
-            for request in requests:
-                assert execute_run_request(defs, instance, request, None)
+            # Two ticks: the list's intake run, then the skip_lists runs it affects.
+            cursor, asked = None, []
+            for _ in range(2):
+                requests, cursor = evaluate_sensor(defs, instance, "opt_out_sensor", cursor)
+                asked += [r.asset_selection for r in requests]
+                for request in requests:
+                    assert execute_run_request(defs, instance, request, None)
+            assert asked[0] == [AssetKey("opt_out_lists")]
+            assert [AssetKey("skip_lists")] in asked[1:], "no skip_lists run was requested"
         finally:
             instance.dispose()
         lists = world.lab().read("opt_out_lists", ["list_id", "status"]).to_pylist()

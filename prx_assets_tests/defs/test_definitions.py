@@ -19,7 +19,9 @@ def test_every_stage_is_partitioned_by_batch():
     for key in graph.get_all_asset_keys():
         pdef = graph.get(key).partitions_def
         assert isinstance(pdef, DynamicPartitionsDefinition), key
-        assert pdef.name == BATCHES.name, key
+        # The opt-out intake is partitioned by list (one partition per list received).
+        expected = "opt_out_lists" if key == AssetKey("opt_out_lists") else BATCHES.name
+        assert pdef.name == expected, key
 
 
 def test_lineage_resolution_profile_reads_raw_images():

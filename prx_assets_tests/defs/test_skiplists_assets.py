@@ -20,7 +20,8 @@ from prx_assets.core.shards.mds import (
     skip_nothing,
     write_partition_buckets,
 )
-from prx_assets.core.skiplists.optouts import opt_out_rows, parse_identifier, replace_rows
+from prx_assets.core.skiplists.identifiers import parse_identifier
+from prx_assets.core.skiplists.intake import opt_out_rows
 from prx_assets.core.skiplists.sidecars import (
     MANIFEST_BASENAME,
     current_generation,
@@ -233,8 +234,8 @@ def built(instance, lab_resource) -> Built:
 def _opt_out(store, list_id: str, identifiers: list[str], when: datetime) -> None:
     ids = [parse_identifier(i) for i in identifiers]
     # No resolution needed: skip_lists matches from the partition side.
-    replace_rows(
-        store, OPT_OUTS, "list_id", list_id, opt_out_rows(list_id, dict.fromkeys(ids, []), when)
+    store.replace_rows(
+        OPT_OUTS, "list_id", list_id, opt_out_rows(list_id, dict.fromkeys(ids, []), when)
     )
 
 

@@ -52,7 +52,8 @@ def test_asset_graph_shows_every_stage(ui):
         dismiss_dialogs(driver)
         for key in keys:
             wait_for_text(driver, key)
-        wait_for_text(driver, "4 partitions")
+        if group != "optouts":  # partitioned by opt-out list; the demo receives none
+            wait_for_text(driver, "4 partitions")
         screenshot(driver, f"dagster-group-{group}")
 
 

@@ -24,20 +24,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import lance
 import pyarrow as pa
 
 from prx_assets.core.dedup.corpus import DEFAULT_LOOKUP_CHUNK, cluster_members, lookup_by_keys
 from prx_assets.core.dedup.decisions import keeper_order
 from prx_assets.core.dedup.dirty import read_dirty
 from prx_assets.core.lab import Lab, TableSpec, in_list, sql_literal
-from prx_assets.core.skiplists.optouts import opted_out_keys
+from prx_assets.core.skiplists.matching import opted_out_keys
 from prx_assets.core.skiplists.policy import (
     Copy,
     Outcome,
@@ -112,10 +110,14 @@ def _rows(
 
 def _sharded_batches(lab: Lab, batches: Iterable[str]) -> set[str]:
     """Those of ``batches`` with at least one ``shard_samples`` row (BITMAP on batch)."""
-    if not lab.exists(SHARD_SAMPLES.name):
+    view = lab.view()
+    if not view.exists(SHARD_SAMPLES.name):
         return set()
-    ds = lab.dataset(SHARD_SAMPLES.name)
-    return {b for b in sorted(set(batches)) if ds.count_rows(f"batch = {sql_literal(b)}") > 0}
+    return {
+        b
+        for b in sorted(set(batches))
+        if view.count(SHARD_SAMPLES.name, f"batch = {sql_literal(b)}")
+    }
 
 
 @dataclass(frozen=True)
@@ -239,6 +241,8 @@ def decide_partition(
 
 @dataclass(frozen=True)
 class SkipChange:
+    """One sample whose skip decision changed between two reads of its facts."""
+
     batch: str
     key: str
     cluster_id: str | None
@@ -282,7 +286,7 @@ def contradicted_elsewhere(
         "duplicate_of_batch",
         "policy_fingerprint",
     ]
-    present = set(lab.dataset(SKIP_AUDIT.name).schema.names)
+    present = set(lab.view().schema(SKIP_AUDIT.name).names)
     if not set(columns) <= present:
         return []  # an audit from before policy v2: every batch reruns under the new policy
     rows = lookup_by_keys(
@@ -305,7 +309,7 @@ def contradicted_elsewhere(
 def changed_during_run(
     batch: str, written: PartitionDecisions, fresh: PartitionDecisions
 ) -> list[SkipChange]:
-    """This batch's samples whose decision differs between two reads (a fact changed)."""
+    """The batch's samples whose decision differs between two reads (a fact changed)."""
     before = {d.sample.key: d for d in written.decisions}
     changes = []
     for d in fresh.decisions:
@@ -358,32 +362,26 @@ def mark_skip_dirty(
         ],
         schema=SKIP_DIRTY.schema,
     )
-    lab.ensure(SKIP_DIRTY)
-    lance.write_dataset(rows, lab.uri(SKIP_DIRTY.name), mode="append")
+    lab.append(SKIP_DIRTY, rows)
     return rows.num_rows
 
 
 def read_skip_dirty(lab: Lab, batch: str | None = None) -> pa.Table:
-    if not lab.exists(SKIP_DIRTY.name):
+    view = lab.view()
+    if not view.exists(SKIP_DIRTY.name):
         return pa.Table.from_pylist([], schema=SKIP_DIRTY.schema)
     where = f"batch = {sql_literal(batch)}" if batch is not None else None
-    return lab.read(SKIP_DIRTY.name, SKIP_DIRTY.schema.names, where)
+    return view.read(SKIP_DIRTY.name, SKIP_DIRTY.schema.names, where)
 
 
-def clear_skip_dirty(lab: Lab, dirty_ids: Sequence[str], attempts: int = 8) -> int:
-    """Delete exactly these rows (read before the run read its facts); later ones stay."""
+def clear_skip_dirty(lab: Lab, dirty_ids: Sequence[str]) -> int:
+    """Delete exactly these rows (read before the run read its facts); later ones stay.
+
+    ``Lab.delete`` retries a delete that lost a race with a concurrent one."""
     if not dirty_ids or not lab.exists(SKIP_DIRTY.name):
         return 0
-    last: Exception | None = None
-    for attempt in range(attempts):
-        try:
-            lab.dataset(SKIP_DIRTY.name).delete(in_list("dirty_id", dirty_ids))
-            return len(set(dirty_ids))
-        except OSError as exc:  # a concurrent delete on the same fragment: retry
-            last = exc
-            time.sleep(0.05 * (2**attempt))
-    assert last is not None
-    raise last
+    lab.delete(SKIP_DIRTY.name, in_list("dirty_id", dirty_ids))
+    return len(set(dirty_ids))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,19 +419,19 @@ def cluster_copies(
 def ensure_audit_columns(lab: Lab) -> list[str]:
     """Give a ``skip_audit`` written before policy v2 the columns it lacks (null, metadata
     only; they are appended, so the schema then equals ``SKIP_AUDIT``'s). Returns them."""
-    if not lab.exists(SKIP_AUDIT.name):
+    schema = lab.view().schema(SKIP_AUDIT.name)
+    if schema is None:
         return []
-    ds = lab.dataset(SKIP_AUDIT.name)
-    have = set(ds.schema.names)
+    have = set(schema.names)
     missing = [f for f in SKIP_AUDIT.schema if f.name not in have]
     if missing:
         order = [f.name for f in SKIP_AUDIT.schema]
-        if [n for n in order if n in have] != ds.schema.names:
+        if [n for n in order if n in have] != schema.names:
             raise SkipPolicyError(
-                f"skip_audit has columns {ds.schema.names}, not a prefix-ordered subset of "
+                f"skip_audit has columns {schema.names}, not a prefix-ordered subset of "
                 f"{order}: drop the table and rerun skip_lists for every partition"
             )
-        ds.add_columns(pa.schema(missing))
+        lab.add_columns(SKIP_AUDIT.name, missing)
     return [f.name for f in missing]
 
 

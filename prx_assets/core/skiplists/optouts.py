@@ -1,12 +1,8 @@
-"""Opt-out lists: parse them, record them in the lab, and find the images they name.
+"""Opt-out list files: which files are lists, their identity, and parsing them within caps.
 
-Why a separate intake (not a Dagster asset): an opt-out list is a legal request that must
-reach every affected shard quickly, but only those. As an upstream asset of ``skip_lists``
-each new list would rerun every partition under eager automation; instead a sensor records
-the list here, resolves which batches hold the named images (Lance scalar indexes on
-``images.key``, ``images.url`` and ``images.source_id``) and requests ``skip_lists`` for those
-partitions only. ``skip_lists`` then reads the ``opt_outs`` table at run time, matching from
-the partition side, so a list received before a batch was ingested still applies to it.
+The parsing half of the opt-out intake (:mod:`prx_assets.core.skiplists.intake` records a
+parsed list; :mod:`prx_assets.core.skiplists.matching` finds the images it names). Nothing
+here touches the lab.
 
 Opt-out list formats
 --------------------
@@ -23,16 +19,9 @@ and rename it into place: names starting with ``.`` or ``_`` or ending in ``.tmp
   ignored. Every non-empty recognised cell is one identifier; each row needs at least one.
 - ``*.parquet``: the same columns as CSV, string-typed; nulls are empty cells.
 
-Identifier kinds (a bare identifier's kind is detected in this order):
+Identifier kinds and their canonical forms: :mod:`prx_assets.core.skiplists.identifiers`.
 
-- content key: the sha256 of the original file bytes, 64 hex digits (any case).
-- URL: ``http://`` or ``https://`` with a host; matched exactly (after trimming whitespace)
-  against the URL recorded at ingest.
-- source id: ``source:id``: the image's source (``images.source``, e.g. ``internal-studio``)
-  and that source's own id (``images.source_id``), split at the first ``:``. In CSV/parquet a
-  ``source`` column may give the source separately (then the id may contain ``:``).
-
-Limits (so a hostile or broken file cannot bloat a sensor tick): a list file is parsed as a
+Limits (so a hostile or broken file cannot bloat an intake run): a list file is parsed as a
 stream, never read whole. A file over ``DEFAULT_MAX_LIST_BYTES`` (64 MiB; the opt-out
 resource's ``max_list_bytes``) is rejected as ``too_large`` by its size, before a byte is
 parsed (for parquet the uncompressed identifier columns count too); split bigger lists. A
@@ -57,42 +46,29 @@ import re
 import stat
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO
-from urllib.parse import urlsplit
 
-import lance
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from prx_assets.core.batching import chunked
-from prx_assets.core.lab import Lab, TableSpec, in_list, sql_literal
-from prx_assets.core.tables import OPT_OUT_LISTS, OPT_OUTS
+from prx_assets.core.skiplists.identifiers import (
+    KIND_KEY,
+    KIND_SOURCE_ID,
+    KIND_URL,
+    OptOutIdentifier,
+    identifier_of_kind,
+    parse_identifier,
+)
 from prx_assets.core.text import bound_text, printable_name, quote_bounded, read_lines
 
-KIND_KEY = "key"
-KIND_URL = "url"
-KIND_SOURCE_ID = "source_id"
-KINDS: tuple[str, ...] = (KIND_KEY, KIND_URL, KIND_SOURCE_ID)
 FORMATS: dict[str, str] = {".txt": "txt", ".csv": "csv", ".parquet": "parquet"}
-STATUS_ACCEPTED = "accepted"
-STATUS_REJECTED = "rejected"
-LOOKUP_CHUNK = 512  # values per ``IN (...)`` probe: each is one scalar-index lookup
 MAX_REPORTED = 5  # malformed entries quoted in a rejection reason
 DEFAULT_MAX_LIST_BYTES = 64 * 1024 * 1024  # one list file; larger lists are split
 DEFAULT_MAX_LINE_BYTES = 64 * 1024  # one txt/CSV line, one parquet cell
 PARQUET_BATCH_ROWS = 4096
 
-# Images are looked up by these columns; key is indexed by the images table spec already.
-IMAGE_LOOKUP_INDEXES: tuple[tuple[str, str], ...] = (
-    ("key", "BTREE"),
-    ("url", "BTREE"),
-    ("source_id", "BTREE"),
-)
-
-_KEY_RE = re.compile(r"^[0-9a-fA-F]{64}$")
 _COMMENT_RE = re.compile(r"(^|\s)#.*$")
 _COLUMN_KINDS: dict[str, str] = {
     "identifier": "identifier",
@@ -124,92 +100,13 @@ class OptOutListError(ValueError):
         return f"{self.code}: {self.message}"
 
 
-@dataclass(frozen=True, order=True)
-class OptOutIdentifier:
-    """One identifier in canonical form. ``value`` is what ``opt_outs.identifier`` stores:
-    the lower-case key, the trimmed URL, or ``"<source>:<id>"``."""
-
-    kind: str
-    value: str
-    source: str | None = None  # source-id kind only
-    source_id: str | None = None
-
-
 @dataclass(frozen=True)
 class OptOutList:
+    """One parsed opt-out list: its file, its format and the distinct identifiers it names."""
+
     path: str
     format: str
     identifiers: tuple[OptOutIdentifier, ...]  # distinct, sorted
-
-
-# --------------------------------------------------------------------------- identifiers
-
-
-def content_key(text: str) -> OptOutIdentifier:
-    if not _KEY_RE.match(text):
-        raise ValueError(f"{quote_bounded(text)} is not a content key (64 hex digits of sha256)")
-    return OptOutIdentifier(KIND_KEY, text.lower())
-
-
-def url_identifier(text: str) -> OptOutIdentifier:
-    if any(c.isspace() for c in text):
-        raise ValueError(f"{quote_bounded(text)} is not a URL (contains whitespace)")
-    try:
-        parts = urlsplit(text)
-    except ValueError as exc:
-        raise ValueError(f"{quote_bounded(text)} is not a valid URL ({exc})") from None
-    if parts.scheme.lower() not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"{quote_bounded(text)} is not an http(s) URL with a host")
-    return OptOutIdentifier(KIND_URL, text)
-
-
-def source_identifier(source: str | None, sid: str) -> OptOutIdentifier:
-    """``source:id`` (``source`` None) or a separate source; the id keeps any later ``:``."""
-    if source is None:
-        if ":" not in sid:
-            raise ValueError(
-                f"{quote_bounded(sid)} is a source id without its source: write 'source:id'"
-            )
-        source, sid = sid.split(":", 1)
-    source, sid = source.strip(), sid.strip()
-    if not source or any(c.isspace() for c in source) or "/" in source:
-        raise ValueError(
-            f"source {quote_bounded(source)} must be a non-empty name without spaces or '/'"
-        )
-    if not sid:
-        raise ValueError(f"source id for source {quote_bounded(source)} is empty")
-    if sid.startswith("//"):
-        raise ValueError(
-            f"{quote_bounded(f'{source}:{sid}')} looks like a URL; only http(s) URLs are accepted"
-        )
-    return OptOutIdentifier(KIND_SOURCE_ID, f"{source}:{sid}", source, sid)
-
-
-def parse_identifier(text: str) -> OptOutIdentifier:
-    """Detect a bare identifier's kind: content key, http(s) URL, or ``source:id``."""
-    text = text.strip()
-    if not text:
-        raise ValueError("empty identifier")
-    if _KEY_RE.match(text):
-        return content_key(text)
-    scheme = text.split(":", 1)[0].lower()
-    if scheme in ("http", "https"):
-        return url_identifier(text)
-    if ":" in text:
-        return source_identifier(None, text)
-    raise ValueError(
-        f"{quote_bounded(text)} is not a content key (64 hex), an http(s) URL or a 'source:id' pair"
-    )
-
-
-def _by_kind(kind: str, text: str, source: str | None) -> OptOutIdentifier:
-    if kind == "identifier":
-        return parse_identifier(text)
-    if kind == KIND_KEY:
-        return content_key(text)
-    if kind == KIND_URL:
-        return url_identifier(text)
-    return source_identifier(source, text)
 
 
 # --------------------------------------------------------------------------- files
@@ -376,7 +273,7 @@ def _row_identifiers(
             continue
         n += 1
         try:
-            found.append(_by_kind(kind, str(cell).strip(), source))
+            found.append(identifier_of_kind(kind, str(cell).strip(), source))
         except ValueError as exc:
             bad.add(f"{where}, column {quote_bounded(column, 60)}: {exc}")
     if n == 0:
@@ -595,214 +492,3 @@ def parse_list_file(
             f"expected {expected_sha256[:16]}); its new content is read as a new list",
         )
     return parsed
-
-
-# --------------------------------------------------------------------------- Lance
-
-
-def ensure_scalar_indexes(ds: lance.LanceDataset, indexes: Iterable[tuple[str, str]]) -> list[str]:
-    """Create the missing scalar indexes of a non-empty table; the columns indexed now."""
-    if ds.count_rows() == 0:
-        return []
-    have = {tuple(ix["fields"]) for ix in ds.list_indices()}
-    created = []
-    for column, kind in indexes:
-        if (column,) in have:
-            continue
-        try:
-            ds.create_scalar_index(column, kind)
-        except (OSError, ValueError) as exc:
-            if "already exists" not in str(exc):  # a concurrent creator is fine
-                raise
-        created.append(column)
-    return created
-
-
-def ensure_image_lookup_indexes(lab: Lab, images_table: str = "images") -> list[str]:
-    """BTREE indexes on images.url/source_id (and key), so resolving a list is index probes.
-
-    Lance scans fragments appended after an index was built, so results stay exact between
-    rebuilds; the maintenance job folds new fragments into the indexes.
-    """
-    if not lab.exists(images_table):
-        return []
-    return ensure_scalar_indexes(lab.dataset(images_table), IMAGE_LOOKUP_INDEXES)
-
-
-def match_filter(kind: str, values: Sequence[str]) -> str:
-    """The ``images`` predicate for one chunk of identifiers of one kind (index-served)."""
-    if kind == KIND_KEY:
-        return in_list("key", values)
-    if kind == KIND_URL:
-        return in_list("url", values)
-    if kind == KIND_SOURCE_ID:
-        return in_list("source_id", values)
-    raise ValueError(f"unknown identifier kind {kind!r}; expected one of {KINDS}")
-
-
-def resolve_identifiers(
-    lab: Lab, identifiers: Sequence[OptOutIdentifier], images_table: str = "images"
-) -> dict[OptOutIdentifier, list[tuple[str, str]]]:
-    """Identifier -> sorted (batch, key) pairs of the images it names (empty: none yet)."""
-    out: dict[OptOutIdentifier, list[tuple[str, str]]] = {i: [] for i in identifiers}
-    if not identifiers or not lab.exists(images_table):
-        return out
-    ds = lab.dataset(images_table)
-    for kind in KINDS:
-        group = [i for i in identifiers if i.kind == kind]
-        if kind == KIND_SOURCE_ID:
-            by_value: dict[tuple[str | None, str], list[OptOutIdentifier]] = {}
-            for i in group:
-                by_value.setdefault((i.source, i.source_id or ""), []).append(i)
-            probe = sorted({i.source_id or "" for i in group})
-            columns = ["batch", "key", "source", "source_id"]
-        else:
-            by_value = {(None, i.value): [i] for i in group}
-            probe = sorted(i.value for i in group)
-            column = {KIND_KEY: "key", KIND_URL: "url"}[kind]
-            columns = list(dict.fromkeys(["batch", "key", column]))
-        for chunk in chunked(probe, LOOKUP_CHUNK):
-            rows = ds.to_table(columns=columns, filter=match_filter(kind, chunk)).to_pylist()
-            for r in rows:
-                if kind == KIND_SOURCE_ID:
-                    hits = by_value.get((r["source"], r["source_id"]), [])
-                else:
-                    hits = by_value.get((None, r[column]), [])
-                for i in hits:
-                    out[i].append((r["batch"], r["key"]))
-    return {i: sorted(set(m)) for i, m in out.items()}
-
-
-def opt_out_rows(
-    list_id: str,
-    matches: Mapping[OptOutIdentifier, Sequence[tuple[str, str]]],
-    received_at: datetime,
-) -> pa.Table:
-    """``opt_outs`` rows: one per (identifier, matched image), or one with no match."""
-    cols: dict[str, list[Any]] = {f.name: [] for f in OPT_OUTS.schema}
-    for ident in sorted(matches):
-        for batch, key in matches[ident] or [(None, None)]:
-            cols["list_id"].append(list_id)
-            cols["identifier"].append(ident.value)
-            cols["identifier_kind"].append(ident.kind)
-            cols["received_at"].append(received_at)
-            cols["matched_key"].append(key)
-            cols["matched_batch"].append(batch)
-    return pa.table(cols, schema=OPT_OUTS.schema)
-
-
-def replace_rows(lab: Lab, spec: TableSpec, column: str, value: str, rows: pa.Table) -> int:
-    """Make ``rows`` exactly the rows of ``spec`` whose ``column`` is ``value``, in one commit.
-
-    A full-replacement ``merge_insert``: a replay (a tick that died before its cursor moved)
-    leaves the same rows, never duplicates. Returns the table version.
-    """
-    rows = rows.select(spec.schema.names).cast(spec.schema)
-    others = set(rows.column(column).to_pylist()) - {value}
-    if others:
-        raise ValueError(f"rows for {column}={value!r} include other values {sorted(others)}")
-    ds = lab.ensure(spec)
-    (
-        ds.merge_insert(list(spec.identity))
-        .when_matched_update_all()
-        .when_not_matched_insert_all()
-        .when_not_matched_by_source_delete(f"{column} = {sql_literal(value)}")
-        .execute(rows)
-    )
-    ds = lab.dataset(spec.name)
-    ensure_scalar_indexes(ds, spec.indexes)
-    return lab.dataset(spec.name).version
-
-
-def recorded_list(lab: Lab, list_id: str) -> dict[str, Any] | None:
-    """The ``opt_out_lists`` row of a list already seen (a replay keeps its first arrival)."""
-    rows = lab.read(OPT_OUT_LISTS.name, filter=f"list_id = {sql_literal(list_id)}").to_pylist()
-    return rows[0] if rows else None
-
-
-def list_row(
-    list_id: str,
-    path: str,
-    sha256: str,
-    received_at: datetime,
-    *,
-    fmt: str | None,
-    error: OptOutListError | None = None,
-    rows: int = 0,
-    matched_images: int = 0,
-    batches: Sequence[str] = (),
-) -> pa.Table:
-    return pa.Table.from_pylist(
-        [
-            {
-                "list_id": list_id,
-                "path": path,
-                "format": fmt,
-                "sha256": sha256,
-                "status": STATUS_REJECTED if error else STATUS_ACCEPTED,
-                "reason": error.reason if error else None,
-                "rows": rows,
-                "matched_images": matched_images,
-                "batches": sorted(batches),
-                "received_at": received_at,
-            }
-        ],
-        schema=OPT_OUT_LISTS.schema,
-    )
-
-
-def sharded_batches(
-    lab: Lab, pairs: Iterable[tuple[str, str]], shard_table: str = "shard_samples"
-) -> set[str]:
-    """Batches where at least one of these (batch, key) images is in an MDS shard."""
-    wanted = set(pairs)
-    if not wanted or not lab.exists(shard_table):
-        return set()
-    ds = lab.dataset(shard_table)
-    keys = sorted({k for _, k in wanted})
-    found: set[str] = set()
-    for chunk in chunked(keys, LOOKUP_CHUNK):
-        rows = ds.to_table(columns=["batch", "key"], filter=in_list("key", chunk))
-        for b, k in zip(
-            rows.column("batch").to_pylist(), rows.column("key").to_pylist(), strict=True
-        ):
-            if (b, k) in wanted:
-                found.add(b)
-    return found
-
-
-def candidate_identifiers(images: pa.Table) -> dict[tuple[str, str], set[str]]:
-    """(kind, canonical identifier) -> image keys, for ``images`` rows (key, url, source,
-    source_id): every way an opt-out list could name these images."""
-    out: dict[tuple[str, str], set[str]] = {}
-    cols = {c: images.column(c).to_pylist() for c in ("key", "url", "source", "source_id")}
-    for key, url, source, sid in zip(*cols.values(), strict=True):
-        out.setdefault((KIND_KEY, key), set()).add(key)
-        if url:
-            out.setdefault((KIND_URL, url.strip()), set()).add(key)
-        if source and sid:
-            out.setdefault((KIND_SOURCE_ID, f"{source.strip()}:{sid.strip()}"), set()).add(key)
-    return out
-
-
-def opted_out_keys(lab: Lab, images: pa.Table) -> dict[str, tuple[str, ...]]:
-    """Image key -> sorted ids of the accepted lists that name it, matched from the images'
-    side (``identifier IN (...)`` probes on the ``opt_outs`` BTREE index). No table: none."""
-    if images.num_rows == 0 or not lab.exists(OPT_OUTS.name):
-        return {}
-    candidates = candidate_identifiers(images)
-    ds = lab.dataset(OPT_OUTS.name)
-    hits: dict[str, set[str]] = {}
-    values = sorted({v for _, v in candidates})
-    for chunk in chunked(values, LOOKUP_CHUNK):
-        rows = ds.to_table(
-            columns=["list_id", "identifier", "identifier_kind"],
-            filter=in_list("identifier", chunk),
-        )
-        for list_id, ident, kind in zip(
-            *(rows.column(c).to_pylist() for c in ("list_id", "identifier", "identifier_kind")),
-            strict=True,
-        ):
-            for key in candidates.get((kind, ident), ()):
-                hits.setdefault(key, set()).add(list_id)
-    return {k: tuple(sorted(v)) for k, v in sorted(hits.items())}

@@ -139,6 +139,8 @@ class Copy:
 
 
 class CopyStatus(Enum):
+    """Whether one copy of a cluster may be its training copy."""
+
     ELIGIBLE = "eligible"  # may be the training copy
     EXCLUDED = "excluded"  # never the training copy (own reasons, or not written)
     UNCERTAIN = "uncertain"  # not known yet
@@ -249,6 +251,8 @@ def resolve_cluster(copies: Sequence[Copy], policy: SkipPolicy) -> dict[tuple[st
 
 @dataclass(frozen=True)
 class SampleDecision:
+    """One sample's skip decision: its reasons, and the opt-out lists or keeper behind them."""
+
     sample: SampleRef
     reasons: tuple[str, ...]
     opt_out_list_ids: tuple[str, ...]
@@ -266,6 +270,8 @@ class SampleDecision:
 
 @dataclass
 class PartitionDecisions:
+    """Every sample decision of one partition, under one policy, and its clusters' other copies."""
+
     decisions: list[SampleDecision]
     policy: SkipPolicy = field(default_factory=SkipPolicy)
     # The same clusters' outcomes for copies of other batches, for contradiction checks.

@@ -139,6 +139,8 @@ class SkipList:
 
 @dataclass(frozen=True)
 class ManifestEntry:
+    """One shard of a skip-list generation: the shard, its sidecar and the sidecar's digest."""
+
     shard: str
     sidecar: str
     sha256: str
@@ -567,6 +569,9 @@ class StagedGeneration:
     index_sha256: str
     manifest_bytes: bytes
     sidecars: frozenset[str]
+    # (shard, skipped indices) in index.json order: what the sidecars hold, kept so a
+    # writer can count and digest its generation without reading its files back.
+    skip_sets: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def stage_generation(
@@ -588,9 +593,11 @@ def stage_generation(
         raise SkipListError(f"not shards of {d}: {unknown}")
     entries: list[ManifestEntry] = []
     files: dict[str, bytes] = {}
+    skip_sets: list[tuple[str, tuple[int, ...]]] = []
     for name, samples in shards:
         skips = skips_by_shard.get(name, {})
         data = encode_skiplist(name, skips)
+        skip_sets.append((name, tuple(sorted(int(i) for i in skips))))
         if skips and max(int(i) for i in skips) >= samples:
             raise SkipListError(
                 f"index {max(int(i) for i in skips)} is out of range for {name}, which holds "
@@ -609,7 +616,9 @@ def stage_generation(
     _fsync_dir(d)
     crashpoint("skiplists.generation_written")
     index_sha = _sha256(index_raw)
-    return StagedGeneration(d, index_sha, encode_manifest(index_sha, entries), frozenset(files))
+    return StagedGeneration(
+        d, index_sha, encode_manifest(index_sha, entries), frozenset(files), tuple(skip_sets)
+    )
 
 
 def publish_generation(staged: StagedGeneration) -> str:
@@ -643,18 +652,42 @@ def write_partition_skiplists(
     return publish_generation(stage_generation(partition_dir, skips_by_shard))
 
 
-def publish_partition_skiplists(
+@dataclass(frozen=True)
+class PublishedGeneration:
+    """A generation this process just made live, described from what it wrote."""
+
+    directory: Path
+    generation: str
+    index_sha256: str  # the index.json it was written for
+    skip_sets: tuple[tuple[str, tuple[int, ...]], ...]  # (shard, skipped indices), in order
+
+    @property
+    def shards(self) -> int:
+        return len(self.skip_sets)
+
+
+def publish_partition_generations(
     skips_by_dir: Mapping[str | os.PathLike[str], Mapping[str, Mapping[int, Iterable[str]]]],
-) -> dict[str, str]:
+) -> list[PublishedGeneration]:
     """Refresh several directories (one batch's buckets): every generation's files are
     written before the first manifest flips, then the manifests flip one by one.
 
     A crash while staging leaves every directory on its previous generation; a crash
     between flips leaves each directory on a complete previous or complete new generation.
-    Returns directory -> generation id, in the order given.
+    Returns one :class:`PublishedGeneration` per directory, in the order given.
     """
     staged = [stage_generation(d, skips) for d, skips in skips_by_dir.items()]
-    return {str(s.directory): publish_generation(s) for s in staged}
+    return [
+        PublishedGeneration(s.directory, publish_generation(s), s.index_sha256, s.skip_sets)
+        for s in staged
+    ]
+
+
+def publish_partition_skiplists(
+    skips_by_dir: Mapping[str | os.PathLike[str], Mapping[str, Mapping[int, Iterable[str]]]],
+) -> dict[str, str]:
+    """:func:`publish_partition_generations`, as directory -> generation id."""
+    return {str(p.directory): p.generation for p in publish_partition_generations(skips_by_dir)}
 
 
 def update_skiplists(
@@ -694,6 +727,12 @@ def digest_skip_sets(
         for part in partitions
     ]
     return _sha256(canonical_json({"format": _DIGEST_FORMAT, "partitions": body}))
+
+
+def published_digest(published: Sequence[PublishedGeneration]) -> str:
+    """:func:`skiplist_digest` of directories this process just published, in the order
+    given, from what it wrote (equal to reading them back: the files are that content)."""
+    return digest_skip_sets([list(p.skip_sets) for p in published])
 
 
 def skiplist_digest(dirs: Sequence[str | os.PathLike[str]]) -> str:

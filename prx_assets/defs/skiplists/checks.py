@@ -1,9 +1,13 @@
-"""Asset checks of the skip-list stage, evaluated inside ``skip_lists`` on what it read.
+"""Asset checks of the skip-list stage, evaluated inside the asset on what it read.
 
 Why a caption-coverage check here: an image without a usable caption (its source had no alt
 text, the captioner refused it) is skipped as ``no_caption``, which keeps training clean but
 can silently empty a batch; this check turns "most of the batch has no caption" into a red
 partition instead of a metadata count. Partitioned like the caption stage's checks.
+
+Why a check on each opt-out list: a rejected list is a legal request that is not applied
+until someone fixes the file; a red partition of ``opt_out_lists`` says so where a data lead
+looks, with the reason.
 """
 
 import warnings
@@ -13,13 +17,16 @@ from dagster import (
     AssetCheckSeverity,
     AssetCheckSpec,
     MetadataValue,
+    PartitionsDefinition,
     PreviewWarning,
 )
 
 from prx_assets.core.skiplists.decisions import CaptionCoverage
+from prx_assets.core.skiplists.intake import IntakeOutcome
 from prx_assets.defs.partitions import BATCHES
 
 CAPTION_COVERAGE = "skip_lists_caption_coverage"
+LIST_ACCEPTED = "opt_out_list_accepted"
 MAX_LISTED = 20
 
 
@@ -54,4 +61,28 @@ def caption_coverage_result(coverage: CaptionCoverage, max_share: float) -> Asse
                 coverage.keys[:MAX_LISTED] + ([f"... and {more} more"] if more > 0 else [])
             ),
         },
+    )
+
+
+def list_accepted_spec(asset: str, partitions_def: PartitionsDefinition) -> AssetCheckSpec:
+    """A rejected opt-out list is a legal request not applied: someone must fix the file."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PreviewWarning)
+        return AssetCheckSpec(
+            LIST_ACCEPTED,
+            asset=asset,
+            partitions_def=partitions_def,
+            description=(
+                "ERROR when the list was rejected (malformed, too large, changed while read): "
+                "nothing of it is applied until a corrected file is dropped as a new list."
+            ),
+        )
+
+
+def list_accepted_result(outcome: IntakeOutcome) -> AssetCheckResult:
+    return AssetCheckResult(
+        check_name=LIST_ACCEPTED,
+        passed=outcome.accepted,
+        severity=AssetCheckSeverity.ERROR,
+        metadata={"status": outcome.status, "reason": MetadataValue.text(outcome.reason or "")},
     )

@@ -1,0 +1,131 @@
+"""Which images an opt-out list names, and which lists name an image.
+
+Both directions go through Lance scalar indexes, so their cost follows the list or the
+partition, never the corpus:
+
+- at intake, a list's identifiers are resolved to the (batch, key) pairs they name now
+  (``images.key``, ``images.url``, ``images.source_id`` BTREEs, declared by the ``images``
+  spec), which tells the opt-out sensor which partitions to rerun;
+- at decision time, ``skip_lists`` asks, for the images of its partition and their copies,
+  which accepted lists name any of them (``opt_outs.identifier`` BTREE): matching from the
+  partition side, so a list received before a batch was ingested still applies to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import pyarrow as pa
+
+from prx_assets.core.batching import chunked
+from prx_assets.core.lab import Lab, in_list
+from prx_assets.core.skiplists.identifiers import (
+    KIND_KEY,
+    KIND_SOURCE_ID,
+    KIND_URL,
+    KINDS,
+    OptOutIdentifier,
+)
+from prx_assets.core.tables import IMAGES, OPT_OUTS, SHARD_SAMPLES
+
+LOOKUP_CHUNK = 512  # values per ``IN (...)`` probe: each is one scalar-index lookup
+
+
+def match_filter(kind: str, values: Sequence[str]) -> str:
+    """The ``images`` predicate for one chunk of identifiers of one kind (index-served)."""
+    if kind == KIND_KEY:
+        return in_list("key", values)
+    if kind == KIND_URL:
+        return in_list("url", values)
+    if kind == KIND_SOURCE_ID:
+        return in_list("source_id", values)
+    raise ValueError(f"unknown identifier kind {kind!r}; expected one of {KINDS}")
+
+
+def resolve_identifiers(
+    lab: Lab, identifiers: Sequence[OptOutIdentifier]
+) -> dict[OptOutIdentifier, list[tuple[str, str]]]:
+    """Identifier -> sorted (batch, key) pairs of the images it names (empty: none yet)."""
+    out: dict[OptOutIdentifier, list[tuple[str, str]]] = {i: [] for i in identifiers}
+    view = lab.view()
+    if not identifiers or not view.exists(IMAGES.name):
+        return out
+    for kind in KINDS:
+        group = [i for i in identifiers if i.kind == kind]
+        if kind == KIND_SOURCE_ID:
+            by_value: dict[tuple[str | None, str], list[OptOutIdentifier]] = {}
+            for i in group:
+                by_value.setdefault((i.source, i.source_id or ""), []).append(i)
+            probe = sorted({i.source_id or "" for i in group})
+            columns = ["batch", "key", "source", "source_id"]
+        else:
+            by_value = {(None, i.value): [i] for i in group}
+            probe = sorted(i.value for i in group)
+            column = {KIND_KEY: "key", KIND_URL: "url"}[kind]
+            columns = list(dict.fromkeys(["batch", "key", column]))
+        for chunk in chunked(probe, LOOKUP_CHUNK):
+            rows = view.read(IMAGES.name, columns, match_filter(kind, chunk)).to_pylist()
+            for r in rows:
+                if kind == KIND_SOURCE_ID:
+                    hits = by_value.get((r["source"], r["source_id"]), [])
+                else:
+                    hits = by_value.get((None, r[column]), [])
+                for i in hits:
+                    out[i].append((r["batch"], r["key"]))
+    return {i: sorted(set(m)) for i, m in out.items()}
+
+
+def sharded_batches(lab: Lab, pairs: Iterable[tuple[str, str]]) -> set[str]:
+    """Batches where at least one of these (batch, key) images is in an MDS shard."""
+    wanted = set(pairs)
+    view = lab.view()
+    if not wanted or not view.exists(SHARD_SAMPLES.name):
+        return set()
+    keys = sorted({k for _, k in wanted})
+    found: set[str] = set()
+    for chunk in chunked(keys, LOOKUP_CHUNK):
+        rows = view.read(SHARD_SAMPLES.name, ["batch", "key"], in_list("key", chunk))
+        for b, k in zip(
+            rows.column("batch").to_pylist(), rows.column("key").to_pylist(), strict=True
+        ):
+            if (b, k) in wanted:
+                found.add(b)
+    return found
+
+
+def candidate_identifiers(images: pa.Table) -> dict[tuple[str, str], set[str]]:
+    """(kind, canonical identifier) -> image keys, for ``images`` rows (key, url, source,
+    source_id): every way an opt-out list could name these images."""
+    out: dict[tuple[str, str], set[str]] = {}
+    cols = {c: images.column(c).to_pylist() for c in ("key", "url", "source", "source_id")}
+    for key, url, source, sid in zip(*cols.values(), strict=True):
+        out.setdefault((KIND_KEY, key), set()).add(key)
+        if url:
+            out.setdefault((KIND_URL, url.strip()), set()).add(key)
+        if source and sid:
+            out.setdefault((KIND_SOURCE_ID, f"{source.strip()}:{sid.strip()}"), set()).add(key)
+    return out
+
+
+def opted_out_keys(lab: Lab, images: pa.Table) -> dict[str, tuple[str, ...]]:
+    """Image key -> sorted ids of the accepted lists that name it, matched from the images'
+    side (``identifier IN (...)`` probes on the ``opt_outs`` BTREE index). No table: none."""
+    view = lab.view()
+    if images.num_rows == 0 or not view.exists(OPT_OUTS.name):
+        return {}
+    candidates = candidate_identifiers(images)
+    hits: dict[str, set[str]] = {}
+    values = sorted({v for _, v in candidates})
+    for chunk in chunked(values, LOOKUP_CHUNK):
+        rows = view.read(
+            OPT_OUTS.name,
+            ["list_id", "identifier", "identifier_kind"],
+            in_list("identifier", chunk),
+        )
+        for list_id, ident, kind in zip(
+            *(rows.column(c).to_pylist() for c in ("list_id", "identifier", "identifier_kind")),
+            strict=True,
+        ):
+            for key in candidates.get((kind, ident), ()):
+                hits.setdefault(key, set()).add(list_id)
+    return {k: tuple(sorted(v)) for k, v in sorted(hits.items())}

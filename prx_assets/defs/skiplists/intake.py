@@ -1,0 +1,96 @@
+"""opt_out_lists: take one opt-out list into the lab (glue over ``core.skiplists.intake``).
+
+One partition per list (a dynamic partitions definition of its own, keyed by the list id:
+``<file name>@<sha256[:16]>``), added by the opt-out sensor when it notices the file. So the
+UI shows every list ever received as a partition of this asset, with what its intake
+recorded (accepted, what it matched, or the rejection reason) and a red check for a rejected
+list; a failed intake (its file vanished) is a failed partition, rerun by hand.
+"""
+
+from typing import Any
+
+from dagster import (
+    AssetExecutionContext,
+    DynamicPartitionsDefinition,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+)
+
+from prx_assets.core.skiplists.intake import (
+    IntakeError,
+    IntakeOutcome,
+    ListIntake,
+    list_id_of_partition,
+)
+from prx_assets.defs.metadata import bounded
+from prx_assets.defs.resources import LabResource
+from prx_assets.defs.skiplists.checks import list_accepted_result, list_accepted_spec
+from prx_assets.defs.skiplists.config import OptOutResource
+
+OPT_OUT_LISTS_ASSET = "opt_out_lists"
+INTAKE_GROUP = "optouts"
+OPT_OUT_LISTS = DynamicPartitionsDefinition(name="opt_out_lists")
+MAX_BATCHES_LISTED = 50
+
+
+def _metadata(out: IntakeOutcome) -> dict[str, Any]:
+    """What the partition shows: the outcome, as text and numbers (never markdown)."""
+    return {
+        "list_id": out.list_id,
+        "status": out.status,
+        "reason": MetadataValue.text(out.reason or ""),
+        "format": out.format or "",
+        "identifiers": out.identifiers,
+        "matched_images": len(out.matched),
+        "batches": MetadataValue.json(out.batches[:MAX_BATCHES_LISTED]),
+        "path": MetadataValue.text(out.path),
+        "sha256": out.sha256,
+        "received_at": out.received_at.isoformat(),
+        "opt_outs_lance_version": (
+            MetadataValue.null() if out.opt_outs_version is None else out.opt_outs_version
+        ),
+        "opt_out_lists_lance_version": out.opt_out_lists_version,
+    }
+
+
+@asset(
+    name=OPT_OUT_LISTS_ASSET,
+    partitions_def=OPT_OUT_LISTS,
+    group_name=INTAKE_GROUP,
+    kinds={"lance"},
+    code_version="opt_out_lists-v1",
+    check_specs=[list_accepted_spec(OPT_OUT_LISTS_ASSET, OPT_OUT_LISTS)],
+    description=(
+        "One opt-out list (partition: its id, file name @ sha256 prefix), parsed as a stream "
+        "within the size caps and recorded: its `opt_out_lists` row (accepted, or rejected "
+        "with the reason) and, when accepted, one `opt_outs` row per identifier and image it "
+        "names. Requested by the opt-out sensor, which then requests skip_lists for the "
+        "partitions holding any copy of those images."
+    ),
+)
+def opt_out_lists(
+    context: AssetExecutionContext, lab: LabResource, optouts: OptOutResource
+) -> MaterializeResult:
+    intake = ListIntake(
+        lab.lab(),
+        optouts.directory(lab),
+        list_id_of_partition(context.partition_key),
+        max_list_bytes=optouts.max_list_bytes,
+        max_line_bytes=optouts.max_line_bytes,
+    )
+    try:
+        out = intake.run()
+    except IntakeError as exc:
+        raise Failure(description=bounded(str(exc), 2_000)) from None
+    if out.accepted:
+        context.log.info(
+            f"opt-out list {out.list_id}: {out.identifiers} identifier(s), "
+            f"{len(out.matched)} image(s) matched"
+        )
+    else:
+        context.log.warning(
+            f"opt-out list {out.list_id} rejected: {bounded(out.reason or '', 400)}"
+        )
+    return MaterializeResult(metadata=_metadata(out), check_results=[list_accepted_result(out)])
