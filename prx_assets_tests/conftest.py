@@ -16,7 +16,7 @@ PHOTOS = Path(__file__).resolve().parents[1] / "prx_assets" / "demo" / "photos"
 
 
 @pytest.fixture(autouse=True)
-def _release_streaming_shared_memory():
+def _release_streaming_shared_memory(_no_descriptor_leak: None):
     """Every test's streaming readers give their shared memory back when the test ends.
 
     Streaming holds each segment (and its file descriptor) until the process exits; over the
@@ -26,6 +26,29 @@ def _release_streaming_shared_memory():
 
     with streaming_memory_released():
         yield
+
+
+#: Descriptors the test process may hold between tests (~25 at steady state). A leak fails
+#: the test that crosses it, by name, long before the OS limit (1024 on many machines)
+#: takes down pytest itself.
+MAX_OPEN_DESCRIPTORS = 400
+
+
+@pytest.fixture(autouse=True)
+def _no_descriptor_leak():
+    """Fail the test after which this process holds more than MAX_OPEN_DESCRIPTORS.
+
+    Checked after streaming's shared memory is released (that fixture depends on this one,
+    so it is torn down first).
+    """
+    yield
+    fd_dir = Path("/proc/self/fd")
+    if fd_dir.is_dir():
+        held = len(os.listdir(fd_dir))
+        assert held <= MAX_OPEN_DESCRIPTORS, (
+            f"{held} open file descriptors after this test (limit {MAX_OPEN_DESCRIPTORS}): "
+            "a leak (streaming shared memory, Lance datasets, sockets or files left open)"
+        )
 
 
 @pytest.fixture(scope="session")
