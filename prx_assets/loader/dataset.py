@@ -43,12 +43,13 @@ fetch is read again from its new manifest.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import time
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -386,6 +387,55 @@ def default_num_canonical_nodes(shuffle_algo: str = "py1e") -> int:
     return 64 * nodes if shuffle_algo in ("py1s", "py2s") else nodes
 
 
+@contextlib.contextmanager
+def _peeks_released(keep: Callable[[], int | None]) -> Iterator[None]:
+    """Close, when the block ends, the shared-memory segments streaming only peeked at in it.
+
+    streaming keeps every ``SharedMemory`` it opens, and its file descriptor, until the
+    process exits (one atexit handler each), including attachments it made only to read a
+    value and then dropped: to pick its prefix, ``StreamingDataset.__init__`` attaches to the
+    ``_locals`` segment of every live prefix on the machine, and every epoch's ``_resume``
+    attaches to the dataset's resume segment. A trainer building one dataset per bucket held
+    O(buckets²) descriptors plus O(buckets) per epoch: 1,343 after constructing the 11
+    buckets of the small demo, past a 1,024 limit. Attachments made in the block (never a
+    segment this process created) under any prefix other than ``keep()`` are closed when it
+    ends; everything else keeps its atexit handler.
+    """
+    from streaming.base.shared.memory import SharedMemory
+
+    held: list[SharedMemory] = []
+    real_register = atexit.register
+
+    def register(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
+        owner = getattr(f, "__self__", None)
+        if isinstance(owner, SharedMemory) and not args and not kwargs:
+            held.append(owner)
+            return f
+        return real_register(f, *args, **kwargs)
+
+    atexit.register = register  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        atexit.register = real_register
+        kept = keep()
+        for shm in held:
+            if _is_peek(shm, kept):
+                with contextlib.suppress(Exception):  # a peer may have unlinked it already
+                    shm.cleanup()
+            else:
+                real_register(shm.cleanup)
+
+
+def _is_peek(shm: Any, kept_prefix: int | None) -> bool:
+    """An attachment (not a segment this process created) outside the kept prefix."""
+    if shm.created_shms or not shm.opened_shms:
+        return False
+    name = str(getattr(shm.opened_shms[0], "name", "")).lstrip("/")
+    prefix, _, _ = name.partition("_")
+    return prefix.isdigit() and int(prefix) != kept_prefix
+
+
 class SkipListDataset(StreamingDataset):
     """``StreamingDataset`` over ``SkipListStream``s: the sample space excludes skipped rows.
 
@@ -453,7 +503,9 @@ class SkipListDataset(StreamingDataset):
         attempts = 1 if distributed else PREFIX_RACE_ATTEMPTS
         for attempt in range(attempts):
             try:
-                super().__init__(streams=streams, **kwargs)
+                # Its own prefix's attachments stay (non-leader ranks read them later).
+                with _peeks_released(lambda: getattr(self, "_shm_prefix_int", None)):
+                    super().__init__(streams=streams, **kwargs)
                 return streams
             except FileExistsError as exc:
                 if attempt + 1 == attempts or not str(exc.filename or "").endswith("_locals"):
@@ -486,6 +538,11 @@ class SkipListDataset(StreamingDataset):
                 SmallBucketWarning,
                 stacklevel=3,
             )
+
+    def _resume(self, world: World, epoch: int) -> tuple[int, int]:
+        """streaming's ``_resume``, without keeping its read-only attachment for the process."""
+        with _peeks_released(lambda: None):
+            return super()._resume(world, epoch)
 
     def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
         state = super().state_dict(num_samples, from_beginning)

@@ -54,6 +54,19 @@ def collate_samples(samples: list[dict[str, Any]]) -> dict[str, list[Any]]:
     return {k: [s[k] for s in samples] for k in samples[0]} if samples else {}
 
 
+def _close_resume_handle(ds: StreamingDataset) -> None:
+    """Close this process's handle on the resume segment the previous pin wrote.
+
+    ``StreamingDataset.load_state_dict`` opens the segment again on every call and streaming
+    keeps every handle it ever opened (and its descriptor) until the process exits: one more
+    per bucket per epoch. The segment itself stays (its name is reused by the next pin and
+    unlinked at exit, as streaming does); only the old handle's descriptor is given back.
+    """
+    old = getattr(ds, "_resume_shm", None)
+    for shm in [*getattr(old, "created_shms", ()), *getattr(old, "opened_shms", ())]:
+        shm.close()
+
+
 class ShapeBatchedLoader:
     """Iterate single-shape batches over buckets, with exact, elastic ``state_dict``.
 
@@ -177,6 +190,7 @@ class ShapeBatchedLoader:
     def _pin_datasets(self, offsets: dict[str, int]) -> None:
         """Write each dataset's resume state, so its next ``__iter__`` is this epoch/offset."""
         for shape, ds in self.datasets.items():
+            _close_resume_handle(ds)
             StreamingDataset.load_state_dict(
                 ds,
                 {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections import Counter
 from pathlib import Path
@@ -230,3 +231,27 @@ def test_discovery_and_loader_refuse_an_unscreened_partition(mds_root: MdsRoot):
         )
     assert len([w for w in caught if w.category is UnscreenedDataWarning]) == 3  # per stream
     assert victim in {k for b in loader for k in b["key"]}
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc (Linux)")
+def test_descriptors_grow_with_buckets_not_their_square_and_not_with_epochs(tmp_path: Path):
+    """streaming keeps every shared-memory handle it opens until exit, including its peeks at
+    other datasets' prefixes (O(buckets²)) and each epoch's resume segment; the small demo's
+    11 buckets held 1,343 descriptors, past a 1,024 limit. Now: a bounded number per bucket,
+    and none more per epoch."""
+    shapes = [f"{8 * (1 + i % 4)}x{8 * (1 + i // 4)}" for i in range(12)]
+    root = MdsRoot(tmp_path / "data", layout=[("0", s, "b0", 24) for s in shapes])
+    before = _open_descriptors()
+    loader = ShapeBatchedLoader(discover_streams(root.root), batch_size=4, num_canonical_nodes=1)
+    assert len(loader.shapes) == 12
+    built = _open_descriptors() - before
+    assert built <= 16 * 12, f"{built} descriptors for 12 buckets"
+    keys = [k for b in loader for k in b["key"]]
+    after_first = _open_descriptors()
+    for _ in range(3):
+        assert sorted(k for b in loader for k in b["key"]) == sorted(keys)
+    assert _open_descriptors() <= after_first
