@@ -7,7 +7,9 @@ itself:
 
 - **balancing**: each request goes to the usable endpoint with the fewest requests in
   flight (ties in rotation), at most ``max_concurrency`` in flight per endpoint;
-- **avoidance**: a retried request prefers an endpoint it has not failed on yet;
+- **avoidance**: a retried request goes to an endpoint it has not failed on yet (or one
+  due for its probe), waiting for one that is merely busy; it goes back to one it failed
+  on only when no other is in service;
 - **Retry-After**: an endpoint that answered one is sent nothing until then (capped);
 - **circuit breaker**: ``circuit_failures`` consecutive *down* failures (connection error,
   timeout, 5xx) open an endpoint's circuit: it gets no traffic for a cool-down, then one
@@ -187,9 +189,19 @@ class EndpointPool:
             now = self._clock() if now is None else now
             self._fleet_check(now)
             ready = [ep for ep in self.endpoints if self._usable(ep, now)]
-            if not ready:
-                return None
-            preferred = [ep for ep in ready if ep.index not in avoid] or ready
+            # A probe is always welcome: an earlier failure there predates the cool-down.
+            preferred = [ep for ep in ready if ep.index not in avoid or ep.state == "open"]
+            if not preferred:
+                # A retry waits for a healthy server it has not failed on that is only
+                # busy; the server it failed on is its last resort, not its first.
+                busy = [
+                    ep
+                    for ep in self.endpoints
+                    if ep.index not in avoid and ep.state == "closed" and now >= ep.not_before
+                ]
+                if busy or not ready:
+                    return None
+                preferred = ready
             n = len(self.endpoints)
             ep = min(preferred, key=lambda e: (e.in_flight, (e.index - self._next) % n))
             self._next = (ep.index + 1) % n

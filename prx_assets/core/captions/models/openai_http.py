@@ -365,6 +365,8 @@ class OpenAIChatClient:
                 raise FleetDownError(f"{label}: {exc}", attempts=attempt - 1) from None
             try:
                 return self._on(endpoint, body, parse)
+            except BackendRequestError as exc:
+                raise BackendRequestError(f"{label}: {exc}", exc.status) from None
             except _Retry as exc:
                 last = exc
                 failed_on.add(endpoint.index)
