@@ -143,14 +143,6 @@ def resolve_base_urls(
     return urls
 
 
-def resolve_base_url(explicit: str | None, env_names: Sequence[str]) -> str:
-    """The one validated base URL (``.../v1``); credentials in the URL are refused."""
-    urls = resolve_base_urls(explicit, env_names)
-    if len(urls) != 1:
-        raise BackendConfigError(f"expected one base URL, got {len(urls)}")
-    return urls[0]
-
-
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
     """Seconds to wait from a ``Retry-After`` header (delta-seconds or HTTP date)."""
     if not value:
