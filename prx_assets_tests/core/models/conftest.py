@@ -8,7 +8,6 @@ checkpoint would be. Their text is garbage; the tests check shapes, flow and pro
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import socket
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from prx_assets_tests.core.models.chat_process import data_url_digest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -214,17 +215,6 @@ def chat_reply(content: str | None, finish_reason: str = "stop", **extra: Any) -
     }
     choice.update(extra)
     return {"status": 200, "json": {"id": "x", "object": "chat.completion", "choices": [choice]}}
-
-
-def data_url_digest(body: dict[str, Any]) -> str:
-    """Short hash of the image data URL in a captioning request (0 if none)."""
-    for msg in body.get("messages", []):
-        content = msg.get("content")
-        if isinstance(content, list):
-            for part in content:
-                if part.get("type") == "image_url":
-                    return hashlib.sha256(part["image_url"]["url"].encode()).hexdigest()[:12]
-    return "0"
 
 
 @dataclass

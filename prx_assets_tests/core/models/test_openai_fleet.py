@@ -8,8 +8,14 @@ the only timeouts are safety bounds that make a broken run fail instead of hang.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -161,6 +167,104 @@ def test_a_server_that_dies_mid_batch_is_ejected_probed_and_used_again(chat_flee
     assert ca.ok == len(a.state.requests) and cb.ok == len(b.state.requests)
     assert cc.errors == cc.connection_errors >= 2
     assert "connection error" in caplog.text and SECRET not in caplog.text
+
+
+class ServerProcess:
+    """``chat_process.py`` in its own process: started, ``kill -9``-ed, restarted on its port."""
+
+    SCRIPT = Path(__file__).with_name("chat_process.py")
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir, self.port, self.proc = workdir, 0, None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        ready = self.workdir / f"ready-{self.starts}"
+        cmd = [sys.executable, str(self.SCRIPT), "--port", str(self.port), "--ready", str(ready)]
+        self.proc = subprocess.Popen(cmd)
+        for _ in range(int(SAFETY_S / 0.01)):
+            if ready.exists():
+                self.port = int(ready.read_text())
+                return
+            assert self.proc.poll() is None, "the server process exited"
+            time.sleep(0.01)
+        raise AssertionError("the server process never listened")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=SAFETY_S)
+
+
+def _until(condition: Callable[[], bool]) -> bool:
+    """Poll ``condition`` for at most SAFETY_S (a bound, not a measurement)."""
+    for _ in range(int(SAFETY_S / 0.01)):
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_server_process_killed_with_sigkill_is_replaced_then_reused(chat_fleet, tmp_path):
+    """The third server is a real process, ``kill -9``-ed while it serves; the batch
+    completes on the other two; restarted on its port, it is probed and serves again."""
+    a, b = chat_fleet(2)
+    proc = ServerProcess(tmp_path)
+    proc.start()
+    killed, back = threading.Event(), threading.Event()
+
+    def gate() -> None:
+        if killed.is_set():
+            back.wait(SAFETY_S)  # A and B hold their work until the process serves again
+
+    for s in (a, b):
+        s.state.default = _answer(sleep=0.01, before=gate)
+    items = _images(40)
+    cap = OpenAICaptioner(
+        "test-vlm",
+        base_url=[a.state.base_url, b.state.base_url, proc.base_url],
+        api_key=SECRET,
+        max_side=64,
+        **{**FAST, "timeout_s": 3 * SAFETY_S},
+        max_concurrency=2,
+        circuit_failures=2,
+        circuit_cooldown_s=0.2,
+    )
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["results"] = cap.caption(items)
+        except Exception as exc:  # reported below
+            out["error"] = exc
+
+    worker = threading.Thread(target=run)
+    try:
+        worker.start()
+        assert _until(lambda: cap.endpoint_counts()[2].ok >= 3), "the process never served"
+        killed.set()
+        proc.kill9()
+        assert _until(lambda: cap.endpoint_counts()[2].circuit_opens >= 1)
+        ok_while_dead = cap.endpoint_counts()[2].ok
+        proc.start()  # same port
+        assert _until(lambda: cap.endpoint_counts()[2].ok >= ok_while_dead + 2)
+        back.set()
+        worker.join(timeout=4 * SAFETY_S)
+    finally:
+        back.set()
+        proc.kill9()
+    assert not worker.is_alive() and "error" not in out, out.get("error")
+    assert [r.caption for r in out["results"]] == [_expected(cap, item) for item in items]
+    ca, cb, cp = cap.endpoint_counts()
+    cap.close()
+    assert cp.connection_errors >= 1 and cp.circuit_opens >= 1 and cp.probes >= 1
+    assert cp.state == "closed" and cp.ok >= ok_while_dead + 2
+    assert ca.ok + cb.ok + cp.ok == 40 and (ca.errors, cb.errors) == (0, 0)
 
 
 @pytest.mark.parametrize(
