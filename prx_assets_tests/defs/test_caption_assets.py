@@ -299,6 +299,27 @@ def test_a_fleet_captions_and_classifies_with_per_endpoint_counts_in_metadata(
         assert SECRET not in json.dumps({k: str(v) for k, v in value.items()})
 
 
+def test_a_fleet_from_the_environment_keeps_the_single_server_identity(monkeypatch):
+    from prx_assets.definitions import backends_from_env
+
+    fleet = "http://vllm-0.vllm:8000/v1,http://vllm-1.vllm:8000/v1 http://vllm-2.vllm:8000/v1"
+    monkeypatch.setenv("PRX_CAPTIONER", "openai")
+    monkeypatch.setenv("PRX_CAPTION_MODEL", "org/vlm")
+    monkeypatch.setenv("PRX_CLASSIFIER", "openai")
+    monkeypatch.setenv("PRX_CLASSIFIER_BASE_URL", fleet)
+    monkeypatch.setenv("PRX_CAPTION_BASE_URL", fleet)
+    captioner, classifier = backends_from_env()
+    with captioner.build() as cap, classifier.build() as clf:
+        assert len(cap.base_urls) == 3 and cap.base_urls == clf.base_urls
+    monkeypatch.setenv("PRX_CAPTION_BASE_URL", "http://vllm-1.vllm:8000/v1")
+    single, _ = backends_from_env()
+    assert single.identity() == captioner.identity()
+    with pytest.raises(ValueError, match="not both"):
+        CaptionerResource(
+            backend="openai", base_url="http://a:1/v1", base_urls=["http://b:1/v1"]
+        ).build()
+
+
 def test_endpoint_urls_in_metadata_are_code_spans_and_bounded():
     from prx_assets.core.captions.models.fleet import EndpointCounts
     from prx_assets.core.markdown import bounded, md_code
