@@ -8,13 +8,24 @@ Markdown syntax. Plain values (``MetadataValue.text``, ``str``, JSON) are shown 
 
 import base64
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from dagster import MetadataValue
 
+from prx_assets.core.captions.models.fleet import EndpointCounts
 from prx_assets.core.markdown import bounded, md_code, md_table
 
-__all__ = ["bounded", "counts_table", "md_code", "md_table", "png_markdown"]
+__all__ = [
+    "bounded",
+    "counts_table",
+    "endpoint_metadata",
+    "md_code",
+    "md_table",
+    "png_markdown",
+]
+
+MAX_URL_CHARS = 200  # an endpoint URL as shown in metadata
 
 _ALT_UNSAFE = re.compile(r"[^A-Za-z0-9 .,:_-]+")
 
@@ -35,3 +46,56 @@ def counts_table(counts: Mapping[str, int], key: str = "value", sort: bool = Tru
     """
     items = sorted(counts.items()) if sort else list(counts.items())
     return MetadataValue.md(md_table([key, "count"], items))
+
+
+ENDPOINT_COLUMNS = (
+    "endpoint",
+    "requests",
+    "ok",
+    "errors",
+    "connection errors",
+    "timeouts",
+    "5xx",
+    "429",
+    "4xx",
+    "malformed",
+    "circuit opens",
+    "probes",
+    "state",
+)
+
+
+def endpoint_metadata(counts: Sequence[EndpointCounts]) -> dict[str, Any]:
+    """Per-server request and error counts of an OpenAI-compatible backend's run.
+
+    URLs are configuration, never credentials (refused at configuration), but still shown
+    bounded and inside code spans; ``{}`` for a backend without servers.
+    """
+    if not counts:
+        return {}
+    rows = [
+        (
+            bounded(c.url, MAX_URL_CHARS),
+            c.requests,
+            c.ok,
+            c.errors,
+            c.connection_errors,
+            c.timeouts,
+            c.http_5xx,
+            c.http_429,
+            c.client_errors,
+            c.malformed,
+            c.circuit_opens,
+            c.probes,
+            c.state,
+        )
+        for c in counts
+    ]
+    per_endpoint = [{**c.as_dict(), "url": bounded(c.url, MAX_URL_CHARS)} for c in counts]
+    return {
+        "endpoints": len(counts),
+        "requests": sum(c.requests for c in counts),
+        "request_errors": sum(c.errors for c in counts),
+        "endpoint_requests": MetadataValue.md(md_table(ENDPOINT_COLUMNS, rows)),
+        "endpoint_counts": MetadataValue.json(per_endpoint),
+    }

@@ -37,6 +37,7 @@ from prx_assets_tests.core.stage_inputs import DEMO_BATCH, RecordingLab, ingest_
 
 KEY = DEMO_BATCH
 chat_server = model_fixtures.chat_server  # the scripted OpenAI-compatible server fixture
+chat_fleet = model_fixtures.chat_fleet  # several such servers that can die
 
 
 @pytest.fixture
@@ -158,8 +159,54 @@ def test_a_failing_backend_writes_nothing_and_keeps_the_previous_rows(lab_with_b
     assert caught.value.details == {
         "backend": "openai",
         "fingerprint": built[0].identity.fingerprint(),
+        "endpoints": "1",
+        "endpoints_out_of_service": "1",  # every answer a 500: its circuit opened
     }
     assert chat_server.requests  # the server really was asked
+    assert lab.read_batch(CAPTIONS.name, KEY).equals(before)
+    assert lab.version(CAPTIONS.name) == version
+
+
+def test_a_dead_fleet_fails_the_batch_and_writes_nothing(lab_with_batch, chat_fleet):
+    """Two servers, one dead from the start and one that dies after three answers: the
+    batch fails with the fleet's state, and the partition keeps its previous rows."""
+    lab, _ = lab_with_batch
+    _alt_captions(lab).run()
+    before = lab.read_batch(CAPTIONS.name, KEY)
+    version = lab.version(CAPTIONS.name)
+    dead, dying = chat_fleet(2)
+    dead.kill()
+
+    def reply(body: dict) -> dict:
+        if len(dying.state.requests) == 4:
+            dying.kill()
+        return model_fixtures.chat_reply("a caption")
+
+    dying.state.default = reply
+    urls = [dead.state.base_url, dying.state.base_url]
+    run = BatchCaptions(
+        lab,
+        KEY,
+        lambda: OpenAICaptioner(
+            "test-vlm",
+            base_url=urls,
+            max_attempts=100,
+            backoff_base_s=0.0,
+            max_concurrency=1,
+            circuit_failures=1,
+            circuit_cooldown_s=0.05,
+            max_fleet_down_s=0.5,
+        ),
+        backend="openai",
+        chunk_size=64,
+    )
+    with pytest.raises(CaptionStageError, match="No rows were written") as caught:
+        run.run()
+    assert "FleetDownError" in str(caught.value)
+    assert "all 2 endpoint(s) out of service" in str(caught.value)
+    assert caught.value.details["endpoints"] == "2"
+    assert caught.value.details["endpoints_out_of_service"] == "2"
+    assert len(dying.state.requests) >= 4  # it did answer before it died
     assert lab.read_batch(CAPTIONS.name, KEY).equals(before)
     assert lab.version(CAPTIONS.name) == version
 

@@ -33,6 +33,7 @@ SMALL = "public-sklearn.001"  # 8 files
 SECRET = "sk-test-not-a-real-key-7f3a"
 
 chat_server = model_fixtures.chat_server  # the scripted OpenAI-compatible server fixture
+chat_fleet = model_fixtures.chat_fleet  # several such servers that can die
 
 
 def resources(lab_resource, captioner=None, classifier=None, embedder=None) -> dict:
@@ -234,6 +235,110 @@ def test_openai_captions_keep_the_key_out_of_metadata_and_rows(
     # The server saw one request per eligible image, each with the image and the key.
     assert len(chat_server.requests) == len(rows)
     assert {r["headers"]["Authorization"] for r in chat_server.requests} == {f"Bearer {SECRET}"}
+
+
+def test_a_fleet_captions_and_classifies_with_per_endpoint_counts_in_metadata(
+    instance, lab_resource, chat_fleet, monkeypatch
+):
+    """Captions over two servers and classes over two others, one of which is dead: every
+    row is made, each asset's metadata counts requests and errors per server, the key
+    appears nowhere and the URLs only inside code spans."""
+    cap_a, cap_b, cls_a, cls_dead = chat_fleet(4)
+    cls_dead.kill()
+    for s in (cls_a, cls_dead):
+        s.state.default = lambda body: model_fixtures.chat_reply("visual")
+    monkeypatch.setenv("PRX_TEST_FLEET_KEY", SECRET)
+    captioner = CaptionerResource(
+        backend="openai",
+        model="test/vlm",
+        base_urls=[cap_a.state.base_url, cap_b.state.base_url],
+        api_key=EnvVar("PRX_TEST_FLEET_KEY"),
+        max_concurrency=2,
+    )
+    classifier = ClassifierResource(
+        backend="openai",
+        model="test/lm",
+        mode="choice",
+        base_url=f"{cls_a.state.base_url},{cls_dead.state.base_url}",
+        api_key=EnvVar("PRX_TEST_FLEET_KEY"),
+        backoff_base_s=0.0,
+        circuit_failures=1,
+    )
+    instance.add_dynamic_partitions(BATCHES.name, [SMALL])
+    res = resources(lab_resource, captioner=captioner, classifier=classifier)
+    result = run(
+        instance,
+        res,
+        SMALL,
+        selection=["raw_images", "resolution_profile", "captions", "caption_classes"],
+    )
+    assert result.success
+    rows = lab_resource.lab().read(CAPTIONS.name, filter=f"batch = '{SMALL}'").to_pylist()
+    classes = lab_resource.lab().read(CAPTION_CLASSES.name, filter=f"batch = '{SMALL}'").to_pylist()
+    assert rows and {r["label"] for r in classes} == {"visual"} and len(classes) == len(rows)
+
+    md = _metadata(result, "captions")
+    assert md["endpoints"] == 2 and "endpoint" not in md  # no single server to name
+    assert md["requests"] == len(rows) and md["request_errors"] == 0
+    per = {c["url"]: c for c in md["endpoint_counts"]}
+    assert {u: c["ok"] for u, c in per.items()} == {
+        s.state.base_url: len(s.state.requests) for s in (cap_a, cap_b)
+    }
+    assert all(c["ok"] >= 1 for c in per.values())  # both servers served
+    table = md["endpoint_requests"]
+    for s in (cap_a, cap_b):
+        assert f"| `{s.state.base_url}` | {len(s.state.requests)} |" in table
+
+    cmd = _metadata(result, "caption_classes")
+    assert cmd["endpoints"] == 2
+    alive, dead = cmd["endpoint_counts"]
+    assert alive["url"] == cls_a.state.base_url and alive["ok"] == len(rows)
+    assert dead["ok"] == 0 and dead["connection_errors"] >= 1 and dead["state"] == "open"
+    assert cmd["request_errors"] == dead["errors"] >= 1
+    for value in (md, cmd):
+        assert SECRET not in json.dumps({k: str(v) for k, v in value.items()})
+
+
+def test_a_fleet_from_the_environment_keeps_the_single_server_identity(monkeypatch):
+    from prx_assets.definitions import backends_from_env
+
+    fleet = "http://vllm-0.vllm:8000/v1,http://vllm-1.vllm:8000/v1 http://vllm-2.vllm:8000/v1"
+    monkeypatch.setenv("PRX_CAPTIONER", "openai")
+    monkeypatch.setenv("PRX_CAPTION_MODEL", "org/vlm")
+    monkeypatch.setenv("PRX_CLASSIFIER", "openai")
+    monkeypatch.setenv("PRX_CLASSIFIER_BASE_URL", fleet)
+    monkeypatch.setenv("PRX_CAPTION_BASE_URL", fleet)
+    captioner, classifier = backends_from_env()
+    with captioner.build() as cap, classifier.build() as clf:
+        assert len(cap.base_urls) == 3 and cap.base_urls == clf.base_urls
+    monkeypatch.setenv("PRX_CAPTION_BASE_URL", "http://vllm-1.vllm:8000/v1")
+    single, _ = backends_from_env()
+    assert single.identity() == captioner.identity()
+    with pytest.raises(ValueError, match="not both"):
+        CaptionerResource(
+            backend="openai", base_url="http://a:1/v1", base_urls=["http://b:1/v1"]
+        ).build()
+
+
+def test_endpoint_urls_in_metadata_are_code_spans_and_bounded():
+    from prx_assets.core.captions.models.fleet import EndpointCounts
+    from prx_assets.core.markdown import bounded, md_code
+    from prx_assets.defs.metadata import MAX_URL_CHARS, endpoint_metadata
+
+    url = "http://h:1/v1/`![x](/graphql?query=mutation)`|<b>" + "a" * 500
+    zeros = dict.fromkeys(
+        ["requests", "ok", "errors", "connection_errors", "timeouts", "http_5xx", "http_429"], 0
+    )
+    counts = EndpointCounts(
+        url=url, **zeros, client_errors=0, malformed=0, circuit_opens=0, probes=0, state="closed"
+    )
+    md = endpoint_metadata([counts])
+    table = md["endpoint_requests"].value
+    cell = md_code(bounded(url, MAX_URL_CHARS), cell=True)
+    assert f"| {cell} |" in table and len(table) < 1000
+    assert "![x](/graphql" not in table.replace(cell, "")
+    assert md["endpoint_counts"].value[0]["url"] == bounded(url, MAX_URL_CHARS)
+    assert endpoint_metadata([]) == {}
 
 
 def test_identity_ignores_deployment_and_secrets(monkeypatch):

@@ -38,6 +38,7 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 chat_server = model_fixtures.chat_server  # the scripted OpenAI-compatible server fixture
+chat_fleet = model_fixtures.chat_fleet  # several such servers
 
 
 # --------------------------------------------------------------------------- pure logic
@@ -218,6 +219,32 @@ def test_captioner_swap_reruns_captions_and_everything_downstream(
         }
     # Swapping back is a swap too: the rows now say "openai".
     assert partitions_needing_rerun(lab, fingerprints(before)) == {name: KEYS for name in STAGE}
+
+
+def test_resizing_or_reordering_the_fleet_is_no_swap_but_a_new_model_is(
+    instance, lab_resource, lab_with_stage, chat_fleet
+):
+    a, b, c = chat_fleet(3)
+
+    def fleet(urls: list[str], model: str = "test/vlm") -> dict:
+        captioner = CaptionerResource(backend="openai", model=model, base_urls=urls)
+        return resources(lab_resource, captioner=captioner)
+
+    two = fleet([a.state.base_url, b.state.base_url])
+    run_requests(instance, two, tick(instance, two, None))  # the swap from the offline rows
+    lab = lab_resource.lab()
+    assert partitions_needing_rerun(lab, fingerprints(two)) == {}
+    assert {len(s.state.requests) > 0 for s in (a, b)} == {True}
+
+    three = fleet([c.state.base_url, b.state.base_url, a.state.base_url])
+    one = fleet([b.state.base_url])
+    for moved in (three, one):
+        assert code_versions(moved) == code_versions(two)
+        assert partitions_needing_rerun(lab, fingerprints(moved)) == {}
+        assert tick(instance, moved, None).run_requests == []
+    other = fleet([a.state.base_url, b.state.base_url], model="test/other-vlm")
+    assert code_versions(other)["captions"] != code_versions(two)["captions"]
+    assert partitions_needing_rerun(lab, fingerprints(other)) == {name: KEYS for name in STAGE}
 
 
 def test_classifier_or_embedder_swap_reruns_only_that_asset(instance, lab_resource, lab_with_stage):

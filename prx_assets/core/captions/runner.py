@@ -36,6 +36,7 @@ from prx_assets.core.captions.models import (
     ClassProbs,
     TextEmbedder,
 )
+from prx_assets.core.captions.models.fleet import EndpointCounts
 from prx_assets.core.captions.tables import (
     VECTOR_INDEX_MIN_ROWS,
     CaptionStats,
@@ -88,6 +89,21 @@ def endpoint(base_url: str) -> str:
     return f"{parts.scheme}://{parts.hostname}{port}{parts.path}"
 
 
+def endpoint_counts(backend: object) -> tuple[EndpointCounts, ...]:
+    """Per-server request counts of an OpenAI-compatible backend; () for any other."""
+    counts = getattr(backend, "endpoint_counts", None)
+    return tuple(counts()) if callable(counts) else ()
+
+
+def _fleet_details(backend: object) -> dict[str, str]:
+    """How many servers a failed run had and how many were out of service (no URLs)."""
+    counts = endpoint_counts(backend)
+    if not counts:
+        return {}
+    down = sum(c.state != "closed" for c in counts)
+    return {"endpoints": str(len(counts)), "endpoints_out_of_service": str(down)}
+
+
 def _captions_of(lab: Lab, batch: str, columns: list[str]) -> pa.Table:
     if not lab.exists(CAPTIONS.name):
         raise CaptionStageError(f"no captions table yet: materialise captions for {batch} first")
@@ -95,11 +111,11 @@ def _captions_of(lab: Lab, batch: str, columns: list[str]) -> pa.Table:
 
 
 def _failed(
-    what: str, identity: BackendIdentity, exc: Exception, backend: str
+    what: str, identity: BackendIdentity, exc: Exception, backend: str, model: object = None
 ) -> CaptionStageError:
     return CaptionStageError(
         f"{what} with {identity.kind} ({identity.model_id}) failed: {type(exc).__name__}: {exc}.",
-        {"backend": backend, "fingerprint": identity.fingerprint()},
+        {"backend": backend, "fingerprint": identity.fingerprint(), **_fleet_details(model)},
     )
 
 
@@ -117,7 +133,8 @@ class CaptionOutcome:
     mean_words: float
     fts_index: str  # what Lab.ensure_text_index did
     version: int  # of captions after the write
-    endpoint: str | None  # the server captioned on (OpenAI-compatible backends only)
+    endpoint: str | None  # the server captioned on, when there was exactly one
+    endpoints: tuple[EndpointCounts, ...] = ()  # per server (OpenAI-compatible backends)
 
 
 class BatchCaptions:
@@ -177,7 +194,7 @@ class BatchCaptions:
                 results.extend(out)
                 self.log(f"{self.batch}: captioned {len(results)}/{len(keys)}")
         except BackendError as exc:
-            failure = _failed(f"captioning {self.batch}", identity, exc, self.backend)
+            failure = _failed(f"captioning {self.batch}", identity, exc, self.backend, captioner)
             raise CaptionStageError(
                 f"{failure} No rows were written; the partition's previous captions are unchanged.",
                 failure.details,
@@ -189,7 +206,7 @@ class BatchCaptions:
         with _built(self.build) as captioner:
             identity = captioner.identity
             results = self._caption(captioner, keys)
-            base_url = getattr(captioner, "base_url", None)
+            endpoints = endpoint_counts(captioner)
         table = caption_rows(self.batch, results, identity, self.backend, datetime.now(UTC))
         written = self.lab.replace_partition(CAPTIONS, self.batch, table)
         fts = ensure_caption_text_index(self.lab)
@@ -205,7 +222,8 @@ class BatchCaptions:
             mean_words=float(np.mean(words)) if len(words) else 0.0,
             fts_index=fts,
             version=written["version"],
-            endpoint=endpoint(base_url) if isinstance(base_url, str) else None,
+            endpoint=endpoint(endpoints[0].url) if len(endpoints) == 1 else None,
+            endpoints=endpoints,
         )
 
 
@@ -224,6 +242,7 @@ class ClassOutcome:
     caption_fingerprints: list[str]  # the captioners whose captions were classified
     version: int  # of caption_classes after the write
     sync: SyncReport  # what was stored against the captions table now
+    endpoints: tuple[EndpointCounts, ...] = ()  # per server (OpenAI-compatible backends)
 
 
 class BatchClasses:
@@ -256,8 +275,11 @@ class BatchClasses:
                     scored = classifier.classify([texts[i] for i in chunk])
                     for i, p in zip(chunk, scored, strict=True):
                         probs[i] = p
+                endpoints = endpoint_counts(classifier)
             except BackendError as exc:
-                failure = _failed(f"classifying {self.batch}", identity, exc, self.backend)
+                failure = _failed(
+                    f"classifying {self.batch}", identity, exc, self.backend, classifier
+                )
                 raise CaptionStageError(
                     f"{failure} No rows were written.", failure.details
                 ) from exc
@@ -280,6 +302,7 @@ class BatchClasses:
             caption_fingerprints=sorted({fp for fp in cap_fps if fp}),
             version=written["version"],
             sync=classes_sync(current, stored),
+            endpoints=endpoints,
         )
 
 

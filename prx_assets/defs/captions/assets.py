@@ -48,7 +48,7 @@ from prx_assets.defs.captions.resources import (
     EmbedderResource,
 )
 from prx_assets.defs.ingest.assets import raw_images
-from prx_assets.defs.metadata import counts_table
+from prx_assets.defs.metadata import counts_table, endpoint_metadata
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.resources import LabResource
@@ -128,7 +128,7 @@ def _caption_metadata(
         metadata["caption_source"] = MetadataValue.text(ALT_TEXT_NOTE)
     if out.endpoint is not None:
         metadata["endpoint"] = out.endpoint
-    return metadata
+    return {**metadata, **endpoint_metadata(out.endpoints)}
 
 
 # --------------------------------------------------------------------------- caption_classes
@@ -154,6 +154,7 @@ def _caption_classes(
         **{f"n_{label}": n for label, n in out.label_counts.items()},
         "caption_fingerprints": MetadataValue.json(out.caption_fingerprints),
         "caption_classes_lance_version": out.version,
+        **endpoint_metadata(out.endpoints),
     }
     if classifier.is_fallback:
         metadata["classifier_source"] = MetadataValue.text(EMBEDDING_NOTE)

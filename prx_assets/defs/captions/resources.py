@@ -39,28 +39,53 @@ def _plain(value: Any) -> Any:
     return value.get_value() if isinstance(value, EnvVar) else value
 
 
+def _servers(base_url: str | None, base_urls: list[str] | None) -> str | list[str] | None:
+    """The configured servers: ``base_url`` (one URL or a comma-separated list) or
+    ``base_urls``; both set is ambiguous and refused."""
+    if base_url and base_urls:
+        raise ValueError("set base_url or base_urls, not both")
+    return list(base_urls) if base_urls else base_url
+
+
+def _fleet_options(resource: "CaptionerResource | ClassifierResource") -> dict[str, Any]:
+    return {
+        "max_concurrency": resource.max_concurrency,
+        "timeout_s": resource.timeout_s,
+        "max_attempts": resource.max_attempts,
+        "backoff_base_s": resource.backoff_base_s,
+        "circuit_failures": resource.circuit_failures,
+        "circuit_cooldown_s": resource.circuit_cooldown_s,
+        "max_fleet_down_s": resource.max_fleet_down_s,
+    }
+
+
 class CaptionerResource(ConfigurableResource):
     """The captioning backend: ``alt_text`` (offline fallback), ``openai`` or ``transformers``.
 
-    ``model`` defaults to Qwen3-VL-8B-Instruct for the model backends. ``openai`` talks to a
-    vLLM/SGLang server at ``base_url`` (``.../v1``); ``transformers`` loads ``model`` in
-    process. Decoding parameters are part of the identity; deployment ones (URL, key,
-    concurrency, timeouts, retries, device) are not.
+    ``model`` defaults to Qwen3-VL-8B-Instruct for the model backends. ``openai`` talks to
+    vLLM/SGLang servers at ``base_url`` (``.../v1``, or several comma-separated: a fleet,
+    balanced by the client) or ``base_urls``; ``transformers`` loads ``model`` in process.
+    Decoding parameters are part of the identity; deployment ones (URLs, their number and
+    order, key, concurrency per server, timeouts, retries, circuit breaker, device) are not.
     """
 
     backend: Literal["alt_text", "openai", "transformers"] = "alt_text"
     model: str | None = None
     base_url: str | None = None
+    base_urls: list[str] | None = None
     api_key: str | None = None
     max_tokens: int = 384
     temperature: float = 0.0
     do_sample: bool = False
     max_side: int = 1024
     jpeg_quality: int = 90
-    max_concurrency: int = 8
+    max_concurrency: int = 8  # per server
     timeout_s: float = 120.0
     max_attempts: int = 5
     backoff_base_s: float = 0.5
+    circuit_failures: int = 3  # consecutive connection errors/timeouts/5xx that eject a server
+    circuit_cooldown_s: float = 5.0  # before an ejected server is probed (doubles, to 60 s)
+    max_fleet_down_s: float = 120.0  # every server out this long: the batch fails
     batch_size: int = 8
     device: str | None = None
     dtype: str | None = None
@@ -77,16 +102,13 @@ class CaptionerResource(ConfigurableResource):
         if self.backend == "openai":
             return OpenAICaptioner(
                 model,
-                base_url=self.base_url if secrets else None,
+                base_url=_servers(self.base_url, self.base_urls) if secrets else None,
                 api_key=self.api_key if secrets else None,
                 max_tokens=self.max_tokens,
                 temperature=self.temperature,
                 max_side=self.max_side,
                 jpeg_quality=self.jpeg_quality,
-                max_concurrency=self.max_concurrency,
-                timeout_s=self.timeout_s,
-                max_attempts=self.max_attempts,
-                backoff_base_s=self.backoff_base_s,
+                **_fleet_options(self),
             )
         return TransformersCaptioner(
             model,
@@ -114,21 +136,26 @@ class ClassifierResource(ConfigurableResource):
 
     ``model`` defaults to Qwen3-8B for the LM backends; the embedding backend always uses
     the bundled all-MiniLM-L6-v2 (``embedding_model_path`` overrides its directory).
+    ``openai`` servers are configured as for :class:`CaptionerResource` (a fleet too).
     """
 
     backend: Literal["embedding", "transformers", "openai"] = "embedding"
     model: str | None = None
     base_url: str | None = None
+    base_urls: list[str] | None = None
     api_key: str | None = None
     temperature: float = 0.05  # embedding zero-shot softmax temperature
     score: Literal["mean", "first"] = "mean"  # transformers label scoring
     mode: Literal["auto", "logprobs", "choice"] = "auto"  # openai
     top_logprobs: int = 10
     choice_field: Literal["structured_outputs", "guided_choice"] = "structured_outputs"
-    max_concurrency: int = 16
+    max_concurrency: int = 16  # per server
     timeout_s: float = 60.0
     max_attempts: int = 5
     backoff_base_s: float = 0.5
+    circuit_failures: int = 3  # consecutive connection errors/timeouts/5xx that eject a server
+    circuit_cooldown_s: float = 5.0  # before an ejected server is probed (doubles, to 60 s)
+    max_fleet_down_s: float = 120.0  # every server out this long: the batch fails
     batch_size: int = 16
     device: str | None = None
     dtype: str | None = None
@@ -147,15 +174,12 @@ class ClassifierResource(ConfigurableResource):
         if self.backend == "openai":
             return OpenAIClassifier(
                 model,
-                base_url=self.base_url if secrets else None,
+                base_url=_servers(self.base_url, self.base_urls) if secrets else None,
                 api_key=self.api_key if secrets else None,
                 mode=self.mode,
                 top_logprobs=self.top_logprobs,
                 choice_field=self.choice_field,
-                max_concurrency=self.max_concurrency,
-                timeout_s=self.timeout_s,
-                max_attempts=self.max_attempts,
-                backoff_base_s=self.backoff_base_s,
+                **_fleet_options(self),
             )
         return TransformersClassifier(
             model,

@@ -7,9 +7,10 @@ checkpoint would be. Their text is garbage; the tests check shapes, flow and pro
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from prx_assets_tests.core.models.chat_process import data_url_digest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -214,17 +217,6 @@ def chat_reply(content: str | None, finish_reason: str = "stop", **extra: Any) -
     return {"status": 200, "json": {"id": "x", "object": "chat.completion", "choices": [choice]}}
 
 
-def data_url_digest(body: dict[str, Any]) -> str:
-    """Short hash of the image data URL in a captioning request (0 if none)."""
-    for msg in body.get("messages", []):
-        content = msg.get("content")
-        if isinstance(content, list):
-            for part in content:
-                if part.get("type") == "image_url":
-                    return hashlib.sha256(part["image_url"]["url"].encode()).hexdigest()[:12]
-    return "0"
-
-
 @dataclass
 class ChatServer:
     """A real HTTP server on 127.0.0.1 speaking ``POST /v1/chat/completions``.
@@ -243,6 +235,7 @@ class ChatServer:
     lock: threading.Lock = field(default_factory=threading.Lock)
     in_flight: int = 0
     max_in_flight: int = 0
+    connections: set[Any] = field(default_factory=set)  # open client sockets
 
     def next_reply(self, body: dict[str, Any]) -> Reply:
         with self.lock:
@@ -257,6 +250,19 @@ def _make_handler(state: ChatServer) -> type[BaseHTTPRequestHandler]:
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
             pass
+
+        def setup(self) -> None:
+            super().setup()
+            with state.lock:
+                state.connections.add(self.connection)
+
+        def finish(self) -> None:
+            with state.lock:
+                state.connections.discard(self.connection)
+            try:
+                super().finish()
+            except OSError:
+                pass  # the server was killed under this connection
 
         def do_POST(self) -> None:  # noqa: N802 - http.server's naming
             length = int(self.headers.get("Content-Length", "0"))
@@ -286,8 +292,8 @@ def _make_handler(state: ChatServer) -> type[BaseHTTPRequestHandler]:
                     self.send_header(k, v)
                 self.end_headers()
                 self.wfile.write(payload)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the client gave up (timeout): expected in fault tests
+            except OSError:
+                pass  # the client gave up (timeout) or the server was killed: fault tests
             finally:
                 with state.lock:
                     state.in_flight -= 1
@@ -295,17 +301,77 @@ def _make_handler(state: ChatServer) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class LiveChatServer:
+    """A :class:`ChatServer` that can die and come back on the same port.
+
+    ``kill()`` is what a crashed server looks like from the client: the listening socket
+    is closed (new connections are refused) and every open connection is shut down
+    (requests in flight get no answer). ``start()`` listens again on the same port.
+    """
+
+    def __init__(self, state: ChatServer | None = None) -> None:
+        self.state = state or ChatServer()
+        self.port = 0
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def alive(self) -> bool:
+        return self._server is not None
+
+    def start(self) -> LiveChatServer:
+        with self._lock:
+            if self._server is not None:
+                return self
+            server = ThreadingHTTPServer(("127.0.0.1", self.port), _make_handler(self.state))
+            server.daemon_threads = True
+            self.port = server.server_address[1]
+            self.state.base_url = f"http://127.0.0.1:{self.port}/v1"
+            self._thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
+            self._thread.start()
+            self._server = server
+        return self
+
+    def kill(self) -> None:
+        with self._lock:
+            server, thread, self._server = self._server, self._thread, None
+            if server is None:
+                return
+            server.shutdown()
+            server.server_close()
+            with self.state.lock:
+                sockets = list(self.state.connections)
+            for sock in sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(OSError):
+                    sock.close()
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=5)
+
+
 @pytest.fixture
 def chat_server() -> Iterator[ChatServer]:
-    state = ChatServer()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(state))
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
-    thread.start()
-    state.base_url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    live = LiveChatServer().start()
     try:
-        yield state
+        yield live.state
     finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+        live.kill()
+
+
+@pytest.fixture
+def chat_fleet() -> Iterator[Callable[[int], list[LiveChatServer]]]:
+    """``chat_fleet(n)``: n live servers on 127.0.0.1, all stopped when the test ends."""
+    started: list[LiveChatServer] = []
+
+    def make(n: int) -> list[LiveChatServer]:
+        servers = [LiveChatServer().start() for _ in range(n)]
+        started.extend(servers)
+        return servers
+
+    try:
+        yield make
+    finally:
+        for server in started:
+            server.kill()

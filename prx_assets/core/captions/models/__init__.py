@@ -13,6 +13,10 @@ Choosing a backend:
 - classification: :class:`TransformersClassifier` or :class:`OpenAIClassifier`;
   :class:`EmbeddingClassifier` is the offline fallback;
 - embeddings: :class:`MiniLMEmbedder` (bundled all-MiniLM-L6-v2, 384-d).
+
+The OpenAI-compatible backends take one server or a fleet (``fleet.py``: client-side
+balancing, a dead server ejected and probed again, :class:`FleetDownError` when all are
+out); :class:`EndpointCounts` are their per-server request counts.
 """
 
 from prx_assets.core.captions.models.base import (
@@ -46,6 +50,7 @@ from prx_assets.core.captions.models.classifiers import (
     TransformersClassifier,
 )
 from prx_assets.core.captions.models.embeddings import MINILM_DIM, MiniLMEmbedder, minilm_model_path
+from prx_assets.core.captions.models.fleet import EndpointCounts, FleetDownError
 from prx_assets.core.captions.models.prompts import (
     CAPTION_PROMPT_HASH,
     CAPTION_PROMPT_VERSION,
@@ -79,6 +84,8 @@ __all__ = [
     "ClassProbs",
     "EmbeddingClassifier",
     "EmptyContentError",
+    "EndpointCounts",
+    "FleetDownError",
     "MalformedResponseError",
     "MiniLMEmbedder",
     "OpenAICaptioner",

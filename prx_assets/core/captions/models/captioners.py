@@ -64,11 +64,13 @@ def image_to_data_url(img: Image.Image, quality: int = 90) -> str:
 class OpenAICaptioner(OpenAIBackend):
     """Captions through any OpenAI-compatible chat-completions server (vLLM, SGLang).
 
-    ``base_url`` (``.../v1``) and ``api_key`` come from arguments or the environment
-    (``PRX_CAPTION_BASE_URL``/``OPENAI_BASE_URL``, ``PRX_CAPTION_API_KEY``/``OPENAI_API_KEY``);
-    no key means no ``Authorization`` header. The identity holds the model, prompt and
-    decoding/encoding parameters, not the URL, key or concurrency: moving the server does
-    not re-caption the lake. ``client``: timeouts, retries and concurrency (``ClientOptions``).
+    ``base_url`` (``.../v1``; several, comma-separated or a sequence, for a fleet) and
+    ``api_key`` come from arguments or the environment (``PRX_CAPTION_BASE_URL``/
+    ``OPENAI_BASE_URL``, ``PRX_CAPTION_API_KEY``/``OPENAI_API_KEY``); no key means no
+    ``Authorization`` header. The identity holds the model, prompt and decoding/encoding
+    parameters, not the URLs, key or concurrency: moving or resizing the fleet does not
+    re-caption the lake. ``client``: timeouts, retries, concurrency per server and the
+    circuit breaker (``ClientOptions``).
     """
 
     BASE_URL_ENV = CAPTION_BASE_URL_ENV
@@ -79,7 +81,7 @@ class OpenAICaptioner(OpenAIBackend):
         self,
         model: str = DEFAULT_VLM_ID,
         *,
-        base_url: str | None = None,
+        base_url: str | Sequence[str] | None = None,
         api_key: str | None = None,
         max_tokens: int = 384,
         temperature: float = 0.0,

@@ -279,7 +279,7 @@ class OpenAIClassifier(OpenAIBackend):
         self,
         model: str = DEFAULT_LM_ID,
         *,
-        base_url: str | None = None,
+        base_url: str | Sequence[str] | None = None,
         api_key: str | None = None,
         mode: Literal["auto", "logprobs", "choice"] = "auto",
         top_logprobs: int = 10,

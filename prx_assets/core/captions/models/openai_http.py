@@ -3,11 +3,14 @@
 Why not the ``openai`` SDK: it is not a dependency, and the pipeline needs exactly one
 behaviour, spelled out here:
 
-- bounded concurrency (a thread pool of ``max_concurrency`` over one ``httpx.Client``);
+- one or several servers (a vLLM/SGLang fleet, no gateway): requests are balanced over
+  them, a dead one is taken out and probed again later (:mod:`.fleet`);
+- bounded concurrency (``max_concurrency`` in flight per server, one ``httpx.Client``);
 - per-attempt timeouts; retries with exponential backoff and jitter, bounded by
   ``max_attempts``, on 408/429/5xx, timeouts and connection errors, and on 2xx bodies
   that are not a usable completion (truncated JSON, no choices, empty content);
-  a ``Retry-After`` header is honoured (capped at ``max_retry_after_s``);
+  a ``Retry-After`` header is honoured (capped at ``max_retry_after_s``), by the request
+  and by its server; a retry prefers a server the request has not failed on yet;
 - other 4xx fail at once (:class:`BackendRequestError`): retrying a bad request is waste;
 - fail-fast batches: when one item fails for good, the others stop retrying and the
   whole batch raises, so callers never write a partial result;
@@ -41,6 +44,13 @@ from prx_assets.core.captions.models.base import (
     BackendUnavailableError,
     EmptyContentError,
     MalformedResponseError,
+)
+from prx_assets.core.captions.models.fleet import (
+    Endpoint,
+    EndpointCounts,
+    EndpointPool,
+    FleetDownError,
+    Outcome,
 )
 
 log = logging.getLogger(__name__)
@@ -83,20 +93,54 @@ def resolve_api_key(explicit: str | None, env_names: Sequence[str]) -> Secret | 
     return None
 
 
-def resolve_base_url(explicit: str | None, env_names: Sequence[str]) -> str:
-    """Validated base URL (``.../v1``); credentials in the URL are refused, use the key."""
-    url = explicit
-    if not url:
-        url = next((os.environ[n] for n in env_names if os.environ.get(n, "").strip()), None)
-    url = (url or DEFAULT_BASE_URL).strip().rstrip("/")
+MAX_BASE_URLS = 64
+MAX_BASE_URL_CHARS = 2048
+
+
+def _check_base_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    shown = url if len(url) <= 200 else url[:200] + "..."
+    if len(url) > MAX_BASE_URL_CHARS or not url.isprintable() or any(c.isspace() for c in url):
+        raise BackendConfigError(
+            f"base_url must be a printable URL of at most {MAX_BASE_URL_CHARS} characters, got {shown!r}"
+        )
     parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise BackendConfigError(f"base_url has an invalid port: {shown!r}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise BackendConfigError(f"base_url must be an http(s) URL with a host, got {url!r}")
+        raise BackendConfigError(f"base_url must be an http(s) URL with a host, got {shown!r}")
     if parts.username or parts.password:
         raise BackendConfigError("base_url must not embed credentials; pass api_key instead")
     if parts.query or parts.fragment:
         raise BackendConfigError("base_url must not have a query string or fragment")
     return url
+
+
+def resolve_base_urls(
+    explicit: str | Sequence[str] | None, env_names: Sequence[str]
+) -> tuple[str, ...]:
+    """Validated base URLs (``.../v1``), in the order given.
+
+    ``explicit`` is one URL, a comma- or whitespace-separated list, or a sequence; unset,
+    the first non-empty variable of ``env_names`` (same syntax); unset too, the default
+    local server. Credentials in a URL are refused (use the key), so are duplicates.
+    """
+    raw: str | Sequence[str] | None = explicit
+    if not raw:
+        raw = next((os.environ[n] for n in env_names if os.environ.get(n, "").strip()), None)
+    if not raw:
+        raw = DEFAULT_BASE_URL
+    pieces = raw.replace(",", " ").split() if isinstance(raw, str) else list(raw)
+    urls = tuple(_check_base_url(p) for p in pieces if p.strip())
+    if not urls:
+        raise BackendConfigError("no base URL given")
+    if len(urls) > MAX_BASE_URLS:
+        raise BackendConfigError(f"at most {MAX_BASE_URLS} base URLs, got {len(urls)}")
+    if len(set(urls)) != len(urls):
+        raise BackendConfigError("base URLs must be distinct")
+    return urls
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
@@ -121,19 +165,31 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
 class _Retry(Exception):
     """Internal: one attempt failed in a retryable way."""
 
-    def __init__(self, why: str, status: int | None = None, retry_after: float | None = None):
+    def __init__(
+        self,
+        why: str,
+        outcome: Outcome,
+        status: int | None = None,
+        retry_after: float | None = None,
+    ):
         super().__init__(why)
         self.why = why
+        self.outcome = outcome
         self.status = status
         self.retry_after = retry_after
 
 
 class OpenAIChatClient:
-    """POST ``/chat/completions`` with retries; map a function over items concurrently."""
+    """POST ``/chat/completions`` with retries over one or more servers; map over items.
+
+    ``base_urls``: one URL or several (a fleet): see :mod:`.fleet` for how requests are
+    spread, how a dead server is taken out and probed again, and when the whole fleet
+    counts as down. ``max_concurrency`` is per server.
+    """
 
     def __init__(
         self,
-        base_url: str,
+        base_urls: str | Sequence[str],
         api_key: Secret | None,
         *,
         timeout_s: float = 120.0,
@@ -143,6 +199,10 @@ class OpenAIChatClient:
         backoff_max_s: float = 30.0,
         max_retry_after_s: float = 60.0,
         max_concurrency: int = 8,
+        circuit_failures: int = 3,
+        circuit_cooldown_s: float = 5.0,
+        circuit_cooldown_max_s: float = 60.0,
+        max_fleet_down_s: float = 120.0,
     ) -> None:
         if max_attempts < 1:
             raise BackendConfigError(f"max_attempts must be >= 1, got {max_attempts}")
@@ -152,8 +212,20 @@ class OpenAIChatClient:
             raise BackendConfigError("timeouts must be positive")
         if backoff_base_s < 0 or backoff_max_s < 0 or max_retry_after_s < 0:
             raise BackendConfigError("backoff durations must be >= 0")
-        self.base_url = base_url
-        self.url = f"{base_url}/chat/completions"
+        urls = (base_urls,) if isinstance(base_urls, str) else tuple(base_urls)
+        try:
+            self.pool = EndpointPool(
+                urls,
+                max_concurrency=max_concurrency,
+                circuit_failures=circuit_failures,
+                circuit_cooldown_s=circuit_cooldown_s,
+                circuit_cooldown_max_s=circuit_cooldown_max_s,
+                max_retry_after_s=max_retry_after_s,
+                max_fleet_down_s=max_fleet_down_s,
+            )
+        except ValueError as exc:
+            raise BackendConfigError(str(exc)) from None
+        self.base_urls = urls
         self._api_key = api_key
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -167,19 +239,17 @@ class OpenAIChatClient:
 
     def __repr__(self) -> str:
         auth = "set" if self._api_key else "none"
-        return f"OpenAIChatClient(url={self.url!r}, api_key={auth})"
+        return f"OpenAIChatClient(base_urls={self.base_urls!r}, api_key={auth})"
 
     # -- lifecycle
 
     def _http(self) -> httpx.Client:
         with self._lock:
             if self._client is None:
+                slots = self.max_concurrency * len(self.base_urls)
                 self._client = httpx.Client(
                     timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s),
-                    limits=httpx.Limits(
-                        max_connections=self.max_concurrency,
-                        max_keepalive_connections=self.max_concurrency,
-                    ),
+                    limits=httpx.Limits(max_connections=slots, max_keepalive_connections=slots),
                 )
             return self._client
 
@@ -188,6 +258,10 @@ class OpenAIChatClient:
             if self._client is not None:
                 self._client.close()
                 self._client = None
+
+    def endpoint_counts(self) -> tuple[EndpointCounts, ...]:
+        """Requests and errors per server so far, in configuration order."""
+        return self.pool.counts()
 
     # -- one request
 
@@ -198,39 +272,64 @@ class OpenAIChatClient:
             delay = max(delay, min(retry_after, self.max_retry_after_s))
         return delay
 
-    def _attempt(self, body: dict[str, Any], parse: Callable[[dict[str, Any]], T]) -> T:
+    def _attempt(
+        self, endpoint: Endpoint, body: dict[str, Any], parse: Callable[[dict[str, Any]], T]
+    ) -> T:
         headers = {"Content-Type": "application/json"}
         if self._api_key is not None:
             headers["Authorization"] = f"Bearer {self._api_key.reveal()}"
         try:
-            resp = self._http().post(self.url, content=json.dumps(body), headers=headers)
+            resp = self._http().post(endpoint.chat_url, content=json.dumps(body), headers=headers)
         except httpx.TimeoutException as exc:
-            raise _Retry(f"timeout ({type(exc).__name__})") from None
+            raise _Retry(f"timeout ({type(exc).__name__})", "timeout") from None
         except httpx.TransportError as exc:
-            raise _Retry(f"connection error ({type(exc).__name__}: {exc})") from None
-        if resp.status_code in RETRY_STATUSES or resp.status_code >= 500:
+            why = f"connection error ({type(exc).__name__}: {_snippet(str(exc))})"
+            raise _Retry(why, "connection_error") from None
+        status = resp.status_code
+        if status in RETRY_STATUSES or status >= 500:
+            outcome: Outcome = (
+                "http_5xx" if status >= 500 else "http_429" if status == 429 else "http_retry"
+            )
             raise _Retry(
-                f"HTTP {resp.status_code}: {_snippet(resp.text)}",
-                status=resp.status_code,
+                f"HTTP {status}: {_snippet(resp.text)}",
+                outcome,
+                status=status,
                 retry_after=parse_retry_after(resp.headers.get("retry-after")),
             )
-        if resp.status_code >= 400:
+        if status >= 400:
             raise BackendRequestError(
-                f"HTTP {resp.status_code} from {self.url}: {_snippet(resp.text)}",
-                resp.status_code,
+                f"HTTP {status} from {endpoint.chat_url}: {_snippet(resp.text)}", status
             )
         try:
             data = resp.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise _Retry(f"malformed JSON body: {_snippet(resp.text)!r}") from None
+            raise _Retry(f"malformed JSON body: {_snippet(resp.text)!r}", "malformed") from None
         if not isinstance(data, dict):
-            raise _Retry(f"JSON body is a {type(data).__name__}, not an object")
+            raise _Retry(f"JSON body is a {type(data).__name__}, not an object", "malformed")
         try:
             return parse(data)
         except EmptyContentError as exc:
-            raise _Retry(f"empty: {exc}") from None
+            raise _Retry(f"empty: {exc}", "malformed") from None
         except MalformedResponseError as exc:
-            raise _Retry(f"malformed: {exc}") from None
+            raise _Retry(f"malformed: {exc}", "malformed") from None
+
+    def _on(
+        self, endpoint: Endpoint, body: dict[str, Any], parse: Callable[[dict[str, Any]], T]
+    ) -> T:
+        """One attempt on ``endpoint``, whose health learns how it ended."""
+        try:
+            result = self._attempt(endpoint, body, parse)
+        except _Retry as exc:
+            self.pool.release(endpoint, exc.outcome, exc.retry_after)
+            raise
+        except BackendRequestError:
+            self.pool.release(endpoint, "client_error")
+            raise
+        except BaseException:
+            self.pool.release(endpoint, "aborted")
+            raise
+        self.pool.release(endpoint, "ok")
+        return result
 
     def complete(
         self,
@@ -240,25 +339,40 @@ class OpenAIChatClient:
         label: str = "request",
         cancel: threading.Event | None = None,
     ) -> T:
-        """One completion, parsed by ``parse`` (which raises MalformedResponseError if unusable)."""
+        """One completion, parsed by ``parse`` (which raises MalformedResponseError if unusable).
+
+        Each attempt goes to the endpoint the pool chooses, preferring one this request
+        has not failed on; between attempts the request backs off as on one server.
+        """
         last: _Retry | None = None
+        failed_on: set[int] = set()
         for attempt in range(1, self.max_attempts + 1):
             if cancel is not None and cancel.is_set():
                 raise BackendCancelledError(f"{label}: cancelled, another item failed")
             try:
-                return self._attempt(body, parse)
+                endpoint = self.pool.acquire(failed_on, cancel)
+            except BackendCancelledError:
+                raise BackendCancelledError(f"{label}: cancelled, another item failed") from None
+            except FleetDownError as exc:
+                raise FleetDownError(f"{label}: {exc}", attempts=attempt - 1) from None
+            try:
+                return self._on(endpoint, body, parse)
+            except BackendRequestError as exc:
+                raise BackendRequestError(f"{label}: {exc}", exc.status) from None
             except _Retry as exc:
                 last = exc
+                failed_on.add(endpoint.index)
                 if attempt == self.max_attempts:
                     break
                 delay = self._backoff(attempt, exc.retry_after)
                 log.warning(
-                    "%s: attempt %d/%d failed (%s); retrying in %.2fs",
+                    "%s: attempt %d/%d failed (%s); retrying in %.2fs (endpoint %s)",
                     label,
                     attempt,
                     self.max_attempts,
                     exc.why,
                     delay,
+                    endpoint.base_url,
                 )
                 if cancel is not None:
                     if cancel.wait(delay):
@@ -268,19 +382,26 @@ class OpenAIChatClient:
                 else:
                     time.sleep(delay)
         assert last is not None
-        msg = f"{label}: failed after {self.max_attempts} attempts to {self.url}; last: {last.why}"
+        where = (
+            f"to {self.pool.endpoints[0].chat_url}"
+            if len(self.pool) == 1
+            else f"over {len(self.pool)} endpoints "
+            f"({self.pool.out_of_service()} out of service: {self.pool.summary()})"
+        )
+        msg = f"{label}: failed after {self.max_attempts} attempts {where}; last: {last.why}"
         if last.why.startswith("empty"):
             raise EmptyContentError(msg, attempts=self.max_attempts)
-        if last.why.startswith("malformed"):
+        if last.outcome == "malformed":
             raise MalformedResponseError(msg, attempts=self.max_attempts)
-        if last.why.startswith("timeout"):
+        if last.outcome == "timeout":
             raise BackendTimeoutError(msg, attempts=self.max_attempts, status=last.status)
         raise BackendUnavailableError(msg, attempts=self.max_attempts, status=last.status)
 
     # -- many requests
 
     def map(self, fn: Callable[[I, threading.Event], T], items: Sequence[I]) -> list[T]:
-        """``fn`` over ``items`` with at most ``max_concurrency`` in flight, order kept.
+        """``fn`` over ``items`` with at most ``max_concurrency`` in flight per endpoint,
+        order kept.
 
         Fail-fast: the first error cancels queued items, stops retries of running ones
         and is raised; no partial list is ever returned.
@@ -290,7 +411,7 @@ class OpenAIChatClient:
             return []
         cancel = threading.Event()
         results: list[Any] = [None] * len(items)
-        workers = min(self.max_concurrency, len(items))
+        workers = min(self.max_concurrency * len(self.pool), len(items))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prx-openai") as pool:
             futures = [pool.submit(fn, item, cancel) for item in items]
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
@@ -308,7 +429,7 @@ class OpenAIChatClient:
 
 
 class ClientOptions(TypedDict, total=False):
-    """How a backend talks to its server: deployment, so never part of its identity."""
+    """How a backend talks to its servers: deployment, so never part of its identity."""
 
     timeout_s: float
     max_attempts: int
@@ -316,16 +437,22 @@ class ClientOptions(TypedDict, total=False):
     backoff_max_s: float
     max_retry_after_s: float
     max_concurrency: int
+    circuit_failures: int
+    circuit_cooldown_s: float
+    circuit_cooldown_max_s: float
+    max_fleet_down_s: float
 
 
 class OpenAIBackend:
-    """What every backend on an OpenAI-compatible server shares: its client and lifecycle.
+    """What every backend on OpenAI-compatible servers shares: its client and lifecycle.
 
-    The server is ``base_url`` or the first set variable of ``BASE_URL_ENV``; the key is
-    ``api_key`` or the first set variable of ``API_KEY_ENV`` (none: no ``Authorization``
-    header). ``CLIENT_DEFAULTS`` are the backend's defaults for the client options. The
-    subclass sets ``model`` and ``identity`` (model, prompt and decoding parameters, not the
-    URL, key or client options: moving the server re-makes nothing).
+    The servers are ``base_url`` (one URL, a comma-separated list or a sequence: a fleet)
+    or the first set variable of ``BASE_URL_ENV`` (same syntax); the key is ``api_key`` or
+    the first set variable of ``API_KEY_ENV`` (none: no ``Authorization`` header), the same
+    for every server. ``CLIENT_DEFAULTS`` are the backend's defaults for the client options.
+    The subclass sets ``model`` and ``identity`` (model, prompt and decoding parameters,
+    never the URLs, their number or order, the key or client options: moving or resizing
+    the fleet re-makes nothing; changing the model is a swap).
     """
 
     BASE_URL_ENV: ClassVar[tuple[str, ...]] = ()
@@ -335,16 +462,23 @@ class OpenAIBackend:
     model: str
     identity: BackendIdentity
 
-    def _connect(self, base_url: str | None, api_key: str | None, options: ClientOptions) -> None:
+    def _connect(
+        self, base_url: str | Sequence[str] | None, api_key: str | None, options: ClientOptions
+    ) -> None:
         self._client = OpenAIChatClient(
-            resolve_base_url(base_url, self.BASE_URL_ENV),
+            resolve_base_urls(base_url, self.BASE_URL_ENV),
             resolve_api_key(api_key, self.API_KEY_ENV),
             **{**self.CLIENT_DEFAULTS, **options},
         )
 
     @property
-    def base_url(self) -> str:
-        return self._client.base_url
+    def base_urls(self) -> tuple[str, ...]:
+        """The servers, in configuration order."""
+        return self._client.base_urls
+
+    def endpoint_counts(self) -> tuple[EndpointCounts, ...]:
+        """Requests and errors per server since the backend was built."""
+        return self._client.endpoint_counts()
 
     def _repr_extra(self) -> str:
         """``, name=value`` pairs a subclass adds to its repr."""
@@ -352,7 +486,7 @@ class OpenAIBackend:
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(model={self.model!r}, base_url={self.base_url!r}"
+            f"{type(self).__name__}(model={self.model!r}, base_urls={self.base_urls!r}"
             f"{self._repr_extra()}, fingerprint={self.identity.fingerprint()!r})"
         )
 
