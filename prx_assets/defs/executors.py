@@ -12,6 +12,26 @@ from dagster import ExecutorDefinition, multiprocess_executor
 from dagster_k8s import k8s_job_executor
 
 GPU_STEPS = ("captions", "caption_classes")
+KNOWN_STEPS = frozenset(
+    ("raw_images", "resolution_profile", "image_hashes", "phash_clusters", "bucket_assignments")
+    + ("captions", "caption_classes", "caption_embeddings", "mds_shards", "skip_lists")
+)
+
+
+def gpu_steps() -> tuple[str, ...]:
+    """The steps whose pods request a GPU: ``PRX_K8S_GPU_STEPS`` (comma-separated), default
+    the in-process model steps. Empty (``PRX_K8S_GPU_STEPS=``) when captions and classes come
+    from a remote vLLM fleet: those steps then only make HTTP calls."""
+    raw = os.environ.get("PRX_K8S_GPU_STEPS")
+    if raw is None:
+        return GPU_STEPS
+    steps = tuple(s.strip() for s in raw.split(",") if s.strip())
+    unknown = sorted(set(steps) - KNOWN_STEPS)
+    if unknown:
+        raise ValueError(
+            f"PRX_K8S_GPU_STEPS names unknown steps {unknown}; known: {sorted(KNOWN_STEPS)}"
+        )
+    return steps
 
 
 def k8s_executor_config() -> dict:
@@ -29,7 +49,7 @@ def k8s_executor_config() -> dict:
         "step_k8s_config": {
             "container_config": {"resources": {"requests": {"cpu": "2", "memory": "8Gi"}}}
         },
-        "per_step_k8s_config": {step: gpu for step in GPU_STEPS},
+        "per_step_k8s_config": {step: gpu for step in gpu_steps()},
     }
 
 

@@ -72,7 +72,8 @@ def streaming_memory_released() -> Iterator[None]:
         yield
     finally:
         atexit.register = real_register
-        gc.collect()
+        if held:  # nothing opened: no collection (a second or two in a big process)
+            gc.collect()
         for f, args, kwargs in reversed(held):
             with contextlib.suppress(Exception):  # best-effort release of shared memory
                 f(*args, **kwargs)

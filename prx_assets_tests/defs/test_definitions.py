@@ -73,6 +73,8 @@ def test_sensors_and_schedules_target_the_jobs_they_name_and_maintenance_is_off_
 
 
 def test_definitions_load_with_the_k8s_executor(monkeypatch):
+    import pytest
+
     from prx_assets.definitions import build_defs
 
     monkeypatch.setenv("PRX_EXECUTOR", "k8s")
@@ -88,6 +90,13 @@ def test_definitions_load_with_the_k8s_executor(monkeypatch):
     assert config["per_step_k8s_config"]["captions"]["container_config"]["resources"]["limits"] == {
         "nvidia.com/gpu": "1"
     }
+    monkeypatch.setenv("PRX_K8S_GPU_STEPS", "")  # captions from a remote vLLM fleet
+    assert k8s_executor_config()["per_step_k8s_config"] == {}
+    monkeypatch.setenv("PRX_K8S_GPU_STEPS", "caption_embeddings")
+    assert list(k8s_executor_config()["per_step_k8s_config"]) == ["caption_embeddings"]
+    monkeypatch.setenv("PRX_K8S_GPU_STEPS", "captions,no_such_step")
+    with pytest.raises(ValueError, match="no_such_step"):
+        k8s_executor_config()
 
 
 def test_unknown_executor_is_a_clear_error(monkeypatch):
