@@ -27,6 +27,9 @@ IMAGES = TableSpec(
             pa.field("n_frames", pa.int32()),  # >1: animated, first frame used
             pa.field("file_size", pa.int64()),
             pa.field("image", pa.large_binary()),  # the original bytes
+            # HTTP opt-out headers captured at download time, bounded and sanitised
+            # (core/ingest/signals.capture_signals; null: none). Interpreted by skip_lists.
+            pa.field("usage_signals", pa.string()),
         ]
     ),
     identity=("batch", "key"),

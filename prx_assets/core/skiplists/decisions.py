@@ -58,6 +58,7 @@ from prx_assets.core.tables import (
 )
 
 IMAGE_ID_COLUMNS = ["key", "url", "source", "source_id"]  # every way a list names an image
+IMAGE_FACT_COLUMNS = ["batch", *IMAGE_ID_COLUMNS, "usage_signals"]  # + captured opt-out headers
 
 
 class MissingImages(SkipPolicyError):
@@ -137,11 +138,11 @@ def gather_copies(
 ) -> Facts:
     """A :class:`Copy` for every sample of ``batch`` and every member of their clusters."""
     keys = {s.key for s in samples}
-    images = (
-        lab.read(IMAGES.name, IMAGE_ID_COLUMNS, f"batch = {sql_literal(batch)}")
-        if lab.exists(IMAGES.name)
-        else _typed_empty(IMAGES, IMAGE_ID_COLUMNS)
-    )
+    if lab.exists(IMAGES.name):
+        _require_signal_column(lab)
+        images = lab.read(IMAGES.name, IMAGE_FACT_COLUMNS, f"batch = {sql_literal(batch)}")
+    else:
+        images = _typed_empty(IMAGES, IMAGE_FACT_COLUMNS)
     missing = keys - set(images.column("key").to_pylist())
     if missing:
         raise MissingImages(
@@ -175,8 +176,18 @@ def gather_copies(
     shard_rows = _rows(lab, SHARD_SAMPLES, batch, others, [], chunk, own=False)
     unsharded = {b for b, _ in others} - _sharded_batches(lab, {b for b, _ in others})
     stale = {(r["batch"], r["key"]) for r in read_dirty(lab).to_pylist()}
-    id_rows = lookup_by_keys(lab, IMAGES.name, IMAGES.schema, others, IMAGE_ID_COLUMNS, chunk=chunk)
-    opted = opted_out_keys(lab, pa.concat_tables([images, id_rows]))
+    id_rows = lookup_by_keys(
+        lab, IMAGES.name, IMAGES.schema, others, IMAGE_FACT_COLUMNS, chunk=chunk
+    )
+    id_table = pa.concat_tables([images, id_rows])
+    opted = opted_out_keys(lab, id_table.select(IMAGE_ID_COLUMNS))
+    signals = {
+        (b, k): v
+        for b, k, v in zip(
+            *(id_table.column(c).to_pylist() for c in ("batch", "key", "usage_signals")),
+            strict=True,
+        )
+    }
     caption_said = {s.key: s.caption_usable for s in samples}
 
     copies = []
@@ -212,9 +223,21 @@ def gather_copies(
                 dedup_stale=ref in stale,
                 written=written,
                 opt_out_lists=tuple(opted.get(k, ())),
+                usage_signals=signals.get(ref),
             )
         )
     return Facts(copies, len(cluster_ids), len(others))
+
+
+def _require_signal_column(lab: Lab) -> None:
+    """Fail closed on an ``images`` table from before signal capture: its rows cannot say
+    whether their source carried an opt-out header."""
+    names = lab.view().schema(IMAGES.name).names
+    if "usage_signals" not in names:
+        raise SkipPolicyError(
+            "`images` has no usage_signals column (ingested before opt-out signals were "
+            "captured): rerun raw_images for every batch, then skip_lists"
+        )
 
 
 def decide_partition(
