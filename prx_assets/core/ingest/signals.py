@@ -99,7 +99,8 @@ def capture_signals(fields: Mapping[str, Any]) -> str | None:
 
     ``fields``: a manifest row or sidecar object (keys as given). Header columns/keys
     (:func:`header_name`) and header maps (:data:`HEADER_MAP_FIELDS`, a JSON object or its
-    text) are both read; a header given twice is combined. The stored form is
+    text) are both read; a header given twice is combined; an empty value is no header (a
+    CSV cell cannot be null). The stored form is
     ``{"headers": {name: value}, "defects": {name: why}}``: each value bounded to
     :data:`MAX_SIGNAL_CHARS` (the rest counted) with control characters as ``\\xNN``; a cut
     or a control character is a *defect*, which makes the signal malformed.
@@ -113,8 +114,9 @@ def capture_signals(fields: Mapping[str, Any]) -> str | None:
             _read_header_map(value, found, defects)
             continue
         name = header_name(key)
-        if name is not None:
-            found.setdefault(name, []).append(_as_text(value))
+        text = _as_text(value) if name is not None else ""
+        if text.strip(" \t"):  # an empty cell (CSV has no null) is no header
+            found.setdefault(name, []).append(text)
     if not found and not defects:
         return None
     headers: dict[str, str] = {}
@@ -147,8 +149,9 @@ def _read_header_map(value: Any, found: dict[str, list[str]], defects: dict[str,
         return
     for key, item in value.items():
         name = header_name(str(key))
-        if name is not None and item is not None:
-            found.setdefault(name, []).append(_as_text(item))
+        text = _as_text(item) if name is not None and item is not None else ""
+        if text.strip(" \t"):
+            found.setdefault(name, []).append(text)
 
 
 def sanitise_header(value: str) -> tuple[str, str | None]:
