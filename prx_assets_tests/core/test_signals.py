@@ -172,7 +172,9 @@ def test_hostile_values_are_bounded_made_visible_and_fail_closed():
 
 def test_an_unreadable_header_map_reserves_unless_malformed_is_ignored():
     stored = capture_signals({"headers": "{not json"})
-    assert reservations(stored, SourceRule()) == ("headers: malformed (header map is not valid JSON)",)
+    assert reservations(stored, SourceRule()) == (
+        "headers: malformed (header map is not valid JSON)",
+    )
     assert reservations(stored, SourceRule(malformed="ignore")) == ()
     assert reservations(stored, SourceRule(honour=frozenset())) == ()
 

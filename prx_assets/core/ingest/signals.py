@@ -95,7 +95,7 @@ def _as_text(value: Any) -> str:
 
 
 def capture_signals(fields: Mapping[str, Any]) -> str | None:
-    """The usage signals of one sample as canonical JSON, or None when it carries none.
+    r"""The usage signals of one sample as canonical JSON, or None when it carries none.
 
     ``fields``: a manifest row or sidecar object (keys as given). Header columns/keys
     (:func:`header_name`) and header maps (:data:`HEADER_MAP_FIELDS`, a JSON object or its
@@ -155,7 +155,7 @@ def _read_header_map(value: Any, found: dict[str, list[str]], defects: dict[str,
 
 
 def sanitise_header(value: str) -> tuple[str, str | None]:
-    """(stored value, defect or None): bounded, lone surrogates replaced, controls shown.
+    r"""(stored value, defect or None): bounded, lone surrogates replaced, controls shown.
 
     Obsolete line folding (CRLF + whitespace) becomes a space, as RFC 9110 allows; any
     other control character is invalid in a field value and is kept visible as ``\\xNN``.
@@ -212,8 +212,10 @@ def _robots_items(value: str) -> list[str]:
     parts = value.split(",")
     items: list[str] = []
     for part in parts:
-        if items and re.match(r"^\s*\d{1,2}\s+[A-Za-z]{3}\s+\d{4}", part) and (
-            "unavailable_after" in items[-1].lower()
+        if (
+            items
+            and re.match(r"^\s*\d{1,2}\s+[A-Za-z]{3}\s+\d{4}", part)
+            and ("unavailable_after" in items[-1].lower())
         ):
             items[-1] += "," + part  # "unavailable_after: Wed, 21 Oct 2015 07:28:00 GMT"
             continue
