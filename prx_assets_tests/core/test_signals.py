@@ -336,3 +336,44 @@ def test_a_reserved_copy_excludes_every_copy_of_the_work_under_its_sources_rule(
     assert out[("laion.000", "small")].reasons == (R_DUPLICATE,)
     assert relaxed.fingerprint() != SkipPolicy().fingerprint()
     assert relaxed.as_dict()["usage_signals"]["sources"]["laion"]["honour"] == ["tdm-reservation"]
+
+
+def test_images_from_before_signal_capture_are_pending_not_unsignalled(tmp_path):
+    import lance
+
+    from prx_assets.core.ingest.runner import BatchIngest
+    from prx_assets.core.ingest.signals import UNCAPTURED
+    from prx_assets.core.ingest.tables import ensure_usage_signals_column
+    from prx_assets.core.lab import Lab
+    from prx_assets.core.skiplists.policy import R_PENDING, WAITS_FOR_SIGNALS
+    from prx_assets.core.tables import IMAGES
+
+    lab = Lab(tmp_path / "lab")
+    old = pa.schema([f for f in IMAGES.schema if f.name != "usage_signals"])
+    row = {"key": "k" * 64, "batch": "old.000", "path": "a.jpg", "image": b"x"}
+    lance.write_dataset(pa.Table.from_pylist([row], schema=old), lab.uri(IMAGES.name))
+    assert ensure_usage_signals_column(lab) is True
+    assert ensure_usage_signals_column(lab) is False
+    # A batch ingested now, next to the legacy row, records what its sidecars said.
+    folder = tmp_path / "landing" / "web" / "000"
+    folder.mkdir(parents=True)
+    (folder / "a.jpg").write_bytes(_jpeg(3))
+    (folder / "a.json").write_text(json.dumps({"x-robots-tag": "noai"}))
+    run = BatchIngest(BatchRef("web.000", "web", "000", folder, "folder"))
+    lab.replace_partition(IMAGES, "web.000", run.image_batches())
+    got = dict(
+        zip(
+            *(lab.read(IMAGES.name, ["batch", "usage_signals"]).column(c).to_pylist() for c in
+              ("batch", "usage_signals")),
+            strict=True,
+        )
+    )  # fmt: skip
+    assert got["old.000"] == UNCAPTURED
+    assert load_signals(got["web.000"])[0] == {"x-robots-tag": "noai"}
+    # Unknown is never "no signal": pending until re-ingested, unless nothing is honoured.
+    legacy = Copy("old.000", "k", None, None, "visual", True, usage_signals=UNCAPTURED)
+    out = resolve_cluster([legacy], SkipPolicy())[legacy.ref]
+    assert R_PENDING in out.reasons and WAITS_FOR_SIGNALS in out.pending_on
+    honours_nothing = SkipPolicy(usage=UsagePolicy(default=SourceRule(honour=frozenset())))
+    out = resolve_cluster([legacy], honours_nothing)[legacy.ref]
+    assert WAITS_FOR_SIGNALS not in out.pending_on

@@ -171,6 +171,11 @@ def sanitise_header(value: str) -> tuple[str, str | None]:
     return text, defect
 
 
+# The value an ``images`` row written before signal capture gets when the column is added
+# (``ingest.tables.ensure_usage_signals_column``): not "no signals" but "not known".
+UNCAPTURED = '{"uncaptured":true}'
+
+
 def load_signals(stored: str | None) -> tuple[dict[str, str], dict[str, str]]:
     """(headers, defects) of an ``images.usage_signals`` value (None: no signals).
 

@@ -16,6 +16,12 @@ archives, or from manifest columns. ``<landing>/<source>/_source.json`` may give
 source-wide defaults (``license``, ``visibility``). The partition key of a batch is
 ``<source>.<chunk>``.
 
+Opt-out headers captured at download time travel the same way: manifest columns or sidecar
+keys ``X-Robots-Tag``, ``tdm-reservation``, ``tdm-policy``, ``Content-Usage`` (any case,
+``_`` or ``-``), or a ``headers`` JSON object holding them. They are recorded raw, bounded
+and sanitised (:func:`prx_assets.core.ingest.signals.capture_signals`) in
+``Candidate.usage_signals``; interpreting them is the skip policy's job, not ingest's.
+
 Every file is an input, accounted for as a candidate (bytes, or the reason there are
 none); nothing a file holds can fail its batch. Refusals, each checked before a byte of
 the file is read:

@@ -34,6 +34,7 @@ import pyarrow as pa
 from prx_assets.core.dedup.corpus import DEFAULT_LOOKUP_CHUNK, cluster_members, lookup_by_keys
 from prx_assets.core.dedup.decisions import keeper_order
 from prx_assets.core.dedup.dirty import read_dirty
+from prx_assets.core.ingest.signals import UNCAPTURED
 from prx_assets.core.lab import Lab, TableSpec, in_list, sql_literal
 from prx_assets.core.skiplists.matching import opted_out_keys
 from prx_assets.core.skiplists.policy import (
@@ -138,11 +139,11 @@ def gather_copies(
 ) -> Facts:
     """A :class:`Copy` for every sample of ``batch`` and every member of their clusters."""
     keys = {s.key for s in samples}
+    fact_columns = _image_fact_columns(lab)
     if lab.exists(IMAGES.name):
-        _require_signal_column(lab)
-        images = lab.read(IMAGES.name, IMAGE_FACT_COLUMNS, f"batch = {sql_literal(batch)}")
+        images = lab.read(IMAGES.name, fact_columns, f"batch = {sql_literal(batch)}")
     else:
-        images = _typed_empty(IMAGES, IMAGE_FACT_COLUMNS)
+        images = _typed_empty(IMAGES, fact_columns)
     missing = keys - set(images.column("key").to_pylist())
     if missing:
         raise MissingImages(
@@ -176,18 +177,16 @@ def gather_copies(
     shard_rows = _rows(lab, SHARD_SAMPLES, batch, others, [], chunk, own=False)
     unsharded = {b for b, _ in others} - _sharded_batches(lab, {b for b, _ in others})
     stale = {(r["batch"], r["key"]) for r in read_dirty(lab).to_pylist()}
-    id_rows = lookup_by_keys(
-        lab, IMAGES.name, IMAGES.schema, others, IMAGE_FACT_COLUMNS, chunk=chunk
-    )
+    id_rows = lookup_by_keys(lab, IMAGES.name, IMAGES.schema, others, fact_columns, chunk=chunk)
     id_table = pa.concat_tables([images, id_rows])
     opted = opted_out_keys(lab, id_table.select(IMAGE_ID_COLUMNS))
-    signals = {
-        (b, k): v
-        for b, k, v in zip(
-            *(id_table.column(c).to_pylist() for c in ("batch", "key", "usage_signals")),
-            strict=True,
-        )
-    }
+    refs_of = list(
+        zip(id_table.column("batch").to_pylist(), id_table.column("key").to_pylist(), strict=True)
+    )
+    if "usage_signals" in fact_columns:
+        signals = dict(zip(refs_of, id_table.column("usage_signals").to_pylist(), strict=True))
+    else:  # an images table from before signal capture: not known, so pending
+        signals = dict.fromkeys(refs_of, UNCAPTURED)
     caption_said = {s.key: s.caption_usable for s in samples}
 
     copies = []
@@ -229,15 +228,13 @@ def gather_copies(
     return Facts(copies, len(cluster_ids), len(others))
 
 
-def _require_signal_column(lab: Lab) -> None:
-    """Fail closed on an ``images`` table from before signal capture: its rows cannot say
-    whether their source carried an opt-out header."""
-    names = lab.view().schema(IMAGES.name).names
-    if "usage_signals" not in names:
-        raise SkipPolicyError(
-            "`images` has no usage_signals column (ingested before opt-out signals were "
-            "captured): rerun raw_images for every batch, then skip_lists"
-        )
+def _image_fact_columns(lab: Lab) -> list[str]:
+    """The ``images`` columns the decision reads; without ``usage_signals`` on a table from
+    before signal capture (its rows then count as UNCAPTURED: pending, never "no signal")."""
+    schema = lab.view().schema(IMAGES.name)
+    if schema is not None and "usage_signals" not in schema.names:
+        return ["batch", *IMAGE_ID_COLUMNS]
+    return IMAGE_FACT_COLUMNS
 
 
 def decide_partition(

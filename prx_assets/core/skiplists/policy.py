@@ -52,7 +52,7 @@ from typing import Any
 import pyarrow as pa
 
 from prx_assets.core.captions.models.base import LABELS
-from prx_assets.core.ingest.signals import UsagePolicy, reservations
+from prx_assets.core.ingest.signals import UNCAPTURED, UsagePolicy, reservations
 from prx_assets.core.skiplists.sidecars import REASON_CODES
 from prx_assets.core.tables import SKIP_AUDIT
 
@@ -66,6 +66,7 @@ R_RESERVED = "reserved"
 WAITS_FOR_CLASS = "caption_classes"
 WAITS_FOR_DEDUP = "phash_clusters"
 WAITS_FOR_HASH = "image_hashes"
+WAITS_FOR_SIGNALS = "raw_images (usage signals not captured)"
 
 
 class SkipPolicyError(ValueError):
@@ -181,11 +182,16 @@ def copy_reasons(copy: Copy, policy: SkipPolicy) -> tuple[set[str], list[str]]:
         waits.append(WAITS_FOR_HASH)
     if copy.low_information and policy.skip_low_information:
         reasons.add(R_LOW_INFORMATION)
+    if copy.usage_signals == UNCAPTURED and policy.usage.rule_for_batch(copy.batch).honour:
+        reasons.add(R_PENDING)  # ingested before signal capture: a reservation is unknown
+        waits.append(WAITS_FOR_SIGNALS)
     return reasons, waits
 
 
 def copy_reservations(copy: Copy, policy: SkipPolicy) -> tuple[str, ...]:
     """The honoured signals reserving this copy, under its own source's rule."""
+    if copy.usage_signals == UNCAPTURED:
+        return ()  # unknown, not reserved: pending (copy_reasons) until re-ingested
     return reservations(copy.usage_signals, policy.usage.rule_for_batch(copy.batch))
 
 
