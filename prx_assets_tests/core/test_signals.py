@@ -207,7 +207,9 @@ def _reserved(signals: dict[str, str | None]) -> dict[str, tuple[str, ...]]:
 
 def _expect(got: dict[str, tuple[str, ...]], prefix: str = "") -> None:
     assert got[f"{prefix}a.jpg"] == ("x-robots-tag: noai",)
-    assert got[f"{prefix}b.jpg"] == ("tdm-reservation: 1",)
+    assert got[f"{prefix}b.jpg"] == (
+        "tdm-reservation: 1 (tdm-policy 'https://p.example/policy.json')",
+    )
     assert got[f"{prefix}c.jpg"] == ("content-usage: train-ai=n",)
     assert got[f"{prefix}d.jpg"] == ()
 

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from prx_assets.core.text import clean_text, more_characters
+from prx_assets.core.text import clean_text, more_characters, quote_bounded
 
 # Canonical (lower-case) header names, in display order.
 X_ROBOTS_TAG = "x-robots-tag"
@@ -575,7 +575,12 @@ def verdicts(stored: str | None, rule: SourceRule) -> list[Verdict]:
             if name == X_ROBOTS_TAG:
                 out.append(parse_x_robots_tag(value, rule.user_agents)[0])
             elif name == TDM_RESERVATION:
-                out.append(parse_tdm_reservation(value))
+                v = parse_tdm_reservation(value)
+                if v.reserved and not v.malformed and headers.get(TDM_POLICY):
+                    # Where a licence may be offered: named, never fetched or assumed granted.
+                    policy = quote_bounded(headers[TDM_POLICY], 200)
+                    v = Verdict(v.signal, True, detail=f"{v.detail} (tdm-policy {policy})")
+                out.append(v)
             else:
                 out.append(parse_content_usage(value))
     if "headers" in defects:  # a header map that could not be read may hold any signal
