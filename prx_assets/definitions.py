@@ -24,7 +24,11 @@ from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.resources import LabResource, default_data_root
 from prx_assets.defs.shards.assets import bucket_assignments, mds_shards
 from prx_assets.defs.skiplists.assets import build_skiplist_assets
-from prx_assets.defs.skiplists.config import OptOutResource, SkipPolicyResource
+from prx_assets.defs.skiplists.config import (
+    USAGE_POLICY_FILENAME,
+    OptOutResource,
+    SkipPolicyResource,
+)
 from prx_assets.defs.skiplists.intake import opt_out_lists
 from prx_assets.defs.skiplists.jobs import opt_out_intake_job, opt_out_skip_lists_job
 from prx_assets.defs.skiplists.sensors import (
@@ -83,7 +87,9 @@ def build_defs(
     classifier = classifier or env_classifier
     embedder = embedder or EmbedderResource()
     dedup = dedup or DedupConfigResource()
-    skip_policy = skip_policy or SkipPolicyResource()
+    skip_policy = skip_policy or SkipPolicyResource(
+        usage_policy_file=os.path.join(data_root, USAGE_POLICY_FILENAME)
+    )
     return Definitions(
         assets=[
             raw_images,

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from dagster import DagsterEventType, DagsterInstance, instance_for_test
+from markdown_it import MarkdownIt
 from PIL import Image
 
 from prx_assets.core.skiplists.intake import list_partition_key
@@ -378,3 +379,110 @@ def test_an_opt_out_of_a_smaller_copy_reruns_every_batch_holding_a_copy(platform
 
     loop = _train(training_process, platform)
     assert loop["skipped_sample_yielded"] == [] and loop["samples"] > 0
+
+
+# --------------------------------------------------------------------------- opt-out signals
+
+SIGNAL_BATCH = "signals.000"
+SIGNAL_ROWS = {  # file -> the headers captured when it was downloaded (CSV manifest columns)
+    "robots.jpg": {"X-Robots-Tag": "noindex, otherbot: NoAI"},
+    "tdm.jpg": {"tdm-reservation": "1", "tdm-policy": "https://rights.example/policy.json"},
+    "aipref.jpg": {"Content-Usage": "search=y, train-ai=n"},
+    "broken.jpg": {"Content-Usage": "Train-AI=n <b>![x](/graphql?query=mutation)</b>"},
+    "free.jpg": {"X-Robots-Tag": "noindex", "tdm-reservation": "0"},
+}
+
+
+def _loader_keys(shards_root: str, batch: str) -> list[str]:
+    """Every key the project's loader (real MDS, StreamingDataset) yields for ``batch``."""
+    import tempfile
+
+    from prx_assets.loader import ShapeBatchedLoader, discover_streams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        buckets = discover_streams(shards_root, batches=[batch], cache_dir=f"{tmp}/cache")
+        loader = ShapeBatchedLoader(
+            buckets,
+            batch_size=1,
+            collate_fn=lambda samples: [s["key"] for s in samples],
+            num_canonical_nodes=1,
+        )
+        return [k for keys in loader for k in keys]
+
+
+def _signal_batch(platform: Platform) -> dict[str, str]:
+    """A CSV manifest batch of fresh images carrying opt-out headers; file -> content key."""
+    import csv
+    import os
+
+    source = Path(platform.data_root) / "landing" / "signals"
+    source.mkdir(parents=True)
+    columns = ["path", "alt_text", "X-Robots-Tag", "tdm-reservation", "tdm-policy"]
+    columns.append("Content-Usage")
+    keys = {}
+    for i, name in enumerate(SIGNAL_ROWS):
+        data = _photo_like(40 + i)
+        (source / name).write_bytes(data)
+        keys[name] = hashlib.sha256(data).hexdigest()
+    with open(source / ".000.csv.tmp", "w", newline="") as fh:
+        writer = csv.DictWriter(fh, columns, restval="")
+        writer.writeheader()
+        for name, headers in SIGNAL_ROWS.items():
+            alt = "An abstract pattern of coloured waves with fine noise."
+            writer.writerow({"path": name, "alt_text": alt, **headers})
+    os.rename(source / ".000.csv.tmp", source / "000.csv")
+    return keys
+
+
+def _decisions(lab) -> dict[tuple[str, str], tuple[bool, tuple[str, ...]]]:
+    rows = lab.read("skip_audit", ["batch", "key", "excluded", "reasons"]).to_pylist()
+    return {(r["batch"], r["key"]): (r["excluded"], tuple(r["reasons"])) for r in rows}
+
+
+def test_opt_out_signals_are_honoured_and_a_source_policy_switch_reruns_skip_lists_only(
+    platform, training_process
+):
+    import json
+
+    from prx_assets.core.audit import audit_image
+
+    keys = _signal_batch(platform)
+    assert platform.settle() == {(a, SIGNAL_BATCH) for a in ALL_ASSETS}
+    lab = _lab(platform)
+    shards_root = platform.defs().resources["lab"].shards_root
+    audit = lab.read("skip_audit", ["key", "reasons", "reserved_signals"], "batch = 'signals.000'")
+    by_key = {r["key"]: r for r in audit.to_pylist()}
+    reserved = {n for n in SIGNAL_ROWS if "reserved" in by_key[keys[n]]["reasons"]}
+    assert reserved == {"robots.jpg", "tdm.jpg", "aipref.jpg", "broken.jpg"}
+    assert by_key[keys["free.jpg"]]["reasons"] == []
+    assert by_key[keys["robots.jpg"]]["reserved_signals"] == [
+        f"{keys['robots.jpg']}: x-robots-tag: otherbot: noai"
+    ]
+    # The loader (real MDS + StreamingDataset) never yields a reserved image.
+    yielded = training_process.submit(_loader_keys, shards_root, SIGNAL_BATCH).result(600)
+    assert sorted(yielded) == [keys["free.jpg"]]
+    # The audit names the signal; the hostile header is shown as text, never markup.
+    trail = audit_image(lab, keys["broken.jpg"])
+    assert trail.verdict.startswith("not in training since") and "content-usage" in trail.verdict
+    md = trail.to_markdown()
+    assert "Train-AI=n" in md and "![x](/graphql?query=mutation)" in md  # shown whole ...
+    tokens = [
+        t for block in MarkdownIt("commonmark").parse(md) for t in [block, *(block.children or [])]
+    ]
+    markup = {"link_open", "image", "html_inline", "html_block", "autolink"}
+    assert [t.type for t in tokens if t.type in markup] == []  # ... and never as markup
+
+    # Switch one source's policy: only TDMRep honoured, malformed signals ignored.
+    before = _decisions(lab)
+    policy = {"sources": {"signals": {"honour": ["tdm-reservation"], "malformed": "ignore"}}}
+    Path(platform.data_root, "usage_policy.json").write_text(json.dumps(policy))
+    assert platform.settle() == _everywhere(platform, {"skip_lists"})  # never ingest or shards
+    after = _decisions(lab)
+    changed = {ref for ref in before if before[ref] != after[ref]}
+    now_kept = {("signals.000", keys[n]) for n in ("robots.jpg", "aipref.jpg", "broken.jpg")}
+    assert changed == now_kept
+    assert all(after[ref] == (False, ()) for ref in now_kept)
+    assert after[("signals.000", keys["tdm.jpg"])] == (True, ("reserved",))
+    yielded = training_process.submit(_loader_keys, shards_root, SIGNAL_BATCH).result(600)
+    assert sorted(yielded) == sorted(keys[n] for n in SIGNAL_ROWS if n != "tdm.jpg")
+    assert platform.settle() == set()  # and then nothing moves

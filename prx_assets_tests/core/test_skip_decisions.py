@@ -284,6 +284,8 @@ def test_an_audit_from_policy_v1_gains_the_new_columns(world):
         "duplicate_of_batch",
         "cluster_id",
         "pending_on",
+        "reserved_via",
+        "reserved_signals",
     ]
     assert world.lab.dataset(SKIP_AUDIT.name).schema == SKIP_AUDIT.schema
     assert ensure_audit_columns(world.lab) == []

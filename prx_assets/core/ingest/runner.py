@@ -165,6 +165,7 @@ class BatchIngest:
                 "n_frames": info.n_frames,
                 "file_size": len(c.data),
                 "image": c.data,
+                "usage_signals": c.usage_signals,
             }
         stats.check()
         self._done = True

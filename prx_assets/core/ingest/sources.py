@@ -16,6 +16,12 @@ archives, or from manifest columns. ``<landing>/<source>/_source.json`` may give
 source-wide defaults (``license``, ``visibility``). The partition key of a batch is
 ``<source>.<chunk>``.
 
+Opt-out headers captured at download time travel the same way: manifest columns or sidecar
+keys ``X-Robots-Tag``, ``tdm-reservation``, ``tdm-policy``, ``Content-Usage`` (any case,
+``_`` or ``-``), or a ``headers`` JSON object holding them. They are recorded raw, bounded
+and sanitised (:func:`prx_assets.core.ingest.signals.capture_signals`) in
+``Candidate.usage_signals``; interpreting them is the skip policy's job, not ingest's.
+
 Every file is an input, accounted for as a candidate (bytes, or the reason there are
 none); nothing a file holds can fail its batch. Refusals, each checked before a byte of
 the file is read:
@@ -67,6 +73,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from prx_assets.core.ingest.signals import HEADER_MAP_FIELDS, capture_signals, header_name
 from prx_assets.core.text import (
     bound_text,
     clean_text,
@@ -148,6 +155,7 @@ class Candidate:
     source_id: str | None = None
     error: tuple[str, str] | None = None  # (reason, detail) when unreadable
     size: int | None = None  # bytes on disk / in the header, when known
+    usage_signals: str | None = None  # captured HTTP opt-out headers (signals.capture_signals)
 
 
 @dataclass(frozen=True)
@@ -388,6 +396,9 @@ def _sidecar_fields(
                 if name in meta and meta[name] is not None and col != "path":
                     out.setdefault(col, clean_text(str(meta[name])))
                     break
+        signals = capture_signals(meta)  # X-Robots-Tag, tdm-*, Content-Usage, headers
+        if signals is not None:
+            out["usage_signals"] = signals
     return out, bad
 
 
@@ -746,6 +757,12 @@ def _column_mapping(path: Path, names: list[str]) -> dict[str, str]:
     return mapping
 
 
+def is_signal_column(name: str) -> bool:
+    """A manifest column holding an opt-out header (``x_robots_tag``, ``tdm-reservation``,
+    ``tdm_policy``, ``content_usage``, any case) or a JSON header map (``headers``)."""
+    return header_name(name) is not None or name.strip().lower() in HEADER_MAP_FIELDS
+
+
 def _cell_text(value: Any) -> str | None:
     if value is None:
         return None
@@ -770,9 +787,12 @@ def _manifest_rows(path: Path) -> Iterator[tuple[bytes | None, dict[str, str]]]:
     """(raw path, metadata fields) per manifest row, streamed."""
     mapping: dict[str, str] = {}
 
+    signal_columns: list[str] = []
+
     def wanted(names: list[str]) -> list[str]:
         mapping.update(_column_mapping(path, names))
-        return list(dict.fromkeys(mapping.values()))
+        signal_columns[:] = [c for c in names if is_signal_column(str(c))]
+        return list(dict.fromkeys([*mapping.values(), *signal_columns]))
 
     if path.suffix == ".parquet":
         rows = _parquet_rows(path, wanted)
@@ -786,6 +806,9 @@ def _manifest_rows(path: Path) -> Iterator[tuple[bytes | None, dict[str, str]]]:
             for k, col in mapping.items()
             if k != "path" and (text := _cell_text(row.get(col))) is not None
         }
+        signals = capture_signals({c: row.get(c) for c in signal_columns})
+        if signals is not None:
+            fields["usage_signals"] = signals
         yield _cell_path(row.get(mapping["path"])), fields
 
 

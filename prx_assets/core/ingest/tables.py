@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from prx_assets.core.lab import TableSpec
+from prx_assets.core.ingest.signals import UNCAPTURED
+from prx_assets.core.lab import Lab, TableSpec, sql_literal
 
 IMAGES = TableSpec(
     name="images",
@@ -27,6 +28,9 @@ IMAGES = TableSpec(
             pa.field("n_frames", pa.int32()),  # >1: animated, first frame used
             pa.field("file_size", pa.int64()),
             pa.field("image", pa.large_binary()),  # the original bytes
+            # HTTP opt-out headers captured at download time, bounded and sanitised
+            # (core/ingest/signals.capture_signals; null: none). Interpreted by skip_lists.
+            pa.field("usage_signals", pa.string()),
         ]
     ),
     identity=("batch", "key"),
@@ -57,3 +61,15 @@ REJECTS = TableSpec(
     identity=("batch", "path"),
     indexes=(("batch", "BITMAP"), ("path", "BTREE"), ("key", "BTREE")),  # audit look-ups
 )
+
+
+def ensure_usage_signals_column(lab: Lab) -> bool:
+    """Give an ``images`` table from before opt-out signal capture its ``usage_signals``
+    column, filled with :data:`~prx_assets.core.ingest.signals.UNCAPTURED` (never null: a
+    row nobody re-ingested must not read as "no signals"; the skip policy keeps such rows
+    ``pending`` until raw_images reruns for their batch). True when the column was added."""
+    schema = lab.view().schema(IMAGES.name)
+    if schema is None or "usage_signals" in schema.names:
+        return False
+    lab.dataset(IMAGES.name).add_columns({"usage_signals": sql_literal(UNCAPTURED)})
+    return True

@@ -34,6 +34,7 @@ import pyarrow as pa
 from prx_assets.core.dedup.corpus import DEFAULT_LOOKUP_CHUNK, cluster_members, lookup_by_keys
 from prx_assets.core.dedup.decisions import keeper_order
 from prx_assets.core.dedup.dirty import read_dirty
+from prx_assets.core.ingest.signals import UNCAPTURED
 from prx_assets.core.lab import Lab, TableSpec, in_list, sql_literal
 from prx_assets.core.skiplists.matching import opted_out_keys
 from prx_assets.core.skiplists.policy import (
@@ -58,6 +59,7 @@ from prx_assets.core.tables import (
 )
 
 IMAGE_ID_COLUMNS = ["key", "url", "source", "source_id"]  # every way a list names an image
+IMAGE_FACT_COLUMNS = ["batch", *IMAGE_ID_COLUMNS, "usage_signals"]  # + captured opt-out headers
 
 
 class MissingImages(SkipPolicyError):
@@ -137,11 +139,11 @@ def gather_copies(
 ) -> Facts:
     """A :class:`Copy` for every sample of ``batch`` and every member of their clusters."""
     keys = {s.key for s in samples}
-    images = (
-        lab.read(IMAGES.name, IMAGE_ID_COLUMNS, f"batch = {sql_literal(batch)}")
-        if lab.exists(IMAGES.name)
-        else _typed_empty(IMAGES, IMAGE_ID_COLUMNS)
-    )
+    fact_columns = _image_fact_columns(lab)
+    if lab.exists(IMAGES.name):
+        images = lab.read(IMAGES.name, fact_columns, f"batch = {sql_literal(batch)}")
+    else:
+        images = _typed_empty(IMAGES, fact_columns)
     missing = keys - set(images.column("key").to_pylist())
     if missing:
         raise MissingImages(
@@ -175,8 +177,16 @@ def gather_copies(
     shard_rows = _rows(lab, SHARD_SAMPLES, batch, others, [], chunk, own=False)
     unsharded = {b for b, _ in others} - _sharded_batches(lab, {b for b, _ in others})
     stale = {(r["batch"], r["key"]) for r in read_dirty(lab).to_pylist()}
-    id_rows = lookup_by_keys(lab, IMAGES.name, IMAGES.schema, others, IMAGE_ID_COLUMNS, chunk=chunk)
-    opted = opted_out_keys(lab, pa.concat_tables([images, id_rows]))
+    id_rows = lookup_by_keys(lab, IMAGES.name, IMAGES.schema, others, fact_columns, chunk=chunk)
+    id_table = pa.concat_tables([images, id_rows])
+    opted = opted_out_keys(lab, id_table.select(IMAGE_ID_COLUMNS))
+    refs_of = list(
+        zip(id_table.column("batch").to_pylist(), id_table.column("key").to_pylist(), strict=True)
+    )
+    if "usage_signals" in fact_columns:
+        signals = dict(zip(refs_of, id_table.column("usage_signals").to_pylist(), strict=True))
+    else:  # an images table from before signal capture: not known, so pending
+        signals = dict.fromkeys(refs_of, UNCAPTURED)
     caption_said = {s.key: s.caption_usable for s in samples}
 
     copies = []
@@ -212,9 +222,19 @@ def gather_copies(
                 dedup_stale=ref in stale,
                 written=written,
                 opt_out_lists=tuple(opted.get(k, ())),
+                usage_signals=signals.get(ref),
             )
         )
     return Facts(copies, len(cluster_ids), len(others))
+
+
+def _image_fact_columns(lab: Lab) -> list[str]:
+    """The ``images`` columns the decision reads; without ``usage_signals`` on a table from
+    before signal capture (its rows then count as UNCAPTURED: pending, never "no signal")."""
+    schema = lab.view().schema(IMAGES.name)
+    if schema is not None and "usage_signals" not in schema.names:
+        return ["batch", *IMAGE_ID_COLUMNS]
+    return IMAGE_FACT_COLUMNS
 
 
 def decide_partition(

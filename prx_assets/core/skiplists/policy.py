@@ -18,6 +18,12 @@ Rules, in order (reason codes from ``skiplists.REASON_CODES``):
 2. ``opt_out``: an accepted opt-out list names *any* copy of the cluster (always applied).
    Every copy is excluded, with the list ids and the keys of the copies named
    (``opt_out_via``); no copy is the training copy.
+   ``reserved``: a machine-readable opt-out signal captured at ingest (``X-Robots-Tag:
+   noai``, ``tdm-reservation: 1``, ``Content-Usage: train-ai=n``, or a malformed one: see
+   :mod:`prx_assets.core.ingest.signals`) that the copy's source honours
+   (:class:`~prx_assets.core.ingest.signals.UsagePolicy`) reserves *any* copy: like an
+   opt-out, it excludes every copy of the work (``reserved_via``: the copies whose signal
+   did it; ``reserved_signals``: which signal said what).
 3. Otherwise (``skip_duplicates``), the training copy is the first copy in keeper order
    (``dedup.keeper_order``: most pixels, larger file, smaller key, smaller batch) that is
    *eligible*: no reason from rule 1 and written to a shard. Every other copy is a
@@ -46,18 +52,21 @@ from typing import Any
 import pyarrow as pa
 
 from prx_assets.core.captions.models.base import LABELS
+from prx_assets.core.ingest.signals import UNCAPTURED, UsagePolicy, reservations
 from prx_assets.core.skiplists.sidecars import REASON_CODES
 from prx_assets.core.tables import SKIP_AUDIT
 
-POLICY_VERSION = 2  # 2: fail closed (pending), low_information, no_caption, cluster-wide
+POLICY_VERSION = 3  # 2: fail closed, low_information, no_caption, cluster-wide; 3: reserved
 DEFAULT_EXCLUDED_CLASSES: frozenset[str] = frozenset({"text", "nsfw"})
 EXCLUDABLE_CLASSES: tuple[str, ...] = ("text", "nsfw")
 R_OPT_OUT, R_DUPLICATE, R_PENDING = "opt_out", "duplicate", "pending"
 R_LOW_INFORMATION, R_NO_CAPTION = "low_information", "no_caption"
+R_RESERVED = "reserved"
 # What a ``pending`` sample waits for (``pending_on``); a copy is named "copy <batch>:<key>".
 WAITS_FOR_CLASS = "caption_classes"
 WAITS_FOR_DEDUP = "phash_clusters"
 WAITS_FOR_HASH = "image_hashes"
+WAITS_FOR_SIGNALS = "raw_images (usage signals not captured)"
 
 
 class SkipPolicyError(ValueError):
@@ -71,6 +80,8 @@ class SkipPolicy:
     excluded_classes: frozenset[str] = DEFAULT_EXCLUDED_CLASSES
     skip_duplicates: bool = True
     skip_low_information: bool = True
+    # Which captured opt-out signals each source honours (default: all, malformed reserves).
+    usage: UsagePolicy = field(default_factory=UsagePolicy)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "excluded_classes", frozenset(self.excluded_classes))
@@ -82,6 +93,8 @@ class SkipPolicy:
         for name in ("skip_duplicates", "skip_low_information"):
             if not isinstance(getattr(self, name), bool):
                 raise SkipPolicyError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.usage, UsagePolicy):
+            raise SkipPolicyError(f"usage must be a UsagePolicy, got {type(self.usage).__name__}")
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -89,6 +102,7 @@ class SkipPolicy:
             "excluded_classes": sorted(self.excluded_classes),
             "skip_duplicates": self.skip_duplicates,
             "skip_low_information": self.skip_low_information,
+            "usage_signals": self.usage.as_dict(),
         }
 
     def fingerprint(self) -> str:
@@ -128,6 +142,7 @@ class Copy:
     dedup_stale: bool = False  # dedup_dirty marks its phash_clusters row stale
     written: bool | None = True  # in a shard; None: its batch has no shards yet
     opt_out_lists: tuple[str, ...] = ()  # accepted lists naming this copy
+    usage_signals: str | None = None  # images.usage_signals (captured opt-out headers)
 
     @property
     def ref(self) -> tuple[str, str]:
@@ -167,7 +182,17 @@ def copy_reasons(copy: Copy, policy: SkipPolicy) -> tuple[set[str], list[str]]:
         waits.append(WAITS_FOR_HASH)
     if copy.low_information and policy.skip_low_information:
         reasons.add(R_LOW_INFORMATION)
+    if copy.usage_signals == UNCAPTURED and policy.usage.rule_for_batch(copy.batch).honour:
+        reasons.add(R_PENDING)  # ingested before signal capture: a reservation is unknown
+        waits.append(WAITS_FOR_SIGNALS)
     return reasons, waits
+
+
+def copy_reservations(copy: Copy, policy: SkipPolicy) -> tuple[str, ...]:
+    """The honoured signals reserving this copy, under its own source's rule."""
+    if copy.usage_signals == UNCAPTURED:
+        return ()  # unknown, not reserved: pending (copy_reasons) until re-ingested
+    return reservations(copy.usage_signals, policy.usage.rule_for_batch(copy.batch))
 
 
 def copy_status(copy: Copy, policy: SkipPolicy) -> CopyStatus:
@@ -188,6 +213,8 @@ class Outcome:
     opt_out_via: tuple[str, ...] = ()  # keys of the copies an opt-out list named
     duplicate_of: tuple[str, str] | None = None  # (batch, key) of the training copy
     pending_on: tuple[str, ...] = ()
+    reserved_via: tuple[str, ...] = ()  # keys of the copies whose signal reserves the work
+    reserved_signals: tuple[str, ...] = ()  # "<key>: <signal>: <what it said>"
 
     @property
     def excluded(self) -> bool:
@@ -216,10 +243,13 @@ def resolve_cluster(copies: Sequence[Copy], policy: SkipPolicy) -> dict[tuple[st
         raise SkipPolicyError(f"a cluster lists a copy twice: {sorted(refs)}")
     lists = tuple(sorted({i for c in copies for i in c.opt_out_lists}))
     via = tuple(sorted({c.key for c in copies if c.opt_out_lists}))
+    reserving = {c.key: copy_reservations(c, policy) for c in copies}
+    reserved_via = tuple(sorted(k for k, r in reserving.items() if r))
+    reserved_signals = tuple(sorted({f"{k}: {r}" for k in reserved_via for r in reserving[k]}))
     status = {c.ref: copy_status(c, policy) for c in copies}
     training: Copy | None = None
     blocker: Copy | None = None
-    if policy.skip_duplicates and not lists and len(copies) > 1:
+    if policy.skip_duplicates and not lists and not reserved_via and len(copies) > 1:
         for c in sorted(copies, key=_order):
             if status[c.ref] is CopyStatus.UNCERTAIN:
                 blocker = c
@@ -233,6 +263,8 @@ def resolve_cluster(copies: Sequence[Copy], policy: SkipPolicy) -> dict[tuple[st
         duplicate_of = None
         if lists:
             reasons.add(R_OPT_OUT)
+        if reserved_via:
+            reasons.add(R_RESERVED)
         if training is not None and c is not training:
             reasons.add(R_DUPLICATE)
             duplicate_of = training.ref
@@ -245,6 +277,8 @@ def resolve_cluster(copies: Sequence[Copy], policy: SkipPolicy) -> dict[tuple[st
             opt_out_via=via,
             duplicate_of=duplicate_of,
             pending_on=tuple(waits),
+            reserved_via=reserved_via,
+            reserved_signals=reserved_signals,
         )
     return out
 
@@ -262,6 +296,8 @@ class SampleDecision:
     opt_out_via: tuple[str, ...] = ()
     cluster_id: str | None = None
     pending_on: tuple[str, ...] = ()
+    reserved_via: tuple[str, ...] = ()
+    reserved_signals: tuple[str, ...] = ()
 
     @property
     def excluded(self) -> bool:
@@ -383,6 +419,8 @@ def decide(
                 opt_out_via=o.opt_out_via,
                 cluster_id=c.cluster_id,
                 pending_on=o.pending_on,
+                reserved_via=o.reserved_via,
+                reserved_signals=o.reserved_signals,
             )
         )
     others = {ref: (cluster_of[ref], o) for ref, o in outcomes.items() if ref[0] != batch}
@@ -431,6 +469,8 @@ def audit_rows(
             "duplicate_of_batch": d.duplicate_of_batch,
             "cluster_id": d.cluster_id,
             "pending_on": list(d.pending_on),
+            "reserved_via": list(d.reserved_via),
+            "reserved_signals": list(d.reserved_signals),
         }
         for name, value in values.items():
             cols[name].append(value)

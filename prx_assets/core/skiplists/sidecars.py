@@ -67,6 +67,7 @@ MANIFEST_VERSION = 1
 INDEX_BASENAME = "index.json"
 REASON_CODES: tuple[str, ...] = (
     "opt_out",
+    "reserved",  # a machine-readable opt-out signal captured at ingest (usage_signals)
     "duplicate",
     "class_text",
     "class_nsfw",

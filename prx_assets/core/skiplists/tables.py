@@ -74,6 +74,9 @@ SKIP_AUDIT = TableSpec(
             pa.field("duplicate_of_batch", pa.string()),  # the training copy's batch
             pa.field("cluster_id", pa.string()),  # the pHash cluster decided (null: none)
             pa.field("pending_on", pa.list_(pa.string())),  # what a "pending" sample awaits
+            # Added by policy v3 (appended likewise): machine-readable opt-out signals.
+            pa.field("reserved_via", pa.list_(pa.string())),  # keys whose signal reserves
+            pa.field("reserved_signals", pa.list_(pa.string())),  # "<key>: <signal>: <said>"
         ]
     ),
     identity=("batch", "key"),

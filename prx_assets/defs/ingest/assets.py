@@ -6,6 +6,7 @@ from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, ass
 
 from prx_assets.core.ingest.runner import BatchIngest
 from prx_assets.core.ingest.sources import resolve_batch
+from prx_assets.core.ingest.tables import ensure_usage_signals_column
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.core.text import printable_name
 from prx_assets.defs.metadata import counts_table
@@ -17,7 +18,7 @@ from prx_assets.defs.resources import LabResource
     partitions_def=BATCHES,
     group_name="ingest",
     kinds={"lance"},
-    code_version="raw_images-v2",
+    code_version="raw_images-v3",  # v3: captures opt-out headers (usage_signals)
     description=(
         "Every file of the batch validated by the decoding policy: accepted images "
         "(with original bytes) in Lance `images`, every refusal with its reason in `rejects`."
@@ -27,6 +28,7 @@ def raw_images(context: AssetExecutionContext, lab: LabResource) -> MaterializeR
     ref = resolve_batch(lab.landing, context.partition_key)
     run = BatchIngest(ref, max_pixels=lab.max_pixels, max_file_bytes=lab.max_file_bytes)
     store = lab.lab()
+    ensure_usage_signals_column(store)  # an images table from before signal capture
     written = store.replace_partition(IMAGES, ref.key, run.image_batches())
     rejected = store.replace_partition(REJECTS, ref.key, run.rejects)
     stats = run.stats

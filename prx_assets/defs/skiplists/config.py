@@ -11,16 +11,39 @@ from pathlib import Path
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from prx_assets.core.ingest.signals import UsagePolicy, UsagePolicyError
 from prx_assets.core.skiplists.optouts import DEFAULT_MAX_LINE_BYTES, DEFAULT_MAX_LIST_BYTES
 from prx_assets.core.skiplists.policy import (
     DEFAULT_EXCLUDED_CLASSES,
     EXCLUDABLE_CLASSES,
     SkipPolicy,
+    SkipPolicyError,
 )
 from prx_assets.defs.resources import LabResource
 
 DEFAULT_OPTOUTS_DIRNAME = "optouts"
 DEFAULT_MAX_NO_CAPTION_SHARE = 0.05
+USAGE_POLICY_FILENAME = "usage_policy.json"  # <data_root>/usage_policy.json (build_defs)
+MAX_USAGE_POLICY_BYTES = 1024 * 1024
+
+
+def load_usage_policy(path: str | None) -> UsagePolicy:
+    """The per-source usage-signal policy in ``path``; no path or no file: honour every
+    signal everywhere (the default). A file that exists but cannot be read or parsed is an
+    error, never the default: a broken policy must not quietly change what is honoured."""
+    if path is None or not os.path.exists(path):
+        return UsagePolicy()
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_USAGE_POLICY_BYTES + 1)
+    except OSError as exc:
+        raise SkipPolicyError(f"usage policy {path}: unreadable: {exc.strerror}") from None
+    if len(raw) > MAX_USAGE_POLICY_BYTES:
+        raise SkipPolicyError(f"usage policy {path}: over {MAX_USAGE_POLICY_BYTES:,} bytes")
+    try:
+        return UsagePolicy.from_json(raw)
+    except UsagePolicyError as exc:
+        raise SkipPolicyError(f"usage policy {path}: {exc}") from None
 
 
 class SkipPolicyResource(ConfigurableResource):
@@ -41,6 +64,15 @@ class SkipPolicyResource(ConfigurableResource):
         default=True,
         description="Skip near-flat images (phash_clusters.low_information) as 'low_information'.",
     )
+    usage_policy_file: str | None = Field(
+        default=None,
+        description=(
+            "JSON file of per-source rules for the opt-out signals captured at ingest "
+            "(X-Robots-Tag, tdm-reservation, Content-Usage): which a source honours, what a "
+            "malformed one means. None or a missing file: every signal honoured, malformed "
+            "ones reserve. Its content is part of the policy fingerprint."
+        ),
+    )
     max_no_caption_share: float = Field(
         default=DEFAULT_MAX_NO_CAPTION_SHARE,
         description=(
@@ -55,6 +87,7 @@ class SkipPolicyResource(ConfigurableResource):
             excluded_classes=frozenset(self.excluded_classes),
             skip_duplicates=self.skip_duplicates,
             skip_low_information=self.skip_low_information,
+            usage=load_usage_policy(self.usage_policy_file),
         )
 
     def fingerprint(self) -> str:

@@ -1,0 +1,381 @@
+"""Opt-out signals at ingest: each header's grammar with real-world variants, capture from
+CSV, parquet, folder and WebDataset sidecars (bounded, sanitised), the per-source policy, and
+the skip policy's ``reserved`` reason (cluster-wide, fingerprinted)."""
+
+import csv
+import io
+import json
+import tarfile
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+
+from prx_assets.core.ingest.signals import (
+    MAX_SIGNAL_CHARS,
+    SourceRule,
+    UsagePolicy,
+    UsagePolicyError,
+    capture_signals,
+    load_signals,
+    parse_content_usage,
+    parse_sf_dictionary,
+    parse_tdm_reservation,
+    parse_x_robots_tag,
+    reservations,
+)
+from prx_assets.core.ingest.sources import BatchRef, iter_candidates
+from prx_assets.core.markdown import md_code
+from prx_assets.core.skiplists.policy import (
+    R_DUPLICATE,
+    R_RESERVED,
+    Copy,
+    SkipPolicy,
+    resolve_cluster,
+)
+
+ALL = frozenset({"x-robots-tag", "tdm-reservation", "content-usage"})
+
+
+@pytest.mark.parametrize(
+    ("value", "agents", "reserved"),
+    [
+        ("noai", None, True),
+        ("NoAI", None, True),
+        ("  noimageai  ", None, True),
+        ("noindex, NOAI, nofollow", None, True),
+        ("noindex,nofollow", None, False),
+        ("noindex", None, False),
+        ("none", None, False),
+        ("otherbot: noai", None, True),  # scoped to a bot: honoured for every bot by default
+        ("otherbot: noai", frozenset({"prxbot"}), False),  # ... not when we say who we are
+        ("PRXBot: noimageai", frozenset({"prxbot"}), True),
+        ("googlebot: noindex, otherbot: noai, nofollow", frozenset({"googlebot"}), False),
+        ("otherbot: noindex, googlebot: noai", frozenset({"googlebot"}), True),
+        ("otherbot: noindex, noai", frozenset({"googlebot"}), False),  # noai still otherbot's
+        ("max-snippet: 20, noai", frozenset({"googlebot"}), True),  # a value, not a scope
+        ("unavailable_after: Wed, 21 Oct 2015 07:28:00 GMT, noai", frozenset(), True),
+        ("unavailable_after: Wed, 21 Oct 2015 07:28:00 GMT", None, False),
+        ("noaix, xnoai, no ai", None, False),  # not the directive
+        ("", None, False),
+    ],
+)
+def test_x_robots_tag_grammar(value, agents, reserved):
+    verdict, _ = parse_x_robots_tag(value, agents)
+    assert verdict.reserved is reserved
+    assert not verdict.malformed
+
+
+def test_x_robots_tag_names_the_scope_that_reserved():
+    verdict, pairs = parse_x_robots_tag("googlebot: noindex, OtherBot: NoAI")
+    assert verdict.detail == "otherbot: noai"
+    assert pairs == [("googlebot", "noindex"), ("otherbot", "noai")]
+
+
+@pytest.mark.parametrize(
+    ("value", "reserved", "malformed"),
+    [
+        ("1", True, False),
+        (" 1\t", True, False),
+        ("0", False, False),
+        ("0, 0", False, False),
+        ("0, 1", True, False),  # repeated header lines: any reservation reserves
+        ("yes", True, True),
+        ("true", True, True),
+        ("2", True, True),
+        ("", True, True),
+        ("1; policy", True, True),
+    ],
+)
+def test_tdm_reservation_grammar(value, reserved, malformed):
+    verdict = parse_tdm_reservation(value)
+    assert (verdict.reserved, verdict.malformed) == (reserved, malformed)
+
+
+@pytest.mark.parametrize(
+    ("value", "reserved", "malformed", "detail"),
+    [
+        ("train-ai=n", True, False, "train-ai=n"),
+        ("train-ai=y", False, False, "train-ai=y"),
+        ("train-ai=n, search=y", True, False, "train-ai=n"),
+        ("search=y,train-ai=n", True, False, "train-ai=n"),  # no space after the comma
+        ("train-ai=y, train-genai=n", True, False, "train-genai=n"),  # most specific wins
+        ("train-ai=n, train-genai=y", False, False, "train-genai=y"),
+        ("bots=n", True, False, "bots=n"),
+        ("bots=n, train-ai=y", False, False, "train-ai=y"),
+        ("search=n, foo-bar=n", False, False, ""),  # unknown keys ignored
+        ("train-ai=n;exp=1, x=(a b);q=0.5", True, False, "train-ai=n"),  # params, inner list
+        ("train-ai=y, train-ai=n", True, False, "train-ai=n"),  # a repeated key: last wins
+        ("", False, False, ""),
+        ("Train-AI=n", True, True, None),  # keys are lower case: the field is invalid
+        ('train-ai="n"', True, True, None),  # a string is not the token n
+        ("train-ai", True, True, None),  # a bare key is ?1, not y/n
+        ("train-ai=no", True, True, None),
+        ("train-ai=n,", True, True, None),  # trailing comma
+        ("train-ai=n search=y", True, True, None),
+        ("train-ai==n", True, True, None),
+    ],
+)
+def test_content_usage_grammar(value, reserved, malformed, detail):
+    verdict = parse_content_usage(value)
+    assert (verdict.reserved, verdict.malformed) == (reserved, malformed)
+    if detail is not None:
+        assert verdict.detail == detail
+    else:
+        assert verdict.detail.startswith("malformed")
+
+
+def test_structured_field_dictionary_items():
+    d = parse_sf_dictionary('a=1, b="x\\"y", c=?0, d=:aGk=:, e=(t1 t2);p, f, g=-1.5, h=*tok')
+    assert d["a"] == 1 and d["b"] == 'x"y' and d["c"] is False and d["f"] is True
+    assert d["g"] == -1.5 and d["h"] == "*tok" and len(d["e"]) == 2
+
+
+# --------------------------------------------------------------------------- capture
+
+
+def test_capture_combines_repeated_and_mapped_headers_case_insensitively():
+    stored = capture_signals(
+        {
+            "X-Robots-Tag": ["noindex", "otherbot: noai"],
+            "headers": json.dumps({"TDM-Reservation": "1", "tdm-policy": "https://p.example/p"}),
+            "url": "https://x.example/a.jpg",
+        }
+    )
+    headers, defects = load_signals(stored)
+    assert headers == {
+        "x-robots-tag": "noindex, otherbot: noai",
+        "tdm-reservation": "1",
+        "tdm-policy": "https://p.example/p",
+    }
+    assert defects == {}
+    assert capture_signals({"url": "u", "alt_text": "a"}) is None
+
+
+def test_hostile_values_are_bounded_made_visible_and_fail_closed():
+    huge = "noindex, " * 2000 + "noai"  # the reservation sits past the bound
+    injected = "noindex\r\nSet-Cookie: x=1\x00<script>"
+    stored = capture_signals({"x_robots_tag": huge, "content_usage": injected})
+    headers, defects = load_signals(stored)
+    assert len(headers["x-robots-tag"]) < MAX_SIGNAL_CHARS + 40
+    assert "cut at" in defects["x-robots-tag"]
+    assert "\r" not in headers["content-usage"] and "\x00" not in headers["content-usage"]
+    assert "\\x0d" in headers["content-usage"] and "control" in defects["content-usage"]
+    rule = SourceRule()
+    assert any(r.startswith("x-robots-tag: malformed") for r in reservations(stored, rule))
+    assert reservations(stored, SourceRule(malformed="ignore")) == ()  # noai was cut away
+    # Shown in Markdown only as a code span, one line, bounded.
+    shown = md_code(headers["content-usage"])
+    assert "\n" not in shown and "<script>" in shown and shown.startswith("`")
+
+
+def test_an_unreadable_header_map_reserves_unless_malformed_is_ignored():
+    stored = capture_signals({"headers": "{not json"})
+    assert reservations(stored, SourceRule()) == (
+        "headers: malformed (header map is not valid JSON)",
+    )
+    assert reservations(stored, SourceRule(malformed="ignore")) == ()
+    assert reservations(stored, SourceRule(honour=frozenset())) == ()
+
+
+def test_a_stored_value_that_is_not_ours_fails_closed():
+    assert reservations('{"oops": 1}', SourceRule())  # every signal malformed -> reserved
+
+
+def _jpeg(seed: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (seed, 40, 80)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def _signals_by_path(ref: BatchRef) -> dict[str, str | None]:
+    return {c.path: c.usage_signals for c in iter_candidates(ref) if c.data is not None}
+
+
+ROWS = [
+    ("a.jpg", {"x_robots_tag": "noai"}),
+    ("b.jpg", {"tdm-reservation": "1", "tdm-policy": "https://p.example/policy.json"}),
+    ("c.jpg", {"Content-Usage": "train-ai=n"}),
+    ("d.jpg", {}),
+]
+
+
+def _reserved(signals: dict[str, str | None]) -> dict[str, tuple[str, ...]]:
+    return {p: reservations(s, SourceRule()) for p, s in signals.items()}
+
+
+def _expect(got: dict[str, tuple[str, ...]], prefix: str = "") -> None:
+    assert got[f"{prefix}a.jpg"] == ("x-robots-tag: noai",)
+    assert got[f"{prefix}b.jpg"] == (
+        "tdm-reservation: 1 (tdm-policy 'https://p.example/policy.json')",
+    )
+    assert got[f"{prefix}c.jpg"] == ("content-usage: train-ai=n",)
+    assert got[f"{prefix}d.jpg"] == ()
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_signals_are_read_from_manifest_columns(tmp_path, fmt):
+    src = tmp_path / "web"
+    src.mkdir()
+    columns = ["path", "alt_text", "X-Robots-Tag", "tdm-reservation", "tdm-policy"]
+    columns.append("Content-Usage")
+    rows = []
+    for i, (name, sig) in enumerate(ROWS):
+        (src / name).write_bytes(_jpeg(i))
+        rows.append(
+            {c: sig.get(c, sig.get(c.lower().replace("-", "_"))) for c in columns[2:]}
+            | {"path": name, "alt_text": "x"}
+        )
+    path = src / f"000.{fmt}"
+    if fmt == "csv":
+        with open(path, "w", newline="") as fh:
+            w = csv.DictWriter(fh, columns)
+            w.writeheader()
+            w.writerows({k: v or "" for k, v in r.items()} for r in rows)
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    got = _signals_by_path(BatchRef("web.000", "web", "000", path, "manifest"))
+    _expect(_reserved({k: v for k, v in got.items()}))
+    assert got["d.jpg"] is None  # parquet nulls and CSV's empty cells are no header
+    headers, _ = load_signals(got["b.jpg"])
+    assert headers["tdm-policy"] == "https://p.example/policy.json"
+
+
+def test_a_manifest_headers_column_holds_a_json_header_map(tmp_path):
+    src = tmp_path / "web"
+    src.mkdir()
+    (src / "a.jpg").write_bytes(_jpeg(1))
+    table = pa.table({"path": ["a.jpg"], "headers": [json.dumps({"x-robots-tag": "noimageai"})]})
+    pq.write_table(table, src / "000.parquet")
+    got = _signals_by_path(BatchRef("web.000", "web", "000", src / "000.parquet", "manifest"))
+    assert _reserved(got) == {"a.jpg": ("x-robots-tag: noimageai",)}
+
+
+def test_signals_are_read_from_folder_sidecars(tmp_path):
+    folder = tmp_path / "web" / "000"
+    folder.mkdir(parents=True)
+    for i, (name, sig) in enumerate(ROWS):
+        stem = name.removesuffix(".jpg")
+        (folder / name).write_bytes(_jpeg(i))
+        (folder / f"{stem}.json").write_text(json.dumps({"url": f"https://x/{name}", **sig}))
+    (folder / "_SUCCESS").write_text("")
+    _expect(_reserved(_signals_by_path(BatchRef("web.000", "web", "000", folder, "folder"))))
+
+
+def test_signals_are_read_from_webdataset_json_sidecars(tmp_path):
+    path = tmp_path / "web" / "000.tar"
+    path.parent.mkdir()
+    with tarfile.open(path, "w") as tar:
+        for i, (name, sig) in enumerate(ROWS):
+            stem = f"shard/{name.removesuffix('.jpg')}"
+            meta = {"url": f"https://x/{name}", "headers": sig} if i % 2 else sig
+            for member, data in ((f"{stem}.jpg", _jpeg(i)), (f"{stem}.json", json.dumps(meta))):
+                raw = data if isinstance(data, bytes) else data.encode()
+                info = tarfile.TarInfo(member)
+                info.size = len(raw)
+                tar.addfile(info, io.BytesIO(raw))
+    got = _signals_by_path(BatchRef("web.000", "web", "000", path, "archive"))
+    _expect(_reserved(got), prefix="shard/")
+
+
+# --------------------------------------------------------------------------- policy
+
+
+def test_policy_file_parsing_inherits_and_refuses_mistakes():
+    policy = UsagePolicy.from_json(
+        json.dumps(
+            {
+                "default": {"user_agents": ["PRXBot"]},
+                "sources": {"laion": {"honour": ["tdm-reservation"], "malformed": "ignore"}},
+            }
+        )
+    )
+    laion = policy.rule_for_batch("laion.00001")
+    assert laion.honour == {"tdm-reservation"} and laion.malformed == "ignore"
+    assert laion.user_agents == {"prxbot"}  # inherited from the default
+    assert policy.rule_for_batch("other.000").honour == ALL
+    for bad in (
+        {"sources": {"x": {"honour": ["x-robots"]}}},  # unknown signal
+        {"sources": {"x": {"malformed": "allow"}}},
+        {"default": {"honor": [], "honour": []}},
+        {"sourcse": {}},  # a typo is an error, not the default
+        {"sources": {"a.b": {}, "a-b": {}}},  # one partition prefix twice
+        [],
+    ):
+        with pytest.raises(UsagePolicyError):
+            UsagePolicy.from_mapping(bad)
+    with pytest.raises(UsagePolicyError):
+        UsagePolicy.from_json("{")
+
+
+def _copy(batch: str, key: str, rank: int, signals: str | None = None) -> Copy:
+    return Copy(
+        batch=batch,
+        key=key,
+        cluster_id="c1",
+        rank=(-rank, -rank, key, batch),
+        label="visual",
+        caption_usable=True,
+        usage_signals=signals,
+    )
+
+
+def test_a_reserved_copy_excludes_every_copy_of_the_work_under_its_sources_rule():
+    noai = capture_signals({"x-robots-tag": "noai"})
+    copies = [_copy("web.000", "big", 10), _copy("laion.000", "small", 1, noai)]
+    out = resolve_cluster(copies, SkipPolicy())
+    for ref in (("web.000", "big"), ("laion.000", "small")):
+        assert R_RESERVED in out[ref].reasons and R_DUPLICATE not in out[ref].reasons
+        assert out[ref].reserved_via == ("small",)
+        assert out[ref].reserved_signals == ("small: x-robots-tag: noai",)
+    # laion does not honour X-Robots-Tag: the larger copy trains, the smaller is a duplicate.
+    relaxed = SkipPolicy(
+        usage=UsagePolicy(sources=(("laion", SourceRule(honour={"tdm-reservation"})),))
+    )
+    out = resolve_cluster(copies, relaxed)
+    assert out[("web.000", "big")].reasons == ()
+    assert out[("laion.000", "small")].reasons == (R_DUPLICATE,)
+    assert relaxed.fingerprint() != SkipPolicy().fingerprint()
+    assert relaxed.as_dict()["usage_signals"]["sources"]["laion"]["honour"] == ["tdm-reservation"]
+
+
+def test_images_from_before_signal_capture_are_pending_not_unsignalled(tmp_path):
+    import lance
+
+    from prx_assets.core.ingest.runner import BatchIngest
+    from prx_assets.core.ingest.signals import UNCAPTURED
+    from prx_assets.core.ingest.tables import ensure_usage_signals_column
+    from prx_assets.core.lab import Lab
+    from prx_assets.core.skiplists.policy import R_PENDING, WAITS_FOR_SIGNALS
+    from prx_assets.core.tables import IMAGES
+
+    lab = Lab(tmp_path / "lab")
+    old = pa.schema([f for f in IMAGES.schema if f.name != "usage_signals"])
+    row = {"key": "k" * 64, "batch": "old.000", "path": "a.jpg", "image": b"x"}
+    lance.write_dataset(pa.Table.from_pylist([row], schema=old), lab.uri(IMAGES.name))
+    assert ensure_usage_signals_column(lab) is True
+    assert ensure_usage_signals_column(lab) is False
+    # A batch ingested now, next to the legacy row, records what its sidecars said.
+    folder = tmp_path / "landing" / "web" / "000"
+    folder.mkdir(parents=True)
+    (folder / "a.jpg").write_bytes(_jpeg(3))
+    (folder / "a.json").write_text(json.dumps({"x-robots-tag": "noai"}))
+    run = BatchIngest(BatchRef("web.000", "web", "000", folder, "folder"))
+    lab.replace_partition(IMAGES, "web.000", run.image_batches())
+    got = dict(
+        zip(
+            *(lab.read(IMAGES.name, ["batch", "usage_signals"]).column(c).to_pylist() for c in
+              ("batch", "usage_signals")),
+            strict=True,
+        )
+    )  # fmt: skip
+    assert got["old.000"] == UNCAPTURED
+    assert load_signals(got["web.000"])[0] == {"x-robots-tag": "noai"}
+    # Unknown is never "no signal": pending until re-ingested, unless nothing is honoured.
+    legacy = Copy("old.000", "k", None, None, "visual", True, usage_signals=UNCAPTURED)
+    out = resolve_cluster([legacy], SkipPolicy())[legacy.ref]
+    assert R_PENDING in out.reasons and WAITS_FOR_SIGNALS in out.pending_on
+    honours_nothing = SkipPolicy(usage=UsagePolicy(default=SourceRule(honour=frozenset())))
+    out = resolve_cluster([legacy], honours_nothing)[legacy.ref]
+    assert WAITS_FOR_SIGNALS not in out.pending_on
