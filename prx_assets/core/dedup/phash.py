@@ -52,7 +52,12 @@ import numpy as np
 import scipy.fftpack
 from PIL import Image
 
-from prx_assets.core.ingest.decode import ALLOWED_FORMATS, decode_rgb
+from prx_assets.core.ingest.decode import (
+    ALLOWED_FORMATS,
+    ORIENTATION_TRANSPOSE,
+    decode_rgb,
+    transpose_box,
+)
 
 PHASH_MODES: tuple[str, ...] = ("reference", "fast")
 _VERSIONS = {"reference": "reference-v1", "fast": "fast-v1"}
@@ -349,16 +354,9 @@ def _zero_ac_scans(
     return b"".join(parts)
 
 
-# exif_transpose's methods, by EXIF orientation.
-_TRANSPOSE = {
-    2: Image.Transpose.FLIP_LEFT_RIGHT,
-    3: Image.Transpose.ROTATE_180,
-    4: Image.Transpose.FLIP_TOP_BOTTOM,
-    5: Image.Transpose.TRANSPOSE,
-    6: Image.Transpose.ROTATE_270,
-    7: Image.Transpose.TRANSVERSE,
-    8: Image.Transpose.ROTATE_90,
-}
+# exif_transpose's methods by EXIF orientation, and where a box lands under them.
+_TRANSPOSE = ORIENTATION_TRANSPOSE
+_transpose_box = transpose_box
 
 
 def _valid_box(data: bytes, out_size: tuple[int, int]) -> tuple[float, float, float, float]:
@@ -389,34 +387,6 @@ def _valid_box(data: bytes, out_size: tuple[int, int]) -> tuple[float, float, fl
         if (-(-w // scale), -(-h // scale)) == (dw, dh):
             return _transpose_box((0.0, 0.0, w / scale, h / scale), (dw, dh), method)
     return full  # not a plain DCT scaling after all: at worst a sub-pixel misalignment
-
-
-def _transpose_box(
-    box: tuple[float, float, float, float],
-    size: tuple[int, int],
-    method: Image.Transpose | None,
-) -> tuple[float, float, float, float]:
-    """Where ``box`` lands when an image of ``size`` is transposed by ``method``."""
-    w, h = size
-    x0, y0, x1, y1 = box
-    T = Image.Transpose
-    if method is None:
-        return box
-    if method == T.FLIP_LEFT_RIGHT:
-        return (w - x1, y0, w - x0, y1)
-    if method == T.FLIP_TOP_BOTTOM:
-        return (x0, h - y1, x1, h - y0)
-    if method == T.ROTATE_180:
-        return (w - x1, h - y1, w - x0, h - y0)
-    if method == T.TRANSPOSE:
-        return (y0, x0, y1, x1)
-    if method == T.ROTATE_90:  # counter-clockwise: (x, y) -> (y, w - x)
-        return (y0, w - x1, y1, w - x0)
-    if method == T.ROTATE_270:  # clockwise: (x, y) -> (h - y, x)
-        return (h - y1, x0, h - y0, x1)
-    if method == T.TRANSVERSE:  # (x, y) -> (h - y, w - x)
-        return (h - y1, w - x1, h - y0, w - x0)
-    raise ValueError(f"unsupported transpose {method}")
 
 
 def _thumbnail_of(
