@@ -55,6 +55,7 @@ from PIL import Image
 from prx_assets.core.ingest.decode import (
     ALLOWED_FORMATS,
     ORIENTATION_TRANSPOSE,
+    DecodeRejected,
     decode_rgb,
     transpose_box,
 )
@@ -417,6 +418,23 @@ def _results(
         HashResult(int(h), float(e), bool(e < threshold), mode, version)
         for h, e in zip(hashes.tolist(), energy.tolist(), strict=True)
     ]
+
+
+def fast_thumbnail_task(data: bytes) -> np.ndarray | tuple[str, str]:
+    """``fast_thumbnail(data)``, or the policy's (reason, detail) refusal: a pool task."""
+    try:
+        return fast_thumbnail(data)
+    except DecodeRejected as exc:
+        return exc.reason, exc.detail
+
+
+def hash_results(
+    thumbs: list[np.ndarray], low_info_threshold: float = DEFAULT_LOW_INFO_THRESHOLD
+) -> list[HashResult]:
+    """``fast`` results of a stack of thumbnails (one batched DCT), in order."""
+    if not thumbs:
+        return []
+    return _results(*hash_thumbnails(np.stack(thumbs)), "fast", low_info_threshold)
 
 
 def phash_bytes(

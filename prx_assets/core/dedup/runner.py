@@ -45,11 +45,17 @@ from prx_assets.core.dedup.decisions import (
     plan_batch,
 )
 from prx_assets.core.dedup.dirty import clear_dirty, mark_dirty, pending_dirty, read_dirty
-from prx_assets.core.dedup.phash import hash_to_int64, phash_many
+from prx_assets.core.dedup.phash import (
+    fast_thumbnail_task,
+    hash_results,
+    hash_to_int64,
+    phash_many,
+)
 from prx_assets.core.dedup.reruns import state_row
 from prx_assets.core.ingest.decode import DecodeRejected
 from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
 from prx_assets.core.tables import DEDUP_STATE, IMAGE_HASHES, IMAGES, PHASH_CLUSTERS, RESOLUTION
+from prx_assets.core.workers import InlinePool, ItemFailed, WorkerPool, make_pool
 
 DEFAULT_READ_CHUNK = 256
 
@@ -79,9 +85,12 @@ class HashOutcome:
 class BatchHashes:
     """Hash every eligible image of ``batch`` into its ``image_hashes`` rows (one commit).
 
-    Only one chunk of ``read_chunk`` images' bytes is in memory at a time; an image that
-    ingest accepted but the hasher cannot decode is left out and named in the outcome (the
-    completeness check then fails: nothing is silently dropped).
+    Only one chunk of ``read_chunk`` images' bytes is in memory at a time; in ``fast`` mode
+    its thumbnails are decoded on ``workers`` processes (None: every CPU available) and
+    hashed here in one batched DCT per chunk, so the hashes are the same for any worker
+    count. An image that ingest accepted but the hasher cannot decode (in a worker or
+    inline, the same way) is left out and named in the outcome (the completeness check then
+    fails: nothing is silently dropped).
     """
 
     def __init__(
@@ -90,10 +99,14 @@ class BatchHashes:
         batch: str,
         settings: DedupSettings,
         read_chunk: int = DEFAULT_READ_CHUNK,
+        workers: int | None = None,
+        executor: str | None = None,
     ) -> None:
         if read_chunk < 1:
             raise ValueError(f"read_chunk must be >= 1, got {read_chunk}")
         self.lab, self.batch, self.settings, self.read_chunk = lab, batch, settings, read_chunk
+        self.workers, self.executor = workers, executor
+        self.pool: WorkerPool = InlinePool()
         self.rejected: dict[str, str] = {}
         self.hashed = 0
         self.low_information = 0
@@ -138,17 +151,10 @@ class BatchHashes:
             rows = {r["key"]: r for r in view.read(IMAGES.name, columns, where).to_pylist()}
             chunk_rows = [rows[k] for k in chunk]
             self.bytes_read += sum(len(r["image"]) for r in chunk_rows)
-            try:
-                results = phash_many([r["image"] for r in chunk_rows], **kw)
-                good = chunk_rows
-            except DecodeRejected:  # ingest accepted these bytes, so this is rare: find which
-                good, results = [], []
-                for row in chunk_rows:
-                    try:
-                        results += phash_many([row["image"]], **kw)
-                        good.append(row)
-                    except DecodeRejected as exc:
-                        self.rejected[row["key"]] = f"{exc.reason}: {exc.detail}"
+            if self.settings.phash_mode == "fast":
+                good, results = self._fast(chunk_rows)
+            else:
+                good, results = self._reference(chunk_rows, kw)
             self.hashed += len(good)
             self.low_information += sum(r.low_information for r in results)
             yield pa.RecordBatch.from_pylist(
@@ -169,13 +175,49 @@ class BatchHashes:
                 schema=IMAGE_HASHES.schema,
             )
 
+    def _fast(self, rows: list[dict]) -> tuple[list[dict], list]:
+        """Thumbnails on the pool (in order), then one batched DCT for the chunk."""
+        good, thumbs = [], []
+        for row, out in zip(
+            rows,
+            self.pool.map_ordered(fast_thumbnail_task, (r["image"] for r in rows)),
+            strict=True,
+        ):
+            if isinstance(out, ItemFailed):
+                self.rejected[row["key"]] = f"hash_failed: {out.error}"
+            elif isinstance(out, tuple):
+                self.rejected[row["key"]] = f"{out[0]}: {out[1]}"
+            else:
+                good.append(row)
+                thumbs.append(out)
+        return good, hash_results(thumbs, self.settings.low_info_threshold)
+
+    def _reference(self, rows: list[dict], kw: dict) -> tuple[list[dict], list]:
+        """The yardstick mode, inline (imagehash's steps on the full decode)."""
+        try:
+            return rows, phash_many([r["image"] for r in rows], **kw)
+        except DecodeRejected:  # ingest accepted these bytes, so this is rare: find which
+            good, results = [], []
+            for row in rows:
+                try:
+                    results += phash_many([row["image"]], **kw)
+                    good.append(row)
+                except DecodeRejected as exc:
+                    self.rejected[row["key"]] = f"{exc.reason}: {exc.detail}"
+            return good, results
+
     def run(self) -> HashOutcome:
         view = self.lab.view()  # resolution and images opened once for the whole run
         keys = self.eligible_keys(view)
         t0 = time.perf_counter()
-        written = self.lab.replace_partition(
-            IMAGE_HASHES, self.batch, self.record_batches(view, keys)
-        )
+        self.pool = make_pool(self.executor, self.workers)
+        try:
+            written = self.lab.replace_partition(
+                IMAGE_HASHES, self.batch, self.record_batches(view, keys)
+            )
+        finally:
+            self.pool.close()
+            self.pool = InlinePool()
         seconds = time.perf_counter() - t0
         stored = self.lab.read_batch(IMAGE_HASHES.name, self.batch, ["key", "phash_version"])
         return HashOutcome(

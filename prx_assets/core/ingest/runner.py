@@ -8,13 +8,18 @@ bad file never takes down its batch.
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS, DecodeRejected, inspect_image
+from prx_assets.core.ingest.decode import (
+    DEFAULT_MAX_PIXELS,
+    DecodeRejected,
+    ImageInfo,
+    inspect_image,
+)
 from prx_assets.core.ingest.sources import (
     DEFAULT_MAX_FILE_BYTES,
     BatchRef,
@@ -23,6 +28,7 @@ from prx_assets.core.ingest.sources import (
 )
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.core.text import bound_text, quote_bounded
+from prx_assets.core.workers import ItemFailed, make_pool
 
 ROWS_PER_RECORD_BATCH = 256
 BYTES_PER_RECORD_BATCH = 64 * 1024 * 1024  # a record batch also ends at this many image bytes
@@ -65,12 +71,35 @@ def _record_batches(rows: Iterator[dict], schema: pa.Schema) -> Iterator[pa.Reco
         yield pa.RecordBatch.from_pylist(buf, schema=schema)
 
 
+Checked = tuple[str, ImageInfo | tuple[str, str]]  # key, and the info or (reason, detail)
+
+
+def check_candidate(item: tuple[bytes, int]) -> Checked:
+    """sha256 and the policy's validation of one file's bytes (module level: picklable).
+
+    A refusal comes back as (reason, detail), the same in a worker as inline.
+    """
+    data, max_pixels = item
+    key = hashlib.sha256(data).hexdigest()
+    try:
+        return key, inspect_image(data, max_pixels=max_pixels)
+    except DecodeRejected as exc:
+        return key, (exc.reason, exc.detail)
+
+
+def _check_or_skip(item: tuple[bytes, int] | None) -> Checked | None:
+    return None if item is None else check_candidate(item)
+
+
 class BatchIngest:
     """Validate and describe every file of a batch (reads files, writes nothing).
 
     ``image_batches()`` streams accepted rows as Arrow record batches so that a
     large batch never sits in memory whole; ``rejects`` and ``stats`` are complete
-    once that stream has been consumed.
+    once that stream has been consumed. Hashing and validation run on ``workers`` processes
+    (None: every CPU available; ``executor`` as in ``core/workers.py``), a bounded window of
+    files in flight; everything order-dependent (duplicates, accounting) stays here, so the
+    rows are the same for any worker count.
     """
 
     def __init__(
@@ -78,8 +107,12 @@ class BatchIngest:
         ref: BatchRef,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        workers: int | None = None,
+        executor: str | None = None,
     ) -> None:
         self.ref = ref
+        self.workers = workers
+        self.executor = executor
         self.max_pixels = max_pixels
         self.max_file_bytes = max_file_bytes
         self.stats = IngestStats()
@@ -112,16 +145,39 @@ class BatchIngest:
             }
         )
 
+    def _checked(self) -> Iterator[tuple[Candidate, Checked | ItemFailed | None]]:
+        """Every candidate in order with its hash and validation (None: no bytes to check)."""
+        pending: deque[Candidate] = deque()
+
+        def tasks() -> Iterator[tuple[bytes, int] | None]:
+            for c in iter_candidates(self.ref, self.max_file_bytes):
+                pending.append(c)
+                ok = c.error is None and c.data is not None
+                yield (c.data, self.max_pixels) if ok else None
+
+        pool = make_pool(self.executor, self.workers)
+        try:
+            for out in pool.map_ordered(_check_or_skip, tasks()):
+                yield pending.popleft(), out
+        finally:
+            pool.close()
+
     def _accepted_rows(self) -> Iterator[dict]:
         stats = self.stats
         first_path_of_key: dict[str, str] = {}
-        for c in iter_candidates(self.ref, self.max_file_bytes):
+        for c, checked in self._checked():
             stats.seen += 1
             if c.error is not None or c.data is None:
                 reason, detail = c.error or ("unreadable", "no bytes")
                 self._reject(c, reason, detail)
                 continue
-            key = hashlib.sha256(c.data).hexdigest()
+            if isinstance(checked, ItemFailed) or checked is None:
+                # The check itself failed (it only raises on a bug or a dead worker): the file
+                # is refused with why, never accepted unvalidated.
+                why = checked.error if checked is not None else "no result"
+                self._reject(c, "validation_failed", why, hashlib.sha256(c.data).hexdigest())
+                continue
+            key, result = checked
             if key in first_path_of_key:
                 self._reject(
                     c,
@@ -135,11 +191,10 @@ class BatchIngest:
                     c, "duplicate_path", f"{quote_bounded(c.path)} appears twice in the batch", key
                 )
                 continue
-            try:
-                info = inspect_image(c.data, max_pixels=self.max_pixels)
-            except DecodeRejected as exc:
-                self._reject(c, exc.reason, exc.detail, key)
+            if not isinstance(result, ImageInfo):
+                self._reject(c, result[0], result[1], key)
                 continue
+            info = result
             self._seen_paths.add(c.path)
             first_path_of_key[key] = c.path
             stats.accepted += 1

@@ -25,7 +25,9 @@ from prx_assets.defs.resources import LabResource
 )
 def raw_images(context: AssetExecutionContext, lab: LabResource) -> MaterializeResult:
     ref = resolve_batch(lab.landing, context.partition_key)
-    run = BatchIngest(ref, max_pixels=lab.max_pixels, max_file_bytes=lab.max_file_bytes)
+    run = BatchIngest(
+        ref, max_pixels=lab.max_pixels, max_file_bytes=lab.max_file_bytes, workers=lab.workers
+    )
     store = lab.lab()
     written = store.replace_partition(IMAGES, ref.key, run.image_batches())
     rejected = store.replace_partition(REJECTS, ref.key, run.rejects)
