@@ -225,6 +225,31 @@ def fast_thumbnail(
     return _thumbnail_of(img.convert("L"), _valid_box(data, img.size), reduce_target)
 
 
+FAST_THUMBNAIL_BYTES = THUMB_SIZE * THUMB_SIZE * 4  # float32, little-endian
+
+
+def fast_thumbnail_of_decoded(data: bytes, img: Image.Image) -> np.ndarray:
+    """``fast_thumbnail(data)`` from ``decode_rgb(data, draft_size=(FAST_DRAFT_TARGET,) * 2)``.
+
+    For a caller that already holds that decode (ingest validates from it): the same steps,
+    so the same float32 thumbnail, bit for bit (tested); for progressive JPEGs too, since the
+    DC-scan cut ``fast_thumbnail`` decodes is exact at the 1/8 scale it applies to.
+    """
+    return _thumbnail_of(img.convert("L"), _valid_box(data, img.size), FAST_REDUCE_TARGET)
+
+
+def thumbnail_to_bytes(thumb: np.ndarray) -> bytes:
+    """A 32x32 float32 thumbnail as stored (``images.phash_thumbnail``)."""
+    return np.ascontiguousarray(thumb, dtype="<f4").tobytes()
+
+
+def thumbnail_from_bytes(raw: bytes) -> np.ndarray:
+    """The stored thumbnail back as a 32x32 float32 array (exactly the values stored)."""
+    if len(raw) != FAST_THUMBNAIL_BYTES:
+        raise ValueError(f"a stored thumbnail has {FAST_THUMBNAIL_BYTES} bytes, not {len(raw)}")
+    return np.frombuffer(raw, dtype="<f4").reshape(THUMB_SIZE, THUMB_SIZE)
+
+
 # The next marker after entropy-coded data: 0xFF not followed by a stuffed 0x00, a restart
 # marker (RSTn, inside the scan) or another 0xFF (fill).
 _NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")

@@ -46,10 +46,13 @@ from prx_assets.core.dedup.decisions import (
 )
 from prx_assets.core.dedup.dirty import clear_dirty, mark_dirty, pending_dirty, read_dirty
 from prx_assets.core.dedup.phash import (
+    FAST_THUMBNAIL_BYTES,
     fast_thumbnail_task,
     hash_results,
     hash_to_int64,
     phash_many,
+    phash_version,
+    thumbnail_from_bytes,
 )
 from prx_assets.core.dedup.reruns import state_row
 from prx_assets.core.ingest.decode import DecodeRejected
@@ -58,6 +61,17 @@ from prx_assets.core.tables import DEDUP_STATE, IMAGE_HASHES, IMAGES, PHASH_CLUS
 from prx_assets.core.workers import InlinePool, ItemFailed, WorkerPool, make_pool
 
 DEFAULT_READ_CHUNK = 256
+_THUMB_COLUMNS = ("phash_thumbnail", "phash_thumbnail_version")  # ingest's, see _fast
+
+
+def _current_thumbnail(row: dict, version: str) -> bool:
+    """Whether ingest stored a well-formed thumbnail for this pHash version in ``row``."""
+    raw = row.get("phash_thumbnail")
+    return (
+        raw is not None
+        and len(raw) == FAST_THUMBNAIL_BYTES
+        and row.get("phash_thumbnail_version") == version
+    )
 
 
 class InputNotReady(RuntimeError):
@@ -141,16 +155,27 @@ class BatchHashes:
 
     def record_batches(self, view: LabView, keys: list[str]) -> Iterator[pa.RecordBatch]:
         """The hash rows, one record batch per chunk of images (one batched DCT each)."""
-        columns = ["key", "image", "file_size", "width", "height"]
+        fast = self.settings.phash_mode == "fast"
+        schema = view.schema(IMAGES.name)
+        thumbs_stored = fast and schema is not None and set(_THUMB_COLUMNS) <= set(schema.names)
+        columns = ["key", "file_size", "width", "height"]
+        columns += list(_THUMB_COLUMNS) if thumbs_stored else ["image"]
         kw = {
             "mode": self.settings.phash_mode,
             "low_info_threshold": self.settings.low_info_threshold,
         }
+        version = phash_version("fast")
         for chunk in chunked(keys, self.read_chunk):
             where = f"batch = {sql_literal(self.batch)} AND {in_list('key', chunk)}"
             rows = {r["key"]: r for r in view.read(IMAGES.name, columns, where).to_pylist()}
             chunk_rows = [rows[k] for k in chunk]
-            self.bytes_read += sum(len(r["image"]) for r in chunk_rows)
+            if thumbs_stored:  # the bytes only of rows without a current thumbnail
+                need = [r["key"] for r in chunk_rows if not _current_thumbnail(r, version)]
+                if need:
+                    where = f"batch = {sql_literal(self.batch)} AND {in_list('key', need)}"
+                    for r in view.read(IMAGES.name, ["key", "image"], where).to_pylist():
+                        rows[r["key"]]["image"] = r["image"]
+            self.bytes_read += sum(len(r.get("image") or b"") for r in chunk_rows)
             if self.settings.phash_mode == "fast":
                 good, results = self._fast(chunk_rows)
             else:
@@ -176,13 +201,29 @@ class BatchHashes:
             )
 
     def _fast(self, rows: list[dict]) -> tuple[list[dict], list]:
-        """Thumbnails on the pool (in order), then one batched DCT for the chunk."""
+        """Thumbnails (ingest's, or decoded on the pool), then one batched DCT per chunk.
+
+        A thumbnail ingest stored for this pHash version is the one ``fast_thumbnail`` makes
+        from these bytes (same steps from the same decode), so it is used as it is; any
+        other row's bytes are decoded here.
+        """
+        version = phash_version("fast")
+        ready = {
+            r["key"]: thumbnail_from_bytes(r["phash_thumbnail"])
+            for r in rows
+            if _current_thumbnail(r, version)
+        }
+        todo = [r for r in rows if r["key"] not in ready]
+        decoded = dict(
+            zip(
+                (r["key"] for r in todo),
+                self.pool.map_ordered(fast_thumbnail_task, (r.get("image") for r in todo)),
+                strict=True,
+            )
+        )
         good, thumbs = [], []
-        for row, out in zip(
-            rows,
-            self.pool.map_ordered(fast_thumbnail_task, (r["image"] for r in rows)),
-            strict=True,
-        ):
+        for row in rows:
+            out = ready[row["key"]] if row["key"] in ready else decoded[row["key"]]
             if isinstance(out, ItemFailed):
                 self.rejected[row["key"]] = f"hash_failed: {out.error}"
             elif isinstance(out, tuple):

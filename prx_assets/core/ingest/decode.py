@@ -254,6 +254,65 @@ def inspect_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageInf
     )
 
 
+def inspect_and_decode(
+    data: bytes,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    draft_size: tuple[int, int] | None = None,
+) -> tuple[ImageInfo, Image.Image | None]:
+    """``inspect_image``'s validation and ``decode_rgb``'s pixels from one decode.
+
+    Why: validating a stream means entropy-decoding all of it, which is also the whole cost
+    of the reduced-scale decode pHash needs; doing both from one decode saves the second.
+    The refusals are ``inspect_image``'s (any DCT scale entropy-decodes every scan, so the
+    answer is the same as its 1/8 draft), and the image equals ``decode_rgb(data, max_pixels,
+    draft_size)`` step for step. The image is None when the policy's RGB conversion fails
+    (the file is still valid; a stage that needs pixels then decodes and reports it).
+    """
+    img = _open(data, max_pixels)
+    fmt = img.format or "UNKNOWN"
+    n_frames = int(getattr(img, "n_frames", 1) or 1)
+    orientation = _orientation(img)
+    w, h = img.size
+    mode = img.mode
+    try:
+        if draft_size is not None and fmt in ("JPEG", "MPO"):
+            tw, th = draft_size
+            if orientation in _TRANSPOSING_ORIENTATIONS:
+                tw, th = th, tw
+            img.draft("RGB", (tw, th))
+        if n_frames > 1:
+            img.seek(0)
+        img.load()
+    except Image.DecompressionBombError as exc:
+        img.close()
+        raise DecodeRejected("decompression_bomb", str(exc)) from None
+    except OSError as exc:
+        img.close()
+        msg = str(exc)
+        reason = "truncated" if "truncated" in msg else "corrupt_data"
+        raise DecodeRejected(reason, msg) from None
+    except Exception as exc:  # noqa: BLE001
+        img.close()
+        raise DecodeRejected("corrupt_data", f"{type(exc).__name__}: {exc}") from None
+    if orientation in _TRANSPOSING_ORIENTATIONS:
+        w, h = h, w
+    _, conversion = _conversion_for_mode(mode, "transparency" in img.info)
+    info = ImageInfo(
+        format=fmt,
+        width=w,
+        height=h,
+        mode=mode,
+        n_frames=n_frames,
+        orientation=orientation,
+        conversion=conversion,
+    )
+    try:
+        rgb: Image.Image | None = to_rgb(ImageOps.exif_transpose(img))[0]
+    except Exception:  # noqa: BLE001 - valid file, no pixels for the caller
+        rgb = None
+    return info, rgb
+
+
 def _conversion_for_mode(mode: str, palette_alpha: bool) -> tuple[str, str]:
     if mode == "RGB":
         return mode, "none"

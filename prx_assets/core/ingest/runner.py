@@ -14,11 +14,17 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from prx_assets.core.dedup.phash import (
+    FAST_DRAFT_TARGET,
+    fast_thumbnail_of_decoded,
+    phash_version,
+    thumbnail_to_bytes,
+)
 from prx_assets.core.ingest.decode import (
     DEFAULT_MAX_PIXELS,
     DecodeRejected,
     ImageInfo,
-    inspect_image,
+    inspect_and_decode,
 )
 from prx_assets.core.ingest.sources import (
     DEFAULT_MAX_FILE_BYTES,
@@ -26,6 +32,7 @@ from prx_assets.core.ingest.sources import (
     Candidate,
     iter_candidates,
 )
+from prx_assets.core.lab import Lab
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.core.text import bound_text, quote_bounded
 from prx_assets.core.workers import ItemFailed, make_pool
@@ -71,20 +78,44 @@ def _record_batches(rows: Iterator[dict], schema: pa.Schema) -> Iterator[pa.Reco
         yield pa.RecordBatch.from_pylist(buf, schema=schema)
 
 
-Checked = tuple[str, ImageInfo | tuple[str, str]]  # key, and the info or (reason, detail)
+THUMBNAIL_VERSION = phash_version("fast")  # what images.phash_thumbnail is made for
+# key, and (info, stored pHash thumbnail or None) or the refusal's (reason, detail)
+Checked = tuple[str, tuple[ImageInfo, bytes | None] | tuple[str, str]]
 
 
 def check_candidate(item: tuple[bytes, int]) -> Checked:
-    """sha256 and the policy's validation of one file's bytes (module level: picklable).
+    """sha256, the policy's validation and the pHash thumbnail of one file (picklable).
 
-    A refusal comes back as (reason, detail), the same in a worker as inline.
+    Validation decodes at the pHash ``fast`` scale (every scan is still entropy-decoded, so
+    the refusals are the same as a 1/8 draft's) and the thumbnail is made from that decode,
+    so ``image_hashes`` never decodes the image again. A refusal comes back as (reason,
+    detail), the same in a worker as inline.
     """
     data, max_pixels = item
     key = hashlib.sha256(data).hexdigest()
     try:
-        return key, inspect_image(data, max_pixels=max_pixels)
+        info, rgb = inspect_and_decode(data, max_pixels, (FAST_DRAFT_TARGET, FAST_DRAFT_TARGET))
     except DecodeRejected as exc:
         return key, (exc.reason, exc.detail)
+    thumb = None
+    if rgb is not None:
+        try:
+            thumb = thumbnail_to_bytes(fast_thumbnail_of_decoded(data, rgb))
+        except Exception:  # noqa: BLE001 - no thumbnail: image_hashes decodes the bytes itself
+            thumb = None
+    return key, (info, thumb)
+
+
+def migrate_images_table(lab: Lab) -> list[str]:
+    """Give an ``images`` table written under an older spec the columns this one adds (null:
+    ``image_hashes`` then decodes those rows' bytes). Returns the names added."""
+    if not lab.exists(IMAGES.name):
+        return []
+    have = set(lab.dataset(IMAGES.name).schema.names)
+    missing = [f for f in IMAGES.schema if f.name not in have]
+    if missing:
+        lab.add_columns(IMAGES.name, missing)
+    return [f.name for f in missing]
 
 
 def _check_or_skip(item: tuple[bytes, int] | None) -> Checked | None:
@@ -191,10 +222,10 @@ class BatchIngest:
                     c, "duplicate_path", f"{quote_bounded(c.path)} appears twice in the batch", key
                 )
                 continue
-            if not isinstance(result, ImageInfo):
-                self._reject(c, result[0], result[1], key)
+            if not isinstance(result[0], ImageInfo):
+                self._reject(c, str(result[0]), str(result[1]), key)
                 continue
-            info = result
+            info, thumb = result
             self._seen_paths.add(c.path)
             first_path_of_key[key] = c.path
             stats.accepted += 1
@@ -220,6 +251,8 @@ class BatchIngest:
                 "n_frames": info.n_frames,
                 "file_size": len(c.data),
                 "image": c.data,
+                "phash_thumbnail": thumb,
+                "phash_thumbnail_version": THUMBNAIL_VERSION if thumb is not None else None,
             }
         stats.check()
         self._done = True

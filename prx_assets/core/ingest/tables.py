@@ -27,6 +27,11 @@ IMAGES = TableSpec(
             pa.field("n_frames", pa.int32()),  # >1: animated, first frame used
             pa.field("file_size", pa.int64()),
             pa.field("image", pa.large_binary()),  # the original bytes
+            # The pHash ``fast`` thumbnail (32x32 float32 LE) from the validation decode, and
+            # the pHash version it was made for: image_hashes hashes it without decoding
+            # again (null, or another version: it decodes the bytes).
+            pa.field("phash_thumbnail", pa.binary()),
+            pa.field("phash_thumbnail_version", pa.string()),
         ]
     ),
     identity=("batch", "key"),

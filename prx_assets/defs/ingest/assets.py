@@ -4,7 +4,7 @@ import os
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
-from prx_assets.core.ingest.runner import BatchIngest
+from prx_assets.core.ingest.runner import BatchIngest, migrate_images_table
 from prx_assets.core.ingest.sources import resolve_batch
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.core.text import printable_name
@@ -29,6 +29,7 @@ def raw_images(context: AssetExecutionContext, lab: LabResource) -> MaterializeR
         ref, max_pixels=lab.max_pixels, max_file_bytes=lab.max_file_bytes, workers=lab.workers
     )
     store = lab.lab()
+    migrate_images_table(store)
     written = store.replace_partition(IMAGES, ref.key, run.image_batches())
     rejected = store.replace_partition(REJECTS, ref.key, run.rejects)
     stats = run.stats
