@@ -248,7 +248,7 @@ def _tree_digest(root: Path) -> str:
 
 
 def workers_check(n: int) -> dict:
-    """Baseline partition with 1 and then 2 workers (unpinned, fresh roots), same bytes?"""
+    """Run the baseline partition with 1, then 2 workers (unpinned, fresh roots); same bytes."""
     images = make_images(n, progressive=False, seed=1)
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
