@@ -20,8 +20,9 @@ Contract (every backend, ``prx_assets.core.ray_pool.RayPool`` included):
 - ``close()`` releases the workers; a pool is also a context manager.
 
 ``make_pool(kind, workers)``: ``kind`` None reads ``PRX_EXECUTOR`` (default ``process``).
-``process``: a ``ProcessPoolExecutor`` on a forkserver (workers fork from a clean, preloaded
-server process, never from a threaded Dagster/Lance process); ``inline``: the calling
+``process``: a ``ProcessPoolExecutor`` on a forkserver (workers fork from a small server
+process that has imported the task modules once and done nothing else, never from the
+Dagster/Lance process with its open datasets and busy threads); ``inline``: the calling
 process (what ``workers == 1`` always uses: no pickling, no extra process); ``ray``: the Ray
 backend, imported only when asked for. The Dagster executor kinds ``multiprocess`` and
 ``k8s`` that the same variable selects (``defs/executors.py``) mean ``process`` here: a step's
@@ -49,8 +50,16 @@ POOL_KINDS = ("process", "inline", "ray")
 # one step's process (or pod) runs on a process pool.
 _DAGSTER_KINDS = {"multiprocess": "process", "k8s": "process"}
 ERROR_CHARS = 500  # an ItemFailed message quotes at most this much of the exception
-# Imported once in the forkserver, so every forked worker starts with them loaded.
-_PRELOAD = ["numpy", "PIL.Image", "simplejpeg"]
+# Imported once in the forkserver, so every forked worker starts with them loaded: the
+# stages' task modules (their imports, Lance's included, cost ~1 s per fresh process).
+_PRELOAD = [
+    "numpy",
+    "PIL.Image",
+    "simplejpeg",
+    "prx_assets.core.ingest.runner",
+    "prx_assets.core.dedup.phash",
+    "prx_assets.core.shards.render",
+]
 
 
 @dataclass(frozen=True)
