@@ -230,7 +230,8 @@ def make_pool(kind: str | None = None, workers: int | None = None) -> WorkerPool
     """A pool of ``kind`` (None: ``$PRX_EXECUTOR``, default ``process``) with ``workers``.
 
     ``workers`` None: the CPUs available to this process. One worker is always inline
-    (the same results, without a process in between); an unknown kind is an error.
+    (the same results, without a process in between), and so is any pool asked for inside
+    a daemonic process, which may not start children; an unknown kind is an error.
     """
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
@@ -243,6 +244,7 @@ def make_pool(kind: str | None = None, workers: int | None = None) -> WorkerPool
         from prx_assets.core.ray_pool import RayPool  # r14's backend; only when asked for
 
         return RayPool(workers=n)
-    if chosen == "inline" or n == 1:
+    if chosen == "inline" or n == 1 or multiprocessing.current_process().daemon:
+        # A daemonic process (a multiprocessing.Pool worker) may not have children.
         return InlinePool()
     return ProcessPool(n)

@@ -110,3 +110,14 @@ def test_make_pool_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
         make_pool("process", 0)
     monkeypatch.delenv("PRX_EXECUTOR")
     assert make_pool().workers == available_cpus() == len(os.sched_getaffinity(0))
+
+
+def _pool_kind_in_a_daemon(_: int) -> str:
+    return type(make_pool("process", 2)).__name__
+
+
+def test_a_daemonic_process_gets_an_inline_pool() -> None:
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as daemons:
+        assert daemons.map(_pool_kind_in_a_daemon, [0]) == ["InlinePool"]
