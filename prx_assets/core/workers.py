@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -134,6 +136,34 @@ class InlinePool:
         self.close()
 
 
+WATCH_SECONDS = 0.5  # how often a worker checks that the process it serves is alive
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, killed but not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _serve(owner: int) -> None:
+    """Worker initializer: exit as soon as the process that owns the pool is gone.
+
+    Why: a killed run (kill -9, the OOM killer) cannot shut its pool down, and idle workers
+    would otherwise wait on their queue forever, holding the forkserver and their memory.
+    """
+
+    def watch() -> None:
+        while _running(owner):
+            time.sleep(WATCH_SECONDS)
+        os._exit(0)
+
+    if os.path.exists(f"/proc/{owner}/stat"):  # Linux; elsewhere, no watchdog
+        threading.Thread(target=watch, name="prx-pool-owner-watch", daemon=True).start()
+
+
 def _context() -> multiprocessing.context.BaseContext:
     methods = multiprocessing.get_all_start_methods()
     if "forkserver" not in methods:  # pragma: no cover - not Linux
@@ -154,7 +184,9 @@ class ProcessPool:
 
     def _pool(self) -> ProcessPoolExecutor:
         if self._executor is None:
-            self._executor = ProcessPoolExecutor(self.workers, mp_context=_context())
+            self._executor = ProcessPoolExecutor(
+                self.workers, mp_context=_context(), initializer=_serve, initargs=(os.getpid(),)
+            )
         return self._executor
 
     def _restart(self) -> None:

@@ -121,3 +121,39 @@ def test_a_daemonic_process_gets_an_inline_pool() -> None:
 
     with multiprocessing.get_context("spawn").Pool(1) as daemons:
         assert daemons.map(_pool_kind_in_a_daemon, [0]) == ["InlinePool"]
+
+
+KILLED_OWNER = """
+import os, signal, sys
+from prx_assets.core.workers import ProcessPool
+from prx_assets_tests.core.test_workers import worker_pid
+
+pool = ProcessPool(2)
+pids = sorted(set(pool.map_ordered(worker_pid, range(6))))
+with open(sys.argv[1], "w") as f:
+    f.write(" ".join(map(str, pids)))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_workers_exit_when_the_pool_owner_is_killed(tmp_path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    from prx_assets.core.workers import _running
+
+    out = tmp_path / "pids"
+    child = subprocess.run(
+        [sys.executable, "-c", KILLED_OWNER, str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=120,
+    )
+    assert child.returncode == -9
+    pids = [int(p) for p in out.read_text().split()]
+    assert pids
+    deadline = time.monotonic() + 20
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _running(p)], "workers outlived the killed owner"
