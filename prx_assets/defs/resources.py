@@ -29,6 +29,9 @@ class LabResource(ConfigurableResource):
     # Per input file (and per WebDataset sample), checked before reading: over it a file is
     # rejected as too_large. Default 512 MB.
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    # Processes for the per-image work of a partition (ingest validation, pHash, shard
+    # rendering); None = every CPU the run's process may use. Output is the same for any.
+    workers: int | None = None
 
     @property
     def landing(self) -> Path:

@@ -94,7 +94,7 @@ def test_assignment_runner_assigns_every_eligible_image_by_the_bucket_rule(data_
 
 def test_shard_runner_writes_screened_directories_that_streaming_reads_back(world):
     lab, root, eligible, planted = world
-    out = BatchShards(lab, str(root), KEY, SkipPolicy(), ShardSettings(render_threads=1)).run()
+    out = BatchShards(lab, str(root), KEY, SkipPolicy(), ShardSettings(workers=1)).run()
     assert out.assigned == out.written == len(eligible) and not out.failures
     assert out.uncaptioned == {eligible[0]: "no caption row"}
     assert out.excluded == len(planted)

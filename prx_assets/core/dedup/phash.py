@@ -52,7 +52,13 @@ import numpy as np
 import scipy.fftpack
 from PIL import Image
 
-from prx_assets.core.ingest.decode import ALLOWED_FORMATS, decode_rgb
+from prx_assets.core.ingest.decode import (
+    ALLOWED_FORMATS,
+    ORIENTATION_TRANSPOSE,
+    DecodeRejected,
+    decode_rgb,
+    transpose_box,
+)
 
 PHASH_MODES: tuple[str, ...] = ("reference", "fast")
 _VERSIONS = {"reference": "reference-v1", "fast": "fast-v1"}
@@ -219,6 +225,31 @@ def fast_thumbnail(
     return _thumbnail_of(img.convert("L"), _valid_box(data, img.size), reduce_target)
 
 
+FAST_THUMBNAIL_BYTES = THUMB_SIZE * THUMB_SIZE * 4  # float32, little-endian
+
+
+def fast_thumbnail_of_decoded(data: bytes, img: Image.Image) -> np.ndarray:
+    """``fast_thumbnail(data)`` from ``decode_rgb(data, draft_size=(FAST_DRAFT_TARGET,) * 2)``.
+
+    For a caller that already holds that decode (ingest validates from it): the same steps,
+    so the same float32 thumbnail, bit for bit (tested); for progressive JPEGs too, since the
+    DC-scan cut ``fast_thumbnail`` decodes is exact at the 1/8 scale it applies to.
+    """
+    return _thumbnail_of(img.convert("L"), _valid_box(data, img.size), FAST_REDUCE_TARGET)
+
+
+def thumbnail_to_bytes(thumb: np.ndarray) -> bytes:
+    """A 32x32 float32 thumbnail as stored (``images.phash_thumbnail``)."""
+    return np.ascontiguousarray(thumb, dtype="<f4").tobytes()
+
+
+def thumbnail_from_bytes(raw: bytes) -> np.ndarray:
+    """The stored thumbnail back as a 32x32 float32 array (exactly the values stored)."""
+    if len(raw) != FAST_THUMBNAIL_BYTES:
+        raise ValueError(f"a stored thumbnail has {FAST_THUMBNAIL_BYTES} bytes, not {len(raw)}")
+    return np.frombuffer(raw, dtype="<f4").reshape(THUMB_SIZE, THUMB_SIZE)
+
+
 # The next marker after entropy-coded data: 0xFF not followed by a stuffed 0x00, a restart
 # marker (RSTn, inside the scan) or another 0xFF (fill).
 _NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
@@ -349,16 +380,9 @@ def _zero_ac_scans(
     return b"".join(parts)
 
 
-# exif_transpose's methods, by EXIF orientation.
-_TRANSPOSE = {
-    2: Image.Transpose.FLIP_LEFT_RIGHT,
-    3: Image.Transpose.ROTATE_180,
-    4: Image.Transpose.FLIP_TOP_BOTTOM,
-    5: Image.Transpose.TRANSPOSE,
-    6: Image.Transpose.ROTATE_270,
-    7: Image.Transpose.TRANSVERSE,
-    8: Image.Transpose.ROTATE_90,
-}
+# exif_transpose's methods by EXIF orientation, and where a box lands under them.
+_TRANSPOSE = ORIENTATION_TRANSPOSE
+_transpose_box = transpose_box
 
 
 def _valid_box(data: bytes, out_size: tuple[int, int]) -> tuple[float, float, float, float]:
@@ -391,34 +415,6 @@ def _valid_box(data: bytes, out_size: tuple[int, int]) -> tuple[float, float, fl
     return full  # not a plain DCT scaling after all: at worst a sub-pixel misalignment
 
 
-def _transpose_box(
-    box: tuple[float, float, float, float],
-    size: tuple[int, int],
-    method: Image.Transpose | None,
-) -> tuple[float, float, float, float]:
-    """Where ``box`` lands when an image of ``size`` is transposed by ``method``."""
-    w, h = size
-    x0, y0, x1, y1 = box
-    T = Image.Transpose
-    if method is None:
-        return box
-    if method == T.FLIP_LEFT_RIGHT:
-        return (w - x1, y0, w - x0, y1)
-    if method == T.FLIP_TOP_BOTTOM:
-        return (x0, h - y1, x1, h - y0)
-    if method == T.ROTATE_180:
-        return (w - x1, h - y1, w - x0, h - y0)
-    if method == T.TRANSPOSE:
-        return (y0, x0, y1, x1)
-    if method == T.ROTATE_90:  # counter-clockwise: (x, y) -> (y, w - x)
-        return (y0, w - x1, y1, w - x0)
-    if method == T.ROTATE_270:  # clockwise: (x, y) -> (h - y, x)
-        return (h - y1, x0, h - y0, x1)
-    if method == T.TRANSVERSE:  # (x, y) -> (h - y, w - x)
-        return (h - y1, w - x1, h - y0, w - x0)
-    raise ValueError(f"unsupported transpose {method}")
-
-
 def _thumbnail_of(
     grey: Image.Image, box: tuple[float, float, float, float], reduce_target: int
 ) -> np.ndarray:
@@ -447,6 +443,23 @@ def _results(
         HashResult(int(h), float(e), bool(e < threshold), mode, version)
         for h, e in zip(hashes.tolist(), energy.tolist(), strict=True)
     ]
+
+
+def fast_thumbnail_task(data: bytes) -> np.ndarray | tuple[str, str]:
+    """``fast_thumbnail(data)``, or the policy's (reason, detail) refusal: a pool task."""
+    try:
+        return fast_thumbnail(data)
+    except DecodeRejected as exc:
+        return exc.reason, exc.detail
+
+
+def hash_results(
+    thumbs: list[np.ndarray], low_info_threshold: float = DEFAULT_LOW_INFO_THRESHOLD
+) -> list[HashResult]:
+    """``fast`` results of a stack of thumbnails (one batched DCT), in order."""
+    if not thumbs:
+        return []
+    return _results(*hash_thumbnails(np.stack(thumbs)), "fast", low_info_threshold)
 
 
 def phash_bytes(

@@ -45,13 +45,33 @@ from prx_assets.core.dedup.decisions import (
     plan_batch,
 )
 from prx_assets.core.dedup.dirty import clear_dirty, mark_dirty, pending_dirty, read_dirty
-from prx_assets.core.dedup.phash import hash_to_int64, phash_many
+from prx_assets.core.dedup.phash import (
+    FAST_THUMBNAIL_BYTES,
+    fast_thumbnail_task,
+    hash_results,
+    hash_to_int64,
+    phash_many,
+    phash_version,
+    thumbnail_from_bytes,
+)
 from prx_assets.core.dedup.reruns import state_row
 from prx_assets.core.ingest.decode import DecodeRejected
 from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
 from prx_assets.core.tables import DEDUP_STATE, IMAGE_HASHES, IMAGES, PHASH_CLUSTERS, RESOLUTION
+from prx_assets.core.workers import InlinePool, ItemFailed, WorkerPool, make_pool
 
 DEFAULT_READ_CHUNK = 256
+_THUMB_COLUMNS = ("phash_thumbnail", "phash_thumbnail_version")  # ingest's, see _fast
+
+
+def _current_thumbnail(row: dict, version: str) -> bool:
+    """Whether ingest stored a well-formed thumbnail for this pHash version in ``row``."""
+    raw = row.get("phash_thumbnail")
+    return (
+        raw is not None
+        and len(raw) == FAST_THUMBNAIL_BYTES
+        and row.get("phash_thumbnail_version") == version
+    )
 
 
 class InputNotReady(RuntimeError):
@@ -79,9 +99,12 @@ class HashOutcome:
 class BatchHashes:
     """Hash every eligible image of ``batch`` into its ``image_hashes`` rows (one commit).
 
-    Only one chunk of ``read_chunk`` images' bytes is in memory at a time; an image that
-    ingest accepted but the hasher cannot decode is left out and named in the outcome (the
-    completeness check then fails: nothing is silently dropped).
+    Only one chunk of ``read_chunk`` images' bytes is in memory at a time; in ``fast`` mode
+    its thumbnails are decoded on ``workers`` processes (None: every CPU available) and
+    hashed here in one batched DCT per chunk, so the hashes are the same for any worker
+    count. An image that ingest accepted but the hasher cannot decode (in a worker or
+    inline, the same way) is left out and named in the outcome (the completeness check then
+    fails: nothing is silently dropped).
     """
 
     def __init__(
@@ -90,10 +113,14 @@ class BatchHashes:
         batch: str,
         settings: DedupSettings,
         read_chunk: int = DEFAULT_READ_CHUNK,
+        workers: int | None = None,
+        executor: str | None = None,
     ) -> None:
         if read_chunk < 1:
             raise ValueError(f"read_chunk must be >= 1, got {read_chunk}")
         self.lab, self.batch, self.settings, self.read_chunk = lab, batch, settings, read_chunk
+        self.workers, self.executor = workers, executor
+        self.pool: WorkerPool = InlinePool()
         self.rejected: dict[str, str] = {}
         self.hashed = 0
         self.low_information = 0
@@ -128,27 +155,31 @@ class BatchHashes:
 
     def record_batches(self, view: LabView, keys: list[str]) -> Iterator[pa.RecordBatch]:
         """The hash rows, one record batch per chunk of images (one batched DCT each)."""
-        columns = ["key", "image", "file_size", "width", "height"]
+        fast = self.settings.phash_mode == "fast"
+        schema = view.schema(IMAGES.name)
+        thumbs_stored = fast and schema is not None and set(_THUMB_COLUMNS) <= set(schema.names)
+        columns = ["key", "file_size", "width", "height"]
+        columns += list(_THUMB_COLUMNS) if thumbs_stored else ["image"]
         kw = {
             "mode": self.settings.phash_mode,
             "low_info_threshold": self.settings.low_info_threshold,
         }
+        version = phash_version("fast")
         for chunk in chunked(keys, self.read_chunk):
             where = f"batch = {sql_literal(self.batch)} AND {in_list('key', chunk)}"
             rows = {r["key"]: r for r in view.read(IMAGES.name, columns, where).to_pylist()}
             chunk_rows = [rows[k] for k in chunk]
-            self.bytes_read += sum(len(r["image"]) for r in chunk_rows)
-            try:
-                results = phash_many([r["image"] for r in chunk_rows], **kw)
-                good = chunk_rows
-            except DecodeRejected:  # ingest accepted these bytes, so this is rare: find which
-                good, results = [], []
-                for row in chunk_rows:
-                    try:
-                        results += phash_many([row["image"]], **kw)
-                        good.append(row)
-                    except DecodeRejected as exc:
-                        self.rejected[row["key"]] = f"{exc.reason}: {exc.detail}"
+            if thumbs_stored:  # the bytes only of rows without a current thumbnail
+                need = [r["key"] for r in chunk_rows if not _current_thumbnail(r, version)]
+                if need:
+                    where = f"batch = {sql_literal(self.batch)} AND {in_list('key', need)}"
+                    for r in view.read(IMAGES.name, ["key", "image"], where).to_pylist():
+                        rows[r["key"]]["image"] = r["image"]
+            self.bytes_read += sum(len(r.get("image") or b"") for r in chunk_rows)
+            if self.settings.phash_mode == "fast":
+                good, results = self._fast(chunk_rows)
+            else:
+                good, results = self._reference(chunk_rows, kw)
             self.hashed += len(good)
             self.low_information += sum(r.low_information for r in results)
             yield pa.RecordBatch.from_pylist(
@@ -169,13 +200,65 @@ class BatchHashes:
                 schema=IMAGE_HASHES.schema,
             )
 
+    def _fast(self, rows: list[dict]) -> tuple[list[dict], list]:
+        """Thumbnails (ingest's, or decoded on the pool), then one batched DCT per chunk.
+
+        A thumbnail ingest stored for this pHash version is the one ``fast_thumbnail`` makes
+        from these bytes (same steps from the same decode), so it is used as it is; any
+        other row's bytes are decoded here.
+        """
+        version = phash_version("fast")
+        ready = {
+            r["key"]: thumbnail_from_bytes(r["phash_thumbnail"])
+            for r in rows
+            if _current_thumbnail(r, version)
+        }
+        todo = [r for r in rows if r["key"] not in ready]
+        decoded = dict(
+            zip(
+                (r["key"] for r in todo),
+                self.pool.map_ordered(fast_thumbnail_task, (r.get("image") for r in todo)),
+                strict=True,
+            )
+        )
+        good, thumbs = [], []
+        for row in rows:
+            out = ready[row["key"]] if row["key"] in ready else decoded[row["key"]]
+            if isinstance(out, ItemFailed):
+                self.rejected[row["key"]] = f"hash_failed: {out.error}"
+            elif isinstance(out, tuple):
+                self.rejected[row["key"]] = f"{out[0]}: {out[1]}"
+            else:
+                good.append(row)
+                thumbs.append(out)
+        return good, hash_results(thumbs, self.settings.low_info_threshold)
+
+    def _reference(self, rows: list[dict], kw: dict) -> tuple[list[dict], list]:
+        """The yardstick mode, inline (imagehash's steps on the full decode)."""
+        try:
+            return rows, phash_many([r["image"] for r in rows], **kw)
+        except DecodeRejected:  # ingest accepted these bytes, so this is rare: find which
+            good, results = [], []
+            for row in rows:
+                try:
+                    results += phash_many([row["image"]], **kw)
+                    good.append(row)
+                except DecodeRejected as exc:
+                    self.rejected[row["key"]] = f"{exc.reason}: {exc.detail}"
+            return good, results
+
     def run(self) -> HashOutcome:
         view = self.lab.view()  # resolution and images opened once for the whole run
         keys = self.eligible_keys(view)
         t0 = time.perf_counter()
-        written = self.lab.replace_partition(
-            IMAGE_HASHES, self.batch, self.record_batches(view, keys)
-        )
+        self.pool = make_pool(self.executor, self.workers)
+        try:
+            written = self.lab.replace_partition(
+                IMAGE_HASHES, self.batch, self.record_batches(view, keys)
+            )
+        finally:
+            self.pool.close()
+            self.pool = InlinePool()
         seconds = time.perf_counter() - t0
         stored = self.lab.read_batch(IMAGE_HASHES.name, self.batch, ["key", "phash_version"])
         return HashOutcome(

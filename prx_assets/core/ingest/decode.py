@@ -45,6 +45,45 @@ ImageFile.LOAD_TRUNCATED_IMAGES = False
 _ORIENTATION_TAG = 0x0112
 _TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
 
+# ImageOps.exif_transpose's methods, by EXIF orientation.
+ORIENTATION_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def transpose_box(
+    box: tuple[float, float, float, float],
+    size: tuple[int, int],
+    method: Image.Transpose | None,
+) -> tuple[float, float, float, float]:
+    """Where ``box`` lands when an image of ``size`` is transposed by ``method``."""
+    w, h = size
+    x0, y0, x1, y1 = box
+    T = Image.Transpose
+    if method is None:
+        return box
+    if method == T.FLIP_LEFT_RIGHT:
+        return (w - x1, y0, w - x0, y1)
+    if method == T.FLIP_TOP_BOTTOM:
+        return (x0, h - y1, x1, h - y0)
+    if method == T.ROTATE_180:
+        return (w - x1, h - y1, w - x0, h - y0)
+    if method == T.TRANSPOSE:
+        return (y0, x0, y1, x1)
+    if method == T.ROTATE_90:  # counter-clockwise: (x, y) -> (y, w - x)
+        return (y0, w - x1, y1, w - x0)
+    if method == T.ROTATE_270:  # clockwise: (x, y) -> (h - y, x)
+        return (h - y1, x0, h - y0, x1)
+    if method == T.TRANSVERSE:  # (x, y) -> (h - y, w - x)
+        return (h - y1, w - x1, h - y0, w - x0)
+    raise ValueError(f"unsupported transpose {method}")
+
 
 class DecodeRejected(Exception):
     """An input that cannot become a training image; ``reason`` is a stable code."""
@@ -119,6 +158,16 @@ def _orientation(img: Image.Image) -> int:
     except Exception:  # noqa: BLE001 - a broken EXIF block must not reject the photo
         return 1
     return value if 1 <= value <= 8 else 1
+
+
+def open_header(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """Open untrusted bytes by the policy (allowed formats, pixel limit); no pixel decoded."""
+    return _open(data, max_pixels)
+
+
+def orientation_of(img: Image.Image) -> int:
+    """The EXIF orientation (1..8) of an opened image; 1 when absent, invalid or unreadable."""
+    return _orientation(img)
 
 
 HIGH_BIT_DEPTH_MODES: tuple[str, ...] = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
@@ -203,6 +252,65 @@ def inspect_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageInf
         orientation=orientation,
         conversion=conversion,
     )
+
+
+def inspect_and_decode(
+    data: bytes,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    draft_size: tuple[int, int] | None = None,
+) -> tuple[ImageInfo, Image.Image | None]:
+    """``inspect_image``'s validation and ``decode_rgb``'s pixels from one decode.
+
+    Why: validating a stream means entropy-decoding all of it, which is also the whole cost
+    of the reduced-scale decode pHash needs; doing both from one decode saves the second.
+    The refusals are ``inspect_image``'s (any DCT scale entropy-decodes every scan, so the
+    answer is the same as its 1/8 draft), and the image equals ``decode_rgb(data, max_pixels,
+    draft_size)`` step for step. The image is None when the policy's RGB conversion fails
+    (the file is still valid; a stage that needs pixels then decodes and reports it).
+    """
+    img = _open(data, max_pixels)
+    fmt = img.format or "UNKNOWN"
+    n_frames = int(getattr(img, "n_frames", 1) or 1)
+    orientation = _orientation(img)
+    w, h = img.size
+    mode = img.mode
+    try:
+        if draft_size is not None and fmt in ("JPEG", "MPO"):
+            tw, th = draft_size
+            if orientation in _TRANSPOSING_ORIENTATIONS:
+                tw, th = th, tw
+            img.draft("RGB", (tw, th))
+        if n_frames > 1:
+            img.seek(0)
+        img.load()
+    except Image.DecompressionBombError as exc:
+        img.close()
+        raise DecodeRejected("decompression_bomb", str(exc)) from None
+    except OSError as exc:
+        img.close()
+        msg = str(exc)
+        reason = "truncated" if "truncated" in msg else "corrupt_data"
+        raise DecodeRejected(reason, msg) from None
+    except Exception as exc:  # noqa: BLE001
+        img.close()
+        raise DecodeRejected("corrupt_data", f"{type(exc).__name__}: {exc}") from None
+    if orientation in _TRANSPOSING_ORIENTATIONS:
+        w, h = h, w
+    _, conversion = _conversion_for_mode(mode, "transparency" in img.info)
+    info = ImageInfo(
+        format=fmt,
+        width=w,
+        height=h,
+        mode=mode,
+        n_frames=n_frames,
+        orientation=orientation,
+        conversion=conversion,
+    )
+    try:
+        rgb: Image.Image | None = to_rgb(ImageOps.exif_transpose(img))[0]
+    except Exception:  # noqa: BLE001 - valid file, no pixels for the caller
+        rgb = None
+    return info, rgb
 
 
 def _conversion_for_mode(mode: str, palette_alpha: bool) -> tuple[str, str]:

@@ -8,21 +8,35 @@ bad file never takes down its batch.
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 
-from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS, DecodeRejected, inspect_image
+from prx_assets.core.dedup.phash import (
+    FAST_DRAFT_TARGET,
+    fast_thumbnail_of_decoded,
+    phash_version,
+    thumbnail_to_bytes,
+)
+from prx_assets.core.ingest.decode import (
+    DEFAULT_MAX_PIXELS,
+    DecodeRejected,
+    ImageInfo,
+    inspect_and_decode,
+)
 from prx_assets.core.ingest.sources import (
     DEFAULT_MAX_FILE_BYTES,
     BatchRef,
     Candidate,
     iter_candidates,
 )
+from prx_assets.core.ingest.tables import ensure_usage_signals_column
+from prx_assets.core.lab import Lab
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.core.text import bound_text, quote_bounded
+from prx_assets.core.workers import ItemFailed, make_pool
 
 ROWS_PER_RECORD_BATCH = 256
 BYTES_PER_RECORD_BATCH = 64 * 1024 * 1024  # a record batch also ends at this many image bytes
@@ -65,12 +79,64 @@ def _record_batches(rows: Iterator[dict], schema: pa.Schema) -> Iterator[pa.Reco
         yield pa.RecordBatch.from_pylist(buf, schema=schema)
 
 
+THUMBNAIL_VERSION = phash_version("fast")  # what images.phash_thumbnail is made for
+# key, and (info, stored pHash thumbnail or None) or the refusal's (reason, detail)
+Checked = tuple[str, tuple[ImageInfo, bytes | None] | tuple[str, str]]
+
+
+def check_candidate(item: tuple[bytes, int]) -> Checked:
+    """sha256, the policy's validation and the pHash thumbnail of one file (picklable).
+
+    Validation decodes at the pHash ``fast`` scale (every scan is still entropy-decoded, so
+    the refusals are the same as a 1/8 draft's) and the thumbnail is made from that decode,
+    so ``image_hashes`` never decodes the image again. A refusal comes back as (reason,
+    detail), the same in a worker as inline.
+    """
+    data, max_pixels = item
+    key = hashlib.sha256(data).hexdigest()
+    try:
+        info, rgb = inspect_and_decode(data, max_pixels, (FAST_DRAFT_TARGET, FAST_DRAFT_TARGET))
+    except DecodeRejected as exc:
+        return key, (exc.reason, exc.detail)
+    thumb = None
+    if rgb is not None:
+        try:
+            thumb = thumbnail_to_bytes(fast_thumbnail_of_decoded(data, rgb))
+        except Exception:  # noqa: BLE001 - no thumbnail: image_hashes decodes the bytes itself
+            thumb = None
+    return key, (info, thumb)
+
+
+def migrate_images_table(lab: Lab) -> list[str]:
+    """Give an ``images`` table written under an older spec the columns this one adds.
+
+    ``usage_signals`` first, filled with the "not captured" marker (never null, which would
+    read as "no opt-out signal"); the pHash thumbnail columns null (``image_hashes`` then
+    decodes those rows' bytes). Returns the names added.
+    """
+    if not lab.exists(IMAGES.name):
+        return []
+    signals = ["usage_signals"] if ensure_usage_signals_column(lab) else []
+    have = set(lab.dataset(IMAGES.name).schema.names)
+    missing = [f for f in IMAGES.schema if f.name not in have]
+    if missing:
+        lab.add_columns(IMAGES.name, missing)
+    return signals + [f.name for f in missing]
+
+
+def _check_or_skip(item: tuple[bytes, int] | None) -> Checked | None:
+    return None if item is None else check_candidate(item)
+
+
 class BatchIngest:
     """Validate and describe every file of a batch (reads files, writes nothing).
 
     ``image_batches()`` streams accepted rows as Arrow record batches so that a
     large batch never sits in memory whole; ``rejects`` and ``stats`` are complete
-    once that stream has been consumed.
+    once that stream has been consumed. Hashing and validation run on ``workers`` processes
+    (None: every CPU available; ``executor`` as in ``core/workers.py``), a bounded window of
+    files in flight; everything order-dependent (duplicates, accounting) stays here, so the
+    rows are the same for any worker count.
     """
 
     def __init__(
@@ -78,8 +144,12 @@ class BatchIngest:
         ref: BatchRef,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        workers: int | None = None,
+        executor: str | None = None,
     ) -> None:
         self.ref = ref
+        self.workers = workers
+        self.executor = executor
         self.max_pixels = max_pixels
         self.max_file_bytes = max_file_bytes
         self.stats = IngestStats()
@@ -112,16 +182,39 @@ class BatchIngest:
             }
         )
 
+    def _checked(self) -> Iterator[tuple[Candidate, Checked | ItemFailed | None]]:
+        """Every candidate in order with its hash and validation (None: no bytes to check)."""
+        pending: deque[Candidate] = deque()
+
+        def tasks() -> Iterator[tuple[bytes, int] | None]:
+            for c in iter_candidates(self.ref, self.max_file_bytes):
+                pending.append(c)
+                ok = c.error is None and c.data is not None
+                yield (c.data, self.max_pixels) if ok else None
+
+        pool = make_pool(self.executor, self.workers)
+        try:
+            for out in pool.map_ordered(_check_or_skip, tasks()):
+                yield pending.popleft(), out
+        finally:
+            pool.close()
+
     def _accepted_rows(self) -> Iterator[dict]:
         stats = self.stats
         first_path_of_key: dict[str, str] = {}
-        for c in iter_candidates(self.ref, self.max_file_bytes):
+        for c, checked in self._checked():
             stats.seen += 1
             if c.error is not None or c.data is None:
                 reason, detail = c.error or ("unreadable", "no bytes")
                 self._reject(c, reason, detail)
                 continue
-            key = hashlib.sha256(c.data).hexdigest()
+            if isinstance(checked, ItemFailed) or checked is None:
+                # The check itself failed (it only raises on a bug or a dead worker): the file
+                # is refused with why, never accepted unvalidated.
+                why = checked.error if checked is not None else "no result"
+                self._reject(c, "validation_failed", why, hashlib.sha256(c.data).hexdigest())
+                continue
+            key, result = checked
             if key in first_path_of_key:
                 self._reject(
                     c,
@@ -135,11 +228,10 @@ class BatchIngest:
                     c, "duplicate_path", f"{quote_bounded(c.path)} appears twice in the batch", key
                 )
                 continue
-            try:
-                info = inspect_image(c.data, max_pixels=self.max_pixels)
-            except DecodeRejected as exc:
-                self._reject(c, exc.reason, exc.detail, key)
+            if not isinstance(result[0], ImageInfo):
+                self._reject(c, str(result[0]), str(result[1]), key)
                 continue
+            info, thumb = result
             self._seen_paths.add(c.path)
             first_path_of_key[key] = c.path
             stats.accepted += 1
@@ -166,6 +258,8 @@ class BatchIngest:
                 "file_size": len(c.data),
                 "image": c.data,
                 "usage_signals": c.usage_signals,
+                "phash_thumbnail": thumb,
+                "phash_thumbnail_version": THUMBNAIL_VERSION if thumb is not None else None,
             }
         stats.check()
         self._done = True

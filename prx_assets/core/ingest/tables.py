@@ -31,6 +31,11 @@ IMAGES = TableSpec(
             # HTTP opt-out headers captured at download time, bounded and sanitised
             # (core/ingest/signals.capture_signals; null: none). Interpreted by skip_lists.
             pa.field("usage_signals", pa.string()),
+            # The pHash ``fast`` thumbnail (32x32 float32 LE) from the validation decode, and
+            # the pHash version it was made for: image_hashes hashes it without decoding
+            # again (null, or another version: it decodes the bytes).
+            pa.field("phash_thumbnail", pa.binary()),
+            pa.field("phash_thumbnail_version", pa.string()),
         ]
     ),
     identity=("batch", "key"),

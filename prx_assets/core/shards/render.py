@@ -1,14 +1,16 @@
 """Render a bucket's samples: source bytes streamed from Lance, resized, JPEG-encoded.
 
 Rendering reads the batch's image bytes one chunk of keys at a time, in key order per
-bucket, so memory holds one chunk of source bytes plus the shard being filled.
+bucket, and maps ``render_task`` over them on a ``WorkerPool`` (every core of the process,
+at most a window of images in flight), so memory holds one chunk of source bytes and the
+window plus the shard being filled, and the output is the same for any worker count.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,9 +18,10 @@ from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS
 from prx_assets.core.lab import LabView, in_list, sql_literal
 from prx_assets.core.shards.mds import MDSSample
 from prx_assets.core.shards.plan import CaptionInfo
-from prx_assets.core.shards.resize import RESAMPLE, RESAMPLE_CHOICES, render_jpeg
+from prx_assets.core.shards.resize import RESAMPLE, RESAMPLE_CHOICES, SourceFacts, render_jpeg
 from prx_assets.core.shards.tables import assignment_from_row
 from prx_assets.core.tables import IMAGES
+from prx_assets.core.workers import InlinePool, ItemFailed, WorkerPool
 
 # MDS columns beyond mds.BASE_COLUMNS: caption provenance, and the upscale flag so a
 # trainer can keep native pixels only without a lab lookup. Flags are ints (MDS has no bool).
@@ -30,6 +33,37 @@ MDS_EXTRA_COLUMNS: dict[str, str] = {
     "is_fallback_caption": "int",
     "upscaled": "int",
 }
+
+
+@dataclass(frozen=True)
+class RenderTask:
+    """One sample to render: its source bytes, assignment row and what ingest recorded."""
+
+    data: bytes | None
+    row: dict[str, Any]  # the bucket_assignments row
+    facts: SourceFacts | None
+    max_pixels: int
+    resample: str
+
+
+def render_task(task: RenderTask) -> bytes | str:
+    """The sample's JPEG, or why it cannot be rendered (a module-level function: picklable)."""
+    if not task.data:
+        return "image_missing: no bytes for this key in the images table"
+    try:
+        assignment = assignment_from_row(task.row)
+        return render_jpeg(task.data, assignment, task.max_pixels, task.resample, task.facts)
+    except Exception as exc:  # noqa: BLE001 - one bad image must not sink the batch
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _facts(image: Mapping[str, Any]) -> SourceFacts | None:
+    """The ingest record's facts, when complete (else the renderer probes the header)."""
+    values = [image.get(c) for c in ("format", "mode", "orientation", "n_frames")]
+    if any(v is None for v in values):
+        return None
+    fmt, mode, orientation, frames = values
+    return SourceFacts(str(fmt), str(mode), int(orientation), int(frames))
 
 
 class RenderFailures(RuntimeError):
@@ -44,6 +78,9 @@ class RenderLog:
     failures: dict[str, str] = field(default_factory=dict)
 
 
+_FACT_COLUMNS = ("format", "mode", "orientation", "n_frames")
+
+
 class BucketRenderer:
     """Streams a batch's image bytes from Lance and renders bucket samples from them.
 
@@ -51,9 +88,11 @@ class BucketRenderer:
     reads that snapshot (None when there is nothing to render: the table is never opened;
     an absent table is refused at once, not turned into one render failure per image).
     Chunks of ``chunk_size`` keys are read with a ``batch AND key IN (...)`` filter (the key
-    BTREE and batch BITMAP indexes serve it) and rendered on ``threads`` threads (Pillow
-    releases the GIL in decode, resample and encode); results keep key order, so the output
-    is the same whatever the thread count. An image that fails to render is logged in
+    BTREE and batch BITMAP indexes serve it) and rendered on ``pool`` (inline when None);
+    results keep key order, so the output is the same whatever the worker count. The
+    format, mode, orientation and frame count ingest recorded travel with the bytes, so the
+    renderer does not re-probe them. An image that fails to render (in a worker or inline,
+    the same way) is logged in
     ``log.failures`` and not written; more than ``max_failures`` failures raise
     ``RenderFailures`` (a systematic fault, which must not silently empty the shards: the
     bucket being written keeps its previous version).
@@ -65,13 +104,13 @@ class BucketRenderer:
         batch: str,
         captions: Mapping[str, CaptionInfo],
         chunk_size: int = 32,
-        threads: int = 1,
+        pool: WorkerPool | None = None,
         max_pixels: int = DEFAULT_MAX_PIXELS,
         resample: str = RESAMPLE,
         max_failures: int = 20,
     ) -> None:
-        if chunk_size < 1 or threads < 1:
-            raise ValueError(f"chunk_size and threads must be >= 1, got {chunk_size}, {threads}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         if resample not in RESAMPLE_CHOICES:
             raise ValueError(f"resample must be one of {RESAMPLE_CHOICES}, got {resample!r}")
         if images is not None and not images.exists(IMAGES.name):  # opens the snapshot
@@ -80,7 +119,7 @@ class BucketRenderer:
         self.batch = batch
         self.captions = captions
         self.chunk_size = chunk_size
-        self.threads = threads
+        self.pool: WorkerPool = pool if pool is not None else InlinePool()
         self.max_pixels = max_pixels
         self.resample = resample
         self.max_failures = max_failures
@@ -91,46 +130,44 @@ class BucketRenderer:
             raise ValueError("BucketRenderer was given no images dataset to read from")
         rows = self.images.read(
             IMAGES.name,
-            columns=["key", "image", "source", "license"],
+            columns=["key", "image", "source", "license", *_FACT_COLUMNS],
             filter=f"batch = {sql_literal(self.batch)} AND {in_list('key', keys)}",
         ).to_pylist()
         return {r["key"]: r for r in rows}
 
-    def _render(self, item: tuple[dict[str, Any], dict[str, Any] | None]) -> bytes | str:
-        row, image = item
-        if image is None or not image["image"]:
-            return "image_missing: no bytes for this key in the images table"
-        try:
-            return render_jpeg(
-                image["image"], assignment_from_row(row), self.max_pixels, self.resample
-            )
-        except Exception as exc:  # noqa: BLE001 - one bad image must not sink the batch
-            return f"{type(exc).__name__}: {exc}"
+    def _tasks(
+        self, rows: Sequence[Mapping[str, Any]], meta: deque[tuple[dict, dict | None]]
+    ) -> Iterator[RenderTask]:
+        """Render tasks in key order, one Lance read per chunk; ``meta`` gets each row's
+        non-pixel facts in the same order (the source bytes go to the task only)."""
+        for start in range(0, len(rows), self.chunk_size):
+            chunk = rows[start : start + self.chunk_size]
+            images = self._read([r["key"] for r in chunk])
+            for r in chunk:
+                row, image = dict(r), images.pop(r["key"], None)
+                data = image.pop("image", None) if image is not None else None
+                meta.append((row, image))
+                facts = _facts(image) if image is not None else None
+                yield RenderTask(data, row, facts, self.max_pixels, self.resample)
 
     def samples(self, rows: Sequence[Mapping[str, Any]]) -> Iterator[MDSSample]:
         """Samples for one bucket's assignment rows (sorted by key), rendered lazily."""
-        rows = list(rows)
-        with ThreadPoolExecutor(self.threads) as pool:
-            for start in range(0, len(rows), self.chunk_size):
-                chunk = rows[start : start + self.chunk_size]
-                images = self._read([r["key"] for r in chunk])
-                items = [(dict(r), images.get(r["key"])) for r in chunk]
-                results = (
-                    pool.map(self._render, items) if self.threads > 1 else map(self._render, items)
-                )
-                for (row, image), out in zip(items, results, strict=True):
-                    if isinstance(out, str):
-                        self.log.failures[row["key"]] = out
-                        if len(self.log.failures) > self.max_failures:
-                            first = next(iter(self.log.failures.items()))
-                            raise RenderFailures(
-                                f"{len(self.log.failures)} images of batch {self.batch!r} "
-                                f"failed to render (limit {self.max_failures}); first: "
-                                f"{first[0]}: {first[1]}"
-                            )
-                        continue
-                    yield self._sample(row, image, out)
-                del images, items
+        meta: deque[tuple[dict, dict | None]] = deque()
+        for out in self.pool.map_ordered(render_task, self._tasks(list(rows), meta)):
+            row, image = meta.popleft()
+            if isinstance(out, ItemFailed):
+                out = out.error
+            if isinstance(out, str):
+                self.log.failures[row["key"]] = out
+                if len(self.log.failures) > self.max_failures:
+                    first = next(iter(self.log.failures.items()))
+                    raise RenderFailures(
+                        f"{len(self.log.failures)} images of batch {self.batch!r} "
+                        f"failed to render (limit {self.max_failures}); first: "
+                        f"{first[0]}: {first[1]}"
+                    )
+                continue
+            yield self._sample(row, image, out)
 
     def _sample(self, row: dict[str, Any], image: dict[str, Any] | None, jpeg: bytes) -> MDSSample:
         assert image is not None

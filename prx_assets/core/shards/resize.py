@@ -1,31 +1,40 @@
 """Resize an image into its bucket shape, and encode the result as deterministic JPEG.
 
 The reference is the naive pipeline: full decode, Lanczos to the cover size, crop
-(``resize_plain``). The shard path (``resize_to_bucket``) gives the trainer the same
-picture up to a difference smaller than the q92 encode's own loss (PSNR against the
-reference above PSNR of the q92 round trip, on >= 95 % of images: benchmarks/bench_resize),
-at a fraction of the cost:
+(``resize_plain``). The shard path (``resize_to_bucket``, default ``resample="lanczos"``)
+gives the trainer the same picture up to a difference smaller than the q92 encode's own loss
+(PSNR against the reference above PSNR of the q92 round trip, on >= 95 % of real photos:
+``prx_assets_tests/core/test_resize.py``, benchmarks/bench_resize and bench_pipeline), at a
+fraction of the cost. The filter is literal Lanczos-3 (Pillow's); what is skipped is work
+whose pixels the output never uses:
 
-- Resampling: antialiased bicubic (Keys a = -0.5, the kernel Pillow's BICUBIC uses) in
-  torch's vectorised uint8 kernel instead of Pillow's scalar Lanczos. On the default
-  bucket table every source is 1-2x its bucket, so this pass is the bulk of the work
-  (Pillow Lanczos: ~5x the decode time); the torch kernel is ~4x faster and matches
-  Pillow's own bicubic to +-1 (a few pixels in a thousand). Bicubic vs Lanczos-3 differs
-  by 42-50 dB PSNR on detailed photos, below the 39-44 dB loss of the q92 encode itself.
-- JPEG draft decoding, when the source is >= 2x (``DETAIL_MARGIN``) its cover size: libjpeg's
-  scaled IDCT decodes at 1/2, 1/4 or 1/8 size, still holding >= 2x the resized size;
-- ``Image.reduce(k)``: an integer box filter down to, again, at least 2x the cover size;
-  after either, the last pass is Lanczos over the crop box only (``resize(box=...)``, the
-  same sampling as "resize the whole image, then crop"), cheap on the reduced image.
+- JPEG sources (baseline or progressive, RGB or greyscale, one frame) are decoded by
+  libjpeg-turbo (``simplejpeg``) straight to the smallest DCT scale in eighths (1/8 .. 8/8)
+  that still covers the bucket's cover size (``resize_size``), so the Lanczos pass always
+  downsamples (or, for the recorded 384..511 px upscales, starts from full size). The scaled
+  IDCT is itself a band-limited resample; what it changes is below the q92 loss (tested).
+- Only the crop box is resampled (``resize(box=...)``: the same sampling as "resize the whole
+  image, then crop"; the pixels Lanczos reads outside the box are read, none are computed).
+- Encoding is libjpeg-turbo's (``simplejpeg.encode_jpeg``): baseline, q92, 4:4:4, JFIF
+  header only.
+- Other formats (PNG, WebP, ...), CMYK or multi-frame JPEGs, and any JPEG libjpeg-turbo
+  refuses in strict mode go through Pillow: the policy decode (``decode_rgb``; a JPEG drafted
+  only when >= 2x its cover size), ``Image.reduce`` when still >= 2x (``DETAIL_MARGIN``), then
+  the same Lanczos over the crop box.
 
-The last two never apply on the default table (the no-upscale tier rule keeps sources
-under 2x their bucket below the 4096 tier); they matter for low-resolution stage tables.
+What ingest recorded about the bytes (format, mode, orientation, frames: ``SourceFacts``) is
+reused rather than re-probed; the JPEG header's own size is still checked against the
+assignment and the pixel limit before any pixel is decoded, and EXIF orientation is applied
+exactly as ``ImageOps.exif_transpose`` does (the partial last block column of a scaled decode
+is kept outside the sampled box whichever way the image is turned).
 
-Determinism: same bytes in, same bytes out. torch picks its uint8 kernel by CPU capability;
-its generic, AVX2 and AVX512 kernels give bit-identical pixels (checked on x86 by forcing
-each with ATEN_CPU_CAPABILITY). Speed is another matter: without AVX2 (e.g. ARM servers)
-the generic kernel is ~10x slower, slower than Pillow's Lanczos, and ``resample="lanczos"``
-is then the faster choice.
+``resample="bicubic-aa"`` (the former default) stays available: antialiased bicubic (Keys
+a = -0.5, Pillow's BICUBIC) in torch's vectorised uint8 kernel, after the Pillow decode;
+torch is imported only then. Its generic, AVX2 and AVX512 kernels give bit-identical pixels;
+without AVX2 it is ~10x slower than with.
+
+Determinism: same bytes in, same bytes out (libjpeg-turbo's accurate integer IDCT and fancy
+upsampling, as Pillow uses; Pillow's Lanczos; a fixed encoder).
 """
 
 from __future__ import annotations
@@ -38,18 +47,29 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
+import simplejpeg
 from PIL import Image
 
-from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS, decode_rgb
+from prx_assets.core.ingest.decode import (
+    DEFAULT_MAX_PIXELS,
+    ORIENTATION_TRANSPOSE,
+    DecodeRejected,
+    decode_rgb,
+    open_header,
+    orientation_of,
+    transpose_box,
+)
 from prx_assets.core.shards.buckets import Assignment
 
 DETAIL_MARGIN = 2  # fast-path intermediates keep >= 2x the pixels of the resized target
-RESAMPLE = "bicubic-aa"  # the shard path's filter (see module doc); "lanczos": Pillow's
-RESAMPLE_CHOICES = ("bicubic-aa", "lanczos")
+RESAMPLE = "lanczos"  # the shard path's filter (see module doc); "bicubic-aa": torch's
+RESAMPLE_CHOICES = ("lanczos", "bicubic-aa")
 RESAMPLE_DESCRIPTION = (
-    "antialiased bicubic (a = -0.5, Pillow-compatible) in torch's uint8 kernel; differs "
-    "from Pillow Lanczos-3 by less than the q92 encode loss (benchmarks/bench_resize)"
+    "literal Lanczos-3 (Pillow) over the crop box, from a libjpeg-turbo DCT-scaled decode "
+    "(smallest eighth covering the cover size) for JPEG sources; differs from the naive full "
+    "decode + Lanczos by less than the q92 encode loss"
 )
+_SCALED_DECODE_MODES = ("RGB", "L")  # JPEG colour modes libjpeg-turbo turns into RGB itself
 JPEG_QUALITY = 92
 # 4:4:4 (no chroma subsampling). Why: bucket images are already at training resolution,
 # so halving chroma would cost real colour detail at the pixels the model sees (coloured
@@ -58,6 +78,7 @@ JPEG_QUALITY = 92
 # ~8 % fewer bytes). Storage is cheap next to data quality. Encoding 4:4:4 is ~1.5x slower
 # than 4:2:0, still small next to decode and Lanczos.
 JPEG_SUBSAMPLING = "4:4:4"
+_SIMPLEJPEG_SUBSAMPLING = {"4:4:4": "444", "4:2:0": "420"}
 JPEG_SUBSAMPLING_REASON = (
     "4:4:4 (no chroma subsampling): bucket images are already at training resolution, so "
     "4:2:0 would halve colour detail at the pixels the model sees; measured on the demo "
@@ -94,7 +115,7 @@ def _check_assignment(img_size: tuple[int, int], factor: int, assignment: Assign
     w, h = assignment.source_size
     expected = (math.ceil(w / factor), math.ceil(h / factor))
     if img_size != expected:
-        raise ValueError(
+        raise AssignmentMismatch(
             f"assignment is for a {w}x{h} image but the bytes decode to "
             f"{img_size[0]}x{img_size[1]} (at 1/{factor} scale, expected "
             f"{expected[0]}x{expected[1]})"
@@ -194,27 +215,124 @@ def _bicubic_aa(img: Image.Image, size: tuple[int, int]) -> np.ndarray:
     return out[0].permute(1, 2, 0).numpy()
 
 
+@dataclass(frozen=True)
+class SourceFacts:
+    """What ingest recorded about a source's bytes (``images`` row): no need to re-probe."""
+
+    format: str
+    mode: str
+    orientation: int = 1
+    n_frames: int = 1
+
+    @classmethod
+    def probe(cls, data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> SourceFacts:
+        """The same facts read from the bytes' header (when no ingest record is at hand)."""
+        img = open_header(data, max_pixels)
+        try:
+            return cls(
+                format=img.format or "UNKNOWN",
+                mode=img.mode,
+                orientation=orientation_of(img),
+                n_frames=int(getattr(img, "n_frames", 1) or 1),
+            )
+        finally:
+            img.close()
+
+    @property
+    def scaled_decode(self) -> bool:
+        """Whether libjpeg-turbo decodes these bytes itself (one-frame RGB/grey JPEG)."""
+        return self.format == "JPEG" and self.mode in _SCALED_DECODE_MODES and self.n_frames == 1
+
+
+class AssignmentMismatch(ValueError):
+    """The bytes are not the size their assignment was computed for."""
+
+
+def _scaled_jpeg(
+    data: bytes, assignment: Assignment, orientation: int, max_pixels: int
+) -> tuple[Image.Image, tuple[float, float, float, float]]:
+    """Decode a JPEG at the smallest eighth covering ``resize_size``; the crop box in it.
+
+    Returns the oriented RGB image and the float box of the crop in its pixels. Raises
+    ``ValueError`` (from libjpeg-turbo in strict mode, or for a size that disagrees with the
+    assignment) and ``DecodeRejected`` (pixel limit).
+    """
+    height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    if width * height > max_pixels:
+        raise DecodeRejected(
+            "decompression_bomb",
+            f"{width}x{height} = {width * height} px exceeds the limit of {max_pixels} px",
+        )
+    method = ORIENTATION_TRANSPOSE.get(orientation)
+    turned = orientation in (5, 6, 7, 8)
+    oriented = (height, width) if turned else (width, height)
+    if oriented != assignment.source_size:
+        w, h = assignment.source_size
+        raise AssignmentMismatch(
+            f"assignment is for a {w}x{h} image but the bytes decode to "
+            f"{oriented[0]}x{oriented[1]} (after orientation {orientation})"
+        )
+    rw, rh = assignment.resize_size
+    if turned:
+        rw, rh = rh, rw
+    # min_factor=1: never an IDCT upscale; an upscaled assignment decodes at full size.
+    arr = simplejpeg.decode_jpeg(
+        data, colorspace="RGB", min_width=min(rw, width), min_height=min(rh, height)
+    )
+    dh, dw = arr.shape[:2]
+    eighths = next(
+        (m for m in range(1, 9) if (-(-width * m // 8), -(-height * m // 8)) == (dw, dh)), None
+    )
+    if eighths is None:
+        raise ValueError(f"{width}x{height} decoded to {dw}x{dh}: not a scale in eighths")
+    img = Image.fromarray(arr, "RGB")
+    # The scaled image stands for width * m/8 source-equivalent columns; the last block
+    # column is partial. Where that exact region lands after orientation bounds the box.
+    valid = (0.0, 0.0, width * eighths / 8, height * eighths / 8)
+    if method is not None:
+        valid = transpose_box(valid, (dw, dh), method)
+        img = img.transpose(method)
+    x0, y0, x1, y1 = valid
+    ow, oh = assignment.source_size
+    sx, sy = (x1 - x0) / ow, (y1 - y0) / oh
+    left, top, right, bottom = _source_box(assignment)
+    return img, (x0 + left * sx, y0 + top * sy, x0 + right * sx, y0 + bottom * sy)
+
+
 def resize_to_bucket(
     data: bytes,
     assignment: Assignment,
     max_pixels: int = DEFAULT_MAX_PIXELS,
     resample: str = RESAMPLE,
+    facts: SourceFacts | None = None,
 ) -> Image.Image:
     """Decode ``data`` and return an RGB image of exactly the bucket's (width, height).
 
-    ``resample="bicubic-aa"`` (default): when no draft/reduce applied, the decoded image is
-    resized to ``resize_size`` and cropped to ``crop_box`` (the reference geometry) with the
-    module doc's bicubic; after draft/reduce the last pass is Lanczos over the crop box, on
-    an image already >= 2x smaller, so it is cheap, and bicubic's extra softness would add to
-    those prefilters' (measured: 3-4 dB past the q92 loss on detailed photos).
-    ``"lanczos"``: Pillow's Lanczos over the crop box, always (exactly the reference's
-    sampling when draft/reduce do not apply; about half the speed).
+    ``resample="lanczos"`` (default): literal Lanczos over the crop box, from the scaled JPEG
+    decode (see the module doc) or, for other sources, from Pillow's decode after draft/reduce
+    at >= 2x. ``"bicubic-aa"``: Pillow decode; when no draft/reduce applied, torch's bicubic
+    to ``resize_size`` then the crop (the reference geometry); after draft/reduce Lanczos over
+    the crop box, since bicubic's softness would add to those prefilters'. ``facts``: what
+    ingest recorded about the bytes (probed from the header when None).
     """
     if resample not in RESAMPLE_CHOICES:
-        raise ValueError(f"resample must be 'bicubic-aa' or 'lanczos', got {resample!r}")
+        raise ValueError(f"resample must be one of {RESAMPLE_CHOICES}, got {resample!r}")
+    target = (assignment.shape.width, assignment.shape.height)
+    if resample == "lanczos":
+        facts = facts if facts is not None else SourceFacts.probe(data, max_pixels)
+        if facts.scaled_decode:
+            try:
+                img, box = _scaled_jpeg(data, assignment, facts.orientation, max_pixels)
+            except AssignmentMismatch:
+                raise
+            except ValueError:
+                # libjpeg-turbo's strict mode refuses what Pillow tolerates (e.g. extraneous
+                # bytes before a marker): the policy decode below decides, as at ingest.
+                pass
+            else:
+                return img.resize(target, Image.Resampling.LANCZOS, box=box)
     src = prepare_fast(data, assignment, max_pixels)
     if resample == "lanczos" or src.draft_factor * src.reduce_factor > 1:
-        target = (assignment.shape.width, assignment.shape.height)
         return src.image.resize(target, Image.Resampling.LANCZOS, box=src.box)
     out = _bicubic_aa(src.image, assignment.resize_size)
     left, top, right, bottom = assignment.crop_box
@@ -226,33 +344,31 @@ def render_jpeg(
     assignment: Assignment,
     max_pixels: int = DEFAULT_MAX_PIXELS,
     resample: str = RESAMPLE,
+    facts: SourceFacts | None = None,
 ) -> bytes:
     """Source bytes to the bucket's training JPEG: ``resize_to_bucket`` then ``encode_jpeg``."""
-    return encode_jpeg(resize_to_bucket(data, assignment, max_pixels, resample))
+    return encode_jpeg(resize_to_bucket(data, assignment, max_pixels, resample, facts))
 
 
 def encode_jpeg(img: Image.Image, quality: int = JPEG_QUALITY) -> bytes:
-    """Baseline JPEG at ``quality`` with ``JPEG_SUBSAMPLING``; same pixels give same bytes.
+    """Baseline JPEG at ``quality``, 4:4:4, by libjpeg-turbo; same pixels give same bytes.
 
     Only the JFIF header is written: no EXIF, ICC profile, comment or timestamp, so a rerun
     is byte-identical and no source metadata (GPS, camera serials) leaks into shards.
+    Standard (Annex K) tables scaled by libjpeg's quality rule, accurate integer DCT,
+    standard Huffman tables (``JPEG_OPTIMIZE`` off).
     """
     if img.mode != "RGB":
         raise ValueError(f"encode_jpeg expects an RGB image, got mode {img.mode}")
     if not 1 <= quality <= 100:
         raise ValueError(f"JPEG quality must be in 1..100, got {quality}")
-    buf = io.BytesIO()
-    img.save(
-        buf,
-        format="JPEG",
+    return simplejpeg.encode_jpeg(
+        np.asarray(img),
         quality=quality,
-        subsampling=JPEG_SUBSAMPLING,
-        optimize=JPEG_OPTIMIZE,
-        progressive=False,
-        exif=b"",
-        icc_profile=None,
+        colorspace="RGB",
+        colorsubsampling=_SIMPLEJPEG_SUBSAMPLING[JPEG_SUBSAMPLING],
+        fastdct=False,
     )
-    return buf.getvalue()
 
 
 def jpeg_quality_tables(data: bytes) -> dict[int, tuple[int, ...]]:

@@ -42,6 +42,7 @@ from prx_assets.core.shards.tables import (
 from prx_assets.core.skiplists.policy import PartitionDecisions, SkipPolicy, SkipPolicyError
 from prx_assets.core.skiplists.sidecars import current_generation
 from prx_assets.core.tables import BUCKET_ASSIGNMENTS, CAPTIONS, RESOLUTION, SHARD_SAMPLES
+from prx_assets.core.workers import WorkerPool, make_pool
 
 SHARD_HASHES = ("sha256",)  # recorded per shard in index.json: the dir_digest commits to bytes
 _TOTALS_COLUMNS = ["tier", "shape", "relative_dir", "shard"]
@@ -104,13 +105,19 @@ class BatchAssignment:
 
 @dataclass(frozen=True)
 class ShardSettings:
-    """How shards are written (size, resample, reads, threads) and judged (hazard rule)."""
+    """How shards are written (size, resample, reads, workers) and judged (hazard rule).
+
+    ``workers``: processes rendering the partition's images (None: every CPU this process
+    may use); ``executor``: the pool kind (None: ``$PRX_EXECUTOR``, see ``core/workers.py``).
+    Neither changes a byte of the output.
+    """
 
     size_limit: int = DEFAULT_SIZE_LIMIT
     resample: str = RESAMPLE
     max_render_failures: int = 20
     read_chunk: int = 32
-    render_threads: int = 2
+    workers: int | None = None
+    executor: str | None = None
     max_pixels: int = DEFAULT_MAX_PIXELS
     canonical_nodes: int = 64  # the small-bucket rule: loader canonical nodes ...
     device_batch_size: int = 1  # ... and per-device batch size it is judged against
@@ -198,6 +205,14 @@ class BatchShards:
         return plan_shards(assignments, captions)
 
     def run(self) -> ShardOutcome:
+        s = self.settings
+        pool = make_pool(s.executor, s.workers)
+        try:
+            return self._run(pool)
+        finally:
+            pool.close()
+
+    def _run(self, pool: WorkerPool) -> ShardOutcome:
         s, batch = self.settings, self.batch
         plan = self.plan()
         renderer = BucketRenderer(
@@ -205,7 +220,7 @@ class BatchShards:
             batch,
             plan.captions,
             chunk_size=s.read_chunk,
-            threads=s.render_threads,
+            pool=pool,
             max_pixels=s.max_pixels,
             resample=s.resample,
             max_failures=s.max_render_failures,

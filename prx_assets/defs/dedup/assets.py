@@ -78,7 +78,9 @@ def _image_hashes(
 ) -> MaterializeResult:
     store, settings = lab.lab(), dedup.settings()
     with _upstream_required():
-        out = BatchHashes(store, context.partition_key, settings, dedup.read_chunk).run()
+        out = BatchHashes(
+            store, context.partition_key, settings, dedup.read_chunk, workers=lab.workers
+        ).run()
     context.log.info(f"{out.batch}: hashed {out.hashed}/{out.eligible} in {out.seconds:.1f} s")
     return MaterializeResult(
         metadata={

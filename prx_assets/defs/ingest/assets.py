@@ -4,9 +4,8 @@ import os
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
-from prx_assets.core.ingest.runner import BatchIngest
+from prx_assets.core.ingest.runner import BatchIngest, migrate_images_table
 from prx_assets.core.ingest.sources import resolve_batch
-from prx_assets.core.ingest.tables import ensure_usage_signals_column
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.core.text import printable_name
 from prx_assets.defs.metadata import counts_table
@@ -26,9 +25,11 @@ from prx_assets.defs.resources import LabResource
 )
 def raw_images(context: AssetExecutionContext, lab: LabResource) -> MaterializeResult:
     ref = resolve_batch(lab.landing, context.partition_key)
-    run = BatchIngest(ref, max_pixels=lab.max_pixels, max_file_bytes=lab.max_file_bytes)
+    run = BatchIngest(
+        ref, max_pixels=lab.max_pixels, max_file_bytes=lab.max_file_bytes, workers=lab.workers
+    )
     store = lab.lab()
-    ensure_usage_signals_column(store)  # an images table from before signal capture
+    migrate_images_table(store)  # an images table from before signal capture / thumbnails
     written = store.replace_partition(IMAGES, ref.key, run.image_batches())
     rejected = store.replace_partition(REJECTS, ref.key, run.rejects)
     stats = run.stats

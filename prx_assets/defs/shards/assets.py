@@ -77,8 +77,9 @@ class MDSShardsConfig(Config):
     resample: str = Field(
         default=RESAMPLE,
         description=(
-            "'bicubic-aa' (default; torch uint8 kernel, differs from Lanczos by less than "
-            "the q92 loss) or 'lanczos' (Pillow; faster on CPUs without AVX2)."
+            "'lanczos' (default: literal Lanczos-3 over the crop box, from a libjpeg-turbo "
+            "DCT-scaled decode for JPEG sources) or 'bicubic-aa' (torch's antialiased bicubic; "
+            "differs from Lanczos by less than the q92 loss)."
         ),
     )
     max_render_failures: int = Field(
@@ -88,9 +89,6 @@ class MDSShardsConfig(Config):
     read_chunk: int = Field(
         default=32, description="Images whose source bytes are read from Lance at once."
     )
-    render_threads: int = Field(
-        default=2, description="Threads resizing/encoding a chunk (output order is fixed)."
-    )
     canonical_nodes: int = Field(
         default=64,
         description="Loader canonical node count the small-bucket hazard is judged against.",
@@ -99,13 +97,13 @@ class MDSShardsConfig(Config):
         default=1, description="Per-device batch size for the small-bucket hazard rule."
     )
 
-    def settings(self, max_pixels: int) -> ShardSettings:
+    def settings(self, max_pixels: int, workers: int | None = None) -> ShardSettings:
         return ShardSettings(
             size_limit=self.shard_size_limit,
             resample=self.resample,
             max_render_failures=self.max_render_failures,
             read_chunk=self.read_chunk,
-            render_threads=self.render_threads,
+            workers=workers,
             max_pixels=max_pixels,
             canonical_nodes=self.canonical_nodes,
             device_batch_size=self.device_batch_size,
@@ -120,7 +118,8 @@ class MDSShardsConfig(Config):
     # No policy fingerprint here, on purpose: the shards do not depend on the policy, only
     # their first skip-list generation does, and skip_lists (versioned by the fingerprint)
     # refreshes that; a policy change must not re-render every shard.
-    code_version="mds_shards-v2",
+    # v3: Lanczos from a DCT-scaled decode, libjpeg-turbo encoder (other bytes than v2).
+    code_version="mds_shards-v3",
     description=(
         "Every assigned image resized to its bucket, JPEG q92, written as MDS under "
         "<shards_root>/mds/<tier>/<H>x<W>/<batch>/ together with its first skip-list "
@@ -142,7 +141,9 @@ def mds_shards(
         policy = skip_policy.policy()
     except SkipPolicyError as exc:
         raise Failure(description=f"invalid skip policy: {exc}") from None
-    run = BatchShards(lab.lab(), lab.shards_root, batch, policy, config.settings(lab.max_pixels))
+    run = BatchShards(
+        lab.lab(), lab.shards_root, batch, policy, config.settings(lab.max_pixels, lab.workers)
+    )
     try:
         out = run.run()
     except ScreeningRefused as exc:

@@ -1,0 +1,360 @@
+"""The whole CPU path per core: ``batch_pipeline`` for one partition, beside naive baselines.
+
+Inputs: real multi-megapixel JPEGs derived from the bundled photos (``prx_assets/demo/photos``),
+never noise: each photo cropped to an aspect ratio and Lanczos-upscaled to 3-4 MP, and every
+third image a mosaic of the photos' native pixels (real per-pixel detail, the hard case for a
+resampler), re-encoded at q95 as baseline JPEGs (one partition) and as progressive JPEGs
+(another), each with an alt-text sidecar.
+
+The process is pinned to one core (``os.sched_setaffinity``) before anything is imported, so
+every stage runs inline on that core (the worker pool's default is the CPUs available to the
+process). A small warm-up partition runs first (imports, model load); then ``batch_pipeline``
+is executed in process for each partition and each step's time is read from the Dagster
+instance (step start to end, all asset work included: Lance reads and commits, checks,
+metadata), in CPU seconds of this process (the headline: on a shared machine it measures the
+work, not the neighbours) and in wall seconds. CPU stages: ``raw_images``, ``resolution_profile``, ``image_hashes``,
+``phash_clusters``, ``bucket_assignments``, ``mds_shards``, ``skip_lists`` (the caption
+stages are GPU-bound by design and reported apart).
+
+Naive baselines, same files, same process, same core: Pillow full decode (``open().load()``:
+what validating by decoding costs), ``imagehash.phash`` on ``Image.open``, naive Pillow
+Lanczos + q92 (open, RGB, Lanczos to the cover size, crop, save q92 4:4:4 with the same bucket
+geometry), and their sum (one image through a naive ingest + pHash + shard path).
+
+``--workers-check``: the baseline partition again, unpinned, with ``LabResource.workers`` 1
+and then 2 (fresh data roots): per-stage speed-up and whether the shard trees are identical.
+
+    python -m benchmarks.bench_pipeline [--n 96] [--progressive-n 32] [--workers-check] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if __name__ == "__main__" and "--workers-check-child" not in sys.argv:
+    _CPU = max(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {_CPU})  # one core, before any library starts threads
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import hashlib  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PHOTOS = REPO / "prx_assets" / "demo" / "photos"
+RESULTS = REPO / "benchmarks" / "results" / "bench_pipeline.json"
+SOURCE = "bench"
+CPU_STAGES = (
+    "raw_images",
+    "resolution_profile",
+    "image_hashes",
+    "phash_clusters",
+    "bucket_assignments",
+    "mds_shards",
+    "skip_lists",
+)
+ASPECTS = (1.0, 1.5, 0.75, 4 / 3, 16 / 9, 0.6)
+QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _photos() -> list[Image.Image]:
+    return [Image.open(p).convert("RGB") for p in sorted(PHOTOS.iterdir())]
+
+
+def _crop_to_aspect(img: Image.Image, aspect: float) -> Image.Image:
+    w, h = img.size
+    if w / h > aspect:
+        cw = round(h * aspect)
+        return img.crop(((w - cw) // 2, 0, (w - cw) // 2 + cw, h))
+    ch = round(w / aspect)
+    return img.crop((0, (h - ch) // 2, w, (h - ch) // 2 + ch))
+
+
+def _mosaic(photos: list[Image.Image], size: tuple[int, int], rng: np.random.Generator):
+    canvas = Image.new("RGB", size)
+    y = 0
+    while y < size[1]:
+        row_h = int(rng.integers(300, 700))
+        x = 0
+        while x < size[0]:
+            p = photos[int(rng.integers(len(photos)))]
+            cw, ch = min(int(rng.integers(300, 800)), p.width), min(row_h, p.height)
+            left = int(rng.integers(0, p.width - cw + 1))
+            top = int(rng.integers(0, p.height - ch + 1))
+            canvas.paste(p.crop((left, top, left + cw, top + ch)), (x, y))
+            x += cw
+        y += row_h
+    return canvas
+
+
+def make_images(n: int, progressive: bool, seed: int) -> list[bytes]:
+    """``n`` 3-4 MP JPEGs (q95) from the bundled photos: upscaled crops and native mosaics."""
+    photos = _photos()
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        mp = float(rng.uniform(3.0, 4.0))
+        aspect = ASPECTS[i % len(ASPECTS)]
+        w = round((mp * 1e6 * aspect) ** 0.5)
+        h = round(w / aspect)
+        if i % 3 == 2:
+            img = _mosaic(photos, (w, h), rng)
+        else:
+            src = _crop_to_aspect(photos[i % len(photos)], aspect)
+            img = src.resize((w, h), Image.Resampling.LANCZOS)
+        buf = io.BytesIO()
+        img.save(buf, "JPEG", quality=95, progressive=progressive)
+        out.append(buf.getvalue())
+    return out
+
+
+def write_batch(landing: Path, chunk: str, images: list[bytes]) -> str:
+    folder = landing / SOURCE / chunk
+    folder.mkdir(parents=True)
+    for i, data in enumerate(images):
+        (folder / f"img{i:04d}.jpg").write_bytes(data)
+        (folder / f"img{i:04d}.txt").write_text(f"a photograph, sample {i} of {chunk}")
+    (folder / "_SUCCESS").write_text("")
+    return f"{SOURCE}.{chunk}"
+
+
+# --------------------------------------------------------------------------- pipeline
+
+
+def run_pipeline(data_root: Path, keys: list[str], workers: int | None = None) -> dict:
+    """``batch_pipeline`` in process for each key: per step, wall and CPU seconds.
+
+    CPU seconds are this process's (every thread; worker processes are not in it, so the
+    workers check uses wall time), read when Dagster handles each step's start and success
+    event (synchronously, in the step's own thread): on a shared machine they measure the
+    work, wall time also measures the neighbours.
+    """
+    from dagster import instance_for_test
+    from dagster._core.utils import make_new_run_id
+
+    from prx_assets.definitions import build_defs
+    from prx_assets.defs.partitions import BATCHES
+    from prx_assets.defs.resources import LabResource
+
+    defs = build_defs(str(data_root))
+    job = defs.resolve_job_def("batch_pipeline")
+    lab = LabResource(data_root=str(data_root), workers=workers)
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions(BATCHES.name, keys)
+        for key in keys:
+            run_id = make_new_run_id()
+            started: dict[str, tuple[float, float]] = {}
+            steps: dict[str, dict[str, float]] = {}
+
+            def on_event(record, started=started, steps=steps) -> None:  # noqa: ANN001
+                event = record.get_dagster_event() if record.is_dagster_event else None
+                if event is None or not event.step_key:
+                    return
+                now = (time.perf_counter(), time.process_time())
+                if event.event_type_value == "STEP_START":
+                    started[event.step_key] = now
+                elif event.event_type_value == "STEP_SUCCESS":
+                    wall0, cpu0 = started[event.step_key]
+                    steps[event.step_key] = {"wall": now[0] - wall0, "cpu": now[1] - cpu0}
+
+            instance.add_event_listener(run_id, on_event)
+            job.execute_in_process(
+                partition_key=key,
+                instance=instance,
+                run_config=QUIET,
+                resources={"lab": lab},
+                raise_on_error=True,
+                run_id=run_id,
+            )
+            out[key] = steps
+    return out
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def naive_times(images: list[bytes]) -> dict[str, dict[str, float]]:
+    """Seconds for the naive per-image work, each step over every image, same core."""
+    import imagehash
+
+    from prx_assets.core.shards.buckets import assign_bucket
+    from prx_assets.core.shards.resize import JPEG_QUALITY, JPEG_SUBSAMPLING
+
+    def decode() -> None:
+        for data in images:
+            Image.open(io.BytesIO(data)).load()
+
+    def phash() -> None:
+        for data in images:
+            imagehash.phash(Image.open(io.BytesIO(data)))
+
+    def resize() -> None:
+        for data in images:
+            img = Image.open(io.BytesIO(data)).convert("RGB")
+            a = assign_bucket(*img.size)
+            assert a is not None
+            small = img.resize(a.resize_size, Image.Resampling.LANCZOS).crop(a.crop_box)
+            small.save(io.BytesIO(), "JPEG", quality=JPEG_QUALITY, subsampling=JPEG_SUBSAMPLING)
+
+    out: dict[str, dict[str, float]] = {}
+    for name, fn in (("pillow_full_decode", decode), ("imagehash_phash", phash), ("naive_resize_q92", resize)):  # fmt: skip
+        wall0, cpu0 = time.perf_counter(), time.process_time()
+        fn()
+        out[name] = {"wall": time.perf_counter() - wall0, "cpu": time.process_time() - cpu0}
+    out["naive_sum"] = {k: sum(v[k] for v in out.values()) for k in ("wall", "cpu")}
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def summarise(steps: dict, naive: dict, n: int, clock: str = "cpu") -> dict:
+    """Per-stage and total images/s and the ratios, on ``clock`` ("cpu" or "wall") seconds."""
+    cpu = {s: steps[s][clock] for s in CPU_STAGES if s in steps}
+    total = sum(cpu.values())
+    base = {k: v[clock] for k, v in naive.items()}
+
+    def ips(seconds: float) -> float:
+        return round(n / seconds, 2) if seconds > 0 else float("inf")
+
+    return {
+        "clock": clock,
+        "images": n,
+        "stage_seconds": {s: round(t, 3) for s, t in cpu.items()},
+        "stage_images_per_s": {s: ips(t) for s, t in cpu.items()},
+        "other_steps_seconds": {s: round(t[clock], 3) for s, t in steps.items() if s not in cpu},
+        "cpu_stages_seconds": round(total, 3),
+        "cpu_stages_images_per_s": ips(total),
+        "naive_seconds": {k: round(v, 3) for k, v in base.items()},
+        "naive_images_per_s": {k: ips(v) for k, v in base.items()},
+        "ratios": {
+            "mds_shards_vs_naive_resize_q92": round(base["naive_resize_q92"] / cpu["mds_shards"], 2),
+            "image_hashes_vs_imagehash_phash": round(base["imagehash_phash"] / cpu["image_hashes"], 2),
+            "raw_images_vs_pillow_full_decode": round(base["pillow_full_decode"] / cpu["raw_images"], 2),
+            "cpu_stages_vs_naive_sum": round(base["naive_sum"] / total, 2),
+        },
+    }  # fmt: skip
+
+
+def _print(name: str, s: dict) -> None:
+    print(f"\n== {name}: {s['images']} images, one core, {s['clock']} seconds ==")
+    print(f"{'stage':22} {'seconds':>9} {'images/s':>10}")
+    for stage, sec in s["stage_seconds"].items():
+        print(f"{stage:22} {sec:>9.3f} {s['stage_images_per_s'][stage]:>10}")
+    print(f"{'CPU stages together':22} {s['cpu_stages_seconds']:>9.3f} {s['cpu_stages_images_per_s']:>10}")  # fmt: skip
+    print("naive, same process:")
+    for k, sec in s["naive_seconds"].items():
+        print(f"  {k:20} {sec:>9.3f} {s['naive_images_per_s'][k]:>10}")
+    for k, v in s["ratios"].items():
+        print(f"  ratio {k:36} {v}x")
+
+
+def _tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+def workers_check(n: int) -> dict:
+    """Run the baseline partition with 1, then 2 workers (unpinned, fresh roots); same bytes."""
+    images = make_images(n, progressive=False, seed=1)
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for workers in (1, 2):
+            root = Path(tmp) / f"w{workers}"
+            key = write_batch(root / "landing", "baseline", images)
+            run_pipeline(root, [write_batch(root / "landing", "warmup", images[:3])], workers)
+            steps = run_pipeline(root, [key], workers)[key]  # wall: workers are other processes
+            out[workers] = {
+                "steps": {s: round(steps[s]["wall"], 3) for s in CPU_STAGES},
+                "cpu_stages_seconds": round(sum(steps[s]["wall"] for s in CPU_STAGES), 3),
+                "shards_sha256": _tree_digest(root / "shards" / "mds"),
+            }
+    one, two = out[1], out[2]
+    return {
+        "images": n,
+        "one_worker": one,
+        "two_workers": two,
+        "speedup_per_stage": {
+            s: round(one["steps"][s] / two["steps"][s], 2)
+            for s in ("raw_images", "image_hashes", "mds_shards")
+        },
+        "speedup_cpu_stages": round(one["cpu_stages_seconds"] / two["cpu_stages_seconds"], 2),
+        "same_shard_bytes": one["shards_sha256"] == two["shards_sha256"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int, default=96, help="baseline JPEGs in the partition")
+    parser.add_argument("--progressive-n", type=int, default=32)
+    parser.add_argument("--workers-check", action="store_true")
+    parser.add_argument("--workers-check-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="16 + 8 images")
+    args = parser.parse_args()
+    if args.quick:
+        args.n, args.progressive_n = 16, 8
+    if args.workers_check_child:
+        print(json.dumps(workers_check(args.n)))
+        return
+    command = "python -m benchmarks.bench_pipeline " + " ".join(sys.argv[1:])
+    result: dict = {"command": command.strip(), "cpu": sorted(os.sched_getaffinity(0))}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        baseline = make_images(args.n, progressive=False, seed=1)
+        progressive = make_images(args.progressive_n, progressive=True, seed=2)
+        warm = write_batch(root / "landing", "warmup", baseline[:3])
+        keys = {
+            "baseline": (write_batch(root / "landing", "baseline", baseline), baseline),
+            "progressive": (write_batch(root / "landing", "progressive", progressive), progressive),
+        }
+        mp = [Image.open(io.BytesIO(d)).size for d in baseline]
+        result["baseline_mean_megapixels"] = round(float(np.mean([w * h for w, h in mp])) / 1e6, 2)
+        run_pipeline(root, [warm])
+        steps = run_pipeline(root, [k for k, _ in keys.values()])
+        for name, (key, images) in keys.items():
+            naive = naive_times(images)
+            result[name] = summarise(steps[key], naive, len(images), "cpu")
+            result[f"{name}_wall"] = summarise(steps[key], naive, len(images), "wall")
+            _print(f"{name} JPEGs q95", result[name])
+            _print(f"{name} JPEGs q95", result[f"{name}_wall"])
+    if args.workers_check:
+        # Unpinned, in a child process: this one is pinned to a single core.
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        child = subprocess.run(
+            [sys.executable, "-m", "benchmarks.bench_pipeline", "--workers-check-child",
+             "--n", str(args.n)],
+            env=env, capture_output=True, text=True, check=True, cwd=REPO,
+        )  # fmt: skip
+        result["workers_check"] = json.loads(child.stdout.strip().splitlines()[-1])
+        w = result["workers_check"]
+        print(f"\n== 1 vs 2 workers ({w['images']} baseline JPEGs, unpinned) ==")
+        print(
+            f"  per-stage speed-up {w['speedup_per_stage']}, CPU stages {w['speedup_cpu_stages']}x"
+        )
+        print(f"  same shard bytes: {w['same_shard_bytes']}")
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

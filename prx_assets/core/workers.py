@@ -1,0 +1,282 @@
+"""Worker pools for the per-image work of a partition: every core the process is given.
+
+Why one small interface: ingest validation, pHash thumbnails and shard rendering are pure
+functions of one image's bytes, so a stage maps them over its images, in order, on as many
+cores as it has, and gets the same output whatever the worker count. The stage keeps the
+I/O (Lance reads and writes, MDS writing) and everything order-dependent in its own process.
+
+Contract (every backend, ``prx_assets.core.ray_pool.RayPool`` included):
+
+- ``map_ordered(fn, items, window=None)`` yields one result per item, in input order;
+  ``fn`` is a picklable module-level function. ``items`` is consumed lazily and at most
+  ``window`` items (default ``2 * workers``) are in flight, so memory stays bounded by the
+  window, not by the partition.
+- An exception raised by ``fn`` on an item comes back in that item's place as
+  :class:`ItemFailed` (``"<Type>: <message>"``), exactly as inline, so a stage records it as
+  that image's failure. A worker process that dies on an item (a segfault in a decoder, the
+  OOM killer) is replaced; the items that were in flight are retried one at a time, and one
+  that kills a worker again comes back as ``ItemFailed("worker_died: ...")``. No item is
+  lost and no bad image takes down the partition.
+- ``close()`` releases the workers; a pool is also a context manager.
+
+``make_pool(kind, workers)``: ``kind`` None reads ``PRX_EXECUTOR`` (default ``process``).
+``process``: a ``ProcessPoolExecutor`` on a forkserver (workers fork from a small server
+process that has imported the task modules once and done nothing else, never from the
+Dagster/Lance process with its open datasets and busy threads); ``inline``: the calling
+process (what ``workers == 1`` always uses: no pickling, no extra process); ``ray``: the Ray
+backend, imported only when asked for. The Dagster executor kinds ``multiprocess`` and
+``k8s`` that the same variable selects (``defs/executors.py``) mean ``process`` here: a step's
+process or pod maps its images over its own cores. ``workers`` None = the CPUs this process
+may run on (``os.sched_getaffinity``, so a ``taskset``/cgroup-pinned process uses its share).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+EXECUTOR_ENV = "PRX_EXECUTOR"
+POOL_KINDS = ("process", "inline", "ray")
+# The Dagster executor kinds of the same variable (defs/executors.py): per-image work in
+# one step's process (or pod) runs on a process pool.
+_DAGSTER_KINDS = {"multiprocess": "process", "k8s": "process"}
+ERROR_CHARS = 500  # an ItemFailed message quotes at most this much of the exception
+# Imported once in the forkserver, so every forked worker starts with them loaded: the
+# stages' task modules (their imports, Lance's included, cost ~1 s per fresh process).
+_PRELOAD = [
+    "numpy",
+    "PIL.Image",
+    "simplejpeg",
+    "prx_assets.core.ingest.runner",
+    "prx_assets.core.dedup.phash",
+    "prx_assets.core.shards.render",
+]
+
+
+@dataclass(frozen=True)
+class ItemFailed:
+    """``fn`` raised on one item, or its worker died: recorded as that item's failure."""
+
+    error: str
+
+
+class WorkerPool(Protocol):
+    """Maps a function over items on ``workers`` cores, results in input order."""
+
+    workers: int
+
+    def map_ordered(
+        self, fn: Callable[[T], R], items: Iterable[T], *, window: int | None = None
+    ) -> Iterator[R | ItemFailed]: ...
+
+    def close(self) -> None: ...
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _failure(exc: BaseException) -> ItemFailed:
+    message = f"{type(exc).__name__}: {exc}"
+    if len(message) > ERROR_CHARS:
+        message = f"{message[:ERROR_CHARS]}... ({len(message) - ERROR_CHARS} more characters)"
+    return ItemFailed(message)
+
+
+def call_guarded(fn: Callable[[T], R], item: T) -> R | ItemFailed:
+    """``fn(item)``, or its exception as :class:`ItemFailed` (the same inline and in a worker)."""
+    try:
+        return fn(item)
+    except Exception as exc:  # noqa: BLE001 - one bad item must not sink the partition
+        return _failure(exc)
+
+
+def _window(window: int | None, workers: int) -> int:
+    w = 2 * workers if window is None else window
+    if w < 1:
+        raise ValueError(f"window must be >= 1, got {w}")
+    return w
+
+
+class InlinePool:
+    """The calling process itself: what one worker means (nothing pickled, nothing spawned)."""
+
+    def __init__(self) -> None:
+        self.workers = 1
+
+    def map_ordered(
+        self, fn: Callable[[T], R], items: Iterable[T], *, window: int | None = None
+    ) -> Iterator[R | ItemFailed]:
+        _window(window, 1)
+        for item in items:
+            yield call_guarded(fn, item)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> InlinePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+WATCH_SECONDS = 0.5  # how often a worker checks that the process it serves is alive
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, killed but not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _serve(owner: int) -> None:
+    """Worker initializer: exit as soon as the process that owns the pool is gone.
+
+    Why: a killed run (kill -9, the OOM killer) cannot shut its pool down, and idle workers
+    would otherwise wait on their queue forever, holding the forkserver and their memory.
+    """
+
+    def watch() -> None:
+        while _running(owner):
+            time.sleep(WATCH_SECONDS)
+        os._exit(0)
+
+    if os.path.exists(f"/proc/{owner}/stat"):  # Linux; elsewhere, no watchdog
+        threading.Thread(target=watch, name="prx-pool-owner-watch", daemon=True).start()
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    methods = multiprocessing.get_all_start_methods()
+    if "forkserver" not in methods:  # pragma: no cover - not Linux
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+class ProcessPool:
+    """``workers`` processes (forkserver), a bounded in-flight window, results in order."""
+
+    def __init__(self, workers: int) -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.workers = workers
+        self._executor: ProcessPoolExecutor | None = None
+
+    def _pool(self) -> ProcessPoolExecutor:
+        if self._executor is None:
+            self._executor = ProcessPoolExecutor(
+                self.workers, mp_context=_context(), initializer=_serve, initargs=(os.getpid(),)
+            )
+        return self._executor
+
+    def _restart(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+        self._executor = None
+
+    def map_ordered(
+        self, fn: Callable[[T], R], items: Iterable[T], *, window: int | None = None
+    ) -> Iterator[R | ItemFailed]:
+        limit = _window(window, self.workers)
+        pending: deque[tuple[T, Future | None]] = deque()
+        source = iter(items)
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(pending) < limit:
+                    try:
+                        item = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    pending.append((item, self._submit(fn, item)))
+                if not pending:
+                    return
+                item, future = pending[0]
+                try:
+                    if future is None:
+                        raise BrokenProcessPool("the pool broke before this item was submitted")
+                    result = future.result()
+                except BrokenProcessPool:
+                    # A worker died (signal, OOM): which item killed it is unknown. Rerun
+                    # every in-flight item alone in a fresh pool; the one that kills a
+                    # worker again is that item's failure. Order is kept.
+                    retried = [self._alone(fn, it) for it, _ in pending]
+                    pending.clear()
+                    yield from retried
+                    continue
+                pending.popleft()
+                yield result
+        finally:
+            for _, future in pending:
+                if future is not None:
+                    future.cancel()
+
+    def _submit(self, fn: Callable[[T], R], item: T) -> Future | None:
+        try:
+            return self._pool().submit(call_guarded, fn, item)
+        except BrokenProcessPool:  # a worker died since the last submit: retried on read
+            return None
+
+    def _alone(self, fn: Callable[[T], R], item: T) -> R | ItemFailed:
+        self._restart()
+        try:
+            return self._pool().submit(call_guarded, fn, item).result()
+        except BrokenProcessPool as exc:
+            self._restart()
+            return ItemFailed(f"worker_died: the worker process exited on this item ({exc})")
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    def __enter__(self) -> ProcessPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def make_pool(kind: str | None = None, workers: int | None = None) -> WorkerPool:
+    """A pool of ``kind`` (None: ``$PRX_EXECUTOR``, default ``process``) with ``workers``.
+
+    ``workers`` None: the CPUs available to this process. One worker is always inline
+    (the same results, without a process in between), and so is any pool asked for inside
+    a daemonic process, which may not start children; an unknown kind is an error.
+    """
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    chosen = kind if kind is not None else os.environ.get(EXECUTOR_ENV, "process")
+    chosen = _DAGSTER_KINDS.get(chosen, chosen)
+    if chosen not in POOL_KINDS:
+        raise ValueError(f"worker pool kind must be one of {POOL_KINDS}, got {chosen!r}")
+    n = available_cpus() if workers is None else workers
+    if chosen == "ray":
+        from prx_assets.core.ray_pool import RayPool  # r14's backend; only when asked for
+
+        return RayPool(workers=n)
+    if chosen == "inline" or n == 1 or multiprocessing.current_process().daemon:
+        # A daemonic process (a multiprocessing.Pool worker) may not have children.
+        return InlinePool()
+    return ProcessPool(n)
