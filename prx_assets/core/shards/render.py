@@ -7,10 +7,12 @@ bucket, so memory holds one chunk of source bytes plus the shard being filled.
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS
 from prx_assets.core.lab import LabView, in_list, sql_literal
@@ -19,6 +21,9 @@ from prx_assets.core.shards.plan import CaptionInfo
 from prx_assets.core.shards.resize import RESAMPLE, RESAMPLE_CHOICES, render_jpeg
 from prx_assets.core.shards.tables import assignment_from_row
 from prx_assets.core.tables import IMAGES
+
+if TYPE_CHECKING:
+    from prx_assets.core.workers import WorkerPool
 
 # MDS columns beyond mds.BASE_COLUMNS: caption provenance, and the upscale flag so a
 # trainer can keep native pixels only without a lab lookup. Flags are ints (MDS has no bool).
@@ -30,6 +35,21 @@ MDS_EXTRA_COLUMNS: dict[str, str] = {
     "is_fallback_caption": "int",
     "upscaled": "int",
 }
+
+
+RenderItem = tuple[dict[str, Any], dict[str, Any] | None]  # (assignment row, images row)
+
+
+def render_item(item: RenderItem, max_pixels: int, resample: str) -> bytes | str:
+    """One sample's JPEG, or why it cannot be rendered: a pure function of its inputs, so a
+    worker anywhere (a thread, a process, a Ray task) returns the same bytes."""
+    row, image = item
+    if image is None or not image["image"]:
+        return "image_missing: no bytes for this key in the images table"
+    try:
+        return render_jpeg(image["image"], assignment_from_row(row), max_pixels, resample)
+    except Exception as exc:  # noqa: BLE001 - one bad image must not sink the batch
+        return f"{type(exc).__name__}: {exc}"
 
 
 class RenderFailures(RuntimeError):
@@ -56,7 +76,8 @@ class BucketRenderer:
     is the same whatever the thread count. An image that fails to render is logged in
     ``log.failures`` and not written; more than ``max_failures`` failures raise
     ``RenderFailures`` (a systematic fault, which must not silently empty the shards: the
-    bucket being written keeps its previous version).
+    bucket being written keeps its previous version). With a ``pool`` (``PRX_EXECUTOR=ray``)
+    the renders run there instead of on threads, still in key order.
     """
 
     def __init__(
@@ -69,6 +90,7 @@ class BucketRenderer:
         max_pixels: int = DEFAULT_MAX_PIXELS,
         resample: str = RESAMPLE,
         max_failures: int = 20,
+        pool: WorkerPool | None = None,
     ) -> None:
         if chunk_size < 1 or threads < 1:
             raise ValueError(f"chunk_size and threads must be >= 1, got {chunk_size}, {threads}")
@@ -84,6 +106,7 @@ class BucketRenderer:
         self.max_pixels = max_pixels
         self.resample = resample
         self.max_failures = max_failures
+        self.pool = pool
         self.log = RenderLog()
 
     def _read(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -96,20 +119,15 @@ class BucketRenderer:
         ).to_pylist()
         return {r["key"]: r for r in rows}
 
-    def _render(self, item: tuple[dict[str, Any], dict[str, Any] | None]) -> bytes | str:
-        row, image = item
-        if image is None or not image["image"]:
-            return "image_missing: no bytes for this key in the images table"
-        try:
-            return render_jpeg(
-                image["image"], assignment_from_row(row), self.max_pixels, self.resample
-            )
-        except Exception as exc:  # noqa: BLE001 - one bad image must not sink the batch
-            return f"{type(exc).__name__}: {exc}"
+    def _render(self, item: RenderItem) -> bytes | str:
+        return render_item(item, self.max_pixels, self.resample)
 
     def samples(self, rows: Sequence[Mapping[str, Any]]) -> Iterator[MDSSample]:
         """Samples for one bucket's assignment rows (sorted by key), rendered lazily."""
         rows = list(rows)
+        if self.pool is not None:
+            yield from self._samples_on_pool(rows, self.pool)
+            return
         with ThreadPoolExecutor(self.threads) as pool:
             for start in range(0, len(rows), self.chunk_size):
                 chunk = rows[start : start + self.chunk_size]
@@ -119,18 +137,50 @@ class BucketRenderer:
                     pool.map(self._render, items) if self.threads > 1 else map(self._render, items)
                 )
                 for (row, image), out in zip(items, results, strict=True):
-                    if isinstance(out, str):
-                        self.log.failures[row["key"]] = out
-                        if len(self.log.failures) > self.max_failures:
-                            first = next(iter(self.log.failures.items()))
-                            raise RenderFailures(
-                                f"{len(self.log.failures)} images of batch {self.batch!r} "
-                                f"failed to render (limit {self.max_failures}); first: "
-                                f"{first[0]}: {first[1]}"
-                            )
-                        continue
-                    yield self._sample(row, image, out)
+                    sample = self._accept(row, image, out)
+                    if sample is not None:
+                        yield sample
                 del images, items
+
+    def _samples_on_pool(
+        self, rows: list[Mapping[str, Any]], pool: WorkerPool
+    ) -> Iterator[MDSSample]:
+        """The same samples, rendered by ``pool``: chunks are read as the pool asks for items,
+        at most one chunk plus the pool's window of items held at once."""
+        taken: deque[RenderItem] = deque()
+
+        def items() -> Iterator[RenderItem]:
+            for start in range(0, len(rows), self.chunk_size):
+                chunk = rows[start : start + self.chunk_size]
+                images = self._read([r["key"] for r in chunk])
+                for r in chunk:
+                    item = (dict(r), images.get(r["key"]))
+                    taken.append(item)
+                    yield item
+
+        fn = partial(render_item, max_pixels=self.max_pixels, resample=self.resample)
+        for out in pool.map_ordered(fn, items(), window=self.chunk_size):
+            row, image = taken.popleft()
+            sample = self._accept(row, image, out)
+            if sample is not None:
+                yield sample
+
+    def _accept(
+        self, row: dict[str, Any], image: dict[str, Any] | None, out: bytes | str
+    ) -> MDSSample | None:
+        """The sample for a rendered image, or None for a logged failure (over the limit:
+        ``RenderFailures``)."""
+        if isinstance(out, str):
+            self.log.failures[row["key"]] = out
+            if len(self.log.failures) > self.max_failures:
+                first = next(iter(self.log.failures.items()))
+                raise RenderFailures(
+                    f"{len(self.log.failures)} images of batch {self.batch!r} "
+                    f"failed to render (limit {self.max_failures}); first: "
+                    f"{first[0]}: {first[1]}"
+                )
+            return None
+        return self._sample(row, image, out)
 
     def _sample(self, row: dict[str, Any], image: dict[str, Any] | None, jpeg: bytes) -> MDSSample:
         assert image is not None

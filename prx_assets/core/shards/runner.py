@@ -12,6 +12,7 @@ that is trained on without a decision.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS
@@ -42,6 +43,7 @@ from prx_assets.core.shards.tables import (
 from prx_assets.core.skiplists.policy import PartitionDecisions, SkipPolicy, SkipPolicyError
 from prx_assets.core.skiplists.sidecars import current_generation
 from prx_assets.core.tables import BUCKET_ASSIGNMENTS, CAPTIONS, RESOLUTION, SHARD_SAMPLES
+from prx_assets.core.workers import EXECUTOR_ENV, WorkerPool, make_pool
 
 SHARD_HASHES = ("sha256",)  # recorded per shard in index.json: the dir_digest commits to bytes
 _TOTALS_COLUMNS = ["tier", "shape", "relative_dir", "shard"]
@@ -198,6 +200,15 @@ class BatchShards:
         return plan_shards(assignments, captions)
 
     def run(self) -> ShardOutcome:
+        # Renders go to Ray with PRX_EXECUTOR=ray, else stay on this step's threads.
+        pool = make_pool() if os.environ.get(EXECUTOR_ENV) == "ray" else None
+        try:
+            return self._run(pool)
+        finally:
+            if pool is not None:
+                pool.close()
+
+    def _run(self, pool: WorkerPool | None) -> ShardOutcome:
         s, batch = self.settings, self.batch
         plan = self.plan()
         renderer = BucketRenderer(
@@ -209,6 +220,7 @@ class BatchShards:
             max_pixels=s.max_pixels,
             resample=s.resample,
             max_failures=s.max_render_failures,
+            pool=pool,
         )
         keys = {bucket: [r["key"] for r in rows] for bucket, rows in plan.buckets.items()}
         try:
