@@ -22,6 +22,21 @@ def materialize_batch(data_root: str | Path, key: str) -> bool:
         return job.execute_in_process(partition_key=key, instance=instance).success
 
 
+def late_square(x: int) -> int:
+    """``x * x``, finishing later the smaller ``x`` is: completion order is not input order."""
+    import time
+
+    time.sleep(0.02 * (10 - x % 10))
+    return x * x
+
+
+def refuse_seven(x: int) -> int:
+    """``x``, except for 7: a deterministic failure of the work itself."""
+    if x == 7:
+        raise ValueError("seven is refused")
+    return x
+
+
 if __name__ == "__main__":
     ok = materialize_batch(sys.argv[1], sys.argv[2])
     ray_modules = sorted(m for m in sys.modules if m == "ray" or m.startswith("ray."))

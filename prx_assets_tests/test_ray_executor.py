@@ -29,7 +29,7 @@ from prx_assets.core.ray_local import LocalRayCluster
 from prx_assets.core.shards.runner import BatchShards, ShardOutcome
 from prx_assets.core.tables import BY_NAME, SHARD_SAMPLES
 from prx_assets.demo.photo_batch import write_photo_batch
-from prx_assets_tests.ray_pipeline import materialize_batch
+from prx_assets_tests.ray_pipeline import late_square, materialize_batch, refuse_seven
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "photos.big"
@@ -192,3 +192,66 @@ def test_a_worker_killed_mid_step_is_retried_and_the_partition_completes(
     assert killed not in cluster.pids()
     assert _tree(root / "shards") == reference_shards
     assert _rows(Lab(root / "lab"), SHARD_SAMPLES.name) == reference_rows
+
+
+def _counted(n: int, pulled: list[int]):
+    for i in range(n):
+        pulled.append(i)
+        yield i
+
+
+def test_ray_pool_yields_input_order_with_a_bounded_window_and_the_works_own_errors(
+    cluster, monkeypatch
+):
+    from prx_assets.core.ray_pool import RayPool
+
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    pool = RayPool()
+    try:
+        assert pool.workers == 2  # the two nodes' CPUs
+        pulled: list[int] = []
+        out = []
+        for value in pool.map_ordered(late_square, _counted(20, pulled), window=3):
+            out.append(value)
+            assert len(pulled) - len(out) <= 3  # never more than the window in flight
+        assert out == [i * i for i in range(20)]
+        # An exception of the work itself is not retried and reaches the caller as itself.
+        with pytest.raises(ValueError, match="seven is refused"):
+            list(pool.map_ordered(refuse_seven, range(10)))
+    finally:
+        pool.close()
+
+
+def test_a_driver_running_other_code_than_the_cluster_is_refused(tmp_path, cluster):
+    """The nodes run this checkout; a driver from a copy with one line changed would get
+    shards rendered by code it does not have: RayPool refuses to start."""
+    other = tmp_path / "other"
+    shutil.copytree(REPO / "prx_assets", other / "prx_assets", ignore=_no_data)
+    changed = other / "prx_assets" / "core" / "shards" / "resize.py"
+    changed.write_text(changed.read_text() + "\n# another version\n")
+    # The driver imports the copy through PYTHONPATH alone. Its working directory holds no
+    # code: Ray puts a driver's working directory on its workers' sys.path.
+    (tmp_path / "cwd").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(other), "RAY_ADDRESS": cluster.address}
+    code = (
+        "from prx_assets.core.ray_pool import RayUnavailable\n"
+        "from prx_assets.core.workers import make_pool\n"
+        "import prx_assets\n"
+        "print('DRIVER', prx_assets.__file__)\n"
+        "try:\n    make_pool('ray')\nexcept RayUnavailable as exc:\n    print('REFUSED', exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=tmp_path / "cwd",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"DRIVER {other / 'prx_assets'}" in out.stdout, out.stdout
+    assert "REFUSED" in out.stdout and "runs other prx_assets code" in out.stdout, out.stdout
+
+
+def _no_data(directory: str, names: list[str]) -> list[str]:
+    return [n for n in names if n in ("photos", "__pycache__")]
