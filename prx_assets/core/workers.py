@@ -261,7 +261,8 @@ class ProcessPool:
 def make_pool(kind: str | None = None, workers: int | None = None) -> WorkerPool:
     """A pool of ``kind`` (None: ``$PRX_EXECUTOR``, default ``process``) with ``workers``.
 
-    ``workers`` None: the CPUs available to this process. One worker is always inline
+    ``workers`` None: the CPUs available to this process (for ``ray``: the cluster's CPUs).
+    One local worker is always inline
     (the same results, without a process in between), and so is any pool asked for inside
     a daemonic process, which may not start children; an unknown kind is an error.
     """
@@ -271,11 +272,11 @@ def make_pool(kind: str | None = None, workers: int | None = None) -> WorkerPool
     chosen = _DAGSTER_KINDS.get(chosen, chosen)
     if chosen not in POOL_KINDS:
         raise ValueError(f"worker pool kind must be one of {POOL_KINDS}, got {chosen!r}")
-    n = available_cpus() if workers is None else workers
     if chosen == "ray":
-        from prx_assets.core.ray_pool import RayPool  # r14's backend; only when asked for
+        from prx_assets.core.ray_pool import RayPool  # imported only when asked for
 
-        return RayPool(workers=n)
+        return RayPool(workers=workers)  # None: the cluster's CPUs, not this machine's
+    n = available_cpus() if workers is None else workers
     if chosen == "inline" or n == 1 or multiprocessing.current_process().daemon:
         # A daemonic process (a multiprocessing.Pool worker) may not have children.
         return InlinePool()

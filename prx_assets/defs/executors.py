@@ -4,6 +4,12 @@
 step (one asset partition) then runs in its own pod from ``PRX_K8S_IMAGE``; GPU-bound steps
 (pool "gpu": captions, caption classes) get a GPU through ``per_step_k8s_config`` so a
 fleet of captioning pods scales independently of the CPU stages.
+
+``PRX_EXECUTOR=ray`` keeps the steps in the multiprocess executor here and sends their
+per-image work to the Ray cluster ``RAY_ADDRESS`` names, as Ray tasks from the core runners
+(``core/workers.py``, ``core/ray_pool.py``); Ray is not imported to build the Definitions.
+dagster-ray's executor is not used: it submits every step as a Ray *job*, which needs the
+Ray dashboard's job server and a run storage every node reaches.
 """
 
 import os
@@ -63,4 +69,8 @@ def configured_executor() -> ExecutorDefinition:
         return k8s_executor()
     if kind == "multiprocess":
         return multiprocess_executor.configured({"max_concurrent": 2}, name="multiprocess")
-    raise ValueError(f"PRX_EXECUTOR must be 'multiprocess' or 'k8s', not {kind!r}")
+    if kind == "ray":
+        if not os.environ.get("RAY_ADDRESS"):
+            raise ValueError("PRX_EXECUTOR=ray needs RAY_ADDRESS naming a running Ray cluster")
+        return multiprocess_executor.configured({"max_concurrent": 2}, name="multiprocess_ray")
+    raise ValueError(f"PRX_EXECUTOR must be 'multiprocess', 'k8s' or 'ray', not {kind!r}")

@@ -1,0 +1,261 @@
+"""``PRX_EXECUTOR=ray`` on a real local Ray cluster: same bytes as the local path, a killed
+worker costs a retry, and the default path never loads Ray.
+
+One cluster for the module (``ray start --head`` on 127.0.0.1 with the dashboard off, plus
+one ``ray start --address`` worker node, one CPU each, a 100 MiB object store, its own temp
+dir), stopped at the end with every process it started checked gone. The batch is 24 real
+photographs (the bundled ones, upscaled to a 1600 px long side) so that rendering keeps the
+workers busy long enough to be killed in the middle of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from prx_assets.core.lab import Lab
+from prx_assets.core.ray_local import LocalRayCluster
+from prx_assets.core.shards.runner import BatchShards, ShardOutcome
+from prx_assets.core.tables import BY_NAME, SHARD_SAMPLES
+from prx_assets.core.workers import InlinePool, ItemFailed
+from prx_assets.demo.photo_batch import write_photo_batch
+from prx_assets_tests.ray_pipeline import late_square, materialize_batch, refuse_seven
+
+REPO = Path(__file__).resolve().parents[1]
+KEY = "photos.big"
+PHOTOS = 24
+TASK = "run_prx_item"  # RayPool's task function, as Ray names it in titles and logs
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    # A short root: Ray's unix socket paths must stay under 108 bytes.
+    root = Path(tmp_path_factory.mktemp("ray"))
+    cluster = LocalRayCluster(root, env={"PYTHONPATH": str(REPO)})
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        assert cluster.pids() == [], "processes of the test's Ray cluster outlived it"
+
+
+@pytest.fixture(scope="module")
+def landing(tmp_path_factory) -> Path:
+    landing = tmp_path_factory.mktemp("photos") / "landing"
+    write_photo_batch(landing / "photos" / "big", PHOTOS)
+    return landing
+
+
+def _data_root(base: Path, landing: Path) -> Path:
+    shutil.copytree(landing, base / "data" / "landing")
+    return base / "data"
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory, landing) -> tuple[Path, dict]:
+    """The default path, in a fresh interpreter: the reference bytes, and what it imported."""
+    root = _data_root(tmp_path_factory.mktemp("local"), landing)
+    env = {k: v for k, v in os.environ.items() if k not in ("PRX_EXECUTOR", "RAY_ADDRESS")}
+    env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "prx_assets_tests.ray_pipeline", str(root), KEY],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return root, json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def ray_run(tmp_path_factory, landing, cluster) -> tuple[Path, dict[int, int]]:
+    """The same batch with PRX_EXECUTOR=ray, in this process; and the tasks it ran there."""
+    root = _data_root(tmp_path_factory.mktemp("on-ray"), landing)
+    before = cluster.tasks_run(TASK)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PRX_EXECUTOR", "ray")
+        mp.setenv("RAY_ADDRESS", cluster.address)
+        assert materialize_batch(root, KEY)
+    return root, _delta(before, cluster.tasks_run(TASK))
+
+
+def _delta(before: dict[int, int], after: dict[int, int]) -> dict[int, int]:
+    return {pid: n - before.get(pid, 0) for pid, n in after.items() if n > before.get(pid, 0)}
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every file under ``root``: relative path -> sha256 of its bytes."""
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _rows(lab: Lab, name: str) -> list[dict]:
+    """A table's rows in identity order, without wall-clock columns (when a row was made)."""
+    table = lab.read(name)
+    keep = [f.name for f in table.schema if not pa.types.is_timestamp(f.type)]
+    identity = [c for c in BY_NAME[name].identity if c in keep]
+    return table.select(keep).sort_by([(c, "ascending") for c in identity]).to_pylist()
+
+
+def test_the_default_path_never_imports_ray(local_run):
+    _, report = local_run
+    assert report["success"]
+    assert report["ray_modules"] == []
+
+
+def test_a_batch_on_ray_gives_the_local_paths_bytes_and_rows(local_run, ray_run):
+    (local, _), (on_ray, tasks) = local_run, ray_run
+    samples = Lab(on_ray / "lab").count(SHARD_SAMPLES.name)
+    assert samples == PHOTOS
+    # The renders ran as tasks on the cluster's workers, both nodes' (one CPU each).
+    assert sum(tasks.values()) >= samples and len(tasks) == 2, tasks
+    shards = _tree(local / "shards")
+    assert shards and any(p.endswith(".mds") for p in shards)
+    assert _tree(on_ray / "shards") == shards
+    local_lab, ray_lab = Lab(local / "lab"), Lab(on_ray / "lab")
+    names = sorted(p.name.removesuffix(".lance") for p in (local / "lab").glob("*.lance"))
+    assert SHARD_SAMPLES.name in names
+    assert names == sorted(p.name.removesuffix(".lance") for p in (on_ray / "lab").glob("*.lance"))
+    for name in names:
+        assert _rows(ray_lab, name) == _rows(local_lab, name), name
+
+
+def _rerun_shards(root: Path) -> BatchShards:
+    from prx_assets.defs.resources import LabResource
+    from prx_assets.defs.shards.assets import MDSShardsConfig
+    from prx_assets.defs.skiplists.config import SkipPolicyResource
+
+    resource = LabResource(data_root=str(root))
+    settings = MDSShardsConfig().settings(resource.max_pixels)
+    policy = SkipPolicyResource().policy()
+    return BatchShards(resource.lab(), resource.shards_root, KEY, policy, settings)
+
+
+def test_a_worker_killed_mid_step_is_retried_and_the_partition_completes(
+    tmp_path, cluster, ray_run, monkeypatch
+):
+    on_ray, _ = ray_run
+    reference_shards = _tree(on_ray / "shards")
+    reference_rows = _rows(Lab(on_ray / "lab"), SHARD_SAMPLES.name)
+    root = tmp_path / "data"
+    shutil.copytree(on_ray, root)
+    shutil.rmtree(root / "shards")  # the rerun must write every directory again
+    monkeypatch.setenv("PRX_EXECUTOR", "ray")
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    before = cluster.tasks_run(TASK)
+
+    result: dict[str, ShardOutcome | BaseException] = {}
+
+    def step() -> None:
+        try:
+            result["outcome"] = _rerun_shards(root).run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            result["error"] = exc
+
+    runner = threading.Thread(target=step)
+    runner.start()
+    killed = None
+    deadline = time.monotonic() + 300
+    while killed is None and runner.is_alive() and time.monotonic() < deadline:
+        busy = cluster.busy_workers(TASK)
+        if busy:
+            killed = busy[0]
+            os.kill(killed, signal.SIGKILL)
+        else:
+            time.sleep(0.005)
+    runner.join(timeout=300)
+    assert not runner.is_alive()
+    assert killed is not None, "no Ray worker was seen running a render: nothing was killed"
+    assert "error" not in result, result.get("error")
+    outcome = result["outcome"]
+    assert isinstance(outcome, ShardOutcome)
+    assert outcome.written == outcome.assigned == PHOTOS and not outcome.failures
+    # The killed worker had started a task; the retry ran it again elsewhere.
+    tasks = _delta(before, cluster.tasks_run(TASK))
+    assert tasks.get(killed, 0) >= 1, tasks
+    assert sum(tasks.values()) >= PHOTOS + 1, tasks
+    assert killed not in cluster.pids()
+    assert _tree(root / "shards") == reference_shards
+    assert _rows(Lab(root / "lab"), SHARD_SAMPLES.name) == reference_rows
+
+
+def _counted(n: int, pulled: list[int]):
+    for i in range(n):
+        pulled.append(i)
+        yield i
+
+
+def test_ray_pool_yields_input_order_with_a_bounded_window_and_the_works_own_errors(
+    cluster, monkeypatch
+):
+    from prx_assets.core.ray_pool import RayPool
+
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    pool = RayPool()
+    try:
+        assert pool.workers == 2  # the two nodes' CPUs
+        pulled: list[int] = []
+        out = []
+        for value in pool.map_ordered(late_square, _counted(20, pulled), window=3):
+            out.append(value)
+            assert len(pulled) - len(out) <= 3  # never more than the window in flight
+        assert out == [i * i for i in range(20)]
+        # An exception of the work itself is not retried; it comes back in that item's
+        # place as ItemFailed, exactly as inline, and the other items are unaffected.
+        got = list(pool.map_ordered(refuse_seven, range(10)))
+        assert got[7] == ItemFailed("ValueError: seven is refused")
+        assert got[:7] + got[8:] == [refuse_seven(i) for i in range(10) if i != 7]
+        assert got == list(InlinePool().map_ordered(refuse_seven, range(10)))
+    finally:
+        pool.close()
+
+
+def test_a_driver_running_other_code_than_the_cluster_is_refused(tmp_path, cluster):
+    """The nodes run this checkout; a driver from a copy with one line changed would get
+    shards rendered by code it does not have: RayPool refuses to start."""
+    other = tmp_path / "other"
+    shutil.copytree(REPO / "prx_assets", other / "prx_assets", ignore=_no_data)
+    changed = other / "prx_assets" / "core" / "shards" / "resize.py"
+    changed.write_text(changed.read_text() + "\n# another version\n")
+    # The driver imports the copy through PYTHONPATH alone. Its working directory holds no
+    # code: Ray puts a driver's working directory on its workers' sys.path.
+    (tmp_path / "cwd").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(other), "RAY_ADDRESS": cluster.address}
+    code = (
+        "from prx_assets.core.ray_pool import RayUnavailable\n"
+        "from prx_assets.core.workers import make_pool\n"
+        "import prx_assets\n"
+        "print('DRIVER', prx_assets.__file__)\n"
+        "try:\n    make_pool('ray')\nexcept RayUnavailable as exc:\n    print('REFUSED', exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=tmp_path / "cwd",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"DRIVER {other / 'prx_assets'}" in out.stdout, out.stdout
+    assert "REFUSED" in out.stdout and "runs other prx_assets code" in out.stdout, out.stdout
+
+
+def _no_data(directory: str, names: list[str]) -> list[str]:
+    return [n for n in names if n in ("photos", "__pycache__")]
