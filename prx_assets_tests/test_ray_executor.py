@@ -123,8 +123,10 @@ def test_a_batch_on_ray_gives_the_local_paths_bytes_and_rows(local_run, ray_run)
     (local, _), (on_ray, tasks) = local_run, ray_run
     samples = Lab(on_ray / "lab").count(SHARD_SAMPLES.name)
     assert samples == PHOTOS
-    # The renders ran as tasks on the cluster's workers, both nodes' (one CPU each).
-    assert sum(tasks.values()) >= samples and len(tasks) == 2, tasks
+    # Ingest validation and the shard renders ran as tasks on the cluster's workers (each
+    # stage joins the cluster with its own pool, so each brings its own worker processes;
+    # image_hashes reuses ingest's stored thumbnails and has no per-image task here).
+    assert sum(tasks.values()) >= 2 * samples and len(tasks) >= 2, tasks
     shards = _tree(local / "shards")
     assert shards and any(p.endswith(".mds") for p in shards)
     assert _tree(on_ray / "shards") == shards
