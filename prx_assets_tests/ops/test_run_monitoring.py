@@ -235,6 +235,9 @@ def _in_process_run(tmp_path: Path, name: str, host_tag: str):
     home.mkdir()
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     env = dict(os.environ, DAGSTER_HOME=str(home), PYTHONPATH=str(ROOT))
+    # Created once before two processes open it (as `make` does): two first opens of a
+    # fresh sqlite home race on its schema ("table jobs already exists").
+    ensure_instance(home).dispose()
     child = subprocess.Popen([sys.executable, "-c", CHILD, host_tag], env=env)
     instance = DagsterInstance.from_config(str(home))
 
