@@ -40,8 +40,10 @@ from torch.utils.data import DataLoader
 from prx_assets.loader.dataset import (
     REQUIRE_SKIPLISTS,
     SkipListDataset,
+    check_resume_snapshot,
     check_skiplists_mode,
     default_num_canonical_nodes,
+    snapshot_of,
 )
 from prx_assets.loader.discover import BucketStream, group_by_shape
 
@@ -115,6 +117,7 @@ class ShapeBatchedLoader:
                 **(dataloader_kwargs or {}),
             )
         self.shapes = list(self.datasets)
+        self.snapshot = snapshot_of(buckets)  # training snapshot read (None: live data)
         self._epoch = 0
         self._in_epoch = False
         self._iterators: dict[str, Iterator[Any]] = {}
@@ -279,6 +282,7 @@ class ShapeBatchedLoader:
                 "world": self._world_signature(world),
             },
             "buckets": buckets,
+            "snapshot": self.snapshot,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -290,6 +294,7 @@ class ShapeBatchedLoader:
             raise ValueError(
                 f"checkpoint buckets {sorted(saved)} differ from loaded buckets {self.shapes}"
             )
+        check_resume_snapshot(state.get("snapshot"), self.snapshot)
         for shape, ds in self.datasets.items():
             ds.check_resume_digest(state["buckets"][shape])
         first = state["buckets"][self.shapes[0]]
