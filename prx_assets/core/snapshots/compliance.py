@@ -6,7 +6,8 @@ rows with a match) and through duplicate clusters (every other copy in the same
 snapshots contained each of them (``snapshot_samples``), and the first snapshot made after
 the list arrived that excludes it. A snapshot made after the list arrived that still holds
 one of those images is a *violation*: the asset check and ``prx-assets compliance`` fail on
-it. Snapshots made before the list arrived holding its images are history, reported, not
+it, until that snapshot is retired (a retired snapshot can no longer be trained on).
+Snapshots made before the list arrived holding its images are history, reported, not
 violations (they are why the report exists: "which runs used this image?").
 """
 
@@ -160,6 +161,9 @@ def compliance_report(lab: Lab, name: str) -> ComplianceReport:
     snapshots = list_snapshots(lab)
     created = {s["snapshot_id"]: s["created_at"] for s in snapshots}
     after = [s["snapshot_id"] for s in snapshots if s["created_at"] > received]
+    live_after = {
+        s["snapshot_id"] for s in snapshots if s["created_at"] > received and s["status"] == "live"
+    }
     held: dict[tuple[str, str], set[str]] = {}
     keys = sorted({k for _, k in reached})
     if keys and lab.exists(SNAPSHOT_SAMPLES.name):
@@ -181,7 +185,7 @@ def compliance_report(lab: Lab, name: str) -> ComplianceReport:
                 via=via,
                 contained_in=sorted(inside, key=lambda s: (created[s], s)),
                 first_excluding=next((s for s in after if s not in inside), None),
-                violations=[s for s in after if s in inside],
+                violations=[s for s in after if s in inside and s in live_after],
             )
         )
     return ComplianceReport(list_id, row["status"], received, images, after)
