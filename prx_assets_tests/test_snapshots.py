@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from prx_assets.browser.queries import Filters, LabQueries, QueryError
+from prx_assets.core.audit import audit_image
 from prx_assets.core.lab import Lab
 from prx_assets.core.skiplists.sidecars import load_generation, sweep, update_skiplists
 from prx_assets.core.snapshots.compliance import compliance_report
@@ -33,11 +35,11 @@ from prx_assets.loader.snapshots import (
     SnapshotChanged,
     SnapshotChangedWarning,
 )
-from prx_assets_tests.test_automation import (  # noqa: F401  (fixtures)
-    chat_server,
-    platform,
-    settled,
-)
+from prx_assets_tests import test_automation as automation
+
+settled = automation.settled  # the settled demo platform, once per module
+platform = automation.platform  # a private copy of it per test
+chat_server = automation.chat_server  # scripted OpenAI-compatible server on 127.0.0.1
 
 
 def _lab(platform) -> Lab:
@@ -97,9 +99,7 @@ def test_a_changed_sidecar_after_pinning_is_refused_and_so_is_resuming(platform)
     target = Path(buckets[0].local)
     before = load_generation(target)
     shard = next(iter(before.skiplists))
-    kept_index = next(
-        i for i in range(10_000) if i not in set(before.skiplists[shard].indices)
-    )
+    kept_index = next(i for i in range(10_000) if i not in set(before.skiplists[shard].indices))
     update_skiplists(target, {shard: {kept_index: ["opt_out"]}})
     # The old generation's sidecars survive the writer's sweeps: the snapshot pins them.
     sweep(target)
@@ -196,7 +196,11 @@ def _duplicate_pair(lab: Lab, members: set[tuple[str, str]]) -> tuple[tuple, tup
         by_cluster.setdefault(r["cluster_id"], []).append(r)
     for copies in by_cluster.values():
         trained = [c for c in copies if (c["batch"], c["key"]) in members]
-        others = [c for c in copies if (c["batch"], c["key"]) not in members and c["key"] not in {t["key"] for t in trained}]
+        others = [
+            c
+            for c in copies
+            if (c["batch"], c["key"]) not in members and c["key"] not in {t["key"] for t in trained}
+        ]
         if trained and others:
             return (others[0]["batch"], others[0]["key"]), (trained[0]["batch"], trained[0]["key"])
     raise AssertionError("the demo plants duplicates: no cluster with a trained and a skipped copy")
@@ -224,6 +228,22 @@ def test_compliance_report_follows_a_list_through_a_duplicate_copy(platform):
     assert keeper.via == f"duplicate of {copy_key}"
     assert keeper.contained_in == ["s1", "s2"] and keeper.violations == ["s2"]
     assert not report.passed and "FAIL" in report.to_markdown()
+
+    # Lineage: the keeper's audit lists both snapshots with their dates; the browser's
+    # snapshot filter finds it in s2 and never finds the skipped copy there.
+    trail = audit_image(lab, keeper_key)
+    assert [s["snapshot_id"] for s in trail.snapshots if s["batch"] == keeper_batch] == [
+        "s1",
+        "s2",
+    ]
+    assert all(s["created_at"] is not None for s in trail.snapshots)
+    assert "Training snapshots that contained it" in trail.to_markdown()
+    hits = LabQueries(lab).browse(Filters(snapshots=("s2",)), limit=500).hits
+    found = {(h["batch"], h["key"]) for h in hits}
+    assert (keeper_batch, keeper_key) in found and (copy_batch, copy_key) not in found
+    assert found == _members(lab, "s2")
+    with pytest.raises(QueryError):
+        Filters(snapshots=("<b>x</b>",))
 
     platform.settle()  # the list's skip_lists runs
     create_snapshot(lab, root, "s3")
