@@ -289,12 +289,12 @@ class ShapeBatchedLoader:
         """Resume at ``state`` on the next ``iter``; skip-list changes raise ``SkipListChanged``."""
         if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a {STATE_FORMAT} v{STATE_VERSION} state dict")
+        check_resume_snapshot(state.get("snapshot"), self.snapshot)
         saved = set(state["buckets"])
         if saved != set(self.shapes):
             raise ValueError(
                 f"checkpoint buckets {sorted(saved)} differ from loaded buckets {self.shapes}"
             )
-        check_resume_snapshot(state.get("snapshot"), self.snapshot)
         for shape, ds in self.datasets.items():
             ds.check_resume_digest(state["buckets"][shape])
         first = state["buckets"][self.shapes[0]]
