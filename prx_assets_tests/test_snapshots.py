@@ -270,3 +270,81 @@ def test_cleanup_keeps_pinned_lance_versions_until_retired(platform):
     lab.maintain(spec("skip_audit"), retention=timedelta(0), orphan_min_age=timedelta(0))
     with pytest.raises((OSError, ValueError)):  # the version's manifest is gone
         lab.dataset("skip_audit", version=version)
+
+
+def _intake_only(platform) -> None:
+    """Take new opt-out lists in without running their skip_lists (a sensor tick's first half)."""
+    defs = platform.defs()
+    requests, platform.cursors["opt_out_sensor"] = evaluate_sensor(
+        defs, platform.instance, "opt_out_sensor", platform.cursors.get("opt_out_sensor")
+    )
+    intake = [r for r in requests if r.job_name == "opt_out_intake"]
+    assert intake
+    for r in intake:
+        assert execute_run_request(defs, platform.instance, r, None)
+
+
+def test_the_asset_its_compliance_check_the_jobs_and_the_cli(platform, capsys):
+    from dagster import materialize
+
+    from prx_assets.cli import main
+    from prx_assets.defs.resources import LabResource
+    from prx_assets.defs.snapshots.assets import opt_out_compliance, training_snapshots
+
+    lab = _lab(platform)
+    resources = {"lab": LabResource(data_root=platform.data_root)}
+
+    def snapshot(name: str):
+        return materialize(
+            [training_snapshots, opt_out_compliance],
+            resources=resources,
+            run_config={"ops": {"training_snapshots": {"config": {"name": name}}}},
+            instance=platform.instance,
+            raise_on_error=False,
+        )
+
+    first = snapshot("d1")
+    assert first.success
+    [check] = first.get_asset_check_evaluations()
+    assert check.passed  # no list yet
+    (_copy_batch, copy_key), (keeper_batch, keeper_key) = _duplicate_pair(lab, _members(lab, "d1"))
+    _opt_out(platform, "takedown.txt", [copy_key])
+    _intake_only(platform)
+    second = snapshot("d2")
+    [check] = second.get_asset_check_evaluations()
+    assert not check.passed and check.metadata["violations"].value >= 1
+    [mat] = second.get_asset_materialization_events()
+    meta = mat.event_specific_data.materialization.metadata
+    assert meta["snapshot"].value == "d2" and meta["diff_from"].value == "d1"
+    assert "diff_chart" not in meta or meta["diff_chart"].value.startswith("![")
+
+    assert main(["compliance", "takedown.txt", "--data-root", platform.data_root]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and keeper_key in out
+    assert main(["snapshot", "list", "--data-root", platform.data_root]) == 0
+    assert "d1\tlive" in capsys.readouterr().out
+    assert main(["snapshot", "create", "../evil", "--data-root", platform.data_root]) == 2
+    capsys.readouterr()
+
+    platform.settle()
+    assert main(["snapshot", "create", "d3", "--data-root", platform.data_root]) == 0
+    assert "d3: created" in capsys.readouterr().out
+    assert main(["snapshot", "diff", "d2", "d3", "--json", "--data-root", platform.data_root]) == 0
+    import json
+
+    diff = json.loads(capsys.readouterr().out)
+    removed = {t["reason"]: t["samples"] for t in diff["totals"] if t["direction"] == "removed"}
+    assert removed.get("opt-out", 0) >= 1  # the keeper left through its copy's opt-out
+    job = platform.defs().resolve_job_def("retire_training_snapshot")
+    run = job.execute_in_process(
+        run_config={"ops": {"retire_one_snapshot": {"config": {"name": "d2"}}}},
+        instance=platform.instance,
+    )
+    assert run.success
+    assert existing_status(lab, "d2") == "retired"
+    assert main(["compliance", "takedown.txt", "--data-root", platform.data_root]) == 0
+
+
+def existing_status(lab: Lab, snapshot_id: str) -> str:
+    rows = lab.read("training_snapshots", ["status"], f"snapshot_id = '{snapshot_id}'")
+    return rows.column("status").to_pylist()[0]
