@@ -97,9 +97,15 @@ def write_pin(
     index_sha256: str,
     generation: str,
     sidecars: list[str],
+    *,
+    durable: bool = True,
 ) -> None:
     """Record (atomically) that ``snapshot_id`` needs these files of ``directory``; the caller
-    holds ``directory_lock`` and has just verified the generation it names is live."""
+    holds ``directory_lock`` and has just verified the generation it names is live.
+
+    ``durable=False`` skips the per-file fsyncs (tmp + rename still make it atomic): for a
+    caller that pins thousands of directories and then makes them durable at once
+    (``os.sync()``) before its commit point, as ``create_snapshot`` does."""
     from prx_assets.core.skiplists.sidecars import atomic_write_bytes, canonical_json
 
     check_snapshot_id(snapshot_id)
@@ -115,7 +121,12 @@ def write_pin(
     data = canonical_json(payload) + b"\n"
     if target.is_file() and target.read_bytes() == data:
         return
-    atomic_write_bytes(target, data)
+    if durable:
+        atomic_write_bytes(target, data)
+        return
+    tmp = pins / f".{snapshot_id}.json.{os.getpid()}.tmp"
+    tmp.write_bytes(data)
+    os.replace(tmp, target)
 
 
 def remove_pin(directory: str | os.PathLike[str], snapshot_id: str) -> bool:

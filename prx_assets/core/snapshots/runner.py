@@ -191,6 +191,7 @@ def create_snapshot(
                     gen.manifest.index_sha256,
                     gen.generation,
                     [e.sidecar for e in entries],
+                    durable=False,  # made durable together below, before the commit
                 )
             pinned.append(d)
             slots = placed.get(rel, {})
@@ -249,6 +250,7 @@ def create_snapshot(
         created_at = (now or _now()).isoformat()
         data = encode_snapshot(snapshot_id, created_at, versions, fingerprints, directories)
         manifest = parse_snapshot(data, str(path))
+        os.sync()  # every pin durable before anything that commits the snapshot
         lab.pin_versions(holder(snapshot_id), versions)
         lab.replace_rows(
             SNAPSHOT_SAMPLES,
