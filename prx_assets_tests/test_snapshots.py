@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +24,7 @@ from prx_assets.core.skiplists.sidecars import load_generation, sweep, update_sk
 from prx_assets.core.snapshots.compliance import compliance_report
 from prx_assets.core.snapshots.diff import diff_snapshots
 from prx_assets.core.snapshots.manifest import SnapshotError, read_snapshot
-from prx_assets.core.snapshots.pins import RETAINED_DIRNAME
+from prx_assets.core.snapshots.pins import PINS_DIRNAME, RETAINED_DIRNAME
 from prx_assets.core.snapshots.runner import create_snapshot, retire_snapshot
 from prx_assets.core.tables import spec
 from prx_assets.defs.captions.resources import CaptionerResource
@@ -79,6 +80,12 @@ def test_a_snapshot_freezes_exactly_what_the_loader_trains_on(platform):
     assert [(b.relpath, b.counts.kept_samples) for b in pinned] == [
         (b.relpath, b.counts.kept_samples) for b in live
     ]
+    # A directory that appears later is read by live discovery, never by the snapshot.
+    first = Path(pinned[0].local)
+    late = first.with_name("zzz-late.000")
+    shutil.copytree(first, late, ignore=shutil.ignore_patterns(PINS_DIRNAME))
+    assert late.name in {b.batch for b in discover_streams(root)}
+    assert late.name not in {b.batch for b in discover_streams(root, snapshot="run-a")}
     # Immutable: the same name again returns it unchanged.
     again = create_snapshot(lab, root, "run-a")
     assert not again.created and again.manifest.sha256 == m.sha256
