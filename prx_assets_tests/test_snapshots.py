@@ -355,3 +355,34 @@ def test_the_asset_its_compliance_check_the_jobs_and_the_cli(platform, capsys):
 def existing_status(lab: Lab, snapshot_id: str) -> str:
     rows = lab.read("training_snapshots", ["status"], f"snapshot_id = '{snapshot_id}'")
     return rows.column("status").to_pylist()[0]
+
+
+def _create_in_child(lab_root: str, shards_root: str, name: str) -> None:
+    create_snapshot(Lab(lab_root), shards_root, name)
+
+
+@pytest.mark.parametrize("crash_at", ["snapshots.pinned:3", "snapshots.file_written:1"])
+def test_a_killed_snapshot_is_never_half_made_and_its_rerun_completes_it(platform, crash_at):
+    import multiprocessing
+    import signal
+
+    lab, root = _lab(platform), _shards(platform)
+    ctx = multiprocessing.get_context("spawn")
+    os.environ["PRX_CRASH_AT"] = crash_at
+    try:
+        child = ctx.Process(target=_create_in_child, args=(lab.root, root, "k1"))
+        child.start()
+        child.join(300)
+    finally:
+        del os.environ["PRX_CRASH_AT"]
+    assert child.exitcode == -signal.SIGKILL
+    # Not committed: no row, so nothing lists it, trains on it or counts it in compliance.
+    assert lab.read("training_snapshots", None, "snapshot_id = 'k1'").num_rows == 0
+    out = create_snapshot(lab, root, "k1")
+    assert out.created == (crash_at.startswith("snapshots.pinned"))
+    reference = create_snapshot(lab, root, "k2").manifest
+    assert [d.as_dict() for d in out.manifest.directories] == [
+        d.as_dict() for d in reference.directories
+    ]
+    assert lab.read("training_snapshots", None, "snapshot_id = 'k1'").num_rows == 1
+    assert discover_streams(root, snapshot="k1")

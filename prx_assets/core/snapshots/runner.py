@@ -35,6 +35,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from prx_assets.core.crashpoints import crashpoint
 from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
 from prx_assets.core.skiplists.sidecars import SkipListError, load_generation, read_index_shards
 from prx_assets.core.snapshots import pins
@@ -194,6 +195,7 @@ def create_snapshot(
                     durable=False,  # made durable together below, before the commit
                 )
             pinned.append(d)
+            crashpoint("snapshots.pinned")
             slots = placed.get(rel, {})
             samples = kept = 0
             for shard, n in read_index_shards(d):
@@ -259,6 +261,7 @@ def create_snapshot(
             pa.Table.from_pylist(members, schema=SNAPSHOT_SAMPLES.schema),
         )
         write_snapshot_file(root, snapshot_id, data)
+        crashpoint("snapshots.file_written")
     except BaseException:
         if not path.exists():  # nothing committed: give back what this attempt pinned
             for d in pinned:
