@@ -243,6 +243,10 @@ def create_snapshot(
                     rel, gen.manifest.index_sha256, gen.generation, entries, samples, kept
                 )
             )
+        if not directories:
+            raise SnapshotError(
+                f"no bucket x batch directory under {root / 'mds'}: nothing to freeze"
+            )
         fingerprints = {
             "policy": _distinct(view, "skip_audit", "policy_fingerprint"),
             "captioner": _distinct(view, "shard_samples", "caption_fingerprint"),
