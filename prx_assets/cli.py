@@ -80,6 +80,68 @@ def audit(args: argparse.Namespace) -> int:
     return 0 if trail.found else 1
 
 
+def snapshot(args: argparse.Namespace) -> int:
+    """``snapshot create|list|diff|retire``: training snapshots (core/snapshots/)."""
+    import json
+
+    from prx_assets.core.snapshots.manifest import SnapshotError
+    from prx_assets.core.snapshots.runner import create_snapshot, list_snapshots, retire_snapshot
+    from prx_assets.defs.resources import LabResource, default_data_root
+
+    resource = LabResource(data_root=args.data_root or default_data_root())
+    lab = resource.lab()
+    try:
+        if args.action == "create":
+            out = create_snapshot(lab, resource.shards_root, args.name)
+            m = out.manifest
+            verb = "created" if out.created else "exists (unchanged)"
+            print(
+                f"{m.snapshot_id}: {verb}; {len(m.directories)} directories, "
+                f"{m.kept_samples} of {m.samples} samples in training; {out.path}"
+            )
+        elif args.action == "list":
+            for s in list_snapshots(lab):
+                print(
+                    f"{s['snapshot_id']}\t{s['status']}\t{s['created_at'].isoformat()}\t"
+                    f"{s['kept_samples']} samples\t{s['directories']} directories"
+                )
+        elif args.action == "diff":
+            from prx_assets.core.snapshots.diff import diff_snapshots
+
+            diff = diff_snapshots(lab, args.a, args.b)
+            print(json.dumps(diff.as_dict(), indent=1) if args.json else diff.to_markdown())
+        elif args.action == "retire":
+            out = retire_snapshot(lab, resource.shards_root, args.name)
+            print(
+                f"{out.snapshot_id}: retired{' (already)' if out.already_retired else ''}; "
+                f"{out.pins_removed} directory pins and {len(out.retained_removed)} retained "
+                "copies released"
+            )
+    except (SnapshotError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def compliance(args: argparse.Namespace) -> int:
+    """One opt-out list's reach into training snapshots; exit 1 when a later one holds it."""
+    import json
+
+    from prx_assets.core.snapshots.compliance import ComplianceError, compliance_report
+    from prx_assets.defs.resources import LabResource, default_data_root
+
+    resource = LabResource(data_root=args.data_root or default_data_root())
+    try:
+        report = compliance_report(resource.lab(), args.list)
+    except ComplianceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        json.dumps(report.as_dict(), indent=1, default=str) if args.json else report.to_markdown()
+    )
+    return 0 if report.passed else 1
+
+
 def demo(args: argparse.Namespace) -> int:
     from prx_assets.demo.runner import run_demo
 
@@ -111,6 +173,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-root", default=None)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=audit)
+    p = sub.add_parser("snapshot", help="training snapshots: create, list, diff, retire")
+    snap = p.add_subparsers(dest="action", required=True)
+    for action in ("create", "retire"):
+        q = snap.add_parser(action)
+        q.add_argument("name")
+        q.add_argument("--data-root", default=None)
+    q = snap.add_parser("list")
+    q.add_argument("--data-root", default=None)
+    q = snap.add_parser("diff", help="samples added/removed/changed from A to B, by reason")
+    q.add_argument("a")
+    q.add_argument("b")
+    q.add_argument("--data-root", default=None)
+    q.add_argument("--json", action="store_true")
+    p.set_defaults(func=snapshot)
+    p = sub.add_parser("compliance", help="an opt-out list's images and the snapshots holding them")
+    p.add_argument("list", help="list id, file name or path as recorded in opt_out_lists")
+    p.add_argument("--data-root", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=compliance)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["browser"]:  # its own argument parser: python -m prx_assets.browser
         from prx_assets.browser.__main__ import main as browser_main

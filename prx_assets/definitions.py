@@ -36,6 +36,8 @@ from prx_assets.defs.skiplists.sensors import (
     build_skip_dirty_sensor,
     build_skip_policy_sensor,
 )
+from prx_assets.defs.snapshots.assets import opt_out_compliance, training_snapshots
+from prx_assets.defs.snapshots.jobs import retire_training_snapshot, snapshot_diff
 
 
 def backends_from_env() -> tuple[CaptionerResource, ClassifierResource]:
@@ -100,13 +102,17 @@ def build_defs(
             mds_shards,
             *build_skiplist_assets(skip_policy),
             opt_out_lists,
+            training_snapshots,
         ],
+        asset_checks=[opt_out_compliance],
         jobs=[
             batch_pipeline_job,
             opt_out_intake_job,
             opt_out_skip_lists_job,
             lance_maintenance,
             image_audit,
+            retire_training_snapshot,
+            snapshot_diff,
         ],
         sensors=[
             landing_sensor,

@@ -39,6 +39,7 @@ from prx_assets.core.audit import audit_image
 from prx_assets.core.captions.models.base import LABELS
 from prx_assets.core.lab import Lab, LabView, TableSpec, full_text_query, in_list, sql_literal
 from prx_assets.core.skiplists.sidecars import REASON_CODES
+from prx_assets.core.snapshots.pins import SNAPSHOT_ID_RE
 
 #: The tables the browser reads, as the registry declares them.
 BROWSER_TABLES: tuple[TableSpec, ...] = (
@@ -61,7 +62,9 @@ TEXT_INDEX = (CAPTIONS, "caption")
 OPTIONAL_TABLES: dict[str, str] = {
     BUCKETS: "the shards stage has not written bucket_assignments yet",
     SKIP_AUDIT: "the skip-lists stage has not written skip_audit yet",
+    "snapshot_samples": "no training snapshot has been made yet (prx-assets snapshot create)",
 }
+SNAPSHOT_SAMPLES = "snapshot_samples"
 SKIP_STATES: tuple[str, ...] = ("kept", "excluded")
 SKIP_CHOICES: tuple[str, ...] = (*SKIP_STATES, *REASON_CODES)
 
@@ -126,6 +129,7 @@ class Filters:
     max_short_side: int | None = None
     min_megapixels: float | None = None
     max_megapixels: float | None = None
+    snapshots: tuple[str, ...] = ()  # in the training set of any of these snapshots
 
     def __post_init__(self) -> None:
         bad = [v for v in self.batches if not _BATCH_RE.match(v)]
@@ -141,6 +145,9 @@ class Filters:
         bad = [v for v in self.shapes if not _SHAPE_RE.match(v)]
         if bad:
             raise QueryError(f"invalid shape {bad[0]!r}; shapes are written <H>x<W>, e.g. 1024x768")
+        bad = [v for v in self.snapshots if not SNAPSHOT_ID_RE.match(v)]
+        if bad:
+            raise QueryError(f"invalid snapshot name {bad[0][:80]!r}")
         bad = [v for v in self.skip if v not in SKIP_CHOICES]
         if bad:
             raise QueryError(
@@ -195,6 +202,7 @@ class Filters:
             max_short_side=number("max_side", int, MAX_SIDE),
             min_megapixels=number("min_mp", float, MAX_MEGAPIXELS),
             max_megapixels=number("max_mp", float, MAX_MEGAPIXELS),
+            snapshots=many("snapshot"),
         )
 
     def batch_clause(self) -> str | None:
@@ -232,6 +240,8 @@ class Filters:
             if reasons:
                 parts.append(f"array_has_any(reasons, [{', '.join(map(sql_literal, reasons))}])")
             out.setdefault(SKIP_AUDIT, []).append("(" + " OR ".join(parts) + ")")
+        if self.snapshots:
+            out.setdefault(SNAPSHOT_SAMPLES, []).append(in_list("snapshot_id", self.snapshots))
         return {t: " AND ".join(conds) for t, conds in out.items()}
 
     def to_dict(self) -> dict[str, Any]:
@@ -436,6 +446,17 @@ class LabQueries:
             self._facet_cache[cache_key] = values
         return values
 
+    def _snapshot_ids(self) -> list[str]:
+        """Names of the recorded training snapshots, oldest first."""
+        view = self.view()
+        if not view.exists("training_snapshots"):
+            return []
+        rows = view.read("training_snapshots", ["snapshot_id", "created_at"]).to_pylist()
+        return [
+            r["snapshot_id"]
+            for r in sorted(rows, key=lambda r: (r["created_at"], r["snapshot_id"]))
+        ]
+
     def facets(self) -> dict[str, Any]:
         """Values the filters offer, and which filters are unavailable and why."""
         tables = self.tables()
@@ -452,6 +473,8 @@ class LabQueries:
             if not tables[table]["present"]:
                 for name in filters:
                     disabled[name] = f"no {table} table in the lab yet"
+        if not self.view().exists(SNAPSHOT_SAMPLES):
+            disabled["snapshot"] = OPTIONAL_TABLES[SNAPSHOT_SAMPLES]
         if not tables[CAPTIONS]["present"]:
             disabled["q"] = "no captions table in the lab yet"
         if not tables[EMBEDDINGS]["present"]:
@@ -464,6 +487,7 @@ class LabQueries:
             "tiers": self._distinct(BUCKETS, "tier"),
             "shapes": self._distinct(BUCKETS, "shape"),
             "skip": list(SKIP_CHOICES),
+            "snapshots": self._snapshot_ids(),
             "disabled": disabled,
         }
 

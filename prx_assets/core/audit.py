@@ -124,6 +124,8 @@ class AuditTrail:
     matched_by: list[str] = field(default_factory=list)
     copies: list[CopyVerdict] = field(default_factory=list)
     keys_not_listed: int = 0  # matches (images or rejected files) beyond MAX_KEYS
+    # Training snapshots whose training set held one of ``keys`` (oldest first): lineage.
+    snapshots: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def found(self) -> bool:
@@ -157,6 +159,7 @@ class AuditTrail:
                 "keys": self.keys,
                 "keys_not_listed": self.keys_not_listed,
                 "versions": self.versions,
+                "snapshots": self.snapshots,
                 **self.tables,
             },
             indent=2,
@@ -191,6 +194,17 @@ class AuditTrail:
         if self.keys_not_listed:
             lines.append("")
             lines.append(f"{self.keys_not_listed} more match(es) not listed: narrow the query.")
+        lines.append("")
+        lines.append("## Training snapshots that contained it")
+        lines.append("")
+        for snap in self.snapshots[:MAX_ROWS_SHOWN]:
+            lines.append(
+                f"- {md_code(snap['snapshot_id'])} ({md_code(snap['status'])}, made "
+                f"{md_code(_display(snap['created_at']))}): {md_code(snap['batch'])} "
+                f"{md_code(snap['key'])}"
+            )
+        if not self.snapshots:
+            lines.append("*none*")
         lines.append("")
         for table, rows in self.tables.items():
             lines.append(f"## {md_code(table)} (Lance version {self.versions.get(table)})")
@@ -526,4 +540,27 @@ def audit_image(lab: Lab, query: str, landing: Path | str | None = None) -> Audi
             trail.tables[table] = rows
             trail.versions[table] = snap.versions[table]
     trail.copies = _verdicts(snap, trail)
+    trail.snapshots = _snapshot_lineage(snap, trail.tables.get("snapshot_samples", []))
     return trail
+
+
+def _snapshot_lineage(snap: _Snapshot, members: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The snapshots (id, status, date) whose ``snapshot_samples`` hold the audited keys."""
+    if not members or "training_snapshots" not in snap.versions:
+        return []
+    ids = sorted({m["snapshot_id"] for m in members})
+    info = {
+        r["snapshot_id"]: r for r in snap.read("training_snapshots", in_list("snapshot_id", ids))
+    }
+    out = [
+        {
+            "snapshot_id": m["snapshot_id"],
+            "created_at": info[m["snapshot_id"]]["created_at"],
+            "status": info[m["snapshot_id"]]["status"],
+            "batch": m["batch"],
+            "key": m["key"],
+        }
+        for m in members
+        if m["snapshot_id"] in info  # rows of an attempt that never committed are not lineage
+    ]
+    return sorted(out, key=lambda r: (r["created_at"], r["snapshot_id"], r["batch"], r["key"]))

@@ -24,7 +24,9 @@ Points (the writer, then the step just completed):
 - ``skiplists.stale_removed``: one file no manifest names was swept;
 - ``lab.fragment_batch``: one record batch streamed into new Lance fragment files;
 - ``lab.fragments_written``: a partition's new fragments are complete, not committed;
-- ``lab.committed``: the partition's replacement is committed, indexes not yet refreshed.
+- ``lab.committed``: the partition's replacement is committed, indexes not yet refreshed;
+- ``snapshots.pinned``: one directory of a training snapshot pinned (nothing committed);
+- ``snapshots.file_written``: a snapshot's manifest file is written, its lab row not yet.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ CRASHPOINTS: tuple[str, ...] = (
     "lab.fragment_batch",
     "lab.fragments_written",
     "lab.committed",
+    "snapshots.pinned",
+    "snapshots.file_written",
 )
 _reached: dict[str, int] = {}
 

@@ -35,6 +35,10 @@ TARGET_ROWS_PER_FRAGMENT = 1_048_576
 # its first fragment to its commit, so an in-flight write's files are never touched.
 ORPHAN_MIN_AGE = timedelta(hours=24)
 ORPHAN_SCAN_LIMIT = 100_000  # candidates listed per table and run; the next run continues
+# STAND-IN (issue 15, branch r15-snap): r12-lab owns version pins; its implementation replaces
+# this one at merge. Pins live in this table; ``maintain`` keeps every pinned version by a
+# Lance tag named ``PIN_TAG_PREFIX<version>`` (tagged versions survive version cleanup).
+PIN_TAG_PREFIX = "prx-pin-v"
 
 
 def _object_key(uri: str) -> str:
@@ -74,6 +78,20 @@ class TableSpec:
     schema: pa.Schema
     identity: tuple[str, ...]
     indexes: tuple[tuple[str, str], ...] = ()  # (column, index type)
+
+
+VERSION_PINS = TableSpec(  # STAND-IN for r12-lab's ``version_pins`` (same methods, see Lab)
+    name="version_pins",
+    schema=pa.schema(
+        [
+            pa.field("holder", pa.string(), nullable=False),  # e.g. "snapshot:<id>"
+            pa.field("table", pa.string(), nullable=False),
+            pa.field("version", pa.int64(), nullable=False),
+            pa.field("pinned_at", pa.timestamp("us", tz="UTC")),
+        ]
+    ),
+    identity=("holder", "table"),
+)
 
 
 class _CountingBatches:
@@ -447,6 +465,64 @@ class Lab:
                 time.sleep(0.05 * (2**attempt))
         return f"deferred ({type(last).__name__}: {str(last)[:160]})"
 
+    # -- version pins: STAND-IN (issue 15), r12-lab's implementation is kept at merge --------
+
+    def pin_versions(self, holder: str, versions: Mapping[str, int]) -> None:
+        """Keep ``versions`` (table -> version) from cleanup until ``unpin(holder)``.
+
+        Replaces the holder's earlier pins in one commit (a replay pins the same)."""
+        now = pa.scalar(time.time_ns() // 1000, pa.timestamp("us", tz="UTC"))
+        rows = pa.table(
+            {
+                "holder": [holder] * len(versions),
+                "table": list(versions),
+                "version": [int(v) for v in versions.values()],
+                "pinned_at": pa.array([now.value] * len(versions), pa.timestamp("us", tz="UTC")),
+            },
+            schema=VERSION_PINS.schema,
+        )
+        self.replace_rows(VERSION_PINS, "holder", holder, rows)
+        for table, version in versions.items():
+            self._tag_pinned(table, {int(version)})
+
+    def unpin(self, holder: str) -> None:
+        """Drop every pin ``holder`` holds (its versions become cleanable again)."""
+        if self.exists(VERSION_PINS.name):
+            self.delete(VERSION_PINS.name, f"holder = {sql_literal(holder)}")
+
+    def pinned_versions(self) -> dict[str, set[int]]:
+        """Table -> the versions some holder pins."""
+        out: dict[str, set[int]] = {}
+        rows = self.read(VERSION_PINS.name, ["table", "version"])
+        if rows.num_rows:
+            for table, version in zip(
+                rows.column("table").to_pylist(), rows.column("version").to_pylist(), strict=True
+            ):
+                out.setdefault(table, set()).add(int(version))
+        return out
+
+    def _tag_pinned(self, table: str, pinned: set[int]) -> None:
+        """Make the Lance tags of ``table`` name exactly its pinned versions (stand-in)."""
+        ds = self._open(table)
+        if ds is None:
+            return
+        tags = {name: info["version"] for name, info in ds.tags.list().items()}
+        for version in pinned:
+            name = f"{PIN_TAG_PREFIX}{version}"
+            if name not in tags:
+                with contextlib.suppress(OSError, ValueError):  # a concurrent tagger
+                    ds.tags.create(name, version)
+
+    def _sync_pin_tags(self, table: str) -> None:
+        pinned = self.pinned_versions().get(table, set())
+        self._tag_pinned(table, pinned)
+        ds = self._open(table)
+        if ds is None:
+            return
+        for name, info in ds.tags.list().items():
+            if name.startswith(PIN_TAG_PREFIX) and info["version"] not in pinned:
+                ds.tags.delete(name)
+
     def maintain(
         self,
         spec: TableSpec,
@@ -469,7 +545,10 @@ class Lab:
         ds = self.dataset(spec.name)
         if ds.list_indices():
             ds.optimize.optimize_indices()
-        cleanup = self.dataset(spec.name).cleanup_old_versions(older_than=retention)
+        self._sync_pin_tags(spec.name)  # pinned versions are tagged: cleanup keeps them
+        cleanup = self.dataset(spec.name).cleanup_old_versions(
+            older_than=retention, error_if_tagged_old_versions=False
+        )
         orphans = self.remove_orphaned_files(spec.name, retention, orphan_min_age)
         ds = self.dataset(spec.name)
         return {
@@ -506,6 +585,7 @@ class Lab:
         plan = ds.explain_cleanup_old_versions(
             older_than=retention,
             delete_unverified=True,
+            error_if_tagged_old_versions=False,
             include_files=True,
             max_files=ORPHAN_SCAN_LIMIT,
         )

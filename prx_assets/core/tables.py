@@ -14,6 +14,7 @@ from prx_assets.core.lab import TableSpec
 from prx_assets.core.resolution.tables import RESOLUTION
 from prx_assets.core.shards.tables import BUCKET_ASSIGNMENTS, SHARD_SAMPLES
 from prx_assets.core.skiplists.tables import OPT_OUT_LISTS, OPT_OUTS, SKIP_AUDIT, SKIP_DIRTY
+from prx_assets.core.snapshots.tables import SNAPSHOT_SAMPLES, TRAINING_SNAPSHOTS
 
 LAB_TABLES: tuple[TableSpec, ...] = (
     IMAGES,
@@ -32,6 +33,8 @@ LAB_TABLES: tuple[TableSpec, ...] = (
     OPT_OUT_LISTS,
     SKIP_AUDIT,
     SKIP_DIRTY,
+    TRAINING_SNAPSHOTS,
+    SNAPSHOT_SAMPLES,
 )
 """Every lab table, in the order a data lead reads an image's trail."""
 

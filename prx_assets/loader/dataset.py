@@ -49,7 +49,7 @@ import os
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -125,6 +125,26 @@ class SkipListChanged(RuntimeError):
         )
         self.saved = saved
         self.current = current
+
+
+class SnapshotChanged(RuntimeError):
+    """A pinned file differs from what the snapshot froze (or a resume crosses snapshots)."""
+
+
+def snapshot_of(streams: Collection[Any]) -> str | None:
+    """The one snapshot a set of streams/buckets reads (None: live data); a mix is an error."""
+    ids = {getattr(s, "snapshot", None) or getattr(s, "snapshot_id", None) for s in streams}
+    if len(ids) > 1:
+        raise ValueError(f"streams of different snapshots (or none) mixed: {sorted(map(str, ids))}")
+    return next(iter(ids), None)
+
+
+def check_resume_snapshot(saved: str | None, current: str | None) -> None:
+    """A checkpoint resumes only under the snapshot it was taken with."""
+    if saved != current:
+        raise SnapshotChanged(
+            f"the checkpoint was taken on snapshot {saved!r}, this loader reads {current!r}"
+        )
 
 
 class SkipListMismatchAcrossRanks(RuntimeError):
@@ -478,6 +498,7 @@ class SkipListDataset(StreamingDataset):
         self.allow_skiplist_change = allow_skiplist_change
         self.bucket_name = bucket_name or ", ".join(s.remote or s.local_dir for s in streams)
         self.skiplist_digest = digest_skip_sets([s.skip_sets for s in streams])
+        self.snapshot = snapshot_of(streams)  # the training snapshot read (None: live data)
         self.raw_num_samples = int(sum(s.raw_samples for s in streams))
         self.dropped_shards = [(s.local_dir, name) for s in streams for name in s.dropped_shards]
         self._check_ranks_agree()
@@ -510,7 +531,7 @@ class SkipListDataset(StreamingDataset):
             except FileExistsError as exc:
                 if attempt + 1 == attempts or not str(exc.filename or "").endswith("_locals"):
                     raise
-                streams = [SkipListStream.from_stream(s, s.skiplists) for s in streams]
+                streams = [type(s).from_stream(s, s.skiplists) for s in streams]
                 time.sleep(0.02 * (attempt + 1))
         raise AssertionError("unreachable")
 
@@ -547,6 +568,8 @@ class SkipListDataset(StreamingDataset):
     def state_dict(self, num_samples: int, from_beginning: bool) -> dict[str, Any]:
         state = super().state_dict(num_samples, from_beginning)
         state["skiplist_digest"] = self.skiplist_digest
+        if self.snapshot is not None:
+            state["snapshot"] = self.snapshot
         return state
 
     def check_resume_digest(self, obj: dict[str, Any]) -> None:
@@ -564,5 +587,8 @@ class SkipListDataset(StreamingDataset):
         )
 
     def load_state_dict(self, obj: dict[str, Any]) -> None:
+        check_resume_snapshot(obj.get("snapshot"), self.snapshot)
         self.check_resume_digest(obj)
-        super().load_state_dict({k: v for k, v in obj.items() if k != "skiplist_digest"})
+        super().load_state_dict(
+            {k: v for k, v in obj.items() if k not in ("skiplist_digest", "snapshot")}
+        )

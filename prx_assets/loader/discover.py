@@ -142,6 +142,8 @@ def discover_streams(
     source: str | None = None,
     drop_empty: bool = True,
     skiplists: str = REQUIRE_SKIPLISTS,
+    snapshot: str | None = None,
+    pinned_changes: str = "refuse",
 ) -> list[BucketStream]:
     """Bucket partitions under ``root/mds`` (or ``root`` itself if it has no ``mds/``).
 
@@ -152,8 +154,22 @@ def discover_streams(
     sample is skipped is left out with a warning (streaming cannot hold an empty stream).
     ``skiplists="ignore-UNSAFE"`` counts local partitions without their skip-lists (and
     warns). Sorted by tier, shape, batch.
+
+    ``snapshot``: read exactly the directories and skip-list generations training snapshot
+    ``snapshot`` froze (local roots; ``prx_assets.loader.snapshots``), refusing any that
+    changed unless ``pinned_changes="reproduce-UNSAFE"``.
     """
     check_skiplists_mode(skiplists)
+    if snapshot is not None:
+        from prx_assets.loader.snapshots import snapshot_streams
+
+        if cache_dir is not None or partitions is not None or skiplists != REQUIRE_SKIPLISTS:
+            raise ValueError("snapshot= reads a local root with its skip-lists only")
+        return list(
+            snapshot_streams(
+                root, snapshot, tiers, shapes, batches, weights, pinned_changes=pinned_changes
+            )
+        )
     root_str = os.fspath(root)
     is_url = _is_url(root_str)
     if is_url and cache_dir is None:

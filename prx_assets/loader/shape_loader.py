@@ -40,8 +40,10 @@ from torch.utils.data import DataLoader
 from prx_assets.loader.dataset import (
     REQUIRE_SKIPLISTS,
     SkipListDataset,
+    check_resume_snapshot,
     check_skiplists_mode,
     default_num_canonical_nodes,
+    snapshot_of,
 )
 from prx_assets.loader.discover import BucketStream, group_by_shape
 
@@ -128,6 +130,7 @@ class ShapeBatchedLoader:
                 **(dataloader_kwargs or {}),
             )
         self.shapes = list(self.datasets)
+        self.snapshot = snapshot_of(buckets)  # training snapshot read (None: live data)
         self._epoch = 0
         self._in_epoch = False
         self._iterators: dict[str, Iterator[Any]] = {}
@@ -293,12 +296,14 @@ class ShapeBatchedLoader:
                 "world": self._world_signature(world),
             },
             "buckets": buckets,
+            "snapshot": self.snapshot,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state`` on the next ``iter``; skip-list changes raise ``SkipListChanged``."""
         if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a {STATE_FORMAT} v{STATE_VERSION} state dict")
+        check_resume_snapshot(state.get("snapshot"), self.snapshot)
         saved = set(state["buckets"])
         if saved != set(self.shapes):
             raise ValueError(

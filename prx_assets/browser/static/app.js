@@ -3,7 +3,7 @@
 "use strict";
 
 const KEY_RE = /^[0-9a-f]{64}$/;
-const LIST_FILTERS = ["batch", "source", "label", "tier", "shape", "skip"];
+const LIST_FILTERS = ["batch", "source", "label", "tier", "shape", "skip", "snapshot"];
 const NUMBER_FILTERS = ["min_side", "max_side", "min_mp", "max_mp"];
 let lastQuery = null; // {kind: "search"|"similar", key?}
 
@@ -46,7 +46,7 @@ function thumbUrl(key, size) {
 function buildFilters(facets) {
   const values = {
     batch: facets.batches, source: facets.sources, label: facets.labels,
-    tier: facets.tiers, shape: facets.shapes, skip: facets.skip,
+    tier: facets.tiers, shape: facets.shapes, skip: facets.skip, snapshot: facets.snapshots,
   };
   for (const name of LIST_FILTERS) {
     const fieldset = document.querySelector(`fieldset[data-filter="${name}"]`);

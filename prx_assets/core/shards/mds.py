@@ -44,6 +44,7 @@ from typing import Any
 
 from prx_assets.core.crashpoints import crashpoint
 from prx_assets.core.skiplists.sidecars import write_partition_skiplists
+from prx_assets.core.snapshots.pins import discard_directory
 
 MDS_DIRNAME = "mds"
 DEFAULT_SIZE_LIMIT = 128 << 20  # 128 MiB per shard, MDSWriter's ``size_limit``
@@ -203,7 +204,7 @@ def _recover(bucket: Path, batch: str) -> None:
             os.rename(old, final)
             _fsync_path(bucket)
         else:
-            shutil.rmtree(old)
+            _discard(old, final)
 
 
 def _bucket_dirs(root: str | os.PathLike[str]) -> list[tuple[int, str, Path]]:
@@ -237,7 +238,14 @@ def _remove_atomically(final: Path) -> None:
     os.rename(final, old)
     _fsync_path(final.parent)
     crashpoint("mds.stale_dir_moved_away")
-    shutil.rmtree(old)
+    _discard(old, final)
+
+
+def _discard(old: Path, final: Path) -> None:
+    """Delete a superseded copy of ``final``, unless a live training snapshot pins it: then
+    it is kept under ``<root>/retained/`` (core/snapshots/pins.py; never read by discovery)."""
+    root = final.parents[3]  # <root>/mds/<tier>/<H>x<W>/<batch>
+    discard_directory(old, root, final.relative_to(root).as_posix())
 
 
 def _columns(extra_columns: Mapping[str, str] | None) -> dict[str, str]:
@@ -422,7 +430,7 @@ def _stream_bucket(
                 raise
             _fsync_path(bucket)
             crashpoint("mds.dir_in_place")
-            shutil.rmtree(old)
+            _discard(old, final)
         else:
             os.rename(tmp, final)
             _fsync_path(bucket)

@@ -57,6 +57,7 @@ from pathlib import Path
 import numpy as np
 
 from prx_assets.core.crashpoints import crashpoint
+from prx_assets.core.snapshots.pins import PinError, directory_lock, pinned_sidecars
 
 SKIPLIST_FORMAT = "prx-skiplist"
 SKIPLIST_VERSION = 1
@@ -548,15 +549,22 @@ def sweep(partition_dir: str | os.PathLike[str], keep: Iterable[str] = ()) -> li
     except SkipListError:
         pass  # no readable live generation: nothing on disk is protected by one
     removed = []
-    for entry in sorted(os.listdir(d)):
-        if entry in protected or not _is_ours(entry):
-            continue
+    # Sidecars a live training snapshot pins are kept (core/snapshots/pins.py); the lock
+    # keeps a snapshot from pinning a generation while it is being swept.
+    with directory_lock(d):
         try:
-            (d / entry).unlink()
-        except FileNotFoundError:
-            continue
-        removed.append(entry)
-        crashpoint("skiplists.stale_removed")
+            protected |= pinned_sidecars(d)
+        except PinError:
+            return []  # an unreadable pin could name anything: delete nothing
+        for entry in sorted(os.listdir(d)):
+            if entry in protected or not _is_ours(entry):
+                continue
+            try:
+                (d / entry).unlink()
+            except FileNotFoundError:
+                continue
+            removed.append(entry)
+            crashpoint("skiplists.stale_removed")
     if removed:
         _fsync_dir(d)
     return removed

@@ -1,0 +1,401 @@
+"""Make, list and retire training snapshots: the effective training set, frozen and named.
+
+A snapshot is what the default loader would train on at one moment: every bucket x batch
+directory under ``<shards root>/mds`` with its ``index.json`` digest and its live skip-list
+generation, the Lance version of every lab table it derives from, and the policy, model and
+code fingerprints found there. Making one (``create_snapshot``):
+
+1. opens every source table once (``LabView.pin``): the versions recorded are the ones read;
+2. per directory, under its lock: loads and verifies the live generation (an unscreened,
+   stale or tampered directory refuses the snapshot: the loader would refuse it too), writes
+   its pin (core/snapshots/pins.py), and maps the kept (shard, index) slots to images through
+   ``shard_samples`` (a directory the lab does not describe exactly refuses the snapshot);
+3. refuses when a kept sample is an image an accepted opt-out list names (the list's
+   skip-lists have not run yet: a snapshot must never freeze an opted-out image);
+4. pins the Lance versions (``Lab.pin_versions``), writes ``snapshot_samples``, then the
+   manifest file (atomic), then the ``training_snapshots`` row, which is the commit point.
+
+A rerun with an existing name returns the existing snapshot untouched (snapshots are
+immutable); one interrupted after its manifest file is completed from that file.
+Retiring (``retire_snapshot``) removes the pins of its files and Lance versions and deletes
+retained directory copies nobody pins any more; its rows stay, marked ``retired``, so the
+audit and compliance reports keep the history.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from prx_assets.core.crashpoints import crashpoint
+from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
+from prx_assets.core.skiplists.sidecars import SkipListError, load_generation, read_index_shards
+from prx_assets.core.snapshots import pins
+from prx_assets.core.snapshots.manifest import (
+    PinnedDirectory,
+    SnapshotError,
+    SnapshotManifest,
+    encode_snapshot,
+    is_retired,
+    manifest_path,
+    mark_retired,
+    parse_snapshot,
+    read_snapshot,
+    write_snapshot_file,
+)
+from prx_assets.core.snapshots.tables import SNAPSHOT_SAMPLES, TRAINING_SNAPSHOTS
+
+# The lab tables a snapshot derives from (their versions are recorded and pinned).
+SOURCE_TABLES: tuple[str, ...] = (
+    "images",
+    "resolution",
+    "captions",
+    "caption_classes",
+    "image_hashes",
+    "phash_clusters",
+    "bucket_assignments",
+    "shard_samples",
+    "opt_outs",
+    "opt_out_lists",
+    "skip_audit",
+)
+MAX_LISTED = 20
+
+
+def holder(snapshot_id: str) -> str:
+    """The ``Lab.pin_versions`` holder name of a snapshot."""
+    return f"snapshot:{snapshot_id}"
+
+
+def code_fingerprint() -> str:
+    """sha256 over the package's Python sources (path and bytes): which code made the data."""
+    base = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for path in sorted(base.rglob("*.py")):
+        h.update(path.relative_to(base).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class SnapshotOutcome:
+    """What ``create_snapshot`` made (or found already made)."""
+
+    manifest: SnapshotManifest
+    created: bool  # False: the snapshot existed and was returned unchanged
+    path: str
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _scan(mds_root: Path) -> list[str]:
+    """``mds/<tier>/<H>x<W>/<batch>`` of every visible directory with an index (sorted)."""
+    out = []
+    if not mds_root.is_dir():
+        return out
+    for tier in sorted(p for p in mds_root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for shape in sorted(p for p in tier.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            for batch in sorted(
+                p for p in shape.iterdir() if p.is_dir() and not p.name.startswith(".")
+            ):
+                if (batch / "index.json").is_file():
+                    out.append(f"mds/{tier.name}/{shape.name}/{batch.name}")
+    return out
+
+
+def _distinct(view: LabView, table: str, column: str) -> list[str]:
+    rows = view.read(table, [column]) if view.exists(table) else pa.table({})
+    if not rows.num_rows:
+        return []
+    return sorted({v for v in rows.column(column).to_pylist() if v is not None})
+
+
+def _lookup(view: LabView, table: str, columns: list[str]) -> dict[tuple[str, str], tuple]:
+    if not view.exists(table):
+        return {}
+    rows = view.read(table, ["batch", "key", *columns]).to_pydict()
+    return {
+        (b, k): tuple(rows[c][i] for c in columns)
+        for i, (b, k) in enumerate(zip(rows["batch"], rows["key"], strict=True))
+    }
+
+
+def _opted_out_keys(view: LabView) -> dict[str, str]:
+    """Image key -> an accepted list naming it (directly matched on arrival)."""
+    if not view.exists("opt_outs") or not view.exists("opt_out_lists"):
+        return {}
+    accepted = view.read("opt_out_lists", ["list_id"], "status = 'accepted'")
+    ids = accepted.column("list_id").to_pylist() if accepted.num_rows else []
+    if not ids:
+        return {}
+    rows = view.read("opt_outs", ["list_id", "matched_key"], in_list("list_id", ids)).to_pydict()
+    return {k: lid for lid, k in zip(rows["list_id"], rows["matched_key"], strict=True) if k}
+
+
+def existing(lab: Lab, snapshot_id: str) -> dict[str, Any] | None:
+    """The ``training_snapshots`` row of ``snapshot_id``, None when there is none."""
+    rows = lab.read(TRAINING_SNAPSHOTS.name, None, f"snapshot_id = {sql_literal(snapshot_id)}")
+    return rows.to_pylist()[0] if rows.num_rows else None
+
+
+def create_snapshot(
+    lab: Lab,
+    shards_root: str | os.PathLike[str],
+    snapshot_id: str,
+    *,
+    now: datetime | None = None,
+) -> SnapshotOutcome:
+    """Freeze the effective training set as snapshot ``snapshot_id`` (see the module doc)."""
+    pins.check_snapshot_id(snapshot_id)
+    root = Path(shards_root)
+    path = manifest_path(root, snapshot_id)
+    row = existing(lab, snapshot_id)
+    if row is not None:
+        return SnapshotOutcome(read_snapshot(root, snapshot_id), False, str(path))
+    if path.exists():  # interrupted after its manifest file: finish from the file
+        manifest = parse_snapshot(path.read_bytes(), str(path))
+        lab.pin_versions(holder(snapshot_id), manifest.lab_versions)
+        _record(lab, root, manifest)
+        return SnapshotOutcome(manifest, False, str(path))
+
+    view = lab.view()
+    versions = view.pin(SOURCE_TABLES)
+    placed = _placements(view)
+    source = _lookup(view, "images", ["source"])
+    classes = _lookup(view, "caption_classes", ["backend_fingerprint"])
+    opted_out = _opted_out_keys(view)
+
+    directories: list[PinnedDirectory] = []
+    members: list[dict[str, Any]] = []
+    pinned: list[Path] = []
+    try:
+        for rel in _scan(root / "mds"):
+            d = root / rel
+            with pins.directory_lock(d):
+                try:
+                    gen = load_generation(d)
+                except SkipListError as exc:
+                    raise SnapshotError(f"{rel}: cannot be frozen: {exc}") from None
+                entries = gen.manifest.entries
+                pins.write_pin(
+                    d,
+                    snapshot_id,
+                    gen.manifest.index_sha256,
+                    gen.generation,
+                    [e.sidecar for e in entries],
+                    durable=False,  # made durable together below, before the commit
+                )
+            pinned.append(d)
+            crashpoint("snapshots.pinned")
+            slots = placed.get(rel, {})
+            samples = kept = 0
+            for shard, n in read_index_shards(d):
+                samples += n
+                skipped = set(gen.skiplists[shard].indices)
+                for index in range(n):
+                    slot = slots.get((shard, index))
+                    if slot is None:
+                        raise SnapshotError(
+                            f"{rel}: {shard} #{index} has no shard_samples row: the lab does "
+                            "not describe this directory (materialise mds_shards for its batch)"
+                        )
+                    if index in skipped:
+                        continue
+                    kept += 1
+                    batch, key, tier, shape, caption_fp = slot
+                    if key in opted_out:
+                        raise SnapshotError(
+                            f"{rel}: {shard} #{index} is image {key[:16]}…, which opt-out list "
+                            f"{opted_out[key][:120]!r} names, yet its skip-lists keep it: run "
+                            f"skip_lists for batch {batch[:120]!r} before snapshotting"
+                        )
+                    members.append(
+                        {
+                            "snapshot_id": snapshot_id,
+                            "batch": batch,
+                            "key": key,
+                            "tier": tier,
+                            "shape": shape,
+                            "source": (source.get((batch, key)) or (None,))[0],
+                            "relative_dir": rel,
+                            "shard": shard,
+                            "index_in_shard": index,
+                            "caption_fingerprint": caption_fp,
+                            "class_fingerprint": (classes.get((batch, key)) or (None,))[0],
+                        }
+                    )
+            if len(slots) != samples:
+                raise SnapshotError(
+                    f"{rel}: shard_samples holds {len(slots)} rows for {samples} samples: the lab "
+                    "and the shard tree disagree (materialise mds_shards for its batch)"
+                )
+            directories.append(
+                PinnedDirectory(
+                    rel, gen.manifest.index_sha256, gen.generation, entries, samples, kept
+                )
+            )
+        if not directories:
+            raise SnapshotError(
+                f"no bucket x batch directory under {root / 'mds'}: nothing to freeze"
+            )
+        fingerprints = {
+            "policy": _distinct(view, "skip_audit", "policy_fingerprint"),
+            "captioner": _distinct(view, "shard_samples", "caption_fingerprint"),
+            "classifier": _distinct(view, "caption_classes", "backend_fingerprint"),
+            "code": code_fingerprint(),
+        }
+        created_at = (now or _now()).isoformat()
+        data = encode_snapshot(snapshot_id, created_at, versions, fingerprints, directories)
+        manifest = parse_snapshot(data, str(path))
+        os.sync()  # every pin durable before anything that commits the snapshot
+        lab.pin_versions(holder(snapshot_id), versions)
+        lab.replace_rows(
+            SNAPSHOT_SAMPLES,
+            "snapshot_id",
+            snapshot_id,
+            pa.Table.from_pylist(members, schema=SNAPSHOT_SAMPLES.schema),
+        )
+        write_snapshot_file(root, snapshot_id, data)
+        crashpoint("snapshots.file_written")
+    except BaseException:
+        if not path.exists():  # nothing committed: give back what this attempt pinned
+            for d in pinned:
+                pins.remove_pin(d, snapshot_id)
+            lab.unpin(holder(snapshot_id))
+        raise
+    _record(lab, root, manifest)
+    return SnapshotOutcome(manifest, True, str(path))
+
+
+def _placements(view: LabView) -> dict[str, dict[tuple[str, int], tuple]]:
+    """relative_dir -> (shard, index) -> (batch, key, tier, shape, caption fingerprint)."""
+    if not view.exists("shard_samples"):
+        return {}
+    cols = ["relative_dir", "shard", "index_in_shard", "batch", "key", "tier", "shape"]
+    rows = view.read("shard_samples", [*cols, "caption_fingerprint"]).to_pydict()
+    out: dict[str, dict[tuple[str, int], tuple]] = {}
+    for i, rel in enumerate(rows["relative_dir"]):
+        out.setdefault(rel, {})[(rows["shard"][i], int(rows["index_in_shard"][i]))] = (
+            rows["batch"][i],
+            rows["key"][i],
+            rows["tier"][i],
+            rows["shape"][i],
+            rows["caption_fingerprint"][i],
+        )
+    return out
+
+
+def _record(lab: Lab, root: Path, manifest: SnapshotManifest) -> None:
+    """The ``training_snapshots`` row: the commit point of a snapshot."""
+    fp = manifest.fingerprints
+    row = {
+        "snapshot_id": manifest.snapshot_id,
+        "created_at": datetime.fromisoformat(manifest.created_at),
+        "status": "retired" if is_retired(root, manifest.snapshot_id) else "live",
+        "retired_at": None,
+        "manifest_path": manifest_path(root, manifest.snapshot_id).relative_to(root).as_posix(),
+        "manifest_sha256": manifest.sha256,
+        "directories": len(manifest.directories),
+        "samples": manifest.samples,
+        "kept_samples": manifest.kept_samples,
+        "lab_versions": json.dumps(manifest.lab_versions, sort_keys=True),
+        "policy_fingerprints": list(fp.get("policy", [])),
+        "captioner_fingerprints": list(fp.get("captioner", [])),
+        "classifier_fingerprints": list(fp.get("classifier", [])),
+        "code_fingerprint": fp.get("code"),
+    }
+    lab.replace_rows(
+        TRAINING_SNAPSHOTS,
+        "snapshot_id",
+        manifest.snapshot_id,
+        pa.Table.from_pylist([row], schema=TRAINING_SNAPSHOTS.schema),
+    )
+
+
+def list_snapshots(lab: Lab) -> list[dict[str, Any]]:
+    """Every recorded snapshot, oldest first."""
+    rows = lab.read(TRAINING_SNAPSHOTS.name).to_pylist()
+    return sorted(rows, key=lambda r: (r["created_at"], r["snapshot_id"]))
+
+
+@dataclass(frozen=True)
+class RetireOutcome:
+    """What retiring a snapshot released."""
+
+    snapshot_id: str
+    pins_removed: int
+    retained_removed: list[str]
+    already_retired: bool
+
+
+def retire_snapshot(
+    lab: Lab, shards_root: str | os.PathLike[str], snapshot_id: str, *, now: datetime | None = None
+) -> RetireOutcome:
+    """Retire ``snapshot_id``: its files and Lance versions may be cleaned up from now on.
+
+    The marker file is written first, so a loader refuses the snapshot before any of its
+    files can go; a rerun finishes an interrupted retirement.
+    """
+    root = Path(shards_root)
+    manifest = read_snapshot(root, snapshot_id)
+    row = existing(lab, snapshot_id)
+    already = row is not None and row["status"] == "retired"
+    when = now or _now()
+    if not is_retired(root, snapshot_id):
+        mark_retired(root, snapshot_id, when.isoformat())
+    removed = 0
+    for d in manifest.directories:
+        for where in (
+            root / d.relative_dir,
+            pins.retained_dir(root, d.relative_dir, d.index_sha256),
+        ):
+            if where.is_dir() and pins.remove_pin(where, snapshot_id):
+                removed += 1
+    lab.unpin(holder(snapshot_id))
+    retained = pins.drop_unpinned_retained(root)
+    if row is not None and not already:
+        row = dict(row)
+        row["status"] = "retired"
+        row["retired_at"] = when
+        lab.replace_rows(
+            TRAINING_SNAPSHOTS,
+            "snapshot_id",
+            snapshot_id,
+            pa.Table.from_pylist([row], schema=TRAINING_SNAPSHOTS.schema),
+        )
+    return RetireOutcome(snapshot_id, removed, retained, already)
+
+
+def snapshots_containing(lab: Lab, keys: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
+    """Image key -> the snapshots whose training set held it (id, batch, created_at, status)."""
+    keys = sorted(set(keys))
+    if not keys or not lab.exists(SNAPSHOT_SAMPLES.name):
+        return {}
+    info = {r["snapshot_id"]: r for r in list_snapshots(lab)}
+    rows = lab.read(SNAPSHOT_SAMPLES.name, ["snapshot_id", "batch", "key"], in_list("key", keys))
+    out: dict[str, list[dict[str, Any]]] = {}
+    for sid, batch, key in zip(
+        *(rows.column(c).to_pylist() for c in ("snapshot_id", "batch", "key")), strict=True
+    ):
+        if sid not in info:  # samples of an attempt that never committed its row
+            continue
+        out.setdefault(key, []).append(
+            {
+                "snapshot_id": sid,
+                "batch": batch,
+                "created_at": info[sid]["created_at"],
+                "status": info[sid]["status"],
+            }
+        )
+    for v in out.values():
+        v.sort(key=lambda r: (r["created_at"], r["snapshot_id"]))
+    return out
