@@ -24,7 +24,14 @@ Points (the writer, then the step just completed):
 - ``skiplists.stale_removed``: one file no manifest names was swept;
 - ``lab.fragment_batch``: one record batch streamed into new Lance fragment files;
 - ``lab.fragments_written``: a partition's new fragments are complete, not committed;
-- ``lab.committed``: the partition's replacement is committed, indexes not yet refreshed.
+- ``lab.committed``: the partition's replacement is committed, indexes not yet refreshed;
+- ``storage.object_uploaded``: one object of a shard directory or generation is uploaded;
+- ``storage.shards_uploaded``: a remote version prefix is complete, its pointer not yet put;
+- ``storage.pointer_published``: a directory's pointer names its new version;
+- ``storage.stale_pointer_removed``: a directory the partition lost has no pointer any more;
+- ``storage.stale_removed``: one superseded remote object was deleted;
+- ``storage.generation_staged``: a directory's new sidecars are all on the remote;
+- ``storage.manifest_put``: a directory's new ``skiplists.json`` is on the remote (live).
 """
 
 from __future__ import annotations
@@ -48,6 +55,13 @@ CRASHPOINTS: tuple[str, ...] = (
     "lab.fragment_batch",
     "lab.fragments_written",
     "lab.committed",
+    "storage.object_uploaded",
+    "storage.shards_uploaded",
+    "storage.pointer_published",
+    "storage.stale_pointer_removed",
+    "storage.stale_removed",
+    "storage.generation_staged",
+    "storage.manifest_put",
 )
 _reached: dict[str, int] = {}
 
