@@ -107,9 +107,7 @@ def test_mds_directories_publish_as_versions_behind_a_pointer(s3_server, s3_pref
             f"mds/{rel}/{POINTER_BASENAME}",
             *(f"{live.key_prefix}/{n}" for n in names),
         }
-    assert _loader_keys(s3_prefix, tmp_path / "c1") == sorted(
-        s.key for s in old if s.key != "k02"
-    )
+    assert _loader_keys(s3_prefix, tmp_path / "c1") == sorted(s.key for s in old if s.key != "k02")
 
     # A rewrite: A changes (new version), B disappears; the old version is gone after.
     new = _samples({A: [*range(0, 5), 20]}, "new")
