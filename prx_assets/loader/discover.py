@@ -47,7 +47,12 @@ from prx_assets.loader.dataset import (
     check_skiplists_mode,
     warn_unscreened,
 )
-from prx_assets.loader.remote import remote_partitions, remote_version, resolve_remote_partition
+from prx_assets.loader.remote import (
+    remote_partition_counts,
+    remote_partitions,
+    remote_version,
+    resolve_remote_partition,
+)
 
 _SHAPE_RE = re.compile(r"^(\d+)x(\d+)$")
 
@@ -192,8 +197,9 @@ def discover_streams(
             continue
         matched += 1
         where = f"{mds_root_str}/{relpath}" if is_url else os.path.join(mds_root_str, relpath)
-        if is_url:
-            counts = None
+        if is_url:  # the live version on s3:// (counted through its skip-lists, as below)
+            where = resolve_remote_partition(mds_root_str, relpath)
+            counts = remote_partition_counts(where, skiplists)
         elif skiplists == IGNORE_SKIPLISTS_UNSAFE:
             warn_unscreened(where)
             counts = unscreened_partition_counts(where)
@@ -207,8 +213,8 @@ def discover_streams(
             continue
         if cache_dir is None:
             remote, local = None, where
-        elif is_url:  # the live version of the directory, cached under its own name
-            remote = resolve_remote_partition(mds_root_str, relpath)
+        elif is_url:  # cached under the version's own name: a flip never meets a stale index
+            remote = where
             local = os.path.join(os.fspath(cache_dir), cache_tag, relpath, remote_version(remote))
         else:
             remote, local = where, os.path.join(os.fspath(cache_dir), cache_tag, relpath)

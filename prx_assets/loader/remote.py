@@ -14,6 +14,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from prx_assets.core.shards.remote import live_partitions, resolve_live
+from prx_assets.core.skiplists.sidecars import (
+    INDEX_BASENAME,
+    MANIFEST_BASENAME,
+    PartitionCounts,
+    SkipListCorrupt,
+    SkipListError,
+    SkipListMissing,
+    check_manifest_matches_index,
+    parse_index,
+    parse_manifest,
+    verify_sidecar,
+)
+from prx_assets.core.storage import open_store
 
 
 def remote_partitions(root: str, partitions: Sequence[str] | None) -> list[str]:
@@ -32,6 +45,40 @@ def resolve_remote_partition(mds_root: str, relpath: str) -> str:
     if not mds_root.startswith("s3://"):
         return f"{mds_root}/{relpath}"
     return resolve_live(mds_root, relpath)
+
+
+def remote_partition_counts(remote: str, skiplists: str) -> PartitionCounts | None:
+    """A remote directory's sizes after its live generation, verified like the loader does
+    (``SkipListMissing`` / ``SkipListStale`` / ``SkipListCorrupt`` when it cannot be trusted),
+    so discovery refuses an unscreened remote directory as it refuses a local one and can
+    leave out one whose every sample is skipped. None for schemes other than ``s3://``.
+    ``skiplists="ignore-UNSAFE"``: counted without skip-lists (the caller warns)."""
+    if not remote.startswith("s3://"):
+        return None
+    store = open_store(remote)
+    index = store.get(INDEX_BASENAME)
+    if index is None:
+        raise SkipListError(f"{remote}: no {INDEX_BASENAME}: not an MDS directory")
+    shards = parse_index(index, f"{remote}/{INDEX_BASENAME}")
+    total = sum(n for _, n in shards)
+    if skiplists != "require":
+        return PartitionCounts(total, total, len(shards), len(shards))
+    source = f"{remote}/{MANIFEST_BASENAME}"
+    data = store.get(MANIFEST_BASENAME)
+    if data is None:
+        raise SkipListMissing(
+            f"{source}: no skip-list manifest, so this directory was never screened and "
+            "none of its samples may be trained on"
+        )
+    manifest = parse_manifest(data, source)
+    check_manifest_matches_index(manifest, index, source)
+    kept = []
+    for entry, (_, n) in zip(manifest.entries, shards, strict=True):
+        sidecar = store.get(entry.sidecar)
+        if sidecar is None:
+            raise SkipListCorrupt(f"{source} names {entry.sidecar}, which does not exist")
+        kept.append(n - len(verify_sidecar(entry, sidecar, f"{remote}/{entry.sidecar}", n)))
+    return PartitionCounts(total, sum(kept), len(shards), sum(1 for k in kept if k > 0))
 
 
 def remote_version(remote: str) -> str:
