@@ -212,6 +212,27 @@ class LocalStore:
             return None
 
 
+_CLIENTS: dict[tuple[S3Settings, int], Any] = {}
+
+
+def _s3_client(settings: S3Settings, pid: int) -> Any:
+    """One boto3 client per endpoint and process (clients are thread-safe, slow to build;
+    keyed by pid so a forked child never reuses its parent's connections). Credentials are
+    resolved by boto3's default chain inside the client, never copied here."""
+    key = (settings, pid)
+    if key not in _CLIENTS:
+        import boto3
+        from botocore.config import Config
+
+        _CLIENTS[key] = boto3.session.Session().client(
+            "s3",
+            endpoint_url=settings.endpoint_url,
+            region_name=settings.region,
+            config=Config(retries={"max_attempts": 5, "mode": "standard"}),
+        )
+    return _CLIENTS[key]
+
+
 class S3Store:
     """An ``s3://bucket/prefix`` on any S3-compatible endpoint (settings from the environment).
 
@@ -233,15 +254,7 @@ class S3Store:
     @property
     def client(self) -> Any:
         if self._client is None:
-            import boto3
-            from botocore.config import Config
-
-            self._client = boto3.session.Session().client(
-                "s3",
-                endpoint_url=self.settings.endpoint_url,
-                region_name=self.settings.region,
-                config=Config(retries={"max_attempts": 5, "mode": "standard"}),
-            )
+            self._client = _s3_client(self.settings, os.getpid())
         return self._client
 
     def __repr__(self) -> str:  # no credentials are held; say where, not how
