@@ -21,7 +21,7 @@ from prx_assets.defs.ingest.sensors import landing_sensor
 from prx_assets.defs.jobs import batch_pipeline_job
 from prx_assets.defs.maintenance.jobs import lance_maintenance, lance_maintenance_schedule
 from prx_assets.defs.resolution.assets import resolution_profile
-from prx_assets.defs.resources import LabResource, default_data_root
+from prx_assets.defs.resources import default_data_root, lab_resource
 from prx_assets.defs.shards.assets import bucket_assignments, mds_shards
 from prx_assets.defs.skiplists.assets import build_skiplist_assets
 from prx_assets.defs.skiplists.config import (
@@ -127,7 +127,7 @@ def build_defs(
         ],
         schedules=[lance_maintenance_schedule],
         resources={
-            "lab": LabResource(data_root=data_root),
+            "lab": lab_resource(data_root),  # PRX_*_URI may move parts to s3://
             "captioner": captioner,
             "classifier": classifier,
             "embedder": embedder,

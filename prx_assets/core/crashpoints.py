@@ -27,6 +27,13 @@ Points (the writer, then the step just completed):
 - ``lab.committed``: the partition's replacement is committed, indexes not yet refreshed;
 - ``snapshots.pinned``: one directory of a training snapshot pinned (nothing committed);
 - ``snapshots.file_written``: a snapshot's manifest file is written, its lab row not yet.
+- ``storage.object_uploaded``: one object of a shard directory or generation is uploaded;
+- ``storage.shards_uploaded``: a remote version prefix is complete, its pointer not yet put;
+- ``storage.pointer_published``: a directory's pointer names its new version;
+- ``storage.stale_pointer_removed``: a directory the partition lost has no pointer any more;
+- ``storage.stale_removed``: one superseded remote object was deleted;
+- ``storage.generation_staged``: a directory's new sidecars are all on the remote;
+- ``storage.manifest_put``: a directory's new ``skiplists.json`` is on the remote (live).
 """
 
 from __future__ import annotations
@@ -52,6 +59,13 @@ CRASHPOINTS: tuple[str, ...] = (
     "lab.committed",
     "snapshots.pinned",
     "snapshots.file_written",
+    "storage.object_uploaded",
+    "storage.shards_uploaded",
+    "storage.pointer_published",
+    "storage.stale_pointer_removed",
+    "storage.stale_removed",
+    "storage.generation_staged",
+    "storage.manifest_put",
 )
 _reached: dict[str, int] = {}
 

@@ -29,6 +29,7 @@ from lance.fragment import write_fragments
 from lance.query import FullTextOperator, MatchQuery
 
 from prx_assets.core.crashpoints import crashpoint
+from prx_assets.core.storage import S3Settings, lance_storage_options
 
 TARGET_ROWS_PER_FRAGMENT = 1_048_576
 # Files no version references are deleted once this old: longer than any write takes from
@@ -46,6 +47,17 @@ def _object_key(uri: str) -> str:
     if "://" in uri:
         return uri.split("://", 1)[1].strip("/")
     return str(Path(uri).resolve()).strip("/")
+
+
+def _filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """pyarrow's filesystem for ``uri``; s3:// on the environment's endpoint (core/storage.py),
+    credentials from pyarrow's default chain (the same environment)."""
+    if not uri.startswith("s3://"):
+        return pafs.FileSystem.from_uri(uri)
+    s = S3Settings.from_env()
+    endpoint = (s.endpoint_url or "").split("://", 1)[-1] or None
+    scheme = "http" if s.allow_http else "https"
+    return pafs.S3FileSystem(endpoint_override=endpoint, scheme=scheme, region=s.region), uri[5:]
 
 
 def _remove_empty_parent(fs: pafs.FileSystem, path: str, base_key: str) -> None:
@@ -124,6 +136,9 @@ class Lab:
 
     def __init__(self, root: str | Path) -> None:
         self.root = str(root).rstrip("/")
+        # Endpoint, region, credentials of an s3:// lab, from the environment (holds
+        # secrets: passed to Lance only, never logged; core/storage.py).
+        self.storage_options = lance_storage_options(self.root)
         if "://" not in self.root:
             Path(self.root).mkdir(parents=True, exist_ok=True)
 
@@ -133,7 +148,9 @@ class Lab:
     def _open(self, table: str, version: int | None = None) -> lance.LanceDataset | None:
         """The dataset, or None when the table does not exist (one open either way)."""
         try:
-            return lance.dataset(self.uri(table), version=version)
+            return lance.dataset(
+                self.uri(table), version=version, storage_options=self.storage_options
+            )
         except (ValueError, OSError, FileNotFoundError):
             return None
 
@@ -146,7 +163,7 @@ class Lab:
         Everything else goes through the methods of ``Lab`` and ``LabView``, so that one
         place decides how the lab is read, written and indexed.
         """
-        return lance.dataset(self.uri(table), version=version)
+        return lance.dataset(self.uri(table), version=version, storage_options=self.storage_options)
 
     def view(self, versions: Mapping[str, int] | None = None) -> LabView:
         """A read view that opens each table once (at ``versions[table]`` when given)."""
@@ -160,7 +177,10 @@ class Lab:
             pass
         try:
             lance.write_dataset(
-                pa.Table.from_pylist([], schema=spec.schema), self.uri(spec.name), mode="create"
+                pa.Table.from_pylist([], schema=spec.schema),
+                self.uri(spec.name),
+                mode="create",
+                storage_options=self.storage_options,
             )
         except (OSError, ValueError):
             # Another process created it first; that is fine.
@@ -189,7 +209,12 @@ class Lab:
         counted = _CountingBatches(batches, spec.schema, batch)
         reader = pa.RecordBatchReader.from_batches(spec.schema, iter(counted))
         try:
-            new_fragments = write_fragments(reader, self.uri(spec.name), schema=spec.schema)
+            new_fragments = write_fragments(
+                reader,
+                self.uri(spec.name),
+                schema=spec.schema,
+                storage_options=self.storage_options,
+            )
         except OSError:
             if counted.error is not None:  # our own refusal, wrapped by Lance: surface it
                 raise counted.error from None
@@ -245,7 +270,10 @@ class Lab:
             )
             try:
                 committed = lance.LanceDataset.commit(
-                    self.uri(spec.name), op, read_version=ds.version
+                    self.uri(spec.name),
+                    op,
+                    read_version=ds.version,
+                    storage_options=self.storage_options,
                 )
             except OSError as exc:  # a conflicting concurrent commit: recompute and retry
                 last = exc
@@ -327,7 +355,9 @@ class Lab:
         self.ensure(spec)
         rows = rows.select(spec.schema.names).cast(spec.schema)
         if rows.num_rows:
-            lance.write_dataset(rows, self.uri(spec.name), mode="append")
+            lance.write_dataset(
+                rows, self.uri(spec.name), mode="append", storage_options=self.storage_options
+            )
             self.ensure_indexes(spec)
         return self.dataset(spec.name).version
 
@@ -601,7 +631,7 @@ class Lab:
             if not path.startswith(base_key + "/"):
                 unmapped += 1
                 continue
-            fs, fs_path = pafs.FileSystem.from_uri(f"{base_uri}/{path[len(base_key) + 1 :]}")
+            fs, fs_path = _filesystem(f"{base_uri}/{path[len(base_key) + 1 :]}")
             info = fs.get_file_info(fs_path)
             if info.type != pafs.FileType.File or info.mtime is None:
                 continue

@@ -17,8 +17,9 @@ def default_data_root() -> str:
 class LabResource(ConfigurableResource):
     """Paths of the landing zone, the Lance lab and the shard tree, and ingest limits.
 
-    ``lab_uri`` and ``shards_uri`` may be object-store URIs (s3://, gs://) in a shared
-    deployment; the landing zone is a local or mounted directory watched by a sensor.
+    ``lab_uri``, ``shards_uri`` and ``landing_dir`` may be ``s3://`` URIs on any
+    S3-compatible endpoint (endpoint, region and credentials from the environment, never
+    from here: ``core/storage.py``); the landing sensor lists a remote landing zone.
     """
 
     data_root: str
@@ -38,6 +39,12 @@ class LabResource(ConfigurableResource):
         return Path(self.landing_dir or os.path.join(self.data_root, "landing"))
 
     @property
+    def landing_uri(self) -> str:
+        """The landing zone as given: a local path or an ``s3://`` prefix (``landing`` is
+        its local ``Path`` form, meaningless for a URI)."""
+        return self.landing_dir or os.path.join(self.data_root, "landing")
+
+    @property
     def lab_root(self) -> str:
         return self.lab_uri or os.path.join(self.data_root, "lab")
 
@@ -47,3 +54,20 @@ class LabResource(ConfigurableResource):
 
     def lab(self) -> Lab:
         return Lab(self.lab_root)
+
+
+LANDING_URI_VAR = "PRX_LANDING_URI"
+LAB_URI_VAR = "PRX_LAB_URI"
+SHARDS_URI_VAR = "PRX_SHARDS_URI"
+
+
+def lab_resource(data_root: str) -> LabResource:
+    """The lab resource of a deployment: ``data_root``, with the landing zone, the lab and
+    the shard tree moved wherever ``PRX_LANDING_URI`` / ``PRX_LAB_URI`` / ``PRX_SHARDS_URI``
+    say (local paths or ``s3://`` URIs; credentials stay in the environment)."""
+    return LabResource(
+        data_root=data_root,
+        landing_dir=os.environ.get(LANDING_URI_VAR) or None,
+        lab_uri=os.environ.get(LAB_URI_VAR) or None,
+        shards_uri=os.environ.get(SHARDS_URI_VAR) or None,
+    )

@@ -14,17 +14,23 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
     data_root = data_root.resolve()
     from dagster import build_sensor_context
 
+    from prx_assets.core.ingest.remote_landing import upload_landing
+    from prx_assets.core.storage import is_remote
     from prx_assets.core.tables import IMAGES, REJECTS, RESOLUTION
     from prx_assets.definitions import DOWNSTREAM_OF_DEDUP, build_defs
     from prx_assets.defs.dedup.settle import describe_settle, settle_dedup_in_process
     from prx_assets.defs.ingest.sensors import landing_sensor
     from prx_assets.defs.partitions import BATCHES
-    from prx_assets.defs.resources import LabResource
+    from prx_assets.defs.resources import lab_resource
     from prx_assets.instance import local_run_tags
 
-    lab = LabResource(data_root=str(data_root))
-    print(f"Building the demo landing zone in {lab.landing} ...")
-    manifest = build_demo_landing(lab.landing, size=size)
+    lab = lab_resource(str(data_root))  # PRX_LANDING_URI / _LAB_URI / _SHARDS_URI: s3://
+    print(f"Building the demo landing zone in {lab.landing_uri} ...")
+    if is_remote(lab.landing_uri):  # built locally, then put the way a producer must
+        manifest = build_demo_landing(data_root / "landing-upload", size=size)
+        upload_landing(data_root / "landing-upload", lab.landing_uri)
+    else:
+        manifest = build_demo_landing(lab.landing, size=size)
     for key in manifest.batches:
         print(f"  {key}: {manifest.counts[key]} files")
 

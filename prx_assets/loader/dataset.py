@@ -72,6 +72,7 @@ from prx_assets.core.skiplists.sidecars import (
     parse_manifest,
     verify_sidecar,
 )
+from prx_assets.loader.remote import absent_on_remote
 
 # The small-bucket rule in the loader's words: kept samples and shards, its parameter names.
 LOADER_TERMS = small_buckets.RuleTerms(
@@ -287,12 +288,12 @@ class SkipListStream(Stream):
             try:
                 downloader.download(remote_path, tmp, timeout)
                 break
-            except FileNotFoundError:
-                # Absent on the remote: drop any stale mirror so the cache tells the truth.
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(local_path)
-                return None, remote_path
-            except Exception:
+            except Exception as exc:
+                if isinstance(exc, FileNotFoundError) or absent_on_remote(exc):
+                    # Absent on the remote: drop any stale mirror so the cache tells the truth.
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(local_path)
+                    return None, remote_path
                 if attempt == attempts - 1:
                     raise
                 time.sleep(min(0.5 * 2**attempt, 8.0))

@@ -10,8 +10,9 @@ Where the data lives:
 - ``discover_streams(root, cache_dir=...)``: ``root`` is the *remote*; streaming copies the
   shards it needs into ``cache_dir`` and ``SkipListStream`` fetches the sidecars beside
   ``index.json``. ``root`` may be a local path or an object-store URL (``s3://``, ``gs://``,
-  ``oci://``, ... anything streaming's downloaders handle, with their usual credentials); a
-  URL cannot be listed, so pass ``partitions=["<tier>/<H>x<W>/<batch>", ...]``.
+  ``oci://``, ... anything streaming's downloaders handle, with their usual credentials).
+  An ``s3://`` tree written by ``mds_shards`` is listed and each directory resolved to its
+  live version (``loader/remote.py``); other URLs need ``partitions=[...]``.
 
 Tiers are the bucket table's pixel tiers (``core/shards/buckets.py``: 512, 1024, 2048, 4096), the
 directory names under ``mds/``. A filter that matches no partition at all is an error that
@@ -45,6 +46,12 @@ from prx_assets.loader.dataset import (
     SkipListStream,
     check_skiplists_mode,
     warn_unscreened,
+)
+from prx_assets.loader.remote import (
+    remote_partition_counts,
+    remote_partitions,
+    remote_version,
+    resolve_remote_partition,
 )
 
 _SHAPE_RE = re.compile(r"^(\d+)x(\d+)$")
@@ -175,10 +182,8 @@ def discover_streams(
     if is_url and cache_dir is None:
         raise ValueError(f"{root_str} is a URL: pass cache_dir (streaming needs a local cache)")
     if is_url:
-        if partitions is None:
-            raise ValueError(f"{root_str} cannot be listed: pass partitions=[tier/HxW/batch,...]")
         mds_root_str = root_str.rstrip("/") + "/mds"
-        relpaths = list(partitions)
+        relpaths = remote_partitions(root_str, partitions)
     else:
         base = Path(root_str)
         mds_root = base / "mds" if (base / "mds").is_dir() else base
@@ -208,8 +213,9 @@ def discover_streams(
             continue
         matched += 1
         where = f"{mds_root_str}/{relpath}" if is_url else os.path.join(mds_root_str, relpath)
-        if is_url:
-            counts = None
+        if is_url:  # the live version on s3:// (counted through its skip-lists, as below)
+            where = resolve_remote_partition(mds_root_str, relpath)
+            counts = remote_partition_counts(where, skiplists)
         elif skiplists == IGNORE_SKIPLISTS_UNSAFE:
             warn_unscreened(where)
             counts = unscreened_partition_counts(where)
@@ -223,6 +229,9 @@ def discover_streams(
             continue
         if cache_dir is None:
             remote, local = None, where
+        elif is_url:  # cached under the version's own name: a flip never meets a stale index
+            remote = where
+            local = os.path.join(os.fspath(cache_dir), cache_tag, relpath, remote_version(remote))
         else:
             remote, local = where, os.path.join(os.fspath(cache_dir), cache_tag, relpath)
         out.append(

@@ -149,10 +149,12 @@ def test_discover_filters_weights_and_layout(mds_root: MdsRoot, tmp_path: Path):
 
     with pytest.raises(ValueError, match="pass cache_dir"):
         discover_streams("s3://bucket/prx")
+    # s3:// trees are listed through their pointers (prx_assets_tests/s3/); other schemes
+    # cannot be listed and are streamed as named.
     with pytest.raises(ValueError, match="cannot be listed"):
-        discover_streams("s3://bucket/prx", cache_dir=tmp_path / "c")
-    url = discover_streams("s3://bucket/prx", cache_dir=tmp_path / "c", partitions=["2/8x8/b3"])
-    assert url[0].remote == "s3://bucket/prx/mds/2/8x8/b3" and url[0].counts is None
+        discover_streams("gs://bucket/prx", cache_dir=tmp_path / "c")
+    url = discover_streams("gs://bucket/prx", cache_dir=tmp_path / "c", partitions=["2/8x8/b3"])
+    assert url[0].remote == "gs://bucket/prx/mds/2/8x8/b3" and url[0].counts is None
 
     # The writer's hidden in-flight copies are not partitions.
     hidden = mds_root.mds / "0" / "16x24" / ".b0.tmp-1234"

@@ -27,6 +27,7 @@ from prx_assets.core.shards.mds import (
     write_partition_streams,
 )
 from prx_assets.core.shards.plan import CAPTION_COLUMNS, ShardPlan, plan_shards
+from prx_assets.core.shards.remote import RemoteShardTree
 from prx_assets.core.shards.render import MDS_EXTRA_COLUMNS, BucketRenderer
 from prx_assets.core.shards.resize import RESAMPLE
 from prx_assets.core.shards.screening import ShardScreener
@@ -230,8 +231,21 @@ class BatchShards:
             screener = ShardScreener(self.lab, batch, self.policy, keys, plan.uncaptioned)
         except SkipPolicyError as exc:
             raise ScreeningRefused(f"{batch}: cannot decide its skip-lists: {exc}") from None
+        # On object storage the directories are written to a local work copy, then pushed
+        # (versions first, one pointer each last: core/shards/remote.py).
+        with RemoteShardTree(self.shards_root, batch) as tree:
+            return self._write(tree, plan, renderer, screener)
+
+    def _write(
+        self,
+        tree: RemoteShardTree,
+        plan: ShardPlan,
+        renderer: BucketRenderer,
+        screener: ShardScreener,
+    ) -> ShardOutcome:
+        s, batch = self.settings, self.batch
         placements = write_partition_streams(
-            self.shards_root,
+            tree.local_root,
             batch,
             {bucket: renderer.samples(rows) for bucket, rows in plan.buckets.items()},
             skips_for=screener,
@@ -239,7 +253,8 @@ class BatchShards:
             size_limit=s.size_limit,
             hashes=SHARD_HASHES,
         )
-        dirs = list_partition_dirs(self.shards_root, batch)
+        tree.publish_shards()
+        dirs = list_partition_dirs(tree.local_root, batch)
         digests = {d.relative_dir: partition_digest(d.path) for d in dirs}
         rows = placement_rows(placements, batch, digests, renderer.log.jpeg, plan.captions)
         written = self.lab.replace_partition(SHARD_SAMPLES, batch, rows)

@@ -36,6 +36,7 @@ from typing import Any
 
 from prx_assets.core.lab import Lab
 from prx_assets.core.shards.mds import list_partition_dirs, partition_digest, partition_dir
+from prx_assets.core.shards.remote import RemoteShardTree
 from prx_assets.core.shards.tables import written_without_caption
 from prx_assets.core.skiplists.decisions import (
     CaptionCoverage,
@@ -227,12 +228,17 @@ class PartitionSkipLists:
         rows = lab.read_batch(SHARD_SAMPLES.name, batch).to_pylist()
         for r in rows:  # what the writer stored: an empty caption rules the sample out
             r["caption_usable"] = not written_without_caption(r)
-        dirs = verified_dirs(self.shards_root, batch, rows)
-        samples = samples_from_rows(rows)
-        decisions = self._decide(samples)
-        elsewhere = contradicted_elsewhere(lab, decisions)
-        mark_skip_dirty(lab, elsewhere, batch)
-        published = self._publish(dirs, decisions)
+        # On object storage: a local mirror of the batch's live versions (index and
+        # generation), staged there, then pushed as one unit (core/shards/remote.py).
+        with RemoteShardTree(self.shards_root, batch) as tree:
+            tree.pull_generations()
+            dirs = verified_dirs(tree.local_root, batch, rows)
+            samples = samples_from_rows(rows)
+            decisions = self._decide(samples)
+            elsewhere = contradicted_elsewhere(lab, decisions)
+            mark_skip_dirty(lab, elsewhere, batch)
+            published = self._publish(dirs, decisions)
+            tree.publish_skiplists(sorted(dirs))
 
         ensure_audit_columns(lab)
         previous = self._previous()

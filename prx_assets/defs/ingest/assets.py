@@ -1,13 +1,10 @@
 """raw_images: one batch from the landing zone into the lab's ``images``/``rejects``."""
 
-import os
-
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
+from prx_assets.core.ingest.remote_landing import landing_batch
 from prx_assets.core.ingest.runner import BatchIngest, migrate_images_table
-from prx_assets.core.ingest.sources import resolve_batch
 from prx_assets.core.tables import IMAGES, REJECTS
-from prx_assets.core.text import printable_name
 from prx_assets.defs.metadata import counts_table
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
@@ -24,14 +21,18 @@ from prx_assets.defs.resources import LabResource
     ),
 )
 def raw_images(context: AssetExecutionContext, lab: LabResource) -> MaterializeResult:
-    ref = resolve_batch(lab.landing, context.partition_key)
-    run = BatchIngest(
-        ref, max_pixels=lab.max_pixels, max_file_bytes=lab.max_file_bytes, workers=lab.workers
-    )
-    store = lab.lab()
-    migrate_images_table(store)  # an images table from before signal capture / thumbnails
-    written = store.replace_partition(IMAGES, ref.key, run.image_batches())
-    rejected = store.replace_partition(REJECTS, ref.key, run.rejects)
+    # A remote landing zone's batch is staged locally while it is ingested.
+    with landing_batch(lab.landing_uri, context.partition_key, lab.max_file_bytes) as (
+        ref,
+        shown,
+    ):
+        run = BatchIngest(
+            ref, max_pixels=lab.max_pixels, max_file_bytes=lab.max_file_bytes, workers=lab.workers
+        )
+        store = lab.lab()
+        migrate_images_table(store)  # an images table from before signal capture / thumbnails
+        written = store.replace_partition(IMAGES, ref.key, run.image_batches())
+        rejected = store.replace_partition(REJECTS, ref.key, run.rejects)
     stats = run.stats
     context.log.info(
         f"{ref.key}: seen {stats.seen}, accepted {stats.accepted}, rejected {stats.rejected}"
@@ -45,7 +46,7 @@ def raw_images(context: AssetExecutionContext, lab: LabResource) -> MaterializeR
             "bytes_accepted": stats.bytes_accepted,
             "animated_first_frame_used": stats.animated,
             "batch_kind": ref.kind,
-            "landing_path": printable_name(os.fsencode(ref.path)),
+            "landing_path": shown,
             "max_file_bytes": lab.max_file_bytes,
             "reject_reasons": counts_table(stats.reasons, "reason"),
             "formats": counts_table(stats.formats, "format"),

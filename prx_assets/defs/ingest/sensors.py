@@ -11,7 +11,8 @@ from dagster import (
     sensor,
 )
 
-from prx_assets.core.ingest.sources import BatchError, discover_batches
+from prx_assets.core.ingest.remote_landing import discover_landing
+from prx_assets.core.ingest.sources import BatchError
 from prx_assets.defs.jobs import batch_pipeline_job
 from prx_assets.defs.metadata import bounded
 from prx_assets.defs.partitions import BATCHES
@@ -29,13 +30,13 @@ def landing_sensor(context: SensorEvaluationContext, lab: LabResource):
     # is not silently re-created, and no batch is requested twice.
     registered: set[str] = set(json.loads(context.cursor)) if context.cursor else set()
     try:
-        refs = discover_batches(lab.landing)
-    except BatchError as exc:
+        refs = discover_landing(lab.landing_uri)  # a local directory or an s3:// prefix
+    except (BatchError, OSError) as exc:
         return SkipReason(f"landing zone unreadable: {exc}")
     existing = set(context.instance.get_dynamic_partitions(BATCHES.name))
     new = [r.key for r in refs if r.key not in registered and r.key not in existing]
     if not new:
-        return SkipReason(f"no new batches in {lab.landing} ({len(refs)} known)")
+        return SkipReason(f"no new batches in {lab.landing_uri} ({len(refs)} known)")
     context.log.info(f"registering {len(new)} new batch(es): {bounded(', '.join(new), 400)}")
     return SensorResult(
         run_requests=[RunRequest(partition_key=k, run_key=f"landing:{k}") for k in new],

@@ -1,0 +1,158 @@
+"""The landing zone on object storage: list a remote prefix, stage one batch locally.
+
+A remote landing zone (``s3://bucket/landing``) has the local layout
+(``<source>/<chunk>/`` folders complete once ``_SUCCESS`` exists, ``<chunk>.tar``/``.tgz``
+archives, ``<chunk>.parquet``/``.csv`` manifests, ``_source.json`` defaults) and the same
+naming rules (``.``/``_`` prefixes and ``.tmp``/``.partial`` suffixes are ignored). On object
+storage one PUT is atomic, so an archive or manifest is complete once it is listed; a folder
+is complete once its marker is listed, which producers put last.
+
+``discover_landing`` lists sources and entries one level at a time (never the whole bucket)
+and gives the same ``BatchRef`` keys as the local ``discover_batches``. ``landing_batch``
+downloads one batch into a temporary local landing zone (the entry, the source's defaults,
+and for a manifest the source folder's other, non-batch files it may reference) and
+resolves it there, so ingest, its decoding policy and its rejection rules run unchanged.
+An object over ``max_file_bytes`` is not downloaded: a sparse placeholder of its size
+stands in, which the local size check refuses as ``too_large`` before reading (archives
+are fetched whole: their members are checked from their headers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from prx_assets.core.ingest.sources import (
+    ARCHIVE_SUFFIXES,
+    MANIFEST_SUFFIXES,
+    READY_MARKER,
+    SOURCE_DEFAULTS_FILE,
+    BatchError,
+    BatchRef,
+    batch_key,
+    discover_batches,
+    resolve_batch,
+)
+from prx_assets.core.storage import ObjectStore, is_remote, join, open_store
+from prx_assets.core.text import printable_name
+
+
+def _ignored(name: str) -> bool:
+    return name.startswith((".", "_")) or name.endswith((".tmp", ".partial"))
+
+
+def _file_batch(name: str) -> tuple[str, str] | None:
+    for suffix in ARCHIVE_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)], "archive"
+    for suffix in MANIFEST_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)], "manifest"
+    return None
+
+
+def _remote_entries(store: ObjectStore, source: str) -> list[tuple[str, str, str]]:
+    """(entry name, chunk, kind) of every complete batch entry of one remote source."""
+    dirs, files = store.children(source)
+    out = []
+    for d in dirs:
+        if not _ignored(d) and store.size(f"{source}/{d}/{READY_MARKER}") is not None:
+            out.append((d, d, "folder"))
+    for f in files:
+        if not _ignored(f) and (named := _file_batch(f)) is not None:
+            out.append((f, *named))
+    return sorted(out)
+
+
+def discover_landing(landing: str | os.PathLike[str]) -> list[BatchRef]:
+    """Every complete batch of a local or remote landing zone, sorted by key."""
+    text = os.fspath(landing)
+    if not is_remote(text):
+        return discover_batches(Path(text))
+    store = open_store(text)
+    found: dict[str, BatchRef] = {}
+    sources, _ = store.children("")
+    for source in sources:
+        if _ignored(source):
+            continue
+        for entry, chunk, kind in _remote_entries(store, source):
+            src, ch = printable_name(source.encode()), printable_name(chunk.encode())
+            ref = BatchRef(batch_key(src, ch), src, ch, Path(source) / entry, kind)
+            if ref.key in found:
+                raise BatchError(
+                    f"two landing entries map to partition {ref.key!r}: "
+                    f"{found[ref.key].path} and {ref.path}; rename one"
+                )
+            found[ref.key] = ref
+    return [found[k] for k in sorted(found)]
+
+
+def _local_rel(key: str) -> Path:
+    """A remote key as a path that cannot leave the staging directory."""
+    parts = [{"..": "%2E%2E", ".": "%2E"}.get(p, p) for p in key.split("/") if p]
+    return Path(*parts)
+
+
+def _stage(store: ObjectStore, key: str, dest: Path, max_file_bytes: int | None) -> None:
+    target = dest / _local_rel(key)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    size = store.size(key)
+    if max_file_bytes is not None and size is not None and size > max_file_bytes:
+        with open(target, "wb") as fh:  # sparse: refused as too_large, never read
+            fh.truncate(size)
+        return
+    store.download(key, target)
+
+
+@contextlib.contextmanager
+def landing_batch(
+    landing: str | os.PathLike[str], key: str, max_file_bytes: int | None = None
+) -> Iterator[tuple[BatchRef, str]]:
+    """The batch ``key`` as a local ``BatchRef`` and where it lives (shown in metadata).
+
+    Local landing zones are used in place; remote batches are staged into a temporary
+    directory for as long as the context is open.
+    """
+    text = os.fspath(landing)
+    if not is_remote(text):
+        ref = resolve_batch(Path(text), key)
+        yield ref, printable_name(os.fsencode(ref.path))
+        return
+    remote = {r.key: r for r in discover_landing(text)}.get(key)
+    if remote is None:
+        raise BatchError(f"no complete batch for partition {key!r} under {text}")
+    store = open_store(text)
+    source, entry = remote.path.parts[0], remote.path.name
+    with tempfile.TemporaryDirectory(prefix="prx-landing-") as tmp:
+        dest = Path(tmp)
+        if store.size(f"{source}/{SOURCE_DEFAULTS_FILE}") is not None:
+            _stage(store, f"{source}/{SOURCE_DEFAULTS_FILE}", dest, None)
+        if remote.kind == "folder":
+            for k in store.list(f"{source}/{entry}"):
+                _stage(store, k, dest, max_file_bytes)
+        else:
+            _stage(store, f"{source}/{entry}", dest, None)
+        if remote.kind == "manifest":
+            # What a manifest may name: the source folder's files outside other batches.
+            others = {e for e, _, _ in _remote_entries(store, source)} - {entry}
+            for k in store.list(source):
+                top = k.split("/")[1]
+                if top not in others and top != entry and top != SOURCE_DEFAULTS_FILE:
+                    _stage(store, k, dest, max_file_bytes)
+        yield resolve_batch(dest, key), join(text, source, entry)
+
+
+def upload_landing(local: str | os.PathLike[str], landing: str) -> int:
+    """Copy a local landing zone to a remote one the way a producer must: each folder's
+    files first and its ``_SUCCESS`` marker last, so no sensor sees a partial folder.
+    Returns the number of objects put (the demo and tests use it; producers do the same)."""
+    store = open_store(landing)
+    root = Path(local)
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    markers = [p for p in files if p.name == READY_MARKER]
+    for path in [p for p in files if p.name != READY_MARKER] + markers:
+        store.put_file(path.relative_to(root).as_posix(), path)
+    return len(files)

@@ -1,0 +1,367 @@
+"""The MDS tree on object storage: immutable version prefixes, one pointer object each.
+
+Object stores have no rename, so the local protocol (write a hidden sibling, rename it into
+place) becomes "write every part, then one small object last". For a bucket x batch
+directory ``mds/<tier>/<H>x<W>/<batch>`` the remote layout is::
+
+    <rel>/_live.json                      # the pointer: which version is live (one PUT)
+    <rel>/v-<digest16>/index.json         # a complete MDS directory, never rewritten:
+    <rel>/v-<digest16>/shard.00000.mds    #   shards, index.json, its skip-list
+    <rel>/v-<digest16>/...skip.json       #   generation (sidecars + skiplists.json)
+    <rel>/v-<digest16>/skiplists.json
+
+``<digest16>`` is the first 16 hex digits of ``partition_digest`` (the sha256 of an
+``index.json`` that records every shard's sha256): the version name commits to the shard
+bytes, so a rerun with the same samples writes the same prefix and the same objects.
+
+Why a pointer rather than ``index.json`` last at a fixed path: rewriting shards in place
+under a live ``index.json`` would let a reader that already holds the old index fetch new
+shard bytes and apply the old skip-lists to the wrong samples. Versions are immutable, so
+a reader resolves the pointer once and reads a consistent directory; a pointer flip is one
+atomic PUT.
+
+Writes (``RemoteShardTree``):
+
+- ``mds_shards``: every directory is written locally first (``core/shards/mds.py``, with
+  its first skip-list generation), then per directory: shards, sidecars, ``index.json``
+  and ``skiplists.json`` are uploaded into the version prefix, then the pointer is put,
+  then superseded versions are deleted. A directory the partition no longer has loses its
+  pointer first (invisible at once), then its objects. A kill anywhere leaves each
+  directory's pointer on its old or its new complete version (or, for a directory being
+  removed, none): never a partial one; the rerun sweeps what the killed writer left.
+- ``skip_lists``: the live versions of the batch are mirrored locally (``index.json``, the
+  live generation), the new generations are staged there (``core/skiplists/sidecars.py``),
+  then *every* directory's new sidecars are uploaded before the first ``skiplists.json``
+  is replaced, and each directory's manifest is one PUT (old or new generation, never a
+  mix). The fail-closed contract is the local one: a reader checks the manifest against
+  the version's own ``index.json`` and every sidecar's sha256.
+
+Readers: :func:`live_partitions` lists ``<tier>/<H>x<W>/<batch>`` with a pointer,
+:func:`resolve_live` returns a version's URI (what ``StreamingDataset`` gets as ``remote``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from prx_assets.core.crashpoints import crashpoint
+from prx_assets.core.shards.mds import (
+    MDS_DIRNAME,
+    PartitionDir,
+    list_partition_dirs,
+    partition_digest,
+)
+from prx_assets.core.skiplists.sidecars import (
+    INDEX_BASENAME,
+    MANIFEST_BASENAME,
+    SIDECAR_SUFFIX,
+    canonical_json,
+    parse_manifest,
+)
+from prx_assets.core.storage import ObjectStore, StorageError, is_remote, join, open_store
+
+POINTER_BASENAME = "_live.json"
+POINTER_FORMAT = "prx-mds-pointer"
+POINTER_VERSION = 1
+VERSION_PREFIX = "v-"
+_VERSION_CHARS = 16
+
+
+class PointerCorrupt(StorageError):
+    """A pointer object that is not what a writer puts (fail closed: the directory is refused)."""
+
+
+@dataclass(frozen=True)
+class LiveDir:
+    """One visible remote directory: its relative path, live version and that version's URI."""
+
+    relative_dir: str  # mds/<tier>/<H>x<W>/<batch>
+    version: str  # v-<digest16>
+    index_sha256: str
+    uri: str
+
+    @property
+    def key_prefix(self) -> str:
+        return f"{self.relative_dir}/{self.version}"
+
+
+def version_of(local_dir: str | os.PathLike[str]) -> str:
+    """The version prefix name of a written local directory (content addressed)."""
+    return VERSION_PREFIX + partition_digest(local_dir)[:_VERSION_CHARS]
+
+
+def encode_pointer(version: str, index_sha256: str) -> bytes:
+    payload = {
+        "format": POINTER_FORMAT,
+        "version": POINTER_VERSION,
+        "dir": version,
+        "index_sha256": index_sha256,
+    }
+    payload["sha256"] = hashlib.sha256(canonical_json(payload)).hexdigest()
+    return canonical_json(payload) + b"\n"
+
+
+def parse_pointer(data: bytes, source: str) -> tuple[str, str]:
+    """(version, index_sha256) of pointer bytes; anything unexpected is ``PointerCorrupt``."""
+    try:
+        obj = json.loads(data)
+        body = {k: v for k, v in obj.items() if k != "sha256"}
+        ok = (
+            obj.get("format") == POINTER_FORMAT
+            and obj.get("version") == POINTER_VERSION
+            and hashlib.sha256(canonical_json(body)).hexdigest() == obj.get("sha256")
+            and isinstance(obj.get("dir"), str)
+            and obj["dir"].startswith(VERSION_PREFIX)
+            and "/" not in obj["dir"]
+        )
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        ok = False
+    if not ok:
+        raise PointerCorrupt(f"{source}: not a valid {POINTER_FORMAT} v{POINTER_VERSION} object")
+    return obj["dir"], obj["index_sha256"]
+
+
+def read_live(store: ObjectStore, relative_dir: str) -> LiveDir | None:
+    """The live version of one remote directory, or None when it has no pointer."""
+    data = store.get(f"{relative_dir}/{POINTER_BASENAME}", max_bytes=64 << 10)
+    if data is None:
+        return None
+    version, index_sha = parse_pointer(data, join(store.uri, relative_dir, POINTER_BASENAME))
+    return LiveDir(relative_dir, version, index_sha, join(store.uri, relative_dir, version))
+
+
+def _bucket_prefixes(store: ObjectStore) -> list[str]:
+    """``mds/<tier>/<H>x<W>`` prefixes of the remote tree (one listing per level)."""
+    out = []
+    tiers, _ = store.children(MDS_DIRNAME)
+    for tier in tiers:
+        if not tier.isdigit():
+            continue
+        shapes, _ = store.children(f"{MDS_DIRNAME}/{tier}")
+        out += [f"{MDS_DIRNAME}/{tier}/{s}" for s in shapes if "x" in s]
+    return out
+
+
+def live_partitions(shards_uri: str) -> list[str]:
+    """Every ``<tier>/<H>x<W>/<batch>`` with a pointer under ``shards_uri/mds``."""
+    store = open_store(shards_uri)
+    found = []
+    for bucket in _bucket_prefixes(store):
+        batches, _ = store.children(bucket)
+        for batch in batches:
+            _, files = store.children(f"{bucket}/{batch}")
+            if POINTER_BASENAME in files:
+                found.append(f"{bucket}/{batch}"[len(MDS_DIRNAME) + 1 :])
+    return sorted(found)
+
+
+def resolve_live(mds_uri: str, relpath: str) -> str:
+    """The URI of the live version of ``<mds_uri>/<relpath>`` (``SkipListMissing``-like
+    refusal when it has none: a listed directory that vanished is not "empty")."""
+    store = open_store(mds_uri)
+    data = store.get(f"{relpath}/{POINTER_BASENAME}", max_bytes=64 << 10)
+    if data is None:
+        raise StorageError(f"{join(mds_uri, relpath)}: no {POINTER_BASENAME}: not a live directory")
+    version, _ = parse_pointer(data, join(mds_uri, relpath, POINTER_BASENAME))
+    return join(mds_uri, relpath, version)
+
+
+def _upload_order(names: Sequence[str]) -> list[str]:
+    """Shards, then sidecars, then ``index.json``, then the manifest (last inside a version)."""
+    shards = sorted(n for n in names if not n.endswith(SIDECAR_SUFFIX) and n.startswith("shard."))
+    sidecars = sorted(n for n in names if n.endswith(SIDECAR_SUFFIX))
+    rest = [n for n in (INDEX_BASENAME, MANIFEST_BASENAME) if n in names]
+    return shards + sidecars + rest
+
+
+class RemoteShardTree:
+    """A runner's view of a shard tree: the tree itself when local, else a local work copy.
+
+    ``local_root`` is where ``core/shards/mds.py`` and ``core/skiplists/sidecars.py`` write;
+    for an ``s3://`` tree it is a temporary directory that ``publish_shards`` and
+    ``publish_skiplists`` push to the remote (module docstring), and ``close`` deletes.
+    """
+
+    def __init__(self, shards_root: str, batch: str) -> None:
+        self.shards_root = shards_root
+        self.batch = batch
+        self.remote = is_remote(shards_root)
+        self._tmp = tempfile.mkdtemp(prefix="prx-shards-") if self.remote else None
+        self.local_root = self._tmp or shards_root
+        self.store: ObjectStore | None = open_store(shards_root) if self.remote else None
+        self.pulled: dict[str, LiveDir] = {}
+
+    def __enter__(self) -> RemoteShardTree:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def _store(self) -> ObjectStore:
+        assert self.store is not None
+        return self.store
+
+    def live_dirs(self) -> list[LiveDir]:
+        """The batch's directories with a pointer on the remote, by relative path."""
+        store = self._store()
+        out = []
+        for bucket in _bucket_prefixes(store):
+            live = read_live(store, f"{bucket}/{self.batch}")
+            if live is not None:
+                out.append(live)
+        return out
+
+    # -- mds_shards -------------------------------------------------------------------------
+
+    def publish_shards(self) -> list[LiveDir]:
+        """Push every local directory of the batch, then remove the remote ones it lacks."""
+        if not self.remote:
+            return []
+        store = self._store()
+        local = {d.relative_dir: d for d in list_partition_dirs(self.local_root, self.batch)}
+        published = [self._publish_dir(store, d) for _, d in sorted(local.items())]
+        for live in self.live_dirs():
+            if live.relative_dir not in local:
+                store.delete([f"{live.relative_dir}/{POINTER_BASENAME}"])  # invisible first
+                crashpoint("storage.stale_pointer_removed")
+                store.delete(store.list(live.relative_dir))
+        self._sweep_unpointed(store)
+        return published
+
+    def _publish_dir(self, store: ObjectStore, d: PartitionDir) -> LiveDir:
+        version = version_of(d.path)
+        prefix = f"{d.relative_dir}/{version}"
+        names = [p.name for p in d.path.iterdir() if p.is_file()]
+        present = {k.rsplit("/", 1)[-1]: store.size(k) for k in store.list(prefix)}
+        for name in _upload_order(names):
+            size = (d.path / name).stat().st_size
+            # Inside a version prefix every name but the manifest is content-determined
+            # (the version commits to shards and index; sidecars are content addressed).
+            if name != MANIFEST_BASENAME and present.get(name) == size:
+                continue
+            store.put_file(f"{prefix}/{name}", d.path / name)
+            crashpoint("storage.object_uploaded")
+        crashpoint("storage.shards_uploaded")
+        index_sha = hashlib.sha256((d.path / INDEX_BASENAME).read_bytes()).hexdigest()
+        pointer = encode_pointer(version, index_sha)
+        if store.get(f"{d.relative_dir}/{POINTER_BASENAME}", 64 << 10) != pointer:
+            store.put(f"{d.relative_dir}/{POINTER_BASENAME}", pointer)
+            crashpoint("storage.pointer_published")
+        live = LiveDir(d.relative_dir, version, index_sha, join(store.uri, prefix))
+        keep = set(_upload_order(names))
+        stale = [
+            k
+            for k in store.list(d.relative_dir)
+            if k != f"{d.relative_dir}/{POINTER_BASENAME}"
+            and not (k.startswith(prefix + "/") and k.rsplit("/", 1)[-1] in keep)
+        ]
+        self._delete(store, stale)
+        return live
+
+    def _sweep_unpointed(self, store: ObjectStore) -> None:
+        """Objects of this batch no pointer protects (a killed first write, a killed removal)."""
+        for bucket in _bucket_prefixes(store):
+            rel = f"{bucket}/{self.batch}"
+            if read_live(store, rel) is None:
+                self._delete(store, store.list(rel))
+
+    @staticmethod
+    def _delete(store: ObjectStore, keys: list[str]) -> None:
+        for key in keys:
+            store.delete([key])
+            crashpoint("storage.stale_removed")
+
+    # -- skip_lists -------------------------------------------------------------------------
+
+    def pull_generations(self) -> dict[str, LiveDir]:
+        """Mirror each live directory's ``index.json`` and live generation into ``local_root``.
+
+        Shards are not fetched: the skip-list writer needs only the index (which records
+        every shard's sha256, so the directory digest is the index's). A directory whose
+        index records no shard hashes is fetched whole (its digest covers the shard bytes).
+        """
+        if not self.remote:
+            return {}
+        store = self._store()
+        self.pulled = {}
+        for live in self.live_dirs():
+            dest = Path(self.local_root) / live.relative_dir
+            dest.mkdir(parents=True, exist_ok=True)
+            index = store.get(f"{live.key_prefix}/{INDEX_BASENAME}")
+            if index is None or hashlib.sha256(index).hexdigest() != live.index_sha256:
+                raise StorageError(f"{live.uri}: index.json is missing or not the pointer's")
+            (dest / INDEX_BASENAME).write_bytes(index)
+            shards = json.loads(index)["shards"]
+            if not all("sha256" in (s["raw_data"].get("hashes") or {}) for s in shards):
+                for s in shards:
+                    name = s["raw_data"]["basename"]
+                    if not store.download(f"{live.key_prefix}/{name}", dest / name):
+                        raise StorageError(f"{live.uri}/{name} is missing")
+            manifest = store.get(f"{live.key_prefix}/{MANIFEST_BASENAME}")
+            if manifest is not None:
+                (dest / MANIFEST_BASENAME).write_bytes(manifest)
+                for sidecar in parse_manifest(manifest, live.uri).sidecars:
+                    data = store.get(f"{live.key_prefix}/{sidecar}")
+                    if data is not None:
+                        (dest / sidecar).write_bytes(data)
+            self.pulled[live.relative_dir] = live
+        return self.pulled
+
+    def publish_skiplists(self, relative_dirs: Sequence[str]) -> None:
+        """Push the generations staged and published in the local mirror, as one unit:
+        every directory's new sidecars first, then one manifest PUT per directory (in the
+        order given), then the superseded sidecars are deleted."""
+        if not self.remote:
+            return
+        store = self._store()
+        plans = []
+        for rel in relative_dirs:
+            live = self.pulled.get(rel)
+            if live is None:
+                raise StorageError(f"{rel} was not pulled before its skip-lists were written")
+            local = Path(self.local_root) / rel
+            manifest = (local / MANIFEST_BASENAME).read_bytes()
+            sidecars = sorted(parse_manifest(manifest, str(local)).sidecars)
+            present = {k.rsplit("/", 1)[-1] for k in store.list(live.key_prefix)}
+            for name in sidecars:
+                if name not in present:
+                    store.put_file(f"{live.key_prefix}/{name}", local / name)
+                    crashpoint("storage.object_uploaded")
+            crashpoint("storage.generation_staged")
+            plans.append((live, manifest, set(sidecars)))
+        for live, manifest, _ in plans:
+            now = read_live(store, live.relative_dir)
+            if now is None or now.version != live.version:
+                raise StorageError(
+                    f"{live.uri} was replaced while its skip-lists were written: rerun skip_lists"
+                )
+            if store.get(f"{live.key_prefix}/{MANIFEST_BASENAME}") != manifest:
+                store.put(f"{live.key_prefix}/{MANIFEST_BASENAME}", manifest)
+                crashpoint("storage.manifest_put")
+        for live, _, keep in plans:
+            stale = [
+                k
+                for k in store.list(live.key_prefix)
+                if k.endswith(SIDECAR_SUFFIX) and k.rsplit("/", 1)[-1] not in keep
+            ]
+            self._delete(store, stale)
+
+
+def mirror_version(live: LiveDir, store: ObjectStore, dest: str | os.PathLike[str]) -> Path:
+    """Download one live version whole into ``dest`` (tools and tests: audit a remote dir)."""
+    out = Path(dest)
+    out.mkdir(parents=True, exist_ok=True)
+    for key in store.list(live.key_prefix):
+        store.download(key, out / key.rsplit("/", 1)[-1])
+    return out
