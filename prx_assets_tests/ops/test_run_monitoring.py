@@ -237,7 +237,9 @@ def _in_process_run(tmp_path: Path, name: str, host_tag: str):
     env = dict(os.environ, DAGSTER_HOME=str(home), PYTHONPATH=str(ROOT))
     # Created once before two processes open it (as `make` does): two first opens of a
     # fresh sqlite home race on its schema ("table jobs already exists").
-    ensure_instance(home).dispose()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DAGSTER_HOME", str(home))  # ensure_instance opens $DAGSTER_HOME only
+        ensure_instance(home).dispose()
     child = subprocess.Popen([sys.executable, "-c", CHILD, host_tag], env=env)
     instance = DagsterInstance.from_config(str(home))
 
