@@ -66,7 +66,8 @@ from prx_assets.core.skiplists.sidecars import (
     SkipListError,
     SkipListMissing,
     SkipListStale,
-    check_manifest_matches_index,
+    check_manifest_lists_shards,
+    check_manifest_written_for,
     digest_skip_sets,
     parse_manifest,
     verify_sidecar,
@@ -300,7 +301,7 @@ class SkipListStream(Stream):
                 )
             manifest = parse_manifest(data, source)
             try:
-                shards = check_manifest_matches_index(manifest, index_raw, source)
+                check_manifest_written_for(manifest, index_raw, source)
             except SkipListStale as exc:
                 if self._reads_local():
                     raise
@@ -308,8 +309,11 @@ class SkipListStream(Stream):
                     f"{exc}; the cached {INDEX_BASENAME} under {self.local_dir} predates the "
                     "remote's current directory: clear that cache directory"
                 ) from None
-            if [_shard_name(r) for r in readers] != [name for name, _ in shards]:
-                raise SkipListCorrupt(f"{source}: shards differ from the readers streaming built")
+            # The readers were built from these very index bytes: check the manifest's
+            # shards (and counts) against them instead of parsing the index a second time.
+            check_manifest_lists_shards(
+                manifest, [(_shard_name(r), int(r.samples)) for r in readers], source
+            )
             out: list[SkipList] = []
             for entry, reader in zip(manifest.entries, readers, strict=True):
                 sidecar, where = self._fetch(entry.sidecar)
