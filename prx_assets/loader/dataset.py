@@ -61,6 +61,7 @@ from prx_assets.core.skiplists.sidecars import (
     INDEX_BASENAME,
     MANIFEST_BASENAME,
     SIDECAR_SUFFIX,
+    Manifest,
     SkipList,
     SkipListCorrupt,
     SkipListError,
@@ -204,6 +205,7 @@ class SkipListStream(Stream):
         validate_hash: str | None = None,
         keep_zip: bool | None = None,
         skiplists: str = REQUIRE_SKIPLISTS,
+        known_manifest: tuple[bytes, Manifest] | None = None,
     ) -> None:
         check_skiplists_mode(skiplists)
         super().__init__(
@@ -219,6 +221,9 @@ class SkipListStream(Stream):
             keep_zip=keep_zip,
         )
         self.skiplists = skiplists
+        # Manifest bytes already parsed and verified on their own (by discovery): reused only
+        # when the manifest read at construction is byte for byte the same.
+        self.known_manifest = known_manifest
         self.skip_sets: list[tuple[str, tuple[int, ...]]] | None = None
         self.generation: str | None = None
         self.dropped_shards: list[str] = []
@@ -240,6 +245,7 @@ class SkipListStream(Stream):
             validate_hash=stream.validate_hash,
             keep_zip=stream._keep_zip,
             skiplists=skiplists,
+            known_manifest=getattr(stream, "known_manifest", None),
         )
 
     @property
@@ -299,7 +305,8 @@ class SkipListStream(Stream):
                     f"and none of its samples may be trained on (pass "
                     f"skiplists={IGNORE_SKIPLISTS_UNSAFE!r} to read unscreened data on purpose)"
                 )
-            manifest = parse_manifest(data, source)
+            known = self.known_manifest
+            manifest = known[1] if known and known[0] == data else parse_manifest(data, source)
             try:
                 check_manifest_written_for(manifest, index_raw, source)
             except SkipListStale as exc:

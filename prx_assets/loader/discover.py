@@ -39,12 +39,13 @@ import re
 import urllib.parse
 import warnings
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prx_assets.core.skiplists.sidecars import (
     INDEX_BASENAME,
     MANIFEST_BASENAME,
+    Manifest,
     PartitionCounts,
     SkipListError,
     SkipListMissing,
@@ -82,6 +83,9 @@ class BucketStream:
     repeat: float | None = None
     source: str | None = None
     counts: PartitionCounts | None = None
+    # The manifest discovery read and verified (bytes, parsed): the stream re-reads the
+    # file at construction and skips the parse only when the bytes are the same.
+    manifest: tuple[bytes, Manifest] | None = field(default=None, repr=False, compare=False)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -93,7 +97,11 @@ class BucketStream:
 
     def to_stream(self, skiplists: str = REQUIRE_SKIPLISTS) -> SkipListStream:
         return SkipListStream(
-            remote=self.remote, local=self.local, repeat=self.repeat, skiplists=skiplists
+            remote=self.remote,
+            local=self.local,
+            repeat=self.repeat,
+            skiplists=skiplists,
+            known_manifest=self.manifest if skiplists == REQUIRE_SKIPLISTS else None,
         )
 
 
@@ -138,8 +146,11 @@ def _scan(mds_root: Path) -> list[str]:
     return found
 
 
-def _local_counts(where: str, skiplists: str, scanned: bool) -> PartitionCounts | None:
-    """A local partition's counts from one small file; None if ``where`` is not a partition.
+def _local_counts(
+    where: str, skiplists: str, scanned: bool
+) -> tuple[PartitionCounts, tuple[bytes, Manifest] | None] | None:
+    """A local partition's counts from one small file (and that file, parsed, when it is
+    the manifest); None if ``where`` is not a partition.
 
     Screened (the default): the manifest's version 2 counts (a version 1 manifest: through
     index and sidecars). No manifest: ``SkipListMissing`` where there is an ``index.json``
@@ -150,7 +161,7 @@ def _local_counts(where: str, skiplists: str, scanned: bool) -> PartitionCounts 
         if scanned and not os.path.isfile(os.path.join(where, INDEX_BASENAME)):
             return None
         warn_unscreened(where, stacklevel=4)
-        return unscreened_partition_counts(where)
+        return unscreened_partition_counts(where), None
     source = os.path.join(where, MANIFEST_BASENAME)
     try:
         with open(source, "rb") as fh:
@@ -165,8 +176,9 @@ def _local_counts(where: str, skiplists: str, scanned: bool) -> PartitionCounts 
         if scanned:
             return None
         raise SkipListError(f"no {INDEX_BASENAME} in {where}: not an MDS partition") from None
-    counts = manifest_counts(parse_manifest(data, source))
-    return counts if counts is not None else partition_counts(where)
+    manifest = parse_manifest(data, source)
+    counts = manifest_counts(manifest)
+    return (counts if counts is not None else partition_counts(where)), (data, manifest)
 
 
 def _natural(name: str) -> tuple[int, int, str]:
@@ -243,9 +255,12 @@ def discover_streams(
         if batch_set is not None and batch not in batch_set:
             continue
         where = f"{mds_root_str}/{relpath}" if is_url else os.path.join(mds_root_str, relpath)
-        counts = None if is_url else _local_counts(where, skiplists, scanned=partitions is None)
-        if not is_url and counts is None:
-            continue  # a scanned directory holding no partition
+        counts, manifest = None, None
+        if not is_url:
+            local = _local_counts(where, skiplists, scanned=partitions is None)
+            if local is None:
+                continue  # a scanned directory holding no partition
+            counts, manifest = local
         matched += 1
         if counts is not None and counts.kept_samples == 0 and drop_empty:
             warnings.warn(
@@ -269,6 +284,7 @@ def discover_streams(
                 repeat=_repeat_for(relpath, weights),
                 source=source,
                 counts=counts,
+                manifest=manifest if cache_dir is None else None,
             )
         )
     if relpaths and not matched and (tiers, shapes, batches) != (None, None, None):

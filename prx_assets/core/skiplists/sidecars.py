@@ -53,6 +53,7 @@ directory is its manifest's self-hash.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -499,12 +500,22 @@ def check_manifest_lists_shards(
             )
 
 
+@functools.lru_cache(maxsize=65536)
+def _empty_sidecar_sha256(shard_basename: str) -> str:
+    """sha256 of the sidecar that skips nothing in ``shard_basename`` (its only encoding)."""
+    return _sha256(encode_skiplist(shard_basename, {}))
+
+
 def verify_sidecar(entry: ManifestEntry, data: bytes, source: str, samples: int) -> SkipList:
     """A sidecar's bytes checked against its manifest entry and its shard's size."""
     if _sha256(data) != entry.sha256:
         raise SkipListCorrupt(
             f"{source}: sha256 differs from the manifest's: edited or damaged after it was written"
         )
+    if entry.skipped == 0 and entry.sha256 == _empty_sidecar_sha256(entry.shard):
+        # These bytes are the canonical empty sidecar of this shard (their sha256 says so):
+        # nothing to parse, nothing skipped. Most shards of a screened tree look like this.
+        return SkipList.empty(entry.shard)
     skiplist = parse_skiplist(data, source, expected_shard=entry.shard)
     skiplist.keep_indices(samples)  # range check against the shard
     if entry.skipped is not None and entry.skipped != len(skiplist):
