@@ -210,6 +210,7 @@ def main() -> None:
         root = Path(tmp)
         write_partition_buckets(root, "template", _samples("template"), skips_for=skip_nothing)
         template = partition_dir(root, TIER, SHAPE, "template")
+        measure_writes(root, 3)  # warm-up: first writes pay imports and cold caches
         have = 1
         for p in sizes:
             _grow(root, template, have - 1, p - 1)  # the template counts as one

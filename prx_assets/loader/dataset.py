@@ -44,6 +44,7 @@ fetch is read again from its new manifest.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 import uuid
@@ -53,6 +54,7 @@ from typing import Any
 
 import numpy as np
 from streaming import Stream, StreamingDataset
+from streaming.base.format import reader_from_json
 from streaming.base.storage import CloudDownloader
 from streaming.base.world import World
 
@@ -294,9 +296,40 @@ class SkipListStream(Stream):
         with open(os.path.join(self.local, self.split, INDEX_BASENAME), "rb") as fh:
             return fh.read()
 
-    def _load_skiplists(self, readers: list[Any]) -> tuple[str, list[SkipList]]:
-        """The live generation for these readers: (generation id, skip list per reader)."""
-        index_raw = self._index_bytes()
+    def _readers_and_index(self, world: World, allow_unsafe_types: bool) -> tuple[list[Any], bytes]:
+        """Streaming's shard readers and the exact ``index.json`` bytes they were built from.
+
+        Where the index is already local (a local stream, or a cache holding it) it is read
+        once and the readers are built from those bytes the way ``Stream.get_shards`` does
+        (version 2 only, ``reader_from_json``, ``validate``); otherwise streaming fetches it
+        (download, or wait for the local leader) and the fetched file is read back.
+        """
+        path = os.path.join(self.local, self.split, INDEX_BASENAME)
+        try:
+            with open(path, "rb") as fh:
+                index_raw = fh.read()
+        except FileNotFoundError:
+            readers = super().get_shards(world, allow_unsafe_types)
+            return readers, self._index_bytes()
+        try:
+            obj = json.loads(index_raw)
+        except json.JSONDecodeError as error:
+            error.args = (f"Index file at {path} is empty or corrupted. " + error.args[0],)
+            raise
+        if obj["version"] != 2:
+            raise ValueError(
+                f"Unsupported streaming data version: {obj['version']}. Expected version 2."
+            )
+        readers = []
+        for info in obj["shards"]:
+            reader = reader_from_json(self.local, self.split, info)
+            reader.validate(allow_unsafe_types)
+            readers.append(reader)
+        return readers, index_raw
+
+    def _load_skiplists(self, readers: list[Any], index_raw: bytes) -> tuple[str, list[SkipList]]:
+        """The live generation for these readers (built from ``index_raw``): (generation id,
+        skip list per reader)."""
         for attempt in range(_FETCH_ATTEMPTS):
             data, source = self._fetch(MANIFEST_BASENAME)
             if data is None:
@@ -347,21 +380,26 @@ class SkipListStream(Stream):
                     os.remove(os.path.join(self.local_dir, entry))
 
     def get_shards(self, world: World, allow_unsafe_types: bool) -> list[Any]:
-        readers = super().get_shards(world, allow_unsafe_types)
-        self.raw_samples = int(sum(r.samples for r in readers))
         self.dropped_shards = []
         if self.skiplists == IGNORE_SKIPLISTS_UNSAFE:
+            readers = super().get_shards(world, allow_unsafe_types)
+            self.raw_samples = int(sum(r.samples for r in readers))
             warn_unscreened(self.remote or self.local_dir, stacklevel=4)
             self.skip_sets, self.generation = None, None
             self.kept_samples = self.raw_samples
             return readers
-        self.generation, skiplists = self._load_skiplists(readers)
+        readers, index_raw = self._readers_and_index(world, allow_unsafe_types)
+        self.raw_samples = int(sum(r.samples for r in readers))
+        self.generation, skiplists = self._load_skiplists(readers, index_raw)
         skip_sets: list[tuple[str, tuple[int, ...]]] = []
         kept_readers: list[Any] = []
         for reader, skiplist in zip(readers, skiplists, strict=True):
             name = _shard_name(reader)
-            keep = skiplist.keep_indices(reader.samples)
             skip_sets.append((name, skiplist.indices))
+            if not skiplist.indices:
+                kept_readers.append(reader)
+                continue
+            keep = skiplist.keep_indices(reader.samples)
             if len(keep) == reader.samples:
                 kept_readers.append(reader)
             elif len(keep):
