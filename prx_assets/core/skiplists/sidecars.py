@@ -515,7 +515,7 @@ def verify_sidecar(entry: ManifestEntry, data: bytes, source: str, samples: int)
     if entry.skipped == 0 and entry.sha256 == _empty_sidecar_sha256(entry.shard):
         # These bytes are the canonical empty sidecar of this shard (their sha256 says so):
         # nothing to parse, nothing skipped. Most shards of a screened tree look like this.
-        return SkipList.empty(entry.shard)
+        return SkipList(shard=entry.shard, indices=(), reasons=(), path=source)
     skiplist = parse_skiplist(data, source, expected_shard=entry.shard)
     skiplist.keep_indices(samples)  # range check against the shard
     if entry.skipped is not None and entry.skipped != len(skiplist):
