@@ -371,6 +371,8 @@ MDS_CRASHES = [
     "mds.dir_in_place:2",
     "mds.dir_in_place:3",
     "mds.stale_dir_moved_away:1",
+    "mds.old_condemned:1",  # a rewritten directory's previous version, half deleted
+    "mds.old_condemned:3",  # the dropped directory, renamed away and half deleted
 ]
 
 
@@ -379,8 +381,8 @@ def test_kill_mds_writer(forkserver, shard_states: ShardStates, workdir: Path):
     root = workdir / "trial-mds"
     reference = tree_files(s.new_tree)
     watchers = [
-        appears(root, lambda n: ".tmp-" in n),  # inside a temporary directory
-        appears(root, lambda n: ".old-" in n),  # between the two renames
+        appears(root, lambda n: n == f".{BATCH}.tmp"),  # inside a temporary directory
+        appears(root, lambda n: n == f".{BATCH}.old"),  # between the two renames
         appears(root, lambda n: n.startswith(".skiplists.json.")),  # a manifest being staged
     ]
     trials = []

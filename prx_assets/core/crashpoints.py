@@ -17,6 +17,8 @@ Points (the writer, then the step just completed):
 - ``mds.old_moved_away``: the previous directory was renamed away, the new one not yet in;
 - ``mds.dir_in_place``: the new directory is in place, the previous one not yet deleted;
 - ``mds.stale_dir_moved_away``: a directory the partition no longer has was renamed away;
+- ``mds.old_condemned``: a renamed-away version lost its ``index.json`` (its deletion began;
+  it can no longer be restored), the rest of it not yet deleted;
 - ``skiplists.sidecar_written``: one sidecar of a new generation is written (not published);
 - ``skiplists.generation_written``: every sidecar of a generation is written;
 - ``skiplists.manifest_staged``: the new manifest is written under a temporary name;
@@ -49,6 +51,7 @@ CRASHPOINTS: tuple[str, ...] = (
     "mds.old_moved_away",
     "mds.dir_in_place",
     "mds.stale_dir_moved_away",
+    "mds.old_condemned",
     "skiplists.sidecar_written",
     "skiplists.generation_written",
     "skiplists.manifest_staged",

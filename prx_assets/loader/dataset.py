@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import time
 import uuid
@@ -54,6 +55,7 @@ from typing import Any
 
 import numpy as np
 from streaming import Stream, StreamingDataset
+from streaming.base.format import reader_from_json
 from streaming.base.storage import CloudDownloader
 from streaming.base.world import World
 
@@ -62,12 +64,14 @@ from prx_assets.core.skiplists.sidecars import (
     INDEX_BASENAME,
     MANIFEST_BASENAME,
     SIDECAR_SUFFIX,
+    Manifest,
     SkipList,
     SkipListCorrupt,
     SkipListError,
     SkipListMissing,
     SkipListStale,
-    check_manifest_matches_index,
+    check_manifest_lists_shards,
+    check_manifest_written_for,
     digest_skip_sets,
     parse_manifest,
     verify_sidecar,
@@ -225,6 +229,7 @@ class SkipListStream(Stream):
         validate_hash: str | None = None,
         keep_zip: bool | None = None,
         skiplists: str = REQUIRE_SKIPLISTS,
+        known_manifest: tuple[bytes, Manifest] | None = None,
     ) -> None:
         check_skiplists_mode(skiplists)
         super().__init__(
@@ -240,6 +245,9 @@ class SkipListStream(Stream):
             keep_zip=keep_zip,
         )
         self.skiplists = skiplists
+        # Manifest bytes already parsed and verified on their own (by discovery): reused only
+        # when the manifest read at construction is byte for byte the same.
+        self.known_manifest = known_manifest
         self.skip_sets: list[tuple[str, tuple[int, ...]]] | None = None
         self.generation: str | None = None
         self.dropped_shards: list[str] = []
@@ -261,6 +269,7 @@ class SkipListStream(Stream):
             validate_hash=stream.validate_hash,
             keep_zip=stream._keep_zip,
             skiplists=skiplists,
+            known_manifest=getattr(stream, "known_manifest", None),
         )
 
     @property
@@ -309,9 +318,40 @@ class SkipListStream(Stream):
         with open(os.path.join(self.local, self.split, INDEX_BASENAME), "rb") as fh:
             return fh.read()
 
-    def _load_skiplists(self, readers: list[Any]) -> tuple[str, list[SkipList]]:
-        """The live generation for these readers: (generation id, skip list per reader)."""
-        index_raw = self._index_bytes()
+    def _readers_and_index(self, world: World, allow_unsafe_types: bool) -> tuple[list[Any], bytes]:
+        """Streaming's shard readers and the exact ``index.json`` bytes they were built from.
+
+        Where the index is already local (a local stream, or a cache holding it) it is read
+        once and the readers are built from those bytes the way ``Stream.get_shards`` does
+        (version 2 only, ``reader_from_json``, ``validate``); otherwise streaming fetches it
+        (download, or wait for the local leader) and the fetched file is read back.
+        """
+        path = os.path.join(self.local, self.split, INDEX_BASENAME)
+        try:
+            with open(path, "rb") as fh:
+                index_raw = fh.read()
+        except FileNotFoundError:
+            readers = super().get_shards(world, allow_unsafe_types)
+            return readers, self._index_bytes()
+        try:
+            obj = json.loads(index_raw)
+        except json.JSONDecodeError as error:
+            error.args = (f"Index file at {path} is empty or corrupted. " + error.args[0],)
+            raise
+        if obj["version"] != 2:
+            raise ValueError(
+                f"Unsupported streaming data version: {obj['version']}. Expected version 2."
+            )
+        readers = []
+        for info in obj["shards"]:
+            reader = reader_from_json(self.local, self.split, info)
+            reader.validate(allow_unsafe_types)
+            readers.append(reader)
+        return readers, index_raw
+
+    def _load_skiplists(self, readers: list[Any], index_raw: bytes) -> tuple[str, list[SkipList]]:
+        """The live generation for these readers (built from ``index_raw``): (generation id,
+        skip list per reader)."""
         for attempt in range(_FETCH_ATTEMPTS):
             data, source = self._fetch(MANIFEST_BASENAME)
             if data is None:
@@ -320,9 +360,10 @@ class SkipListStream(Stream):
                     f"and none of its samples may be trained on (pass "
                     f"skiplists={IGNORE_SKIPLISTS_UNSAFE!r} to read unscreened data on purpose)"
                 )
-            manifest = parse_manifest(data, source)
+            known = self.known_manifest
+            manifest = known[1] if known and known[0] == data else parse_manifest(data, source)
             try:
-                shards = check_manifest_matches_index(manifest, index_raw, source)
+                check_manifest_written_for(manifest, index_raw, source)
             except SkipListStale as exc:
                 if self._reads_local():
                     raise
@@ -330,8 +371,11 @@ class SkipListStream(Stream):
                     f"{exc}; the cached {INDEX_BASENAME} under {self.local_dir} predates the "
                     "remote's current directory: clear that cache directory"
                 ) from None
-            if [_shard_name(r) for r in readers] != [name for name, _ in shards]:
-                raise SkipListCorrupt(f"{source}: shards differ from the readers streaming built")
+            # The readers were built from these very index bytes: check the manifest's
+            # shards (and counts) against them instead of parsing the index a second time.
+            check_manifest_lists_shards(
+                manifest, [(_shard_name(r), int(r.samples)) for r in readers], source
+            )
             out: list[SkipList] = []
             for entry, reader in zip(manifest.entries, readers, strict=True):
                 sidecar, where = self._fetch(entry.sidecar)
@@ -358,21 +402,26 @@ class SkipListStream(Stream):
                     os.remove(os.path.join(self.local_dir, entry))
 
     def get_shards(self, world: World, allow_unsafe_types: bool) -> list[Any]:
-        readers = super().get_shards(world, allow_unsafe_types)
-        self.raw_samples = int(sum(r.samples for r in readers))
         self.dropped_shards = []
         if self.skiplists == IGNORE_SKIPLISTS_UNSAFE:
+            readers = super().get_shards(world, allow_unsafe_types)
+            self.raw_samples = int(sum(r.samples for r in readers))
             warn_unscreened(self.remote or self.local_dir, stacklevel=4)
             self.skip_sets, self.generation = None, None
             self.kept_samples = self.raw_samples
             return readers
-        self.generation, skiplists = self._load_skiplists(readers)
+        readers, index_raw = self._readers_and_index(world, allow_unsafe_types)
+        self.raw_samples = int(sum(r.samples for r in readers))
+        self.generation, skiplists = self._load_skiplists(readers, index_raw)
         skip_sets: list[tuple[str, tuple[int, ...]]] = []
         kept_readers: list[Any] = []
         for reader, skiplist in zip(readers, skiplists, strict=True):
             name = _shard_name(reader)
-            keep = skiplist.keep_indices(reader.samples)
             skip_sets.append((name, skiplist.indices))
+            if not skiplist.indices:
+                kept_readers.append(reader)
+                continue
+            keep = skiplist.keep_indices(reader.samples)
             if len(keep) == reader.samples:
                 kept_readers.append(reader)
             elif len(keep):

@@ -20,6 +20,15 @@ lists what there is (a typo must not silently train on nothing, or on everything
 
 Local partitions are counted through their skip-lists, so an unscreened directory stops
 discovery (``SkipListMissing``) unless ``skiplists="ignore-UNSAFE"`` is passed on purpose.
+
+Cost: discovery lists each bucket directory once and reads one small file per partition,
+its skip-list manifest (``skiplists.json``, version 2 states each shard's sample and skip
+counts), so it stays a fraction of what ``StreamingDataset`` itself spends per stream at
+10,000 directories. Those counts only lay the streams out (and leave fully skipped
+partitions out); they are not trusted for what is yielded: ``SkipListStream`` checks the
+manifest against the ``index.json`` streaming loaded and every sidecar against the manifest,
+counts included, and stops on any disagreement. A version 1 manifest (no counts) is counted
+the old way, through its index and sidecars.
 """
 
 from __future__ import annotations
@@ -31,12 +40,18 @@ import re
 import urllib.parse
 import warnings
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prx_assets.core.skiplists.sidecars import (
     INDEX_BASENAME,
+    MANIFEST_BASENAME,
+    Manifest,
     PartitionCounts,
+    SkipListError,
+    SkipListMissing,
+    manifest_counts,
+    parse_manifest,
     partition_counts,
     unscreened_partition_counts,
 )
@@ -75,6 +90,9 @@ class BucketStream:
     repeat: float | None = None
     source: str | None = None
     counts: PartitionCounts | None = None
+    # The manifest discovery read and verified (bytes, parsed): the stream re-reads the
+    # file at construction and skips the parse only when the bytes are the same.
+    manifest: tuple[bytes, Manifest] | None = field(default=None, repr=False, compare=False)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -86,7 +104,11 @@ class BucketStream:
 
     def to_stream(self, skiplists: str = REQUIRE_SKIPLISTS) -> SkipListStream:
         return SkipListStream(
-            remote=self.remote, local=self.local, repeat=self.repeat, skiplists=skiplists
+            remote=self.remote,
+            local=self.local,
+            repeat=self.repeat,
+            skiplists=skiplists,
+            known_manifest=self.manifest if skiplists == REQUIRE_SKIPLISTS else None,
         )
 
 
@@ -108,20 +130,62 @@ def _shape_filter(shapes: Collection[str | tuple[int, int]] | None) -> set[tuple
     return {parse_shape(s) if isinstance(s, str) else (int(s[0]), int(s[1])) for s in shapes}
 
 
-def _subdirs(path: Path) -> list[Path]:
-    # Hidden entries are the writer's in-flight or superseded copies (".b0.tmp-<uuid>").
-    return sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))
+def _subdirs(path: str) -> list[str]:
+    """Names of the visible subdirectories of ``path``, from one listing (no stat per entry
+    where the file system reports entry types). Hidden entries are the writer's in-flight or
+    superseded copies (``.<batch>.tmp``, ``.<batch>.old``)."""
+    with os.scandir(path) as entries:
+        return sorted(e.name for e in entries if not e.name.startswith(".") and e.is_dir())
 
 
 def _scan(mds_root: Path) -> list[str]:
+    """``<tier>/<H>x<W>/<batch>`` of every visible batch directory: one listing per bucket.
+
+    Whether a directory is a partition (has ``index.json``) is settled when it is counted,
+    by the one file read there (``_local_counts``), not by a stat per directory here.
+    """
     found = []
-    for tier in _subdirs(mds_root):
-        for shape in _subdirs(tier):
-            parse_shape(shape.name)
-            for batch in _subdirs(shape):
-                if (batch / INDEX_BASENAME).exists():
-                    found.append(f"{tier.name}/{shape.name}/{batch.name}")
+    root = os.fspath(mds_root)
+    for tier in _subdirs(root):
+        for shape in _subdirs(os.path.join(root, tier)):
+            parse_shape(shape)
+            found += [f"{tier}/{shape}/{b}" for b in _subdirs(os.path.join(root, tier, shape))]
     return found
+
+
+def _local_counts(
+    where: str, skiplists: str, scanned: bool
+) -> tuple[PartitionCounts, tuple[bytes, Manifest] | None] | None:
+    """A local partition's counts from one small file (and that file, parsed, when it is
+    the manifest); None if ``where`` is not a partition.
+
+    Screened (the default): the manifest's version 2 counts (a version 1 manifest: through
+    index and sidecars). No manifest: ``SkipListMissing`` where there is an ``index.json``
+    (fail closed), None where a scanned directory has neither (not a partition). Unscreened
+    on purpose: the index's counts.
+    """
+    if skiplists == IGNORE_SKIPLISTS_UNSAFE:
+        if scanned and not os.path.isfile(os.path.join(where, INDEX_BASENAME)):
+            return None
+        warn_unscreened(where, stacklevel=4)
+        return unscreened_partition_counts(where), None
+    source = os.path.join(where, MANIFEST_BASENAME)
+    try:
+        with open(source, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        if os.path.isfile(os.path.join(where, INDEX_BASENAME)):
+            raise SkipListMissing(
+                f"{where}: no skip-list manifest ({MANIFEST_BASENAME}); the directory was never "
+                "screened (materialise skip_lists for its batch), so none of its samples may "
+                f"be trained on (skiplists={IGNORE_SKIPLISTS_UNSAFE!r} reads it unscreened)"
+            ) from None
+        if scanned:
+            return None
+        raise SkipListError(f"no {INDEX_BASENAME} in {where}: not an MDS partition") from None
+    manifest = parse_manifest(data, source)
+    counts = manifest_counts(manifest)
+    return (counts if counts is not None else partition_counts(where)), (data, manifest)
 
 
 def _natural(name: str) -> tuple[int, int, str]:
@@ -211,16 +275,17 @@ def discover_streams(
             continue
         if batch_set is not None and batch not in batch_set:
             continue
-        matched += 1
         where = f"{mds_root_str}/{relpath}" if is_url else os.path.join(mds_root_str, relpath)
-        if is_url:  # the live version on s3:// (counted through its skip-lists, as below)
+        counts, manifest = None, None
+        if is_url:  # the live version on s3:// (counted through its skip-lists)
             where = resolve_remote_partition(mds_root_str, relpath)
             counts = remote_partition_counts(where, skiplists)
-        elif skiplists == IGNORE_SKIPLISTS_UNSAFE:
-            warn_unscreened(where)
-            counts = unscreened_partition_counts(where)
         else:
-            counts = partition_counts(where)
+            local = _local_counts(where, skiplists, scanned=partitions is None)
+            if local is None:
+                continue  # a scanned directory holding no partition
+            counts, manifest = local
+        matched += 1
         if counts is not None and counts.kept_samples == 0 and drop_empty:
             warnings.warn(
                 f"{where}: all {counts.samples} samples are skipped; partition left out",
@@ -246,6 +311,7 @@ def discover_streams(
                 repeat=_repeat_for(relpath, weights),
                 source=source,
                 counts=counts,
+                manifest=manifest if cache_dir is None else None,
             )
         )
     if relpaths and not matched and (tiers, shapes, batches) != (None, None, None):

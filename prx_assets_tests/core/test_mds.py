@@ -1,9 +1,13 @@
 """MDS writing: partition directories, atomic replacement, shard contents read back by streaming."""
 
+import contextlib
 import hashlib
 import io
 import json
 import os
+import shutil
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -228,7 +232,7 @@ def _write_and_die_between_renames(root: Path, samples: list[MDSSample]) -> int:
 
             def rename(src, dst):  # noqa: ANN001, ANN202
                 real_rename(src, dst)
-                if ".old-" in str(dst):
+                if str(dst).endswith("/.b.old"):
                     os._exit(9)
 
             os.rename = rename
@@ -249,7 +253,7 @@ def test_kill_between_renames_is_recovered(tmp_path: Path, samples: list[MDSSamp
     assert not final.exists()
     assert list_partition_dirs(tmp_path, "b") == []
     leftovers = sorted(p.name for p in final.parent.iterdir())
-    assert any(".b.old-" in n for n in leftovers) and any(".b.tmp-" in n for n in leftovers)
+    assert leftovers == [".b.old", ".b.tmp"]  # its own fixed names, nothing else
     recover_partition(tmp_path, "b")
     assert _hashes(final) == before
     assert sorted(p.name for p in final.parent.iterdir()) == ["b"]
@@ -431,3 +435,104 @@ def test_each_directory_appears_with_its_first_skiplist_generation(
             tmp_path, "b", samples, skips_for=lambda p: {"shard.99999.mds": {0: ["opt_out"]}}
         )
     assert _hashes(tmp_path) == before
+
+
+# -- recovery is scoped to the partition written (issue 12) ---------------------------------
+
+_LISTED: list[str] | None = None  # directories listed while a test records (audit events)
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _LISTED is not None and event in ("os.listdir", "os.scandir") and args:
+        path = args[0]
+        if isinstance(path, bytes | str | os.PathLike):
+            _LISTED.append(os.path.abspath(os.fsdecode(path)))
+
+
+sys.addaudithook(_audit)  # permanent for the process; records only inside _listings()
+
+
+@contextlib.contextmanager
+def _listings() -> Iterator[list[str]]:
+    """Every directory the interpreter lists inside the block (os.listdir/os.scandir)."""
+    global _LISTED
+    _LISTED = []
+    try:
+        yield _LISTED
+    finally:
+        _LISTED = None
+
+
+def test_a_write_never_lists_its_bucket(tmp_path: Path, samples: list[MDSSample]) -> None:
+    """Finding: recovery listed the whole bucket directory twice on every write, so a write
+    cost O(the batches beside it). A write (new, rewrite, removal) now looks up its own
+    temporary names only, and leaves the siblings' entries (hidden ones too) alone."""
+    bucket_samples = [
+        s for s in samples if (s.tier, s.shape) == (samples[0].tier, samples[0].shape)
+    ]
+    tier, shape = bucket_samples[0].tier, bucket_samples[0].shape
+    for i in range(6):
+        write_partition_buckets(tmp_path, f"s{i:02d}", bucket_samples[:1], skips_for=skip_nothing)
+    bucket = partition_dir(tmp_path, tier, shape, "s00").parent
+    stranger = bucket / ".s03.tmp"  # another partition's leftover: not this write's business
+    stranger.mkdir()
+    siblings = sorted(p.name for p in bucket.iterdir())
+    sibling_files = _hashes(bucket)
+    with _listings() as listed:
+        write_partition_buckets(tmp_path, "b", bucket_samples, skips_for=skip_nothing)
+        assert [r["key"] for r in _read_all(bucket / "b")] == sorted(s.key for s in bucket_samples)
+        write_partition_buckets(tmp_path, "b", bucket_samples[:1], skips_for=skip_nothing)
+        write_partition_buckets(tmp_path, "b", [], skips_for=skip_nothing)  # removal
+    assert listed, "the recorder saw nothing: it would prove nothing"
+    assert str(bucket.resolve()) not in {os.path.realpath(p) for p in listed}
+    assert sorted(p.name for p in bucket.iterdir()) == siblings
+    assert _hashes(bucket) == sibling_files
+
+
+def _write_and_die_while_deleting_superseded(
+    root: Path, samples: list[MDSSample], bucket: Path
+) -> int:
+    """A forked child rewrites ``b``; it dies (os._exit: no cleanup) once it has deleted one
+    file of a superseded copy in ``bucket``, as a kill during that deletion would leave it."""
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+
+            def dying_rmtree(path, *args, **kwargs):  # noqa: ANN001, ANN202
+                path = Path(path)
+                if path.parent == bucket and path.name.startswith(".b.old"):
+                    victim = sorted(p for p in path.iterdir() if p.name != "index.json")[0]
+                    victim.unlink()
+                    os._exit(9)
+                return real_rmtree(path, *args, **kwargs)
+
+            real_rmtree = shutil.rmtree
+            shutil.rmtree = dying_rmtree
+            write_partition_buckets(root, "b", samples, skips_for=skip_nothing)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_copy_whose_deletion_began_is_never_restored(
+    tmp_path: Path, samples: list[MDSSample]
+) -> None:
+    """Finding: a kill part-way through deleting a directory the partition dropped left a
+    partial copy that the next write restored into view (its ``index.json`` survived, a
+    shard did not). Deletion now condemns the copy first; only complete copies come back."""
+    by_bucket = _by_bucket(samples)
+    (a, kept), (b, dropped) = sorted(by_bucket.items())[:2]
+    write_partition_buckets(tmp_path, "b", kept + dropped, skips_for=skip_nothing)
+    gone = partition_dir(tmp_path, b[0], b[1], "b")
+    assert _write_and_die_while_deleting_superseded(tmp_path, kept, gone.parent) == 9
+    assert not gone.exists()
+    recover_partition(tmp_path, "b")  # what the next write does first
+    assert not gone.exists(), "a partly deleted copy was put back into view"
+    assert not list(gone.parent.glob(".b.*"))
+    assert [d.relative_dir for d in list_partition_dirs(tmp_path, "b")] == [
+        relative_partition_dir(a[0], a[1], "b")
+    ]
+    write_partition_buckets(tmp_path, "b", kept, skips_for=skip_nothing)
+    assert not [p for p in tmp_path.rglob(".*")]

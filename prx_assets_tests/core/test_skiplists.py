@@ -103,9 +103,13 @@ def test_round_trip_sorts_and_dedups_reasons(part):
     # And the documented manifest: written for this index.json, one entry per shard.
     manifest = json.loads((d / MANIFEST_BASENAME).read_bytes())
     assert set(manifest) == {"format", "version", "index_sha256", "shards", "sha256"}
-    assert manifest["format"] == "prx-skiplist-manifest" and manifest["version"] == 1
+    assert manifest["format"] == "prx-skiplist-manifest" and manifest["version"] == 2
     assert manifest["index_sha256"] == hashlib.sha256((d / "index.json").read_bytes()).hexdigest()
     assert [e["shard"] for e in manifest["shards"]] == [s for s, _ in shards]
+    # Version 2: each shard's sample count and skip count, as the index and sidecars say.
+    assert [(e["samples"], e["skipped"]) for e in manifest["shards"]] == [
+        (n, len(live.skiplists[s])) for s, n in shards
+    ]
     body = {k: v for k, v in manifest.items() if k != "sha256"}
     assert manifest["sha256"] == hashlib.sha256(canonical_json(body)).hexdigest() == generation
     assert not [p for p in os.listdir(d) if p.endswith(".tmp")]

@@ -5,16 +5,24 @@ for the samples of partition ``batch`` that landed in that bucket. One directory
 (bucket, partition) lets a partition be rewritten without touching any other, and lets the
 trainer build a stream per bucket from the directories it finds.
 
-Atomicity: a directory is written under a hidden temporary sibling
-(``.<batch>.tmp-<uuid>``): shards and ``index.json``, then its first skip-list generation
+Atomicity: a directory is written under a hidden temporary sibling (``.<batch>.tmp``):
+shards and ``index.json``, then its first skip-list generation
 (``core/skiplists/sidecars.py``: sidecars + ``skiplists.json``) from the caller's ``skips_for``
 callback, all fsynced, then renamed into place; a previous version is first renamed away
-(``.<batch>.old-<uuid>``) and deleted after the new one is in. A reader of the final path
+(``.<batch>.old``) and deleted after the new one is in. A reader of the final path
 therefore sees the old complete directory, the new complete one, or (only in the instant
 between the two renames, or after a crash there) nothing; never a partial one, and never
 one without a complete skip-list generation written for its own ``index.json``. The next
 write of the same partition repairs such a crash: it restores the old version if the final
 path is empty and deletes leftover temporaries.
+
+Recovery is O(1) in the bucket's other directories: a partition's temporaries have fixed
+names (``.<batch>.tmp``, ``.<batch>.old``; they cannot collide with another batch's, nor with
+a final name, which never starts with ``.``), so a write looks up its own two names and never
+lists the bucket, however many batches it holds. A superseded ``.<batch>.old`` is condemned
+before it is deleted (its ``index.json`` unlinked and the unlink made durable), so a kill
+half-way through the deletion can never get a partial copy restored: only an ``.old`` that
+still has its ``index.json`` was complete, and only such a one is put back.
 
 Screening: this module knows nothing of the skip policy. ``skips_for(placements)`` gets the
 placements of one directory (final ``relative_dir``, shard, index in shard) once its shards
@@ -35,7 +43,6 @@ import json
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -65,8 +72,8 @@ BASE_COLUMNS: dict[str, str] = {
 }
 _BATCH_RE = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.=\-]*$")
 _SHAPE_RE = re.compile(r"^(\d+)x(\d+)$")
-_TMP_MARK = ".tmp-"
-_OLD_MARK = ".old-"
+_TMP_SUFFIX = ".tmp"  # ".<batch>.tmp": the directory being written
+_OLD_SUFFIX = ".old"  # ".<batch>.old": the previous version, renamed away
 
 
 @dataclass(frozen=True)
@@ -185,26 +192,50 @@ def _makedirs_durable(path: Path) -> None:
         _fsync_path(d.parent)
 
 
-def _leftovers(bucket: Path, batch: str, mark: str) -> list[Path]:
-    pattern = re.compile(re.escape(f".{batch}{mark}") + r"[0-9a-f]{32}$")
-    return sorted(p for p in bucket.iterdir() if pattern.match(p.name))
+def _temporary_dir(bucket: Path, batch: str) -> Path:
+    """Where ``batch``'s next version of this bucket is written before it is renamed in."""
+    return bucket / f".{batch}{_TMP_SUFFIX}"
+
+
+def _superseded_dir(bucket: Path, batch: str) -> Path:
+    """Where ``batch``'s previous version of this bucket waits while the new one goes in."""
+    return bucket / f".{batch}{_OLD_SUFFIX}"
+
+
+def _discard_superseded(old: Path) -> None:
+    """Delete a renamed-away version so that no kill part-way can get it restored.
+
+    Its ``index.json`` goes first, durably: from then on the copy is incomplete by the rule
+    ``_recover`` applies (restore only an ``.old`` that still has its ``index.json``), whatever
+    order the rest is deleted in.
+    """
+    index = old / "index.json"
+    if index.is_file():
+        index.unlink()
+        _fsync_path(old)
+        crashpoint("mds.old_condemned")
+    shutil.rmtree(old)
 
 
 def _recover(bucket: Path, batch: str) -> None:
-    """Undo the leftovers of a crashed write of ``batch`` in one bucket directory."""
-    if not bucket.is_dir():
+    """Undo the leftovers of a crashed write of ``batch`` in one bucket directory.
+
+    Looks up ``batch``'s two fixed temporary names only: never lists the bucket.
+    """
+    tmp = _temporary_dir(bucket, batch)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    old = _superseded_dir(bucket, batch)
+    if not old.exists():
         return
     final = bucket / batch
-    for tmp in _leftovers(bucket, batch, _TMP_MARK):
-        shutil.rmtree(tmp)
-    for old in _leftovers(bucket, batch, _OLD_MARK):
-        # An ".old-" copy was complete when it was renamed away; if nothing replaced it,
-        # the crash hit between the two renames: put it back.
-        if not final.exists() and (old / "index.json").is_file():
-            os.rename(old, final)
-            _fsync_path(bucket)
-        else:
-            _discard(old, final)
+    # An ".old" copy was complete when it was renamed away; if nothing replaced it, the
+    # crash hit between the two renames: put it back (unless its deletion had begun).
+    if not final.exists() and (old / "index.json").is_file():
+        os.rename(old, final)
+        _fsync_path(bucket)
+    else:
+        _discard(old, final)
 
 
 def _bucket_dirs(root: str | os.PathLike[str]) -> list[tuple[int, str, Path]]:
@@ -225,7 +256,8 @@ def recover_partition(root: str | os.PathLike[str], batch: str) -> None:
     """Repair what a crashed write of ``batch`` left behind, in every bucket.
 
     Restores a previous version renamed away but never replaced, deletes temporaries.
-    Every write of the partition calls this first.
+    Every write of the partition calls this first. O(buckets): each bucket is checked for
+    ``batch``'s own temporary names, none is listed.
     """
     _check_batch(batch)
     for _, _, bucket in _bucket_dirs(root):
@@ -234,18 +266,22 @@ def recover_partition(root: str | os.PathLike[str], batch: str) -> None:
 
 def _remove_atomically(final: Path) -> None:
     """Take a directory away in one step (rename), then delete it at leisure."""
-    old = final.parent / f".{final.name}{_OLD_MARK}{uuid.uuid4().hex}"
+    bucket, batch = final.parent, final.name
+    old = _superseded_dir(bucket, batch)
+    if old.exists():  # a leftover the partition's recovery already judged superseded
+        _discard(old, final)
     os.rename(final, old)
-    _fsync_path(final.parent)
+    _fsync_path(bucket)
     crashpoint("mds.stale_dir_moved_away")
     _discard(old, final)
 
 
 def _discard(old: Path, final: Path) -> None:
-    """Delete a superseded copy of ``final``, unless a live training snapshot pins it: then
-    it is kept under ``<root>/retained/`` (core/snapshots/pins.py; never read by discovery)."""
+    """Delete a superseded copy of ``final`` (index first, see :func:`_discard_superseded`),
+    unless a live training snapshot pins it: then it is kept under ``<root>/retained/``
+    (core/snapshots/pins.py; never read by discovery)."""
     root = final.parents[3]  # <root>/mds/<tier>/<H>x<W>/<batch>
-    discard_directory(old, root, final.relative_to(root).as_posix())
+    discard_directory(old, root, final.relative_to(root).as_posix(), remove=_discard_superseded)
 
 
 def _columns(extra_columns: Mapping[str, str] | None) -> dict[str, str]:
@@ -405,7 +441,7 @@ def _stream_bucket(
     bucket = final.parent
     _makedirs_durable(bucket)
     _recover(bucket, batch)
-    tmp = bucket / f".{batch}{_TMP_MARK}{uuid.uuid4().hex}"
+    tmp = _temporary_dir(bucket, batch)
     try:
         keys = _write_mds(tmp, samples, columns, size_limit, hashes, tier, shape, taken)
         if not keys:
@@ -420,7 +456,7 @@ def _stream_bucket(
         write_partition_skiplists(tmp, skips_for(placements))
         crashpoint("mds.tmp_screened")
         if final.exists():
-            old = bucket / f".{batch}{_OLD_MARK}{uuid.uuid4().hex}"
+            old = _superseded_dir(bucket, batch)
             os.rename(final, old)
             crashpoint("mds.old_moved_away")
             try:

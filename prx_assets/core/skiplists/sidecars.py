@@ -26,14 +26,22 @@ addressed, so a new generation never overwrites a file the live manifest names, 
 whose skips did not change keeps its file, and a rerun with the same decisions produces
 byte-identical files (and writes nothing).
 
-Manifest payload (format ``prx-skiplist-manifest`` version 1)::
+Manifest payload (format ``prx-skiplist-manifest`` version 2)::
 
-    {"format": "prx-skiplist-manifest", "version": 1,
+    {"format": "prx-skiplist-manifest", "version": 2,
      "index_sha256": "<sha256 of index.json's bytes>",
      "shards": [{"shard": "shard.00000.mds",
                  "sidecar": "shard.00000.mds.<sha16>.skip.json",
-                 "sha256": "<sha256 of the sidecar file>"}, ...],   # index.json order
+                 "sha256": "<sha256 of the sidecar file>",
+                 "samples": 412, "skipped": 17}, ...],   # index.json order
      "sha256": "<hex of the canonical JSON of every other key>"}
+
+Version 2 adds each shard's sample count and how many of them its sidecar skips, so a
+directory's counts (what loader discovery needs to lay out its streams) come from this one
+small file. They are claims, checked wherever the files they summarise are read: ``samples``
+against ``index.json`` (``check_manifest_matches_index``), ``skipped`` against the sidecar
+(``verify_sidecar``); a mismatch is ``SkipListCorrupt``. Version 1 manifests (no counts) are
+still read; writers write version 2.
 
 What a reader checks (``load_generation``; the loader does the same on fetched bytes):
 the manifest's format, version and self-hash; that it was written for *this* ``index.json``
@@ -45,6 +53,7 @@ directory is its manifest's self-hash.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -64,7 +73,8 @@ SKIPLIST_VERSION = 1
 SIDECAR_SUFFIX = ".skip.json"
 MANIFEST_BASENAME = "skiplists.json"
 MANIFEST_FORMAT = "prx-skiplist-manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # what writers write
+MANIFEST_VERSIONS_READ = (1, 2)  # 1: without per-shard counts
 INDEX_BASENAME = "index.json"
 REASON_CODES: tuple[str, ...] = (
     "opt_out",
@@ -141,11 +151,17 @@ class SkipList:
 
 @dataclass(frozen=True)
 class ManifestEntry:
-    """One shard of a skip-list generation: the shard, its sidecar and the sidecar's digest."""
+    """One shard of a skip-list generation: the shard, its sidecar and the sidecar's digest.
+
+    ``samples``/``skipped``: the shard's sample count and its sidecar's skip count (manifest
+    version 2; None when read from a version 1 manifest).
+    """
 
     shard: str
     sidecar: str
     sha256: str
+    samples: int | None = None
+    skipped: int | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +179,11 @@ class Manifest:
     @property
     def sidecars(self) -> frozenset[str]:
         return frozenset(e.sidecar for e in self.entries)
+
+    @property
+    def has_counts(self) -> bool:
+        """Whether every entry states its counts (a version 2 manifest)."""
+        return all(e.samples is not None and e.skipped is not None for e in self.entries)
 
 
 @dataclass(frozen=True)
@@ -277,17 +298,35 @@ def encode_skiplist(shard_basename: str, skips: Mapping[int, Iterable[str]]) -> 
 
 
 def encode_manifest(index_sha256: str, entries: Sequence[ManifestEntry]) -> bytes:
-    """The exact bytes of a manifest (payload + its sha256)."""
+    """The exact bytes of a (version 2) manifest (payload + its sha256)."""
+    shards = []
+    for e in entries:
+        if e.samples is None or e.skipped is None:
+            raise SkipListError(f"manifest entry for {e.shard!r} lacks its counts")
+        shards.append(
+            {
+                "shard": e.shard,
+                "sidecar": e.sidecar,
+                "sha256": e.sha256,
+                "samples": int(e.samples),
+                "skipped": int(e.skipped),
+            }
+        )
     return _with_hash(
         {
             "format": MANIFEST_FORMAT,
             "version": MANIFEST_VERSION,
             "index_sha256": index_sha256,
-            "shards": [
-                {"shard": e.shard, "sidecar": e.sidecar, "sha256": e.sha256} for e in entries
-            ],
+            "shards": shards,
         }
     )
+
+
+def _count(value: object) -> int | None:
+    """A non-negative int from JSON (bools refused), else None."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
 
 
 def _load_json(data: bytes, source: str, what: str) -> dict:
@@ -378,25 +417,28 @@ def parse_manifest(data: bytes, source: str) -> Manifest:
     if obj.get("format") != MANIFEST_FORMAT:
         raise SkipListCorrupt(f"{source}: not a {MANIFEST_FORMAT} manifest")
     version = obj.get("version")
-    if version != MANIFEST_VERSION:
+    if isinstance(version, bool) or version not in MANIFEST_VERSIONS_READ:
         raise SkipListVersionError(
             f"{source}: manifest format version {version!r}, this reader understands "
-            f"version {MANIFEST_VERSION} only"
+            f"versions {list(MANIFEST_VERSIONS_READ)} only"
         )
     expected_keys = {"format", "version", "index_sha256", "shards", "sha256"}
     if set(obj) != expected_keys:
         raise SkipListCorrupt(
-            f"{source}: keys {sorted(obj)} differ from the manifest v{MANIFEST_VERSION} "
+            f"{source}: keys {sorted(obj)} differ from the manifest v{version} "
             f"schema {sorted(expected_keys)}"
         )
+    entry_keys = {"shard", "sidecar", "sha256"} | (
+        {"samples", "skipped"} if version >= 2 else set()
+    )
     own = _check_self_hash(obj, source, "manifest")
     shards = obj["shards"]
     if not isinstance(obj["index_sha256"], str) or not isinstance(shards, list):
         raise SkipListCorrupt(f"{source}: index_sha256/shards have the wrong types")
     entries = []
     for item in shards:
-        if not isinstance(item, dict) or set(item) != {"shard", "sidecar", "sha256"}:
-            raise SkipListCorrupt(f"{source}: bad shard entry {item!r}")
+        if not isinstance(item, dict) or set(item) != entry_keys:
+            raise SkipListCorrupt(f"{source}: bad shard entry {str(item)[:200]!r}")
         shard, sidecar, sha = item["shard"], item["sidecar"], item["sha256"]
         try:
             _check_basename(shard)
@@ -411,7 +453,15 @@ def parse_manifest(data: bytes, source: str) -> Manifest:
             or len(sha) != 64
         ):
             raise SkipListCorrupt(f"{source}: entry for {shard!r} names sidecar {sidecar!r}")
-        entries.append(ManifestEntry(shard, sidecar, sha))
+        samples = skipped = None
+        if version >= 2:
+            samples, skipped = _count(item["samples"]), _count(item["skipped"])
+            if samples is None or skipped is None or skipped > samples:
+                raise SkipListCorrupt(
+                    f"{source}: entry for {shard!r} has bad counts (samples "
+                    f"{str(item['samples'])[:20]}, skipped {str(item['skipped'])[:20]})"
+                )
+        entries.append(ManifestEntry(shard, sidecar, sha, samples, skipped))
     if len({e.shard for e in entries}) != len(entries):
         raise SkipListCorrupt(f"{source}: a shard is listed twice")
     return Manifest(index_sha256=obj["index_sha256"], entries=tuple(entries), sha256=own)
@@ -420,17 +470,42 @@ def parse_manifest(data: bytes, source: str) -> Manifest:
 def check_manifest_matches_index(
     manifest: Manifest, index_raw: bytes, source: str
 ) -> list[tuple[str, int]]:
-    """Raise ``SkipListStale`` unless ``manifest`` was written for exactly this index."""
+    """Raise ``SkipListStale`` unless ``manifest`` was written for exactly this index (and
+    ``SkipListCorrupt`` unless it lists its shards); the index's (shard, samples)."""
+    check_manifest_written_for(manifest, index_raw, source)
+    shards = parse_index(index_raw, source)
+    check_manifest_lists_shards(manifest, shards, source)
+    return shards
+
+
+def check_manifest_written_for(manifest: Manifest, index_raw: bytes, source: str) -> None:
+    """Raise ``SkipListStale`` unless ``manifest`` names this ``index.json`` (its sha256)."""
     if _sha256(index_raw) != manifest.index_sha256:
         raise SkipListStale(
             f"{source} was written for another index.json (sha256 "
             f"{manifest.index_sha256[:12]}…, this one {_sha256(index_raw)[:12]}…): the "
             "directory was rewritten after its skip-lists, or the manifest was copied here"
         )
-    shards = parse_index(index_raw, source)
+
+
+def check_manifest_lists_shards(
+    manifest: Manifest, shards: Sequence[tuple[str, int]], source: str
+) -> None:
+    """Raise ``SkipListCorrupt`` unless the manifest lists exactly these (shard, samples), in
+    order (sample counts checked where the manifest states them)."""
     if [name for name, _ in shards] != [e.shard for e in manifest.entries]:
         raise SkipListCorrupt(f"{source}: the shards it lists are not index.json's")
-    return shards
+    for entry, (name, samples) in zip(manifest.entries, shards, strict=True):
+        if entry.samples is not None and entry.samples != samples:
+            raise SkipListCorrupt(
+                f"{source}: says {name} holds {entry.samples} samples, index.json {samples}"
+            )
+
+
+@functools.lru_cache(maxsize=65536)
+def _empty_sidecar_sha256(shard_basename: str) -> str:
+    """sha256 of the sidecar that skips nothing in ``shard_basename`` (its only encoding)."""
+    return _sha256(encode_skiplist(shard_basename, {}))
 
 
 def verify_sidecar(entry: ManifestEntry, data: bytes, source: str, samples: int) -> SkipList:
@@ -439,8 +514,16 @@ def verify_sidecar(entry: ManifestEntry, data: bytes, source: str, samples: int)
         raise SkipListCorrupt(
             f"{source}: sha256 differs from the manifest's: edited or damaged after it was written"
         )
+    if entry.skipped == 0 and entry.sha256 == _empty_sidecar_sha256(entry.shard):
+        # These bytes are the canonical empty sidecar of this shard (their sha256 says so):
+        # nothing to parse, nothing skipped. Most shards of a screened tree look like this.
+        return SkipList(shard=entry.shard, indices=(), reasons=(), path=source)
     skiplist = parse_skiplist(data, source, expected_shard=entry.shard)
     skiplist.keep_indices(samples)  # range check against the shard
+    if entry.skipped is not None and entry.skipped != len(skiplist):
+        raise SkipListCorrupt(
+            f"{source}: skips {len(skiplist)} samples, its manifest says {entry.skipped}"
+        )
     return skiplist
 
 
@@ -613,7 +696,7 @@ def stage_generation(
                 f"{samples} samples"
             )
         fname = sidecar_name(name, data)
-        entries.append(ManifestEntry(name, fname, _sha256(data)))
+        entries.append(ManifestEntry(name, fname, _sha256(data), samples, len(skips)))
         files[fname] = data
     sweep(d, keep=files)
     for fname, data in files.items():
@@ -766,6 +849,23 @@ class PartitionCounts:
     kept_samples: int
     shards: int
     kept_shards: int
+
+
+def manifest_counts(manifest: Manifest) -> PartitionCounts | None:
+    """A directory's counts as its (version 2) manifest states them; None for version 1.
+
+    Claims, not proof: whoever reads the shards checks them (``check_manifest_lists_shards``,
+    ``verify_sidecar``), so a wrong count stops that reader instead of changing what it yields.
+    """
+    if not manifest.has_counts:
+        return None
+    kept = [int(e.samples) - int(e.skipped) for e in manifest.entries]  # type: ignore[arg-type]
+    return PartitionCounts(
+        samples=sum(int(e.samples) for e in manifest.entries),  # type: ignore[arg-type]
+        kept_samples=sum(kept),
+        shards=len(kept),
+        kept_shards=sum(1 for k in kept if k > 0),
+    )
 
 
 def partition_counts(partition_dir: str | os.PathLike[str]) -> PartitionCounts:

@@ -28,7 +28,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 PINS_DIRNAME = "snapshot_pins"
@@ -150,15 +150,20 @@ def retained_dir(root: str | os.PathLike[str], relative_dir: str, index_sha256: 
     return Path(root) / RETAINED_DIRNAME / f"{relative_dir}@{index_sha256[:16]}"
 
 
-def discard_directory(old: Path, root: str | os.PathLike[str], relative_dir: str) -> str:
-    """Remove a superseded MDS directory, or keep it when a snapshot pins it.
+def discard_directory(
+    old: Path,
+    root: str | os.PathLike[str],
+    relative_dir: str,
+    remove: Callable[[Path], None] = shutil.rmtree,
+) -> str:
+    """Remove a superseded MDS directory (with ``remove``), or keep it when a snapshot pins it.
 
     Returns ``"removed"`` or the retained path. An unreadable pin keeps it (fail closed).
     """
     import hashlib
 
     if not _pin_files(old):
-        shutil.rmtree(old)
+        remove(old)
         return "removed"
     try:
         index_sha = hashlib.sha256((old / "index.json").read_bytes()).hexdigest()

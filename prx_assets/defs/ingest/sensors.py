@@ -1,7 +1,5 @@
 """The landing sensor: each complete batch in the landing zone is registered exactly once."""
 
-import json
-
 from dagster import (
     DefaultSensorStatus,
     RunRequest,
@@ -11,6 +9,7 @@ from dagster import (
     sensor,
 )
 
+from prx_assets.core.ingest.cursor import CursorError, decode_keys, encode_keys
 from prx_assets.core.ingest.remote_landing import discover_landing
 from prx_assets.core.ingest.sources import BatchError
 from prx_assets.defs.jobs import batch_pipeline_job
@@ -26,9 +25,12 @@ from prx_assets.defs.resources import LabResource
     description="Registers each new batch of the landing zone as a partition and runs it.",
 )
 def landing_sensor(context: SensorEvaluationContext, lab: LabResource):
-    # The cursor holds every key this sensor registered: a partition deleted by hand
-    # is not silently re-created, and no batch is requested twice.
-    registered: set[str] = set(json.loads(context.cursor)) if context.cursor else set()
+    # The cursor holds every key this sensor registered (compactly: core/ingest/cursor.py):
+    # a partition deleted by hand is not silently re-created, and no batch is requested twice.
+    try:
+        registered = decode_keys(context.cursor)
+    except CursorError as exc:  # never forget what was registered: request nothing instead
+        return SkipReason(f"landing cursor unreadable, nothing requested: {bounded(str(exc), 400)}")
     try:
         refs = discover_landing(lab.landing_uri)  # a local directory or an s3:// prefix
     except (BatchError, OSError) as exc:
@@ -41,5 +43,5 @@ def landing_sensor(context: SensorEvaluationContext, lab: LabResource):
     return SensorResult(
         run_requests=[RunRequest(partition_key=k, run_key=f"landing:{k}") for k in new],
         dynamic_partitions_requests=[BATCHES.build_add_request(new)],
-        cursor=json.dumps(sorted(registered | set(new))),
+        cursor=encode_keys(registered | set(new)),
     )

@@ -1,0 +1,136 @@
+"""Loader discovery reads one small file per directory (issue 12), and the counts it takes
+from that file are claims the dataset checks: a manifest whose counts disagree with its
+index or its sidecars stops the loader; it never changes what is yielded."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prx_assets.core.skiplists.sidecars import (
+    MANIFEST_BASENAME,
+    SkipListCorrupt,
+    canonical_json,
+    load_generation,
+)
+from prx_assets.loader import ShapeBatchedLoader, discover_streams
+
+from .conftest import MdsRoot
+
+_OPENED: list[str] | None = None  # files opened while a test records (audit events)
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _OPENED is not None and event == "open" and args and isinstance(args[0], str | bytes):
+        _OPENED.append(os.path.abspath(os.fsdecode(args[0])))
+
+
+sys.addaudithook(_audit)  # permanent for the process; records only inside _opens()
+
+
+@contextlib.contextmanager
+def _opens() -> Iterator[list[str]]:
+    global _OPENED
+    _OPENED = []
+    try:
+        yield _OPENED
+    finally:
+        _OPENED = None
+
+
+def _per_partition(opened: list[str], m: MdsRoot) -> Counter[str]:
+    dirs = {str(m.dir(rel).resolve()): rel for rel in m.shards}
+    return Counter(dirs[os.path.dirname(p)] for p in opened if os.path.dirname(p) in dirs)
+
+
+def _loader(m: MdsRoot) -> ShapeBatchedLoader:
+    return ShapeBatchedLoader(discover_streams(m.root), batch_size=4, num_canonical_nodes=1)
+
+
+def test_discovery_reads_at_most_one_small_file_per_directory(mds_root: MdsRoot):
+    """Finding: discovery read index.json twice, the manifest and every sidecar of each
+    directory (then the dataset read them all again): 1.8 s of 2.5 s at 10,000 directories."""
+    skipped = mds_root.apply_skips({"0/16x24/b1": {0: {0: ["opt_out"], 3: ["duplicate"]}}})
+    with _opens() as opened:
+        found = discover_streams(mds_root.root)
+    per_dir = _per_partition(opened, mds_root)
+    assert set(per_dir) == set(mds_root.shards) and set(per_dir.values()) == {1}
+    assert {os.path.basename(p) for p in opened if "/mds/" in p} == {MANIFEST_BASENAME}
+    by_rel = {b.relpath: b.counts for b in found}
+    assert by_rel["0/16x24/b1"].kept_samples == 40 - 2 and by_rel["0/16x24/b1"].samples == 40
+    keys = {
+        k for b in ShapeBatchedLoader(found, batch_size=4, num_canonical_nodes=1) for k in b["key"]
+    }
+    assert keys == mds_root.all_keys() - skipped
+
+
+def _rewrite_manifest(d: Path, edit) -> None:  # noqa: ANN001
+    """Re-sign the manifest after ``edit(obj)``: a consistent-looking lie (self-hash valid)."""
+    obj = json.loads((d / MANIFEST_BASENAME).read_bytes())
+    edit(obj)
+    body = {k: v for k, v in obj.items() if k != "sha256"}
+    import hashlib
+
+    obj["sha256"] = hashlib.sha256(canonical_json(body)).hexdigest()
+    (d / MANIFEST_BASENAME).write_bytes(canonical_json(obj) + b"\n")
+
+
+def test_counts_the_manifest_claims_are_checked_by_the_dataset(mds_root: MdsRoot):
+    rel = "0/16x24/b1"
+    skipped = mds_root.apply_skips({rel: {1: {2: ["opt_out"]}}})
+    d = mds_root.dir(rel)
+
+    def hide_the_skip(obj: dict) -> None:
+        obj["shards"][1]["skipped"] = 0
+
+    _rewrite_manifest(d, hide_the_skip)
+    found = discover_streams(mds_root.root)  # discovery believes it: every sample kept
+    assert {b.relpath: b.counts.kept_samples for b in found}[rel] == 40
+    with pytest.raises(SkipListCorrupt, match="its manifest says 0"):
+        ShapeBatchedLoader(found, batch_size=4, num_canonical_nodes=1)
+    with pytest.raises(SkipListCorrupt, match="its manifest says 0"):
+        load_generation(d)
+    assert skipped  # the opted-out sample exists and was never yielded
+
+    def more_samples(obj: dict) -> None:
+        obj["shards"][1]["skipped"] = 1
+        obj["shards"][1]["samples"] += 1
+
+    _rewrite_manifest(d, more_samples)
+    with pytest.raises(SkipListCorrupt, match="index.json"):
+        _loader(mds_root)
+
+
+def test_a_missing_sidecar_stops_the_loader_though_discovery_never_reads_it(mds_root: MdsRoot):
+    rel = "1/24x16/b0"
+    mds_root.apply_skips({rel: {0: {1: ["opt_out"]}}})
+    live = load_generation(mds_root.dir(rel))
+    found = discover_streams(mds_root.root)
+    (mds_root.dir(rel) / live.manifest.entries[0].sidecar).unlink()
+    with pytest.raises(SkipListCorrupt, match="does not exist"):
+        ShapeBatchedLoader(found, batch_size=4, num_canonical_nodes=1)
+
+
+def test_a_version_1_manifest_is_counted_through_its_sidecars(mds_root: MdsRoot):
+    rel = "0/16x24/b0"
+    skipped = mds_root.apply_skips({rel: {0: {0: ["opt_out"]}, 2: {1: ["duplicate"]}}})
+
+    def to_v1(obj: dict) -> None:
+        obj["version"] = 1
+        for entry in obj["shards"]:
+            del entry["samples"], entry["skipped"]
+
+    _rewrite_manifest(mds_root.dir(rel), to_v1)
+    found = discover_streams(mds_root.root)
+    assert {b.relpath: b.counts.kept_samples for b in found}[rel] == 38
+    keys = {
+        k for b in ShapeBatchedLoader(found, batch_size=4, num_canonical_nodes=1) for k in b["key"]
+    }
+    assert keys == mds_root.all_keys() - skipped
