@@ -231,7 +231,10 @@ def test_discovery_and_loader_refuse_an_unscreened_partition(mds_root: MdsRoot):
         loader = ShapeBatchedLoader(
             raw, batch_size=4, num_canonical_nodes=1, skiplists=IGNORE_SKIPLISTS_UNSAFE
         )
-    assert len([w for w in caught if w.category is UnscreenedDataWarning]) == 3  # per stream
+    # One warning per stream (a retry of streaming's prefix race, under load, warns again
+    # for the streams it rebuilds: the same messages).
+    unscreened = {str(w.message) for w in caught if w.category is UnscreenedDataWarning}
+    assert len(unscreened) == 3
     assert victim in {k for b in loader for k in b["key"]}
 
 
