@@ -1,11 +1,12 @@
 """The Lance "lab": one directory of Lance tables that every stage reads and extends.
 
 Why these helpers: every partitioned stage writes "its rows for batch B" and must be
-idempotent and safe when partitions run concurrently. Lance gives both if each
-rewrite of a partition is a single commit: ``merge_insert`` on the table's identity
-columns with ``when_not_matched_by_source_delete("batch = 'B'")`` replaces exactly
-that batch's rows in one transaction; concurrent commits from other partitions are
-rebased by Lance's optimistic concurrency (checked in the tests with processes).
+idempotent and safe when partitions run concurrently. Each rewrite of a partition is a
+single Lance commit (new fragments plus the deletion of the batch's old rows); concurrent
+commits from other partitions are rebased by Lance's optimistic concurrency (checked in the
+tests with processes). After each commit the writer keeps the table cheap for the next
+operation (``maintenance.py``): indexes cover the new fragment, a full size tier is
+compacted, old versions are dropped by count and age, and pinned versions are kept.
 """
 
 from __future__ import annotations
@@ -13,82 +14,57 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import lance
 import pyarrow as pa
-import pyarrow.fs as pafs
 from lance.commit import CommitConflictError
 from lance.fragment import write_fragments
-from lance.query import FullTextOperator, MatchQuery
 
 from prx_assets.core.crashpoints import crashpoint
-
-TARGET_ROWS_PER_FRAGMENT = 1_048_576
-# Files no version references are deleted once this old: longer than any write takes from
-# its first fragment to its commit, so an in-flight write's files are never touched.
-ORPHAN_MIN_AGE = timedelta(hours=24)
-ORPHAN_SCAN_LIMIT = 100_000  # candidates listed per table and run; the next run continues
-
-
-def _object_key(uri: str) -> str:
-    """How Lance names a file of ``uri`` in cleanup plans: the path without scheme or root."""
-    if "://" in uri:
-        return uri.split("://", 1)[1].strip("/")
-    return str(Path(uri).resolve()).strip("/")
-
-
-def _remove_empty_parent(fs: pafs.FileSystem, path: str, base_key: str) -> None:
-    """A killed index build leaves ``_indices/<uuid>/``: drop the folder once empty (local)."""
-    if not isinstance(fs, pafs.LocalFileSystem):
-        return
-    parent = Path(path).parent
-    if parent.parent.name == "_indices" and str(parent).strip("/").startswith(base_key):
-        with contextlib.suppress(OSError):
-            parent.rmdir()  # only succeeds when empty
-
-
-def sql_literal(value: str) -> str:
-    """Quote a string for a Lance SQL filter; batch keys are restricted, but be strict anyway."""
-    return "'" + value.replace("'", "''") + "'"
-
-
-def in_list(column: str, values: Iterable[str]) -> str:
-    vals = sorted(set(values))
-    if not vals:
-        return "false"
-    return f"{column} IN ({', '.join(sql_literal(v) for v in vals)})"
-
-
-@dataclass(frozen=True)
-class TableSpec:
-    """A lab table: its schema, the columns that identify a row, and its scalar indexes."""
-
-    name: str
-    schema: pa.Schema
-    identity: tuple[str, ...]
-    indexes: tuple[tuple[str, str], ...] = ()  # (column, index type)
+from prx_assets.core.lab import maintenance as mx
+from prx_assets.core.lab.blobs import BlobStore, is_blob_ref, stored_schema
+from prx_assets.core.lab.maintenance import (
+    DEFAULT_POLICY,
+    ORPHAN_MIN_AGE,
+    TARGET_ROWS_PER_FRAGMENT,
+    VERSION_PINS,
+    MaintenancePolicy,
+)
+from prx_assets.core.lab.spec import TableSpec, sql_literal
+from prx_assets.core.lab.view import LabView, _has_index
 
 
 class _CountingBatches:
-    """Pass record batches through, counting rows and refusing rows of another batch."""
+    """Pass record batches through, counting rows and refusing rows of another batch; blob
+    columns are stored in the blob store and passed on as references."""
 
-    def __init__(self, batches: Iterable[pa.RecordBatch], schema: pa.Schema, batch: str) -> None:
+    def __init__(
+        self,
+        batches: Iterable[pa.RecordBatch],
+        spec: TableSpec,
+        batch: str,
+        stored: pa.Schema,
+        blobs: BlobStore,
+    ) -> None:
         self._batches = batches
-        self._schema = schema
+        self._spec = spec
         self._batch = batch
+        self._stored = stored
+        self._blobs = blobs
+        self._blob_columns = [c for c in spec.blobs if is_blob_ref(stored.field(c))]
         self.rows = 0
+        self.blob_bytes_written = 0
         self.error: ValueError | None = None
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
+        schema = self._spec.schema
         for rb in self._batches:
-            rb = pa.Table.from_batches([rb]).select(self._schema.names).cast(self._schema)
+            rb = pa.Table.from_batches([rb]).select(schema.names).cast(schema)
             for part in rb.to_batches():
                 batch_values = set(part.column("batch").unique().to_pylist())
                 if batch_values - {self._batch}:
@@ -97,17 +73,28 @@ class _CountingBatches:
                     )
                     raise self.error
                 self.rows += part.num_rows
+                if self._blob_columns:
+                    part, written = self._blobs.to_stored(
+                        self._spec.name, part, self._blob_columns, self._stored
+                    )
+                    self.blob_bytes_written += written
                 yield part
                 crashpoint("lab.fragment_batch")
 
 
 class Lab:
-    """A directory of Lance tables (local path or object-store URI)."""
+    """A directory of Lance tables (local path or object-store URI).
 
-    def __init__(self, root: str | Path) -> None:
+    ``policy`` says how the write path maintains what it writes (on by default;
+    ``maintenance.MANUAL`` leaves it all to ``maintain``).
+    """
+
+    def __init__(self, root: str | Path, policy: MaintenancePolicy = DEFAULT_POLICY) -> None:
         self.root = str(root).rstrip("/")
+        self.policy = policy
         if "://" not in self.root:
             Path(self.root).mkdir(parents=True, exist_ok=True)
+        self.blobs = BlobStore(self.root)
 
     def uri(self, table: str) -> str:
         return f"{self.root}/{table}.lance"
@@ -123,10 +110,11 @@ class Lab:
         return self._open(table) is not None
 
     def dataset(self, table: str, version: int | None = None) -> lance.LanceDataset:
-        """The Lance dataset itself: for code inside this module and its tests only.
+        """The Lance dataset itself: for code inside this package and its tests only.
 
         Everything else goes through the methods of ``Lab`` and ``LabView``, so that one
-        place decides how the lab is read, written and indexed.
+        place decides how the lab is read, written and indexed (blob columns hold
+        references here, not bytes).
         """
         return lance.dataset(self.uri(table), version=version)
 
@@ -134,20 +122,40 @@ class Lab:
         """A read view that opens each table once (at ``versions[table]`` when given)."""
         return LabView(self, versions)
 
+    def stored_schema(self, spec: TableSpec) -> pa.Schema:
+        """The schema the table is (or will be) stored with: blob columns as references,
+        except on a table created before blob storage, whose inline bytes stay inline."""
+        ds = self._open(spec.name)
+        if ds is not None:
+            return pa.schema([ds.schema.field(n) for n in spec.schema.names])
+        return stored_schema(spec.schema, spec.blobs)
+
     def ensure(self, spec: TableSpec) -> lance.LanceDataset:
         """Create the table empty if missing (tolerating a concurrent creator)."""
         try:
             return self.dataset(spec.name)
         except (ValueError, OSError, FileNotFoundError):
             pass
+        schema = stored_schema(spec.schema, spec.blobs)
         try:
             lance.write_dataset(
-                pa.Table.from_pylist([], schema=spec.schema), self.uri(spec.name), mode="create"
+                pa.Table.from_pylist([], schema=schema), self.uri(spec.name), mode="create"
             )
         except (OSError, ValueError):
             # Another process created it first; that is fine.
             pass
         return self.dataset(spec.name)
+
+    def _to_stored(self, spec: TableSpec, rows: pa.Table) -> pa.Table:
+        rows = rows.select(spec.schema.names).cast(spec.schema)
+        stored = self.stored_schema(spec)
+        blob_columns = [c for c in spec.blobs if is_blob_ref(stored.field(c))]
+        if not blob_columns:
+            return rows
+        parts = [
+            self.blobs.to_stored(spec.name, rb, blob_columns, stored)[0] for rb in rows.to_batches()
+        ]
+        return pa.Table.from_batches(parts, schema=stored)
 
     def replace_partition(
         self,
@@ -159,19 +167,21 @@ class Lab:
         """Replace every row of ``batch`` with ``data`` in one Lance commit.
 
         New rows are streamed into new fragment files first (bounded memory: a batch's
-        image bytes are never all held at once), then one ``Update`` transaction both
-        marks the batch's old rows deleted and adds the new fragments. Readers see the
-        old rows or the new rows, never a mix or nothing; rows of other batches are
-        untouched; a rerun with the same data leaves the table's content unchanged. A
-        concurrent commit touching the same fragments makes the commit retry with the
-        deletions recomputed (the written fragments are reused).
+        image bytes are never all held at once; blob columns go to the blob store first),
+        then one ``Update`` transaction both marks the batch's old rows deleted and adds the
+        new fragments. Readers see the old rows or the new rows, never a mix or nothing;
+        rows of other batches are untouched; a rerun with the same data leaves the table's
+        content unchanged. A concurrent commit touching the same fragments makes the commit
+        retry with the deletions recomputed (the written fragments are reused). Then the
+        table is maintained per ``policy`` (``result["maintenance"]``).
         """
         self.ensure(spec)
+        stored = self.stored_schema(spec)
         batches = data.to_batches() if isinstance(data, pa.Table) else data
-        counted = _CountingBatches(batches, spec.schema, batch)
-        reader = pa.RecordBatchReader.from_batches(spec.schema, iter(counted))
+        counted = _CountingBatches(batches, spec, batch, stored, self.blobs)
+        reader = pa.RecordBatchReader.from_batches(stored, iter(counted))
         try:
-            new_fragments = write_fragments(reader, self.uri(spec.name), schema=spec.schema)
+            new_fragments = write_fragments(reader, self.uri(spec.name), schema=stored)
         except OSError:
             if counted.error is not None:  # our own refusal, wrapped by Lance: surface it
                 raise counted.error from None
@@ -179,7 +189,12 @@ class Lab:
         crashpoint("lab.fragments_written")
         predicate = f"batch = {sql_literal(batch)}"
         with self._partition_lock(spec.name, batch):
-            return self._commit_replacement(spec, predicate, new_fragments, counted.rows, attempts)
+            result = self._commit_replacement(
+                spec, predicate, new_fragments, counted.rows, attempts
+            )
+        result["blob_bytes_written"] = counted.blob_bytes_written
+        result["maintenance"] = self.after_commit(spec)
+        return result
 
     @contextlib.contextmanager
     def _partition_lock(self, table: str, batch: str) -> Iterator[None]:
@@ -243,6 +258,48 @@ class Lab:
         assert last is not None
         raise last
 
+    def after_commit(self, spec: TableSpec) -> dict[str, Any]:
+        """Keep ``spec``'s table cheap after a commit (the write path's maintenance).
+
+        Folds unindexed fragments into the scalar indexes, compacts a full size tier
+        (``maintenance.compaction_candidates``), and applies version retention after a
+        compaction or every ``policy.cleanup_every`` versions. One maintainer per table at
+        a time (others skip: the next commit catches up); a maintenance commit that loses a
+        race to a partition commit is deferred, never retried over it, so no partition
+        commit is ever lost. Returns what was done.
+        """
+        policy = self.policy
+        if not policy.enabled:
+            return {"skipped": "manual"}
+        done: dict[str, Any] = {}
+        with mx.maintenance_lock(self.root, spec.name) as mine:
+            if not mine:
+                return {"skipped": "another maintainer"}
+            try:
+                ds = self.dataset(spec.name)
+                done["indexes_refreshed"] = mx.refresh_indexes(ds, spec)
+                ds = self.dataset(spec.name)
+                candidates = mx.compaction_candidates(ds, policy)
+                if candidates:
+                    metrics = mx.compact(ds, candidates, policy)
+                    done["fragments_compacted"] = metrics.fragments_removed
+                    done["indexes_refreshed"] += mx.refresh_indexes(self.dataset(spec.name), spec)
+                ds = self.dataset(spec.name)
+                if candidates or ds.version % policy.cleanup_every == 0:
+                    done.update(
+                        mx.cleanup_versions(
+                            self.uri(spec.name),
+                            policy.keep_versions,
+                            policy.version_min_age,
+                            policy.retention,
+                        )
+                    )
+            except (OSError, RuntimeError, ValueError, CommitConflictError) as exc:
+                if not mx.is_conflict(exc):
+                    raise
+                done["deferred"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        return done
+
     def ensure_indexes(self, spec: TableSpec, attempts: int = 8) -> list[str]:
         """Create the spec's missing scalar indexes, tolerating concurrent writers; the
         columns indexed now.
@@ -285,11 +342,13 @@ class Lab:
         filter: str | None = None,
         version: int | None = None,
     ) -> pa.Table:
-        """Projection + predicate pushdown read; an absent table reads as empty."""
+        """Projection + predicate pushdown read; an absent table reads as empty. Blob
+        columns come back as their bytes (checked against their address)."""
         ds = self._open(table, version)
         if ds is None:
             return pa.table({})
-        return ds.to_table(columns=list(columns) if columns else None, filter=filter)
+        rows = ds.to_table(columns=list(columns) if columns else None, filter=filter)
+        return self.blobs.resolve(table, rows, ds.schema)
 
     def read_batch(self, table: str, batch: str, columns: Sequence[str] | None = None) -> pa.Table:
         return self.read(table, columns, f"batch = {sql_literal(batch)}")
@@ -307,10 +366,11 @@ class Lab:
     def append(self, spec: TableSpec, rows: pa.Table) -> int:
         """Add ``rows`` in one commit (for small queue/log tables); returns the version."""
         self.ensure(spec)
-        rows = rows.select(spec.schema.names).cast(spec.schema)
+        rows = self._to_stored(spec, rows)
         if rows.num_rows:
             lance.write_dataset(rows, self.uri(spec.name), mode="append")
             self.ensure_indexes(spec)
+            self.after_commit(spec)
         return self.dataset(spec.name).version
 
     def delete(self, table: str, predicate: str, attempts: int = 8) -> int:
@@ -350,9 +410,10 @@ class Lab:
             .when_matched_update_all()
             .when_not_matched_insert_all()
             .when_not_matched_by_source_delete(f"{column} = {sql_literal(value)}")
-            .execute(rows)
+            .execute(self._to_stored(spec, rows))
         )
         self.ensure_indexes(spec)
+        self.after_commit(spec)
         return self.dataset(spec.name).version
 
     def add_columns(self, table: str, fields: Sequence[pa.Field]) -> int:
@@ -453,24 +514,39 @@ class Lab:
         target_rows_per_fragment: int = TARGET_ROWS_PER_FRAGMENT,
         retention: timedelta = timedelta(days=7),
         orphan_min_age: timedelta = ORPHAN_MIN_AGE,
+        keep_versions: int | None = None,
+        version_min_age: timedelta | None = None,
     ) -> dict[str, Any]:
-        """Compact toward the target fragment size, refresh indexes, drop old versions, and
-        remove files no version references once they are ``orphan_min_age`` old."""
+        """Compact toward the target fragment size, refresh every index, drop versions past
+        retention (age, and count beyond ``keep_versions`` once older than
+        ``version_min_age``; pinned ones never), and remove files no version references
+        once they are ``orphan_min_age`` old. Blob bytes are never read or copied."""
         if not self.exists(spec.name):
             return {"table": spec.name, "skipped": "absent"}
+        keep = self.policy.keep_versions if keep_versions is None else keep_versions
+        min_age = self.policy.version_min_age if version_min_age is None else version_min_age
         self.ensure_indexes(spec)
         ds = self.dataset(spec.name)
         before = len(ds.get_fragments())
-        # Index every fragment first: Lance only merges fragments of equal index coverage.
-        if ds.list_indices():
-            ds.optimize.optimize_indices()
-        ds = self.dataset(spec.name)
-        metrics = ds.optimize.compact_files(target_rows_per_fragment=target_rows_per_fragment)
-        ds = self.dataset(spec.name)
-        if ds.list_indices():
-            ds.optimize.optimize_indices()
-        cleanup = self.dataset(spec.name).cleanup_old_versions(older_than=retention)
-        orphans = self.remove_orphaned_files(spec.name, retention, orphan_min_age)
+        with mx.maintenance_lock(self.root, spec.name) as mine:
+            if not mine:
+                return {"table": spec.name, "skipped": "another maintainer"}
+            # Index every fragment first: Lance only merges fragments of equal index coverage.
+            if ds.list_indices():
+                ds.optimize.optimize_indices()
+            ds = self.dataset(spec.name)
+            metrics = ds.optimize.compact_files(
+                target_rows_per_fragment=target_rows_per_fragment,
+                batch_size=self.policy.compaction_batch_size,
+                num_threads=1,
+            )
+            ds = self.dataset(spec.name)
+            if ds.list_indices():
+                ds.optimize.optimize_indices()
+            cleanup = mx.cleanup_versions(self.uri(spec.name), keep, min_age, retention)
+            orphans = mx.remove_orphaned_files(
+                self.dataset(spec.name), self.uri(spec.name), retention, orphan_min_age
+            )
         ds = self.dataset(spec.name)
         return {
             "table": spec.name,
@@ -478,178 +554,76 @@ class Lab:
             "fragments_before": before,
             "fragments_after": len(ds.get_fragments()),
             "fragments_removed": metrics.fragments_removed,
-            "versions_removed": getattr(cleanup, "old_versions", None),
             "version": ds.version,
+            **cleanup,
             **orphans,
         }
 
     def remove_orphaned_files(
         self, table: str, retention: timedelta, min_age: timedelta = ORPHAN_MIN_AGE
     ) -> dict[str, Any]:
-        """Delete files of ``table`` that no kept version references, if older than ``min_age``.
+        """Delete files of ``table`` no kept version references, once older than ``min_age``
+        (see ``maintenance.remove_orphaned_files``)."""
+        return mx.remove_orphaned_files(self.dataset(table), self.uri(table), retention, min_age)
 
-        A writer killed between ``write_fragments`` and its commit (or an index build or a
-        compaction killed before theirs) leaves data, deletion or index files that no
-        manifest names. Lance's ``cleanup_old_versions`` leaves such "unverified" files
-        for 7 days, and ``delete_unverified=True`` removes them regardless of age, which
-        would also delete the files of a write still in flight: its fragments are on disk
-        before its commit names them, and a commit naming deleted files corrupts the table.
-        So Lance lists the candidates (``explain_cleanup_old_versions``, the same rules as
-        the cleanup) and only those at least ``min_age`` old (file modification time) are
-        deleted here. ``min_age`` must exceed the longest write, from its first fragment to
-        its commit (a partition replacement streams one batch; default 24 h). A file Lance
-        lists that cannot be mapped to this table's directory is left alone.
+    def pin_versions(self, holder: str, versions: Mapping[str, int]) -> None:
+        """Keep exactly ``versions`` (table -> version) for ``holder`` until ``unpin``.
+
+        Each version gets the holder's Lance tag first (cleanup never removes a tagged
+        version nor a file it references), then the pins are recorded in ``version_pins``
+        in one commit, replacing the holder's earlier pins (their tags are dropped last). A
+        crash in between leaves an extra tag (a version kept longer), never a recorded pin
+        without its tag. A version that no longer exists raises.
         """
-        if min_age < timedelta(0):
-            raise ValueError(f"min_age must be >= 0, got {min_age}")
-        ds = self.dataset(table)
-        plan = ds.explain_cleanup_old_versions(
-            older_than=retention,
-            delete_unverified=True,
-            include_files=True,
-            max_files=ORPHAN_SCAN_LIMIT,
+        if not holder:
+            raise ValueError("a pin needs a holder")
+        tag = mx.pin_tag(holder)
+        for table, version in versions.items():
+            mx.set_tag(self.dataset(table), tag, int(version))
+        earlier = set(self.pinned_by(holder)) - set(versions)
+        now = datetime.now(UTC)
+        rows = pa.table(
+            {
+                "holder": [holder] * len(versions),
+                "table": list(versions),
+                "version": [int(v) for v in versions.values()],
+                "tag": [tag] * len(versions),
+                "pinned_at": [now] * len(versions),
+            },
+            schema=VERSION_PINS.schema,
         )
-        base_uri = self.uri(table)
-        base_key = _object_key(base_uri)
-        now = time.time()
-        removed = kept = unmapped = 0
-        removed_bytes = 0
-        for candidate in plan.candidate_files:
-            if not candidate.unverified:
-                continue  # referenced by a version past retention: cleanup_old_versions' job
-            path = candidate.path.lstrip("/")
-            if not path.startswith(base_key + "/"):
-                unmapped += 1
-                continue
-            fs, fs_path = pafs.FileSystem.from_uri(f"{base_uri}/{path[len(base_key) + 1 :]}")
-            info = fs.get_file_info(fs_path)
-            if info.type != pafs.FileType.File or info.mtime is None:
-                continue
-            if now - info.mtime.timestamp() < min_age.total_seconds():
-                kept += 1
-                continue
-            fs.delete_file(fs_path)
-            removed += 1
-            removed_bytes += candidate.size_bytes
-            _remove_empty_parent(fs, fs_path, base_key)
-        return {
-            "orphan_files_removed": removed,
-            "orphan_bytes_removed": removed_bytes,
-            "orphan_files_kept_recent": kept,
-            "orphan_files_unmapped": unmapped,
-            "orphan_scan_truncated": plan.candidate_files_truncated,
-        }
+        self.replace_rows(VERSION_PINS, "holder", holder, rows)
+        for table in earlier:
+            if (ds := self._open(table)) is not None:
+                mx.drop_tag(ds, tag)
 
+    def unpin(self, holder: str) -> None:
+        """Release every version ``holder`` pinned (record first, then the tags)."""
+        tables = set(self.pinned_by(holder))
+        if self.exists(VERSION_PINS.name):
+            self.delete(VERSION_PINS.name, f"holder = {sql_literal(holder)}")
+        tag = mx.pin_tag(holder)
+        for table in tables:
+            if (ds := self._open(table)) is not None:
+                mx.drop_tag(ds, tag)
 
-def _has_index(ds: lance.LanceDataset, column: str, kinds: Iterable[str]) -> bool:
-    wanted = {k.upper() for k in kinds}
-    return any(
-        ix["fields"] == [column] and str(ix["type"]).upper() in wanted for ix in ds.list_indices()
-    )
+    def pinned_by(self, holder: str) -> dict[str, int]:
+        """The versions ``holder`` has pinned (table -> version)."""
+        rows = self.read(VERSION_PINS.name, ["table", "version"], f"holder = {sql_literal(holder)}")
+        if not rows.num_rows:
+            return {}
+        return dict(
+            zip(rows.column("table").to_pylist(), rows.column("version").to_pylist(), strict=True)
+        )
 
-
-class LabView:
-    """Reads of several tables through one open dataset each, optionally at fixed versions.
-
-    Why: opening a Lance dataset reads its manifest; a caller that reads a table several
-    times (the audit's trail, a browser query, a stage's inputs) should pay that once, and
-    reads pinned to versions see one consistent state of the lab even while stages commit.
-    A table is opened on first use (at ``versions[table]`` when given, else its latest
-    version), then every read of it goes to that same version; ``versions`` records the
-    version each opened table is read at, so a caller can report exactly what it read.
-    Safe to share between threads (each table is still opened once).
-    """
-
-    def __init__(self, lab: Lab, versions: Mapping[str, int] | None = None) -> None:
-        self.lab = lab
-        self.versions: dict[str, int] = dict(versions or {})
-        self._open: dict[str, lance.LanceDataset | None] = {}
-        self._lock = threading.Lock()
-
-    def _ds(self, table: str) -> lance.LanceDataset | None:
-        with self._lock:
-            if table not in self._open:
-                ds = self.lab._open(table, self.versions.get(table))
-                self._open[table] = ds
-                if ds is not None:
-                    self.versions[table] = ds.version
-            return self._open[table]
-
-    def pin(self, tables: Iterable[str]) -> dict[str, int]:
-        """Open ``tables`` now, so later reads see the lab as it is at this moment; the
-        version of each one that exists (absent tables stay absent for this view)."""
-        return {t: v for t in tables if (v := self.version(t)) is not None}
-
-    def exists(self, table: str) -> bool:
-        return self._ds(table) is not None
-
-    def version(self, table: str) -> int | None:
-        ds = self._ds(table)
-        return None if ds is None else ds.version
-
-    def schema(self, table: str) -> pa.Schema | None:
-        ds = self._ds(table)
-        return None if ds is None else ds.schema
-
-    def indexed_columns(self, table: str) -> dict[str, set[str]]:
-        """Column -> index types present on ``table`` (empty when absent)."""
-        ds = self._ds(table)
-        out: dict[str, set[str]] = {}
-        for ix in [] if ds is None else ds.list_indices():
-            for column in ix["fields"]:
-                out.setdefault(column, set()).add(str(ix["type"]).upper())
+    def pinned_versions(self) -> dict[str, set[int]]:
+        """Every pinned version, by table (what cleanup keeps for holders)."""
+        rows = self.read(VERSION_PINS.name, ["table", "version"])
+        out: dict[str, set[int]] = {}
+        for table, version in zip(
+            rows.column("table").to_pylist() if rows.num_rows else [],
+            rows.column("version").to_pylist() if rows.num_rows else [],
+            strict=True,
+        ):
+            out.setdefault(table, set()).add(int(version))
         return out
-
-    def read(
-        self,
-        table: str,
-        columns: Sequence[str] | None = None,
-        filter: str | None = None,
-        **scan: Any,
-    ) -> pa.Table:
-        """A pushed-down read; ``scan`` passes Lance scanner options (``limit``,
-        ``full_text_query``, ``nearest``, ``prefilter``, ``with_row_id``...). An absent
-        table reads as empty."""
-        ds = self._ds(table)
-        if ds is None:
-            return pa.table({})
-        return ds.to_table(columns=list(columns) if columns else None, filter=filter, **scan)
-
-    def explain(
-        self,
-        table: str,
-        columns: Sequence[str] | None = None,
-        filter: str | None = None,
-        **scan: Any,
-    ) -> str | None:
-        """Lance's physical plan for the same read (which indexes it uses); None if absent.
-
-        Why here: the browser shows, per step, whether an index answered it; the plan is the
-        only place Lance says so.
-        """
-        ds = self._ds(table)
-        if ds is None:
-            return None
-        cols = list(columns) if columns is not None else None
-        return ds.scanner(columns=cols, filter=filter, **scan).explain_plan(True)
-
-    def count(self, table: str, filter: str | None = None, **scan: Any) -> int:
-        """Rows matching ``filter`` (0 when absent); ``scan`` as for :meth:`read`, e.g.
-        ``use_scalar_index=False`` to count by a full scan."""
-        ds = self._ds(table)
-        if ds is None:
-            return 0
-        if not scan:
-            return ds.count_rows(filter)
-        return ds.scanner(columns=[], with_row_id=True, filter=filter, **scan).count_rows()
-
-
-def full_text_query(text: str, column: str, *, all_terms: bool = True) -> Any:
-    """A Lance full-text match of ``text`` on ``column`` for ``LabView.read(...,
-    full_text_query=...)``: every term must match (``all_terms``) or any one of them.
-
-    Why a function: the query object is Lance's type; readers outside this module build it
-    here and never import Lance themselves.
-    """
-    operator = FullTextOperator.AND if all_terms else FullTextOperator.OR
-    return MatchQuery(text, column, operator=operator)

@@ -1,0 +1,298 @@
+"""Keeping a lab table cheap as it grows: incremental index updates, tiered compaction,
+version retention by count and age, pinned versions, orphaned files.
+
+Why in the write path: every commit adds a fragment and a manifest. Left alone, indexes
+cover only the fragments they were built on (every other fragment is scanned), the
+manifest lists every fragment (each open and commit reads it) and ``_versions`` keeps every
+manifest, so each operation costs O(batches) and building a table is quadratic. After each
+commit the writer therefore folds its new fragment into the table's scalar indexes, and
+when a size tier holds ``fan_in`` fragments it compacts that tier (an LSM-style merge: each
+row is rewritten O(log rows) times over its life, the fragment count stays
+O(fan_in × tiers)), then drops versions past the count/age policy. Versions pinned by a
+holder (a training snapshot) are Lance tags and are never removed, nor the files they use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lance
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from prx_assets.core.lab.spec import TableSpec
+
+TARGET_ROWS_PER_FRAGMENT = 1_048_576
+# Files no version references are deleted once this old: longer than any write takes from
+# its first fragment to its commit, so an in-flight write's files are never touched.
+ORPHAN_MIN_AGE = timedelta(hours=24)
+ORPHAN_SCAN_LIMIT = 100_000  # candidates listed per table and run; the next run continues
+PIN_TAG_PREFIX = "pin-"
+
+VERSION_PINS = TableSpec(
+    name="version_pins",
+    schema=pa.schema(
+        [
+            pa.field("holder", pa.string(), nullable=False),  # who needs the versions kept
+            pa.field("table", pa.string(), nullable=False),
+            pa.field("version", pa.int64(), nullable=False),
+            pa.field("tag", pa.string(), nullable=False),  # the Lance tag that keeps it
+            pa.field("pinned_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        ]
+    ),
+    identity=("holder", "table"),
+)
+"""Versions a holder needs kept (``Lab.pin_versions``): cleanup never removes them."""
+
+
+@dataclass(frozen=True)
+class MaintenancePolicy:
+    """When the write path maintains a table, and what retention keeps.
+
+    ``fan_in`` fragments of one size tier (tier ``t`` holds fragments of
+    ``base_rows·fan_in^t`` up to ``base_rows·fan_in^(t+1)`` rows) are compacted together;
+    fragments of ``target_rows_per_fragment`` or more are left alone unless a quarter of
+    their rows are deleted. Versions beyond the newest ``keep_versions`` are removed once
+    older than ``version_min_age`` (a reader that opened one earlier than that may still be
+    reading it; hold longer ones with ``Lab.pin_versions``), and every version older than
+    ``retention``; the current and pinned versions never. Retention is applied after each
+    compaction and every ``cleanup_every`` versions.
+    """
+
+    enabled: bool = True
+    fan_in: int = 16
+    base_rows: int = 1024
+    target_rows_per_fragment: int = TARGET_ROWS_PER_FRAGMENT
+    materialize_deleted_share: float = 0.25
+    keep_versions: int = 100
+    version_min_age: timedelta = timedelta(minutes=15)
+    retention: timedelta = timedelta(days=7)
+    cleanup_every: int = 64
+    compaction_batch_size: int = 1024  # rows per compaction read: bounds its memory
+
+
+DEFAULT_POLICY = MaintenancePolicy()
+MANUAL = MaintenancePolicy(enabled=False)
+
+
+def _tier(rows: int, policy: MaintenancePolicy) -> int:
+    if rows < policy.base_rows * policy.fan_in:
+        return 0
+    return int(math.log(rows / policy.base_rows, policy.fan_in))
+
+
+def compaction_candidates(ds: lance.LanceDataset, policy: MaintenancePolicy) -> list[int]:
+    """Fragment ids to compact now: the lowest tier holding ``fan_in`` fragments, plus any
+    fragment with a large deleted share; empty when nothing is due. Reads the manifest only."""
+    tiers: dict[int, list[int]] = {}
+    heavy: list[int] = []
+    for fragment in ds.get_fragments():
+        meta = fragment.metadata
+        rows = meta.physical_rows or 0
+        deleted = meta.deletion_file.num_deleted_rows if meta.deletion_file else 0
+        if rows and deleted / rows >= policy.materialize_deleted_share:
+            heavy.append(meta.id)
+        elif rows < policy.target_rows_per_fragment:
+            tiers.setdefault(_tier(rows, policy), []).append(meta.id)
+    due = [ids for _, ids in sorted(tiers.items()) if len(ids) >= policy.fan_in]
+    if not due and len(heavy) < 1:
+        return []
+    return sorted((due[0] if due else []) + heavy)
+
+
+def is_conflict(exc: BaseException) -> bool:
+    """A lost race with a concurrent commit (retryable), as Lance reports it."""
+    message = str(exc).lower()
+    return any(w in message for w in ("conflict", "retryable", "preempted", "concurrent"))
+
+
+@contextlib.contextmanager
+def maintenance_lock(root: str, table: str) -> Iterator[bool]:
+    """One maintainer per local table at a time; yields False when another holds it
+    (object stores: True, Lance's commit conflicts arbitrate)."""
+    if "://" in root:
+        yield True
+        return
+    lock_dir = Path(root) / ".locks"
+    lock_dir.mkdir(exist_ok=True)
+    with open(lock_dir / f"{table}.maintain.lock", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def refresh_indexes(ds: lance.LanceDataset, spec: TableSpec) -> int:
+    """Fold fragments the spec's scalar indexes do not cover into them; the number of
+    indexes updated. Cost: the new fragments plus the index merge, not a rebuild."""
+    wanted = {c for c, _ in spec.indexes}
+    names = sorted(
+        {
+            ix["name"]
+            for ix in ds.list_indices()
+            if len(ix["fields"]) == 1 and ix["fields"][0] in wanted
+        }
+    )
+    if not names:
+        return 0
+    covered = {ix["name"]: ix.get("fragment_ids") for ix in ds.list_indices()}
+    fragments = [f.fragment_id for f in ds.get_fragments()]
+    stale = [
+        n for n in names if covered.get(n) is None or any(f not in covered[n] for f in fragments)
+    ]
+    if stale:
+        ds.optimize.optimize_indices(index_names=stale)
+    return len(stale)
+
+
+def compact(ds: lance.LanceDataset, candidates: list[int], policy: MaintenancePolicy) -> Any:
+    """Compact exactly ``candidates`` (everything else excluded), streaming in bounded
+    batches; Lance remaps the indexes onto the new fragments."""
+    excluded = [f.fragment_id for f in ds.get_fragments() if f.fragment_id not in set(candidates)]
+    return ds.optimize.compact_files(
+        target_rows_per_fragment=policy.target_rows_per_fragment,
+        materialize_deletions_threshold=policy.materialize_deleted_share,
+        excluded_fragment_ids=excluded,
+        batch_size=policy.compaction_batch_size,
+        num_threads=1,
+    )
+
+
+def retention_cutoff(
+    uri: str, latest: int, keep_versions: int, min_age: timedelta, retention: timedelta
+) -> timedelta:
+    """The ``older_than`` that removes versions beyond the newest ``keep_versions`` once older
+    than ``min_age``, and every version older than ``retention``. One manifest read."""
+    if keep_versions < 1:
+        raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
+    boundary = latest - keep_versions + 1
+    if boundary <= 1:
+        return retention
+    try:
+        stamp = lance.dataset(uri, version=boundary).timestamp
+    except (ValueError, OSError):
+        return max(min_age, timedelta(0)) if min_age < retention else retention
+    age = timedelta(seconds=max(0.0, time.time() - stamp.timestamp()))
+    return min(retention, max(age, min_age))
+
+
+def cleanup_versions(
+    uri: str, keep_versions: int, min_age: timedelta, retention: timedelta
+) -> dict[str, Any]:
+    """Drop versions by count and age; pinned (tagged) versions and their files stay."""
+    ds = lance.dataset(uri)
+    older_than = retention_cutoff(uri, ds.version, keep_versions, min_age, retention)
+    stats = ds.cleanup_old_versions(older_than=older_than, error_if_tagged_old_versions=False)
+    return {
+        "versions_removed": getattr(stats, "old_versions", None),
+        "bytes_removed": getattr(stats, "bytes_removed", None),
+    }
+
+
+def pin_tag(holder: str) -> str:
+    """The Lance tag a holder's pin is kept by (a digest: holders are free text)."""
+    return PIN_TAG_PREFIX + hashlib.sha256(holder.encode()).hexdigest()[:32]
+
+
+def set_tag(ds: lance.LanceDataset, tag: str, version: int) -> None:
+    tags = ds.tags.list()
+    if tag in tags:
+        if tags[tag]["version"] != version:
+            ds.tags.update(tag, version)
+    else:
+        ds.tags.create(tag, version)
+
+
+def drop_tag(ds: lance.LanceDataset, tag: str) -> None:
+    if tag in ds.tags.list():
+        ds.tags.delete(tag)
+
+
+def remove_orphaned_files(
+    ds: lance.LanceDataset,
+    base_uri: str,
+    retention: timedelta,
+    min_age: timedelta = ORPHAN_MIN_AGE,
+) -> dict[str, Any]:
+    """Delete files of a table that no kept version references, if older than ``min_age``.
+
+    A writer killed between ``write_fragments`` and its commit (or an index build or a
+    compaction killed before theirs) leaves data, deletion or index files that no
+    manifest names. Lance's ``cleanup_old_versions`` leaves such "unverified" files
+    for 7 days, and ``delete_unverified=True`` removes them regardless of age, which
+    would also delete the files of a write still in flight: its fragments are on disk
+    before its commit names them, and a commit naming deleted files corrupts the table.
+    So Lance lists the candidates (``explain_cleanup_old_versions``, the same rules as
+    the cleanup) and only those at least ``min_age`` old (file modification time) are
+    deleted here. ``min_age`` must exceed the longest write, from its first fragment to
+    its commit (a partition replacement streams one batch; default 24 h). A file Lance
+    lists that cannot be mapped to this table's directory is left alone.
+    """
+    if min_age < timedelta(0):
+        raise ValueError(f"min_age must be >= 0, got {min_age}")
+    plan = ds.explain_cleanup_old_versions(
+        older_than=retention,
+        delete_unverified=True,
+        include_files=True,
+        max_files=ORPHAN_SCAN_LIMIT,
+    )
+    base_key = object_key(base_uri)
+    now = time.time()
+    removed = kept = unmapped = 0
+    removed_bytes = 0
+    for candidate in plan.candidate_files:
+        if not candidate.unverified:
+            continue  # referenced by a version past retention: cleanup_old_versions' job
+        path = candidate.path.lstrip("/")
+        if not path.startswith(base_key + "/"):
+            unmapped += 1
+            continue
+        fs, fs_path = pafs.FileSystem.from_uri(f"{base_uri}/{path[len(base_key) + 1 :]}")
+        info = fs.get_file_info(fs_path)
+        if info.type != pafs.FileType.File or info.mtime is None:
+            continue
+        if now - info.mtime.timestamp() < min_age.total_seconds():
+            kept += 1
+            continue
+        fs.delete_file(fs_path)
+        removed += 1
+        removed_bytes += candidate.size_bytes
+        _remove_empty_parent(fs, fs_path, base_key)
+    return {
+        "orphan_files_removed": removed,
+        "orphan_bytes_removed": removed_bytes,
+        "orphan_files_kept_recent": kept,
+        "orphan_files_unmapped": unmapped,
+        "orphan_scan_truncated": plan.candidate_files_truncated,
+    }
+
+
+def object_key(uri: str) -> str:
+    """How Lance names a file of ``uri`` in cleanup plans: the path without scheme or root."""
+    if "://" in uri:
+        return uri.split("://", 1)[1].strip("/")
+    return str(Path(uri).resolve()).strip("/")
+
+
+def _remove_empty_parent(fs: pafs.FileSystem, path: str, base_key: str) -> None:
+    """A killed index build leaves ``_indices/<uuid>/``: drop the folder once empty (local)."""
+    if not isinstance(fs, pafs.LocalFileSystem):
+        return
+    parent = Path(path).parent
+    if parent.parent.name == "_indices" and str(parent).strip("/").startswith(base_key):
+        with contextlib.suppress(OSError):
+            parent.rmdir()  # only succeeds when empty
