@@ -19,11 +19,11 @@ import fcntl
 import hashlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lance
 import pyarrow as pa
@@ -37,6 +37,7 @@ TARGET_ROWS_PER_FRAGMENT = 1_048_576
 ORPHAN_MIN_AGE = timedelta(hours=24)
 ORPHAN_SCAN_LIMIT = 100_000  # candidates listed per table and run; the next run continues
 PIN_TAG_PREFIX = "pin-"
+T = TypeVar("T")
 
 VERSION_PINS = TableSpec(
     name="version_pins",
@@ -63,8 +64,8 @@ class MaintenancePolicy:
     fragments of ``target_rows_per_fragment`` or more are left alone unless a quarter of
     their rows are deleted. Versions beyond the newest ``keep_versions`` are removed once
     older than ``version_min_age`` (a reader that opened one earlier than that may still be
-    reading it; hold longer ones with ``Lab.pin_versions``), and every version older than
-    ``retention``; the current and pinned versions never. Retention is applied after each
+    reading it; hold longer ones with ``Lab.pin_versions``; ``retention``, when smaller,
+    shortens that age); the current and pinned versions never. Retention is applied after each
     compaction and every ``cleanup_every`` versions.
     """
 
@@ -113,6 +114,30 @@ def is_conflict(exc: BaseException) -> bool:
     """A lost race with a concurrent commit (retryable), as Lance reports it."""
     message = str(exc).lower()
     return any(w in message for w in ("conflict", "retryable", "preempted", "concurrent"))
+
+
+def retry_conflicts(action: Callable[[], T], deferred: list[str], attempts: int = 6) -> T | None:
+    """Run a maintenance step, redoing it when a concurrent commit won the race; after
+    ``attempts`` lost races the step is recorded in ``deferred`` and skipped (the partition
+    commits are what matter; the next run catches up). Other errors are raised."""
+    for attempt in range(attempts):
+        try:
+            return action()
+        except (OSError, RuntimeError, ValueError) as exc:
+            if not is_conflict(exc):
+                raise
+            if attempt == attempts - 1:
+                deferred.append(f"{type(exc).__name__}: {str(exc)[:160]}")
+            else:
+                time.sleep(0.05 * (2**attempt))
+    return None
+
+
+def optimize_all_indices(uri: str) -> None:
+    """Fold every unindexed fragment into every index of the table (scalar, FTS, vector)."""
+    ds = lance.dataset(uri)
+    if ds.list_indices():
+        ds.optimize.optimize_indices()
 
 
 @contextlib.contextmanager
@@ -172,31 +197,19 @@ def compact(ds: lance.LanceDataset, candidates: list[int], policy: MaintenancePo
     )
 
 
-def retention_cutoff(
-    uri: str, latest: int, keep_versions: int, min_age: timedelta, retention: timedelta
-) -> timedelta:
-    """The ``older_than`` that removes versions beyond the newest ``keep_versions`` once older
-    than ``min_age``, and every version older than ``retention``. One manifest read."""
-    if keep_versions < 1:
-        raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
-    boundary = latest - keep_versions + 1
-    if boundary <= 1:
-        return retention
-    try:
-        stamp = lance.dataset(uri, version=boundary).timestamp
-    except (ValueError, OSError):
-        return max(min_age, timedelta(0)) if min_age < retention else retention
-    age = timedelta(seconds=max(0.0, time.time() - stamp.timestamp()))
-    return min(retention, max(age, min_age))
-
-
 def cleanup_versions(
     uri: str, keep_versions: int, min_age: timedelta, retention: timedelta
 ) -> dict[str, Any]:
-    """Drop versions by count and age; pinned (tagged) versions and their files stay."""
+    """Drop every version that is neither among the newest ``keep_versions`` nor younger
+    than ``min(min_age, retention)``; pinned (tagged) versions and their files stay."""
+    if keep_versions < 1:
+        raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
     ds = lance.dataset(uri)
-    older_than = retention_cutoff(uri, ds.version, keep_versions, min_age, retention)
-    stats = ds.cleanup_old_versions(older_than=older_than, error_if_tagged_old_versions=False)
+    stats = ds.cleanup_old_versions(
+        older_than=max(timedelta(0), min(min_age, retention)),
+        retain_versions=keep_versions,
+        error_if_tagged_old_versions=False,
+    )
     return {
         "versions_removed": getattr(stats, "old_versions", None),
         "bytes_removed": getattr(stats, "bytes_removed", None),

@@ -532,17 +532,19 @@ class Lab:
             if not mine:
                 return {"table": spec.name, "skipped": "another maintainer"}
             # Index every fragment first: Lance only merges fragments of equal index coverage.
-            if ds.list_indices():
-                ds.optimize.optimize_indices()
-            ds = self.dataset(spec.name)
-            metrics = ds.optimize.compact_files(
-                target_rows_per_fragment=target_rows_per_fragment,
-                batch_size=self.policy.compaction_batch_size,
-                num_threads=1,
+            # A partition commit racing a step wins; the step is redone on the new version.
+            deferred: list[str] = []
+            uri = self.uri(spec.name)
+            mx.retry_conflicts(lambda: mx.optimize_all_indices(uri), deferred)
+            metrics = mx.retry_conflicts(
+                lambda: lance.dataset(uri).optimize.compact_files(
+                    target_rows_per_fragment=target_rows_per_fragment,
+                    batch_size=self.policy.compaction_batch_size,
+                    num_threads=1,
+                ),
+                deferred,
             )
-            ds = self.dataset(spec.name)
-            if ds.list_indices():
-                ds.optimize.optimize_indices()
+            mx.retry_conflicts(lambda: mx.optimize_all_indices(uri), deferred)
             cleanup = mx.cleanup_versions(self.uri(spec.name), keep, min_age, retention)
             orphans = mx.remove_orphaned_files(
                 self.dataset(spec.name), self.uri(spec.name), retention, orphan_min_age
@@ -553,8 +555,9 @@ class Lab:
             "rows": ds.count_rows(),
             "fragments_before": before,
             "fragments_after": len(ds.get_fragments()),
-            "fragments_removed": metrics.fragments_removed,
+            "fragments_removed": metrics.fragments_removed if metrics else 0,
             "version": ds.version,
+            "deferred": deferred,
             **cleanup,
             **orphans,
         }
