@@ -71,7 +71,7 @@ def test_indexes_cover_every_fragment_after_many_commits(tmp_path):
         lab.replace_partition(SPEC, f"b{i:02d}", _rows(f"b{i:02d}", 5))
     unindexed = _unindexed(lab, "t")
     assert set(unindexed) == {"key_idx", "batch_idx"}
-    assert all(n == 0 for n in unindexed.values()), unindexed
+    assert all(n <= DEFAULT_POLICY.index_lag_fragments for n in unindexed.values()), unindexed
     plan = lab.dataset("t").scanner(columns=["key"], filter="batch = 'b29'").explain_plan()
     assert "ScalarIndexQuery" in plan
     assert lab.count("t", "batch = 'b29'") == 5 and lab.count("t") == 150
@@ -90,7 +90,7 @@ def test_compaction_runs_automatically_once_a_size_tier_fills(tmp_path):
     assert sorted(lab.read("t").to_pylist(), key=lambda r: r["key"]) == sorted(
         manual.read("t").to_pylist(), key=lambda r: r["key"]
     )
-    assert all(n == 0 for n in _unindexed(lab, "t").values())
+    assert all(n <= SMALL_TIERS.index_lag_fragments for n in _unindexed(lab, "t").values())
 
 
 def _replace_many(root: str, start: int, rounds: int) -> int:

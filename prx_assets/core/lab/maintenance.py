@@ -59,6 +59,8 @@ VERSION_PINS = TableSpec(
 class MaintenancePolicy:
     """When the write path maintains a table, and what retention keeps.
 
+    Indexes are brought up to date once more than ``index_lag_fragments`` fragments or
+    ``index_lag_rows`` rows are not covered (and before every compaction).
     ``fan_in`` fragments of one size tier (tier ``t`` holds fragments of
     ``base_rows·fan_in^t`` up to ``base_rows·fan_in^(t+1)`` rows) are compacted together;
     fragments of ``target_rows_per_fragment`` or more are left alone unless a quarter of
@@ -70,6 +72,8 @@ class MaintenancePolicy:
     """
 
     enabled: bool = True
+    index_lag_fragments: int = 4
+    index_lag_rows: int = 100_000
     fan_in: int = 16
     base_rows: int = 1024
     target_rows_per_fragment: int = TARGET_ROWS_PER_FRAGMENT
@@ -161,26 +165,32 @@ def maintenance_lock(root: str, table: str) -> Iterator[bool]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def refresh_indexes(ds: lance.LanceDataset, spec: TableSpec) -> int:
-    """Fold fragments the spec's scalar indexes do not cover into them; the number of
-    indexes updated. Cost: the new fragments plus the index merge, not a rebuild."""
+def refresh_indexes(ds: lance.LanceDataset, spec: TableSpec, policy: MaintenancePolicy) -> int:
+    """Fold fragments the spec's scalar indexes do not cover into them once more than
+    ``policy.index_lag_fragments`` fragments (or ``index_lag_rows`` rows) are uncovered;
+    the number of indexes updated. Below the bound a read scans those few fragments flat;
+    above it one index update (the new fragments plus a merge, not a rebuild) restores
+    full coverage. Refreshing every commit would spend a commit per write on it."""
     wanted = {c for c, _ in spec.indexes}
-    names = sorted(
-        {
-            ix["name"]
-            for ix in ds.list_indices()
-            if len(ix["fields"]) == 1 and ix["fields"][0] in wanted
-        }
-    )
-    if not names:
+    indexes = [ix for ix in ds.list_indices() if len(ix["fields"]) == 1]
+    indexes = [ix for ix in indexes if ix["fields"][0] in wanted]
+    if not indexes:
         return 0
-    covered = {ix["name"]: ix.get("fragment_ids") for ix in ds.list_indices()}
-    fragments = [f.fragment_id for f in ds.get_fragments()]
-    stale = [
-        n for n in names if covered.get(n) is None or any(f not in covered[n] for f in fragments)
-    ]
-    if stale:
-        ds.optimize.optimize_indices(index_names=stale)
+    fragments = {f.fragment_id: f.metadata.physical_rows or 0 for f in ds.get_fragments()}
+    stale: set[str] = set()
+    lag_fragments = lag_rows = 0
+    for ix in indexes:
+        covered = ix.get("fragment_ids")
+        missing = [f for f in fragments if covered is None or f not in covered]
+        if missing:
+            stale.add(ix["name"])
+            lag_fragments = max(lag_fragments, len(missing))
+            lag_rows = max(lag_rows, sum(fragments[f] for f in missing))
+    if not stale or (
+        lag_fragments <= policy.index_lag_fragments and lag_rows <= policy.index_lag_rows
+    ):
+        return 0
+    ds.optimize.optimize_indices(index_names=sorted(stale))
     return len(stale)
 
 

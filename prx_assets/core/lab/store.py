@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -277,13 +278,16 @@ class Lab:
                 return {"skipped": "another maintainer"}
             try:
                 ds = self.dataset(spec.name)
-                done["indexes_refreshed"] = mx.refresh_indexes(ds, spec)
+                done["indexes_refreshed"] = mx.refresh_indexes(ds, spec, policy)
                 ds = self.dataset(spec.name)
                 candidates = mx.compaction_candidates(ds, policy)
                 if candidates:
+                    # Lance merges only fragments of equal index coverage: cover them first.
+                    full = replace(policy, index_lag_fragments=0, index_lag_rows=0)
+                    done["indexes_refreshed"] += mx.refresh_indexes(ds, spec, full)
+                    ds = self.dataset(spec.name)
                     metrics = mx.compact(ds, candidates, policy)
                     done["fragments_compacted"] = metrics.fragments_removed
-                    done["indexes_refreshed"] += mx.refresh_indexes(self.dataset(spec.name), spec)
                 ds = self.dataset(spec.name)
                 if candidates or ds.version % policy.cleanup_every == 0:
                     done.update(
