@@ -35,7 +35,7 @@ def test_the_job_removes_unreferenced_files_past_the_age_and_keeps_the_table(
     rows_before = store.dataset(IMAGES.name).count_rows()
     referenced = _data_files(uri)
     # What a raw_images run killed after writing its fragments leaves behind.
-    sample = store.read(IMAGES.name).slice(0, 2)
+    sample = store.dataset(IMAGES.name).to_table().slice(0, 2)  # as stored: blob references
     write_fragments(sample, uri, schema=sample.schema)
     orphans = _data_files(uri) - referenced
     assert orphans
