@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -67,8 +67,8 @@ class MaintenancePolicy:
     their rows are deleted. Versions beyond the newest ``keep_versions`` are removed once
     older than ``version_min_age`` (a reader that opened one earlier than that may still be
     reading it; hold longer ones with ``Lab.pin_versions``; ``retention``, when smaller,
-    shortens that age); the current and pinned versions never. Retention is applied after each
-    compaction and every ``cleanup_every`` versions.
+    shortens that age); the current and pinned versions never. Every ``cleanup_every``
+    versions the write path applies retention when it would remove something.
     """
 
     enabled: bool = True
@@ -205,6 +205,30 @@ def compact(ds: lance.LanceDataset, candidates: list[int], policy: MaintenancePo
         batch_size=policy.compaction_batch_size,
         num_threads=1,
     )
+
+
+def cleanup_due(uri: str, latest: int, policy: MaintenancePolicy) -> bool:
+    """Whether a cleanup would remove anything: more than ``keep_versions`` manifests and
+    the oldest one past ``version_min_age``. A directory listing and one manifest read, so
+    the write path does not pay a full cleanup (which reads every kept manifest) while
+    young versions are all it could find."""
+    fs, path = pafs.FileSystem.from_uri(uri if "://" in uri else str(Path(uri).resolve()))
+    entries = fs.get_file_info(pafs.FileSelector(f"{path}/_versions", allow_not_found=True))
+    numbers = []
+    for entry in entries:
+        stem = entry.base_name.removesuffix(".manifest")
+        if stem.isdigit():
+            n = int(stem)
+            numbers.append(2**64 - 1 - n if n >= 2**63 else n)  # V2 names count down
+    if len(numbers) <= policy.keep_versions:
+        return False
+    try:
+        stamp = lance.dataset(uri, version=min(numbers)).get_version()["timestamp"]
+    except (ValueError, OSError):
+        return True
+    if stamp.tzinfo is None:  # Lance reports commit times in UTC
+        stamp = stamp.replace(tzinfo=UTC)
+    return time.time() - stamp.timestamp() > policy.version_min_age.total_seconds()
 
 
 def cleanup_versions(

@@ -17,7 +17,7 @@ import hashlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +33,9 @@ from prx_assets.core.lab.maintenance import (
     DEFAULT_POLICY,
     ORPHAN_MIN_AGE,
     TARGET_ROWS_PER_FRAGMENT,
-    VERSION_PINS,
     MaintenancePolicy,
 )
+from prx_assets.core.lab.pins import VersionPins
 from prx_assets.core.lab.spec import TableSpec, sql_literal
 from prx_assets.core.lab.view import LabView, _has_index
 
@@ -83,7 +83,7 @@ class _CountingBatches:
                 crashpoint("lab.fragment_batch")
 
 
-class Lab:
+class Lab(VersionPins):
     """A directory of Lance tables (local path or object-store URI).
 
     ``policy`` says how the write path maintains what it writes (on by default;
@@ -263,8 +263,8 @@ class Lab:
         """Keep ``spec``'s table cheap after a commit (the write path's maintenance).
 
         Folds unindexed fragments into the scalar indexes, compacts a full size tier
-        (``maintenance.compaction_candidates``), and applies version retention after a
-        compaction or every ``policy.cleanup_every`` versions. One maintainer per table at
+        (``maintenance.compaction_candidates``), and every ``policy.cleanup_every`` versions
+        applies version retention when it would remove something. One maintainer per table at
         a time (others skip: the next commit catches up); a maintenance commit that loses a
         race to a partition commit is deferred, never retried over it, so no partition
         commit is ever lost. Returns what was done.
@@ -278,6 +278,7 @@ class Lab:
                 return {"skipped": "another maintainer"}
             try:
                 ds = self.dataset(spec.name)
+                first = ds.version  # the commit just made (or a later one)
                 done["indexes_refreshed"] = mx.refresh_indexes(ds, spec, policy)
                 ds = self.dataset(spec.name)
                 candidates = mx.compaction_candidates(ds, policy)
@@ -289,7 +290,10 @@ class Lab:
                     metrics = mx.compact(ds, candidates, policy)
                     done["fragments_compacted"] = metrics.fragments_removed
                 ds = self.dataset(spec.name)
-                if candidates or ds.version % policy.cleanup_every == 0:
+                every = policy.cleanup_every  # crossed a multiple since the commit?
+                if ds.version // every > (first - 1) // every and mx.cleanup_due(
+                    self.uri(spec.name), ds.version, policy
+                ):
                     done.update(
                         mx.cleanup_versions(
                             self.uri(spec.name),
@@ -572,65 +576,3 @@ class Lab:
         """Delete files of ``table`` no kept version references, once older than ``min_age``
         (see ``maintenance.remove_orphaned_files``)."""
         return mx.remove_orphaned_files(self.dataset(table), self.uri(table), retention, min_age)
-
-    def pin_versions(self, holder: str, versions: Mapping[str, int]) -> None:
-        """Keep exactly ``versions`` (table -> version) for ``holder`` until ``unpin``.
-
-        Each version gets the holder's Lance tag first (cleanup never removes a tagged
-        version nor a file it references), then the pins are recorded in ``version_pins``
-        in one commit, replacing the holder's earlier pins (their tags are dropped last). A
-        crash in between leaves an extra tag (a version kept longer), never a recorded pin
-        without its tag. A version that no longer exists raises.
-        """
-        if not holder:
-            raise ValueError("a pin needs a holder")
-        tag = mx.pin_tag(holder)
-        for table, version in versions.items():
-            mx.set_tag(self.dataset(table), tag, int(version))
-        earlier = set(self.pinned_by(holder)) - set(versions)
-        now = datetime.now(UTC)
-        rows = pa.table(
-            {
-                "holder": [holder] * len(versions),
-                "table": list(versions),
-                "version": [int(v) for v in versions.values()],
-                "tag": [tag] * len(versions),
-                "pinned_at": [now] * len(versions),
-            },
-            schema=VERSION_PINS.schema,
-        )
-        self.replace_rows(VERSION_PINS, "holder", holder, rows)
-        for table in earlier:
-            if (ds := self._open(table)) is not None:
-                mx.drop_tag(ds, tag)
-
-    def unpin(self, holder: str) -> None:
-        """Release every version ``holder`` pinned (record first, then the tags)."""
-        tables = set(self.pinned_by(holder))
-        if self.exists(VERSION_PINS.name):
-            self.delete(VERSION_PINS.name, f"holder = {sql_literal(holder)}")
-        tag = mx.pin_tag(holder)
-        for table in tables:
-            if (ds := self._open(table)) is not None:
-                mx.drop_tag(ds, tag)
-
-    def pinned_by(self, holder: str) -> dict[str, int]:
-        """The versions ``holder`` has pinned (table -> version)."""
-        rows = self.read(VERSION_PINS.name, ["table", "version"], f"holder = {sql_literal(holder)}")
-        if not rows.num_rows:
-            return {}
-        return dict(
-            zip(rows.column("table").to_pylist(), rows.column("version").to_pylist(), strict=True)
-        )
-
-    def pinned_versions(self) -> dict[str, set[int]]:
-        """Every pinned version, by table (what cleanup keeps for holders)."""
-        rows = self.read(VERSION_PINS.name, ["table", "version"])
-        out: dict[str, set[int]] = {}
-        for table, version in zip(
-            rows.column("table").to_pylist() if rows.num_rows else [],
-            rows.column("version").to_pylist() if rows.num_rows else [],
-            strict=True,
-        ):
-            out.setdefault(table, set()).add(int(version))
-        return out
