@@ -75,9 +75,31 @@ def _value(field: pa.Field, batch: str, i: int, image_bytes: int, rng: random.Ra
     raise TypeError(f"no synthetic value for {name}: {t}")
 
 
+def _low_cardinality(field: pa.Field, i: int):
+    t = field.type
+    if pa.types.is_list(t):
+        return [f"r{i % 3}"]
+    if pa.types.is_boolean(t):
+        return bool(i % 2)
+    if pa.types.is_integer(t):
+        return i % 4
+    return f"{field.name}-{i % 8}"
+
+
 def make_rows(spec: TableSpec, batch: str, n: int, image_bytes: int, seed: int) -> pa.Table:
     rng = random.Random(seed)
-    rows = [{f.name: _value(f, batch, i, image_bytes, rng) for f in spec.schema} for i in range(n)]
+    # BITMAP / LABEL_LIST columns are low-cardinality by design (a tier, a label, a policy
+    # fingerprint): few distinct values, as the stages write them.
+    low = {c for c, kind in spec.indexes if kind in ("BITMAP", "LABEL_LIST") and c != "batch"}
+    rows = [
+        {
+            f.name: _low_cardinality(f, i)
+            if f.name in low
+            else _value(f, batch, i, image_bytes, rng)
+            for f in spec.schema
+        }
+        for i in range(n)
+    ]
     return pa.Table.from_pylist(rows, schema=spec.schema)
 
 
