@@ -149,9 +149,9 @@ def optimize_all_indices(uri: str) -> None:
 
 
 @contextlib.contextmanager
-def maintenance_lock(root: str, table: str) -> Iterator[bool]:
-    """One maintainer per local table at a time; yields False when another holds it
-    (object stores: True, Lance's commit conflicts arbitrate)."""
+def maintenance_lock(root: str, table: str, *, wait: bool = False) -> Iterator[bool]:
+    """One maintainer per local table at a time; yields False when another holds it and
+    ``wait`` is off (object stores: True, Lance's commit conflicts arbitrate)."""
     if "://" in root:
         yield True
         return
@@ -159,7 +159,7 @@ def maintenance_lock(root: str, table: str) -> Iterator[bool]:
     lock_dir.mkdir(exist_ok=True)
     with open(lock_dir / f"{table}.maintain.lock", "w") as fh:
         try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fh, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             yield False
             return
