@@ -10,7 +10,7 @@ from __future__ import annotations
 from prx_assets.core.captions.tables import CAPTION_CLASSES, CAPTION_EMBEDDINGS, CAPTIONS
 from prx_assets.core.dedup.tables import DEDUP_DIRTY, DEDUP_STATE, IMAGE_HASHES, PHASH_CLUSTERS
 from prx_assets.core.ingest.tables import IMAGES, REJECTS
-from prx_assets.core.lab import TableSpec
+from prx_assets.core.lab import VERSION_PINS, TableSpec
 from prx_assets.core.resolution.tables import RESOLUTION
 from prx_assets.core.shards.tables import BUCKET_ASSIGNMENTS, SHARD_SAMPLES
 from prx_assets.core.skiplists.tables import OPT_OUT_LISTS, OPT_OUTS, SKIP_AUDIT, SKIP_DIRTY
@@ -35,6 +35,7 @@ LAB_TABLES: tuple[TableSpec, ...] = (
     SKIP_DIRTY,
     TRAINING_SNAPSHOTS,
     SNAPSHOT_SAMPLES,
+    VERSION_PINS,
 )
 """Every lab table, in the order a data lead reads an image's trail."""
 

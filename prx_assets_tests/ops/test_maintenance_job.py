@@ -35,7 +35,7 @@ def test_the_job_removes_unreferenced_files_past_the_age_and_keeps_the_table(
     rows_before = store.dataset(IMAGES.name).count_rows()
     referenced = _data_files(uri)
     # What a raw_images run killed after writing its fragments leaves behind.
-    sample = store.read(IMAGES.name).slice(0, 2)
+    sample = store.dataset(IMAGES.name).to_table().slice(0, 2)  # as stored: blob references
     write_fragments(sample, uri, schema=sample.schema)
     orphans = _data_files(uri) - referenced
     assert orphans
@@ -59,3 +59,32 @@ def test_the_job_refuses_an_orphan_age_below_the_floor(lab_resource: LabResource
     config = {"ops": {"compact_lab_tables": {"config": {"orphan_min_age_hours": 0}}}}
     with pytest.raises(Exception, match="orphan_min_age_hours"):
         job.execute_in_process(run_config=config)
+
+
+def test_the_job_keeps_versions_by_count_and_never_drops_a_pinned_one(
+    instance, lab_resource: LabResource
+):
+    from dagster import materialize
+
+    from prx_assets.defs.ingest.assets import raw_images
+
+    instance.add_dynamic_partitions(BATCHES.name, [KEY])
+    store = lab_resource.lab()
+    for _ in range(2):  # two identical runs: versions to drop, the same rows
+        assert materialize(
+            [raw_images], partition_key=KEY, instance=instance, resources={"lab": lab_resource}
+        ).success
+    first = min(v["version"] for v in store.dataset(IMAGES.name).versions())
+    pinned = first + 1  # the first run's commit
+    store.pin_versions("snapshot-test", {IMAGES.name: pinned})
+    rows = store.dataset(IMAGES.name, version=pinned).count_rows()
+    job = build_defs(lab_resource.data_root).resolve_job_def("lance_maintenance")
+    config = {"keep_versions": 1, "version_min_age_minutes": 0}
+    result = job.execute_in_process(
+        instance=instance, run_config={"ops": {"compact_lab_tables": {"config": config}}}
+    )
+    assert result.success
+    kept = [v["version"] for v in store.dataset(IMAGES.name).versions()]
+    assert kept == [pinned, store.version(IMAGES.name)]  # the pinned one and the newest
+    assert store.dataset(IMAGES.name, version=pinned).count_rows() == rows  # files intact
+    assert store.pinned_versions() == {IMAGES.name: {pinned}}

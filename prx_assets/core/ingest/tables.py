@@ -27,7 +27,7 @@ IMAGES = TableSpec(
             pa.field("orientation", pa.int8()),
             pa.field("n_frames", pa.int32()),  # >1: animated, first frame used
             pa.field("file_size", pa.int64()),
-            pa.field("image", pa.large_binary()),  # the original bytes
+            pa.field("image", pa.large_binary()),  # the original bytes (in the blob store)
             # HTTP opt-out headers captured at download time, bounded and sanitised
             # (core/ingest/signals.capture_signals; null: none). Interpreted by skip_lists.
             pa.field("usage_signals", pa.string()),
@@ -39,6 +39,8 @@ IMAGES = TableSpec(
         ]
     ),
     identity=("batch", "key"),
+    # Stored once by sha256 outside Lance data files: maintenance never copies image bytes.
+    blobs=("image",),
     # url / source_id: opt-out lists name images by them; the audit looks them up (and path).
     indexes=(
         ("key", "BTREE"),

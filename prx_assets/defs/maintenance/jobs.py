@@ -1,5 +1,8 @@
 """Lance maintenance: compaction toward ~1M rows per fragment, index refresh, version cleanup,
-and removal of files no version references (left by killed writers)."""
+and removal of files no version references (left by killed writers).
+
+The write path already keeps every table indexed, tiered-compacted and its versions bounded
+(``core/lab/maintenance.py``); this job adds full compaction and orphaned-file removal."""
 
 from datetime import timedelta
 
@@ -15,7 +18,7 @@ from dagster import (
 )
 from pydantic import Field
 
-from prx_assets.core.lab import ORPHAN_MIN_AGE, TARGET_ROWS_PER_FRAGMENT
+from prx_assets.core.lab import DEFAULT_POLICY, ORPHAN_MIN_AGE, TARGET_ROWS_PER_FRAGMENT
 from prx_assets.core.tables import LAB_TABLES
 from prx_assets.defs.resources import LabResource
 
@@ -30,6 +33,16 @@ class MaintenanceConfig(Config):
     # The seed found fragment size decides query speed; ~1M rows is its sweet spot.
     target_rows_per_fragment: int = TARGET_ROWS_PER_FRAGMENT
     retention_days: float = 7.0
+    keep_versions: int = Field(
+        default=DEFAULT_POLICY.keep_versions,
+        ge=1,
+        description="Versions beyond the newest this many go once older than the minimum age.",
+    )
+    version_min_age_minutes: float = Field(
+        default=DEFAULT_POLICY.version_min_age.total_seconds() / 60,
+        ge=0,
+        description="No version younger than this is removed (readers may still use it).",
+    )
     orphan_min_age_hours: float = Field(
         default=ORPHAN_MIN_AGE.total_seconds() / 3600,
         ge=MIN_ORPHAN_AGE_HOURS,
@@ -57,6 +70,8 @@ def compact_lab_tables(
             target_rows_per_fragment=config.target_rows_per_fragment,
             retention=timedelta(days=config.retention_days),
             orphan_min_age=timedelta(hours=config.orphan_min_age_hours),
+            keep_versions=config.keep_versions,
+            version_min_age=timedelta(minutes=config.version_min_age_minutes),
         )
         context.log.info(f"{spec.name}: {result}")
         results.append(result)

@@ -1,0 +1,306 @@
+"""Lab cost as batches accumulate: every operation a stage, sensor or the browser performs,
+at N = 100, 1,000, 3,000, 10,000 partitions, through the real write path.
+
+Each table shape (a registered ``TableSpec``) is grown one ``Lab.replace_partition`` per
+partition (``--rows`` rows each, synthetic values of the spec's schema) with the default
+write-path maintenance. At each checkpoint N it prints, per operation, the median time and
+its ratio to N = 100: a new batch's ``replace_partition`` (the commits just before N), a
+rerun's ``replace_partition`` of an old batch, ``read_batch``, a key look-up (each BTREE
+column of the spec), ``count`` of a batch; then ``_versions`` size, fragments, unindexed
+fragments, the growth time so far, a full ``Lab.maintain`` on a copy of the table (time and
+its peak RSS, in a child process) and this process's peak RSS (the write path's own
+maintenance included). Then, with ~0.5 MB image rows, the bytes one maintenance run
+rewrites, for ``images`` as stored before (inline bytes) and as stored now (blob store).
+
+    python -m benchmarks.bench_lab_growth [--quick] [--rows 10] [--tables images,skip_audit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from prx_assets.core.lab import MANUAL, Lab, TableSpec
+from prx_assets.core.tables import BY_NAME, IMAGES
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "bench_lab_growth.json"
+CHECKPOINTS = (100, 1_000, 3_000, 10_000)
+DEFAULT_TABLES = ("images", "shard_samples", "skip_audit")
+REPEATS = 7
+
+
+def _value(field: pa.Field, batch: str, i: int, image_bytes: int, rng: random.Random):
+    t = field.type
+    name = field.name
+    if name == "batch":
+        return batch
+    if pa.types.is_string(t):
+        if name in ("key", "jpeg_sha256", "keeper_key"):
+            return f"{rng.getrandbits(256):064x}"
+        if name == "url":
+            return f"https://example.org/{batch}/{i}.jpg"
+        if name == "source":
+            return f"src{i % 4}"
+        return f"{name}-{batch}-{i}"
+    if pa.types.is_large_binary(t) or pa.types.is_binary(t):
+        return rng.randbytes(image_bytes)
+    if pa.types.is_boolean(t):
+        return bool(i % 2)
+    if pa.types.is_integer(t):
+        return i % 100
+    if pa.types.is_floating(t):
+        return rng.random()
+    if pa.types.is_timestamp(t):
+        return datetime(2026, 1, 1, tzinfo=UTC)
+    if pa.types.is_fixed_size_list(t):
+        return [rng.random() for _ in range(t.list_size)]
+    if pa.types.is_list(t):
+        return [f"r{i % 3}"]
+    raise TypeError(f"no synthetic value for {name}: {t}")
+
+
+def _low_cardinality(field: pa.Field, i: int):
+    t = field.type
+    if pa.types.is_list(t):
+        return [f"r{i % 3}"]
+    if pa.types.is_boolean(t):
+        return bool(i % 2)
+    if pa.types.is_integer(t):
+        return i % 4
+    return f"{field.name}-{i % 8}"
+
+
+def make_rows(spec: TableSpec, batch: str, n: int, image_bytes: int, seed: int) -> pa.Table:
+    rng = random.Random(seed)
+    # BITMAP / LABEL_LIST columns are low-cardinality by design (a tier, a label, a policy
+    # fingerprint): few distinct values, as the stages write them.
+    low = {c for c, kind in spec.indexes if kind in ("BITMAP", "LABEL_LIST") and c != "batch"}
+    rows = [
+        {
+            f.name: _low_cardinality(f, i)
+            if f.name in low
+            else _value(f, batch, i, image_bytes, rng)
+            for f in spec.schema
+        }
+        for i in range(n)
+    ]
+    return pa.Table.from_pylist(rows, schema=spec.schema)
+
+
+def _median_ms(fn, repeats: int = REPEATS) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _maintain_copy(lab: Lab, spec: TableSpec) -> dict:
+    """A full ``Lab.maintain`` on a copy of the table, in a child (its own peak RSS)."""
+    with tempfile.TemporaryDirectory(dir=lab.root) as tmp:
+        shutil.copytree(Path(lab.uri(spec.name)), Path(tmp) / f"{spec.name}.lance")
+        code = (
+            "import json,resource,sys,time;from datetime import timedelta;"
+            "from prx_assets.core.lab import Lab;from prx_assets.core.tables import BY_NAME;"
+            "t=time.perf_counter();"
+            "r=Lab(sys.argv[1]).maintain(BY_NAME[sys.argv[2]],retention=timedelta(days=7));"
+            "print(json.dumps({'s':time.perf_counter()-t,"
+            "'rss_mb':resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024,"
+            "'fragments_after':r.get('fragments_after')}))"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code, tmp, spec.name],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(lab: Lab, spec: TableSpec, n: int, rows: int, image_bytes: int, recent: list) -> dict:
+    rng = random.Random(n)
+    ds = lab.dataset(spec.name)
+    old = [f"b{rng.randrange(n):05d}" for _ in range(REPEATS)]
+    picks = iter(old * 3)
+    out: dict = {"new_batch_replace_ms": statistics.median(recent[-50:]) * 1e3}
+    # The mean of the last 100 commits carries the write path's own maintenance.
+    out["new_batch_replace_mean100_ms"] = statistics.fmean(recent[-100:]) * 1e3
+    rerun_rows = {b: make_rows(spec, b, rows, image_bytes, seed=int(b[1:]) + 7) for b in old}
+    out["rerun_replace_ms"] = _median_ms(
+        lambda: lab.replace_partition(spec, (b := next(picks)), rerun_rows[b])
+    )
+    out["read_batch_ms"] = _median_ms(lambda: lab.read_batch(spec.name, next(picks)))
+    out["count_batch_ms"] = _median_ms(
+        lambda: lab.count(spec.name, f"batch = '{next(picks)}'"), REPEATS
+    )
+    probe = lab.read_batch(spec.name, old[0])
+    for column, kind in spec.indexes:
+        if kind != "BTREE" or column not in probe.column_names:
+            continue
+        value = probe.column(column)[0].as_py()
+        literal = f"'{value}'" if isinstance(value, str) else str(value)
+        out[f"lookup_{column}_ms"] = _median_ms(
+            lambda c=column, v=literal: lab.read(spec.name, ["batch", c], f"{c} = {v}")
+        )
+    ds = lab.dataset(spec.name)
+    out["fragments"] = len(ds.get_fragments())
+    out["unindexed_fragments"] = max(
+        (ds.stats.index_stats(ix["name"])["num_unindexed_fragments"] for ix in ds.list_indices()),
+        default=0,
+    )
+    out["versions"] = len(list((Path(lab.uri(spec.name)) / "_versions").iterdir()))
+    out["versions_mb"] = _dir_bytes(Path(lab.uri(spec.name)) / "_versions") / 1e6
+    out["table_mb"] = _dir_bytes(Path(lab.uri(spec.name))) / 1e6
+    maintenance = _maintain_copy(lab, spec)
+    out["maintain_s"] = maintenance["s"]
+    out["maintain_peak_rss_mb"] = maintenance["rss_mb"]
+    out["peak_rss_mb"] = _peak_rss_mb()
+    return out
+
+
+def grow(spec: TableSpec, stop: int, rows: int, image_bytes: int, policy: str) -> dict:
+    results: dict = {}
+    root = Path(tempfile.mkdtemp(prefix=f"lab_growth_{spec.name}_"))
+    lab = Lab(root, policy=MANUAL if policy == "manual" else Lab(root).policy)
+    recent: list[float] = []
+    building = 0.0
+    try:
+        for i in range(stop):
+            batch = f"b{i:05d}"
+            data = make_rows(spec, batch, rows, image_bytes, seed=i)
+            t = time.perf_counter()
+            lab.replace_partition(spec, batch, data)
+            dt = time.perf_counter() - t
+            building += dt
+            recent.append(dt)
+            n = i + 1
+            if n in CHECKPOINTS:
+                m = measure(lab, spec, n, rows, image_bytes, recent)
+                m["build_s"] = building
+                results[n] = m
+                base = results[CHECKPOINTS[0]]
+                timed = [k for k in m if k.endswith("_ms")]
+                ratios = "  ".join(f"{k[:-3]} {m[k]:.1f} ({m[k] / base[k]:.2f}x)" for k in timed)
+                print(
+                    f"{spec.name:>14} N={n:>6}  {ratios}\n{'':>14}   build {building:.1f} s "
+                    f"({building / base['build_s']:.1f}x of N=100)  fragments {m['fragments']} "
+                    f"unindexed {m['unindexed_fragments']}  _versions {m['versions']} files "
+                    f"{m['versions_mb']:.1f} MB  maintain {m['maintain_s']:.2f} s "
+                    f"(peak {m['maintain_peak_rss_mb']:.0f} MB)  peak RSS {m['peak_rss_mb']:.0f} MB",
+                    flush=True,
+                )
+                recent.clear()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return results
+
+
+def _files(root: Path) -> dict[str, int]:
+    return {str(p): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
+
+def blob_rewrites(partitions: int, rows: int, image_bytes: int) -> dict:
+    """Bytes one maintenance run writes, as a share of the image bytes, with ~0.5 MB rows:
+    ``images`` as stored before (inline) and now (blob store)."""
+    out = {}
+    inline = replace(IMAGES, blobs=())
+    for label, spec in (("inline", inline), ("blob_store", IMAGES)):
+        root = Path(tempfile.mkdtemp(prefix=f"lab_blobs_{label}_"))
+        try:
+            lab = Lab(root, policy=MANUAL)
+            rng = np.random.default_rng(0)
+            total = 0
+            for p in range(partitions):
+                data = make_rows(spec, f"b{p:04d}", rows, 1, seed=p)
+                images = [rng.bytes(image_bytes) for _ in range(rows)]
+                total += sum(map(len, images))
+                idx = data.schema.get_field_index("image")
+                data = data.set_column(idx, "image", pa.array(images, pa.large_binary()))
+                lab.replace_partition(spec, f"b{p:04d}", data)
+            before = _files(root)
+            t = time.perf_counter()
+            result = lab.maintain(spec, retention=timedelta(days=7))
+            seconds = time.perf_counter() - t
+            lab.add_columns(spec.name, [pa.field("bench_extra", pa.int32())])
+            after = _files(root)
+            written = sum(s for p, s in after.items() if before.get(p) != s)
+            out[label] = {
+                "image_bytes": total,
+                "bytes_written": written,
+                "share_of_image_bytes": written / total,
+                "maintain_s": seconds,
+                "fragments": [result["fragments_before"], result["fragments_after"]],
+            }
+            print(
+                f"maintenance, {partitions} partitions x {rows} rows x {image_bytes / 1e6:.1f} MB, "
+                f"{label}: wrote {written / 1e6:.1f} MB = {100 * written / total:.1f} % of "
+                f"{total / 1e6:.0f} MB image bytes in {seconds:.2f} s "
+                f"(fragments {result['fragments_before']} -> {result['fragments_after']})",
+                flush=True,
+            )
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="stop at N = 1,000")
+    ap.add_argument("--rows", type=int, default=10, help="rows per partition")
+    ap.add_argument("--tables", default=",".join(DEFAULT_TABLES), help="comma list or 'all'")
+    ap.add_argument("--image-bytes", type=int, default=2_000, help="image size while growing")
+    ap.add_argument("--stop", type=int, help="grow only to this N (a smoke run)")
+    ap.add_argument("--policy", choices=("default", "manual"), default="default")
+    ap.add_argument("--blob-partitions", type=int, default=24)
+    ap.add_argument("--blob-rows", type=int, default=4)
+    args = ap.parse_args()
+    stop = args.stop or (1_000 if args.quick else CHECKPOINTS[-1])
+    names = (
+        [n for n, s in BY_NAME.items() if "batch" in s.identity]
+        if args.tables == "all"
+        else args.tables.split(",")
+    )
+    report: dict = {
+        "command": " ".join(["python -m benchmarks.bench_lab_growth", *sys.argv[1:]]),
+        "rows_per_partition": args.rows,
+        "policy": args.policy,
+        "tables": {},
+    }
+    for name in names:
+        report["tables"][name] = grow(BY_NAME[name], stop, args.rows, args.image_bytes, args.policy)
+    report["blob_rewrites"] = blob_rewrites(args.blob_partitions, args.blob_rows, 500_000)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    target = RESULTS.with_name("bench_lab_growth_quick.json") if args.quick else RESULTS
+    target.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"wrote {target.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""The lab's content-addressed blob store: large binary values (original image bytes) kept
+outside Lance data files.
+
+Why: Lance compaction rewrites the data files it merges, and Lance's own blob encoding
+(pylance 14.0.2, ``lance.blob_field``, packed or dedicated ``.blob`` sidecars) is rewritten
+by compaction too (measured: 100 % of the blob bytes per compaction of 0.5 MB values). At
+10⁹ images (~500 TB) that makes every maintenance run a copying machine. Here a table
+stores only the sha256 of each value (a string column marked with ``BLOB_METADATA``); the
+bytes are written once to ``<lab>/_blobs/<table>/<aa>/<bb>/<sha256>`` before the commit
+that references them, so compaction, index refresh and column additions move 64-byte
+references, never the bytes.
+
+Crash safety: a value is written under a temporary name and renamed into place (one PUT on
+object storage), so a path either holds the whole value or does not exist; a writer killed
+before its commit leaves blobs no row references, and its rerun writes the same addresses
+(content-addressed: idempotent, byte-identical). Every read checks the sha256 of what it
+read and raises on a mismatch or a missing blob: a reader never gets bytes other than the
+ones the row names. Blobs are never deleted by maintenance (a removed row's blob may still
+be named by a kept or pinned version; identical bytes in another batch share it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from prx_assets.core.lab.io import arrow_filesystem
+
+BLOB_METADATA = {b"prx.blob": b"sha256"}
+BLOB_DIR = "_blobs"
+_REMOTE_READ_THREADS = 16
+
+
+class BlobError(RuntimeError):
+    """A referenced blob is missing or its bytes do not match its address."""
+
+
+def is_blob_ref(field: pa.Field) -> bool:
+    """Whether a stored field holds blob references (sha256 strings) instead of bytes."""
+    return bool(field.metadata) and field.metadata.get(b"prx.blob") == b"sha256"
+
+
+def stored_schema(schema: pa.Schema, blobs: Sequence[str]) -> pa.Schema:
+    """The schema Lance stores: each blob column becomes a nullable sha256 reference."""
+    fields = []
+    for field in schema:
+        if field.name in blobs:
+            fields.append(pa.field(field.name, pa.string(), nullable=True, metadata=BLOB_METADATA))
+        else:
+            fields.append(field)
+    return pa.schema(fields, metadata=schema.metadata)
+
+
+def logical_schema(stored: pa.Schema) -> pa.Schema:
+    """The schema readers see: blob references read back as ``large_binary``."""
+    return pa.schema(
+        [
+            pa.field(f.name, pa.large_binary(), nullable=True) if is_blob_ref(f) else f
+            for f in stored
+        ],
+        metadata=stored.metadata,
+    )
+
+
+class BlobStore:
+    """``<lab root>/_blobs/<table>/``: one immutable file per distinct value, named by its
+    sha256 (local directory or object-store URI)."""
+
+    def __init__(self, lab_root: str) -> None:
+        self.root = f"{lab_root.rstrip('/')}/{BLOB_DIR}"
+        self._local = "://" not in self.root
+        if self._local:
+            self._fs: pafs.FileSystem = pafs.LocalFileSystem()
+            self._base = self.root
+        else:
+            self._fs, self._base = arrow_filesystem(self.root)
+
+    def path(self, table: str, ref: str) -> str:
+        """Where the value with sha256 ``ref`` of ``table`` lives (filesystem path)."""
+        if len(ref) != 64 or any(c not in "0123456789abcdef" for c in ref):
+            raise BlobError(f"{table}: not a blob reference: {ref[:80]!r}")
+        return f"{self._base}/{table}/{ref[:2]}/{ref[2:4]}/{ref}"
+
+    def put(self, table: str, data: bytes | memoryview | pa.Buffer) -> tuple[str, int]:
+        """Store ``data``; its reference (sha256 hex) and the bytes newly written (0 when
+        the value was already stored)."""
+        view = memoryview(data)
+        ref = hashlib.sha256(view).hexdigest()
+        path = self.path(table, ref)
+        if self._local:
+            if os.path.exists(path):
+                return ref, 0
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+            with open(tmp, "wb") as fh:
+                fh.write(view)
+            os.replace(tmp, path)  # atomic: the name holds the whole value or nothing
+        else:
+            if self._fs.get_file_info(path).type == pafs.FileType.File:
+                return ref, 0
+            with self._fs.open_output_stream(path) as out:  # one PUT: atomic on object stores
+                out.write(view)
+        return ref, view.nbytes
+
+    def get(self, table: str, ref: str) -> bytes:
+        """The bytes of ``ref``, checked against it; a missing or altered blob raises."""
+        path = self.path(table, ref)
+        try:
+            if self._local:
+                with open(path, "rb") as fh:
+                    data = fh.read()
+            else:
+                with self._fs.open_input_file(path) as fh:
+                    data = fh.read()
+        except (FileNotFoundError, OSError) as exc:
+            raise BlobError(f"{table}: blob {ref} is missing ({type(exc).__name__})") from exc
+        if hashlib.sha256(data).hexdigest() != ref:
+            raise BlobError(f"{table}: blob {ref} does not match its address (altered or torn)")
+        return data
+
+    def get_many(self, table: str, refs: Iterable[str | None]) -> list[bytes | None]:
+        refs = list(refs)
+        if self._local or len(refs) < 2:
+            return [None if r is None else self.get(table, r) for r in refs]
+        with ThreadPoolExecutor(_REMOTE_READ_THREADS) as pool:  # object-store latency
+            return list(pool.map(lambda r: None if r is None else self.get(table, r), refs))
+
+    def to_stored(
+        self, table: str, rb: pa.RecordBatch, blobs: Sequence[str], schema: pa.Schema
+    ) -> tuple[pa.RecordBatch, int]:
+        """``rb`` with each blob column's bytes stored and replaced by references; the
+        record batch in ``schema`` (the stored one) and the bytes newly written."""
+        written = 0
+        arrays = []
+        for name in schema.names:
+            column = rb.column(name)
+            if name in blobs and not pa.types.is_string(column.type):
+                refs: list[str | None] = []
+                for value in column:
+                    if not value.is_valid:
+                        refs.append(None)
+                        continue
+                    ref, new = self.put(table, value.as_buffer())
+                    refs.append(ref)
+                    written += new
+                column = pa.array(refs, pa.string())
+            arrays.append(column)
+        return pa.RecordBatch.from_arrays(arrays, schema=schema), written
+
+    def resolve(self, table: str, rows: pa.Table, stored: pa.Schema) -> pa.Table:
+        """``rows`` with every blob-reference column replaced by the bytes it names."""
+        for name in rows.column_names:
+            if name not in stored.names or not is_blob_ref(stored.field(name)):
+                continue
+            values = self.get_many(table, rows.column(name).to_pylist())
+            index = rows.column_names.index(name)
+            rows = rows.set_column(
+                index, pa.field(name, pa.large_binary()), pa.array(values, pa.large_binary())
+            )
+        return rows

@@ -1,0 +1,351 @@
+"""Keeping a lab table cheap as it grows: incremental index updates, tiered compaction,
+version retention by count and age, pinned versions, orphaned files.
+
+Why in the write path: every commit adds a fragment and a manifest. Left alone, indexes
+cover only the fragments they were built on (every other fragment is scanned), the
+manifest lists every fragment (each open and commit reads it) and ``_versions`` keeps every
+manifest, so each operation costs O(batches) and building a table is quadratic. After each
+commit the writer therefore folds its new fragment into the table's scalar indexes, and
+when a size tier holds ``fan_in`` fragments it compacts that tier (an LSM-style merge: each
+row is rewritten O(log rows) times over its life, the fragment count stays
+O(fan_in × tiers)), then drops versions past the count/age policy. Versions pinned by a
+holder (a training snapshot) are Lance tags and are never removed, nor the files they use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lance
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from prx_assets.core.lab.io import arrow_filesystem, open_dataset
+from prx_assets.core.lab.spec import TableSpec
+
+TARGET_ROWS_PER_FRAGMENT = 1_048_576
+# Files no version references are deleted once this old: longer than any write takes from
+# its first fragment to its commit, so an in-flight write's files are never touched.
+ORPHAN_MIN_AGE = timedelta(hours=24)
+ORPHAN_SCAN_LIMIT = 100_000  # candidates listed per table and run; the next run continues
+PIN_TAG_PREFIX = "pin-"
+T = TypeVar("T")
+
+VERSION_PINS = TableSpec(
+    name="version_pins",
+    schema=pa.schema(
+        [
+            pa.field("holder", pa.string(), nullable=False),  # who needs the versions kept
+            pa.field("table", pa.string(), nullable=False),
+            pa.field("version", pa.int64(), nullable=False),
+            pa.field("tag", pa.string(), nullable=False),  # the Lance tag that keeps it
+            pa.field("pinned_at", pa.timestamp("us", tz="UTC"), nullable=False),
+        ]
+    ),
+    identity=("holder", "table"),
+)
+"""Versions a holder needs kept (``Lab.pin_versions``): cleanup never removes them."""
+
+
+@dataclass(frozen=True)
+class MaintenancePolicy:
+    """When the write path maintains a table, and what retention keeps.
+
+    Indexes are brought up to date once more than ``index_lag_fragments`` fragments or
+    ``index_lag_rows`` rows are not covered, and before every compaction. Why not after
+    every commit: Lance 14's scalar-index update merges the whole index (measured: its cost
+    grows with the indexed rows, ~90 ms at 1k rows to ~185 ms at 11k for six indexes), so
+    it is paid once per tier compaction, while reads scan at most that many small
+    fragments flat.
+    ``fan_in`` fragments of one size tier (tier ``t`` holds fragments of
+    ``base_rows·fan_in^t`` up to ``base_rows·fan_in^(t+1)`` rows) are compacted together;
+    fragments of ``target_rows_per_fragment`` or more are left alone unless a quarter of
+    their rows are deleted. Versions beyond the newest ``keep_versions`` are removed once
+    older than ``version_min_age`` (a reader that opened one earlier than that may still be
+    reading it; hold longer ones with ``Lab.pin_versions``; ``retention``, when smaller,
+    shortens that age); the current and pinned versions never. Every ``cleanup_every``
+    versions the write path applies retention when it would remove something.
+    """
+
+    enabled: bool = True
+    index_lag_fragments: int = 16
+    index_lag_rows: int = 1_000_000
+    fan_in: int = 16
+    base_rows: int = 1024
+    target_rows_per_fragment: int = TARGET_ROWS_PER_FRAGMENT
+    materialize_deleted_share: float = 0.25
+    keep_versions: int = 100
+    version_min_age: timedelta = timedelta(minutes=15)
+    retention: timedelta = timedelta(days=7)
+    cleanup_every: int = 64
+    compaction_batch_size: int = 1024  # rows per compaction read: bounds its memory
+
+
+DEFAULT_POLICY = MaintenancePolicy()
+MANUAL = MaintenancePolicy(enabled=False)
+
+
+def _tier(rows: int, policy: MaintenancePolicy) -> int:
+    if rows < policy.base_rows * policy.fan_in:
+        return 0
+    return int(math.log(rows / policy.base_rows, policy.fan_in))
+
+
+def compaction_candidates(ds: lance.LanceDataset, policy: MaintenancePolicy) -> list[int]:
+    """Fragment ids to compact now: the lowest tier holding ``fan_in`` fragments, plus any
+    fragment with a large deleted share; empty when nothing is due. Reads the manifest only."""
+    tiers: dict[int, list[int]] = {}
+    heavy: list[int] = []
+    for fragment in ds.get_fragments():
+        meta = fragment.metadata
+        rows = meta.physical_rows or 0
+        deleted = meta.deletion_file.num_deleted_rows if meta.deletion_file else 0
+        if rows and deleted / rows >= policy.materialize_deleted_share:
+            heavy.append(meta.id)
+        elif rows < policy.target_rows_per_fragment:
+            tiers.setdefault(_tier(rows, policy), []).append(meta.id)
+    due = [ids for _, ids in sorted(tiers.items()) if len(ids) >= policy.fan_in]
+    if not due and len(heavy) < 1:
+        return []
+    return sorted((due[0] if due else []) + heavy)
+
+
+def is_conflict(exc: BaseException) -> bool:
+    """A lost race with a concurrent commit (retryable), as Lance reports it."""
+    message = str(exc).lower()
+    return any(w in message for w in ("conflict", "retryable", "preempted", "concurrent"))
+
+
+def retry_conflicts(action: Callable[[], T], deferred: list[str], attempts: int = 6) -> T | None:
+    """Run a maintenance step, redoing it when a concurrent commit won the race; after
+    ``attempts`` lost races the step is recorded in ``deferred`` and skipped (the partition
+    commits are what matter; the next run catches up). Other errors are raised."""
+    for attempt in range(attempts):
+        try:
+            return action()
+        except (OSError, RuntimeError, ValueError) as exc:
+            if not is_conflict(exc):
+                raise
+            if attempt == attempts - 1:
+                deferred.append(f"{type(exc).__name__}: {str(exc)[:160]}")
+            else:
+                time.sleep(0.05 * (2**attempt))
+    return None
+
+
+def optimize_all_indices(uri: str) -> None:
+    """Fold every unindexed fragment into every index of the table (scalar, FTS, vector)."""
+    ds = open_dataset(uri)
+    if ds.list_indices():
+        ds.optimize.optimize_indices()
+
+
+@contextlib.contextmanager
+def maintenance_lock(root: str, table: str, *, wait: bool = False) -> Iterator[bool]:
+    """One maintainer per local table at a time; yields False when another holds it and
+    ``wait`` is off (object stores: True, Lance's commit conflicts arbitrate)."""
+    if "://" in root:
+        yield True
+        return
+    lock_dir = Path(root) / ".locks"
+    lock_dir.mkdir(exist_ok=True)
+    with open(lock_dir / f"{table}.maintain.lock", "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def refresh_indexes(ds: lance.LanceDataset, spec: TableSpec, policy: MaintenancePolicy) -> int:
+    """Fold fragments the spec's scalar indexes do not cover into them once more than
+    ``policy.index_lag_fragments`` fragments (or ``index_lag_rows`` rows) are uncovered;
+    the number of indexes updated. Below the bound a read scans those few fragments flat;
+    above it one index update (the new fragments plus a merge, not a rebuild) restores
+    full coverage. Refreshing every commit would spend a commit per write on it."""
+    wanted = {c for c, _ in spec.indexes}
+    indexes = [ix for ix in ds.list_indices() if len(ix["fields"]) == 1]
+    indexes = [ix for ix in indexes if ix["fields"][0] in wanted]
+    if not indexes:
+        return 0
+    fragments = {f.fragment_id: f.metadata.physical_rows or 0 for f in ds.get_fragments()}
+    stale: set[str] = set()
+    lag_fragments = lag_rows = 0
+    for ix in indexes:
+        covered = ix.get("fragment_ids")
+        missing = [f for f in fragments if covered is None or f not in covered]
+        if missing:
+            stale.add(ix["name"])
+            lag_fragments = max(lag_fragments, len(missing))
+            lag_rows = max(lag_rows, sum(fragments[f] for f in missing))
+    if not stale or (
+        lag_fragments <= policy.index_lag_fragments and lag_rows <= policy.index_lag_rows
+    ):
+        return 0
+    ds.optimize.optimize_indices(index_names=sorted(stale))
+    return len(stale)
+
+
+def compact(ds: lance.LanceDataset, candidates: list[int], policy: MaintenancePolicy) -> Any:
+    """Compact exactly ``candidates`` (everything else excluded), streaming in bounded
+    batches; Lance remaps the indexes onto the new fragments."""
+    excluded = [f.fragment_id for f in ds.get_fragments() if f.fragment_id not in set(candidates)]
+    return ds.optimize.compact_files(
+        target_rows_per_fragment=policy.target_rows_per_fragment,
+        materialize_deletions_threshold=policy.materialize_deleted_share,
+        excluded_fragment_ids=excluded,
+        batch_size=policy.compaction_batch_size,
+        num_threads=1,
+    )
+
+
+def cleanup_due(uri: str, latest: int, policy: MaintenancePolicy) -> bool:
+    """Whether a cleanup would remove anything: more than ``keep_versions`` manifests and
+    the oldest one past ``version_min_age``. A directory listing and one manifest read, so
+    the write path does not pay a full cleanup (which reads every kept manifest) while
+    young versions are all it could find."""
+    fs, path = arrow_filesystem(uri)
+    entries = fs.get_file_info(pafs.FileSelector(f"{path}/_versions", allow_not_found=True))
+    numbers = []
+    for entry in entries:
+        stem = entry.base_name.removesuffix(".manifest")
+        if stem.isdigit():
+            n = int(stem)
+            numbers.append(2**64 - 1 - n if n >= 2**63 else n)  # V2 names count down
+    if len(numbers) <= policy.keep_versions:
+        return False
+    try:
+        stamp = open_dataset(uri, version=min(numbers)).get_version()["timestamp"]
+    except (ValueError, OSError):
+        return True
+    if stamp.tzinfo is None:  # Lance reports commit times in UTC
+        stamp = stamp.replace(tzinfo=UTC)
+    return time.time() - stamp.timestamp() > policy.version_min_age.total_seconds()
+
+
+def cleanup_versions(
+    uri: str, keep_versions: int, min_age: timedelta, retention: timedelta
+) -> dict[str, Any]:
+    """Drop every version that is neither among the newest ``keep_versions`` nor younger
+    than ``min(min_age, retention)``; pinned (tagged) versions and their files stay."""
+    if keep_versions < 1:
+        raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
+    ds = open_dataset(uri)
+    stats = ds.cleanup_old_versions(
+        older_than=max(timedelta(0), min(min_age, retention)),
+        retain_versions=keep_versions,
+        error_if_tagged_old_versions=False,
+    )
+    return {
+        "versions_removed": getattr(stats, "old_versions", None),
+        "bytes_removed": getattr(stats, "bytes_removed", None),
+    }
+
+
+def pin_tag(holder: str) -> str:
+    """The Lance tag a holder's pin is kept by (a digest: holders are free text)."""
+    return PIN_TAG_PREFIX + hashlib.sha256(holder.encode()).hexdigest()[:32]
+
+
+def set_tag(ds: lance.LanceDataset, tag: str, version: int) -> None:
+    tags = ds.tags.list()
+    if tag in tags:
+        if tags[tag]["version"] != version:
+            ds.tags.update(tag, version)
+    else:
+        ds.tags.create(tag, version)
+
+
+def drop_tag(ds: lance.LanceDataset, tag: str) -> None:
+    if tag in ds.tags.list():
+        ds.tags.delete(tag)
+
+
+def remove_orphaned_files(
+    ds: lance.LanceDataset,
+    base_uri: str,
+    retention: timedelta,
+    min_age: timedelta = ORPHAN_MIN_AGE,
+) -> dict[str, Any]:
+    """Delete files of a table that no kept version references, if older than ``min_age``.
+
+    A writer killed between ``write_fragments`` and its commit (or an index build or a
+    compaction killed before theirs) leaves data, deletion or index files that no
+    manifest names. Lance's ``cleanup_old_versions`` leaves such "unverified" files
+    for 7 days, and ``delete_unverified=True`` removes them regardless of age, which
+    would also delete the files of a write still in flight: its fragments are on disk
+    before its commit names them, and a commit naming deleted files corrupts the table.
+    So Lance lists the candidates (``explain_cleanup_old_versions``, the same rules as
+    the cleanup) and only those at least ``min_age`` old (file modification time) are
+    deleted here. ``min_age`` must exceed the longest write, from its first fragment to
+    its commit (a partition replacement streams one batch; default 24 h). A file Lance
+    lists that cannot be mapped to this table's directory is left alone.
+    """
+    if min_age < timedelta(0):
+        raise ValueError(f"min_age must be >= 0, got {min_age}")
+    plan = ds.explain_cleanup_old_versions(
+        older_than=retention,
+        delete_unverified=True,
+        error_if_tagged_old_versions=False,  # pinned (tagged) versions are kept, not errors
+        include_files=True,
+        max_files=ORPHAN_SCAN_LIMIT,
+    )
+    base_key = object_key(base_uri)
+    now = time.time()
+    removed = kept = unmapped = 0
+    removed_bytes = 0
+    for candidate in plan.candidate_files:
+        if not candidate.unverified:
+            continue  # referenced by a version past retention: cleanup_old_versions' job
+        path = candidate.path.lstrip("/")
+        if not path.startswith(base_key + "/"):
+            unmapped += 1
+            continue
+        fs, fs_path = arrow_filesystem(f"{base_uri}/{path[len(base_key) + 1 :]}")
+        info = fs.get_file_info(fs_path)
+        if info.type != pafs.FileType.File or info.mtime is None:
+            continue
+        if now - info.mtime.timestamp() < min_age.total_seconds():
+            kept += 1
+            continue
+        fs.delete_file(fs_path)
+        removed += 1
+        removed_bytes += candidate.size_bytes
+        _remove_empty_parent(fs, fs_path, base_key)
+    return {
+        "orphan_files_removed": removed,
+        "orphan_bytes_removed": removed_bytes,
+        "orphan_files_kept_recent": kept,
+        "orphan_files_unmapped": unmapped,
+        "orphan_scan_truncated": plan.candidate_files_truncated,
+    }
+
+
+def object_key(uri: str) -> str:
+    """How Lance names a file of ``uri`` in cleanup plans: the path without scheme or root."""
+    if "://" in uri:
+        return uri.split("://", 1)[1].strip("/")
+    return str(Path(uri).resolve()).strip("/")
+
+
+def _remove_empty_parent(fs: pafs.FileSystem, path: str, base_key: str) -> None:
+    """A killed index build leaves ``_indices/<uuid>/``: drop the folder once empty (local)."""
+    if not isinstance(fs, pafs.LocalFileSystem):
+        return
+    parent = Path(path).parent
+    if parent.parent.name == "_indices" and str(parent).strip("/").startswith(base_key):
+        with contextlib.suppress(OSError):
+            parent.rmdir()  # only succeeds when empty

@@ -1,0 +1,592 @@
+"""The Lance "lab": one directory of Lance tables that every stage reads and extends.
+
+Why these helpers: every partitioned stage writes "its rows for batch B" and must be
+idempotent and safe when partitions run concurrently. Each rewrite of a partition is a
+single Lance commit (new fragments plus the deletion of the batch's old rows); concurrent
+commits from other partitions are rebased by Lance's optimistic concurrency (checked in the
+tests with processes). After each commit the writer keeps the table cheap for the next
+operation (``maintenance.py``): indexes cover the new fragment, a full size tier is
+compacted, old versions are dropped by count and age, and pinned versions are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lance
+import pyarrow as pa
+from lance.commit import CommitConflictError
+from lance.fragment import write_fragments
+
+from prx_assets.core.crashpoints import crashpoint
+from prx_assets.core.lab import maintenance as mx
+from prx_assets.core.lab.blobs import BlobStore, is_blob_ref, stored_schema
+from prx_assets.core.lab.io import open_dataset, storage_options
+from prx_assets.core.lab.maintenance import (
+    DEFAULT_POLICY,
+    ORPHAN_MIN_AGE,
+    TARGET_ROWS_PER_FRAGMENT,
+    MaintenancePolicy,
+)
+from prx_assets.core.lab.pins import VersionPins
+from prx_assets.core.lab.spec import TableSpec, sql_literal
+from prx_assets.core.lab.view import LabView, _has_index
+
+
+class _CountingBatches:
+    """Pass record batches through, counting rows and refusing rows of another batch; blob
+    columns are stored in the blob store and passed on as references."""
+
+    def __init__(
+        self,
+        batches: Iterable[pa.RecordBatch],
+        spec: TableSpec,
+        batch: str,
+        stored: pa.Schema,
+        blobs: BlobStore,
+    ) -> None:
+        self._batches = batches
+        self._spec = spec
+        self._batch = batch
+        self._stored = stored
+        self._blobs = blobs
+        self._blob_columns = [c for c in spec.blobs if is_blob_ref(stored.field(c))]
+        self.rows = 0
+        self.blob_bytes_written = 0
+        self.error: ValueError | None = None
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        schema = self._spec.schema
+        for rb in self._batches:
+            rb = pa.Table.from_batches([rb]).select(schema.names).cast(schema)
+            for part in rb.to_batches():
+                batch_values = set(part.column("batch").unique().to_pylist())
+                if batch_values - {self._batch}:
+                    self.error = ValueError(
+                        f"rows for batch {self._batch!r} include other batches: {batch_values}"
+                    )
+                    raise self.error
+                self.rows += part.num_rows
+                if self._blob_columns:
+                    part, written = self._blobs.to_stored(
+                        self._spec.name, part, self._blob_columns, self._stored
+                    )
+                    self.blob_bytes_written += written
+                yield part
+                crashpoint("lab.fragment_batch")
+
+
+class Lab(VersionPins):
+    """A directory of Lance tables (local path or object-store URI).
+
+    ``policy`` says how the write path maintains what it writes (on by default;
+    ``maintenance.MANUAL`` leaves it all to ``maintain``).
+    """
+
+    def __init__(self, root: str | Path, policy: MaintenancePolicy = DEFAULT_POLICY) -> None:
+        self.root = str(root).rstrip("/")
+        self.policy = policy
+        # Endpoint, region, credentials of an s3:// lab, from the environment (holds
+        # secrets: passed to Lance only, never logged; core/storage.py).
+        self.storage_options = storage_options(self.root)
+        if "://" not in self.root:
+            Path(self.root).mkdir(parents=True, exist_ok=True)
+        self.blobs = BlobStore(self.root)
+
+    def uri(self, table: str) -> str:
+        return f"{self.root}/{table}.lance"
+
+    def _open(self, table: str, version: int | None = None) -> lance.LanceDataset | None:
+        """The dataset, or None when the table does not exist (one open either way)."""
+        try:
+            return lance.dataset(
+                self.uri(table), version=version, storage_options=self.storage_options
+            )
+        except (ValueError, OSError, FileNotFoundError):
+            return None
+
+    def exists(self, table: str) -> bool:
+        return self._open(table) is not None
+
+    def dataset(self, table: str, version: int | None = None) -> lance.LanceDataset:
+        """The Lance dataset itself: for code inside this package and its tests only.
+
+        Everything else goes through the methods of ``Lab`` and ``LabView``, so that one
+        place decides how the lab is read, written and indexed (blob columns hold
+        references here, not bytes).
+        """
+        return lance.dataset(self.uri(table), version=version, storage_options=self.storage_options)
+
+    def view(self, versions: Mapping[str, int] | None = None) -> LabView:
+        """A read view that opens each table once (at ``versions[table]`` when given)."""
+        return LabView(self, versions)
+
+    def stored_schema(self, spec: TableSpec) -> pa.Schema:
+        """The schema the table is (or will be) stored with: blob columns as references,
+        except on a table created before blob storage, whose inline bytes stay inline."""
+        ds = self._open(spec.name)
+        if ds is not None:
+            return pa.schema([ds.schema.field(n) for n in spec.schema.names])
+        return stored_schema(spec.schema, spec.blobs)
+
+    def ensure(self, spec: TableSpec) -> lance.LanceDataset:
+        """Create the table empty if missing (tolerating a concurrent creator)."""
+        try:
+            return self.dataset(spec.name)
+        except (ValueError, OSError, FileNotFoundError):
+            pass
+        schema = stored_schema(spec.schema, spec.blobs)
+        try:
+            lance.write_dataset(
+                pa.Table.from_pylist([], schema=schema),
+                self.uri(spec.name),
+                mode="create",
+                storage_options=self.storage_options,
+            )
+        except (OSError, ValueError):
+            # Another process created it first; that is fine.
+            pass
+        return self.dataset(spec.name)
+
+    def _to_stored(self, spec: TableSpec, rows: pa.Table) -> pa.Table:
+        rows = rows.select(spec.schema.names).cast(spec.schema)
+        stored = self.stored_schema(spec)
+        blob_columns = [c for c in spec.blobs if is_blob_ref(stored.field(c))]
+        if not blob_columns:
+            return rows
+        parts = [
+            self.blobs.to_stored(spec.name, rb, blob_columns, stored)[0] for rb in rows.to_batches()
+        ]
+        return pa.Table.from_batches(parts, schema=stored)
+
+    def replace_partition(
+        self,
+        spec: TableSpec,
+        batch: str,
+        data: pa.Table | Iterable[pa.RecordBatch],
+        attempts: int = 8,
+    ) -> dict[str, Any]:
+        """Replace every row of ``batch`` with ``data`` in one Lance commit.
+
+        New rows are streamed into new fragment files first (bounded memory: a batch's
+        image bytes are never all held at once; blob columns go to the blob store first),
+        then one ``Update`` transaction both marks the batch's old rows deleted and adds the
+        new fragments. Readers see the old rows or the new rows, never a mix or nothing;
+        rows of other batches are untouched; a rerun with the same data leaves the table's
+        content unchanged. A concurrent commit touching the same fragments makes the commit
+        retry with the deletions recomputed (the written fragments are reused). Then the
+        table is maintained per ``policy`` (``result["maintenance"]``).
+        """
+        self.ensure(spec)
+        stored = self.stored_schema(spec)
+        batches = data.to_batches() if isinstance(data, pa.Table) else data
+        counted = _CountingBatches(batches, spec, batch, stored, self.blobs)
+        reader = pa.RecordBatchReader.from_batches(stored, iter(counted))
+        try:
+            new_fragments = write_fragments(
+                reader, self.uri(spec.name), schema=stored, storage_options=self.storage_options
+            )
+        except OSError:
+            if counted.error is not None:  # our own refusal, wrapped by Lance: surface it
+                raise counted.error from None
+            raise
+        crashpoint("lab.fragments_written")
+        predicate = f"batch = {sql_literal(batch)}"
+        with self._partition_lock(spec.name, batch):
+            result = self._commit_replacement(
+                spec, predicate, new_fragments, counted.rows, attempts
+            )
+        result["blob_bytes_written"] = counted.blob_bytes_written
+        result["maintenance"] = self.after_commit(spec)
+        return result
+
+    @contextlib.contextmanager
+    def _partition_lock(self, table: str, batch: str) -> Iterator[None]:
+        """Serialise replacements of the *same* partition on a local lab.
+
+        Lance rebases concurrent commits that touch different fragments, so two
+        replacements of one batch that both start before either commits would both
+        add rows. Different batches never wait on each other. On object storage the
+        run coordinator's per-partition limit (dagster.yaml) provides the exclusion.
+        """
+        if "://" in self.root:
+            yield
+            return
+        lock_dir = Path(self.root) / ".locks"
+        lock_dir.mkdir(exist_ok=True)
+        digest = hashlib.sha256(f"{table}\0{batch}".encode()).hexdigest()[:24]
+        with open(lock_dir / f"{table}.{digest}.lock", "w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def _commit_replacement(
+        self, spec: TableSpec, predicate: str, new_fragments: list, rows: int, attempts: int
+    ) -> dict[str, Any]:
+        last: Exception | None = None
+        for attempt in range(attempts):
+            ds = self.dataset(spec.name)
+            addresses = ds.to_table(columns=[], filter=predicate, with_row_address=True)
+            touched = sorted({int(a) >> 32 for a in addresses.column("_rowaddr").to_pylist()})
+            removed: list[int] = []
+            updated = []
+            for fragment_id in touched:
+                fragment = ds.get_fragment(fragment_id)
+                after = fragment.delete(predicate)
+                if after is None:
+                    removed.append(fragment_id)
+                else:
+                    updated.append(after)
+            op = lance.LanceOperation.Update(
+                removed_fragment_ids=removed,
+                updated_fragments=updated,
+                new_fragments=new_fragments,
+            )
+            try:
+                committed = lance.LanceDataset.commit(
+                    self.uri(spec.name),
+                    op,
+                    read_version=ds.version,
+                    storage_options=self.storage_options,
+                )
+            except OSError as exc:  # a conflicting concurrent commit: recompute and retry
+                last = exc
+                time.sleep(0.05 * (2**attempt))
+                continue
+            crashpoint("lab.committed")
+            self.ensure_indexes(spec)
+            return {
+                "rows_written": rows,
+                "rows_replaced": addresses.num_rows,
+                "version": committed.version,
+            }
+        assert last is not None
+        raise last
+
+    def after_commit(self, spec: TableSpec) -> dict[str, Any]:
+        """Keep ``spec``'s table cheap after a commit (the write path's maintenance).
+
+        Folds unindexed fragments into the scalar indexes, compacts a full size tier
+        (``maintenance.compaction_candidates``), and every ``policy.cleanup_every`` versions
+        applies version retention when it would remove something. One maintainer per table at
+        a time (others skip: the next commit catches up); a maintenance commit that loses a
+        race to a partition commit is deferred, never retried over it, so no partition
+        commit is ever lost. Returns what was done.
+        """
+        policy = self.policy
+        if not policy.enabled:
+            return {"skipped": "manual"}
+        done: dict[str, Any] = {}
+        with mx.maintenance_lock(self.root, spec.name) as mine:
+            if not mine:
+                return {"skipped": "another maintainer"}
+            try:
+                ds = self.dataset(spec.name)
+                first = ds.version  # the commit just made (or a later one)
+                done["indexes_refreshed"] = mx.refresh_indexes(ds, spec, policy)
+                ds = self.dataset(spec.name)
+                candidates = mx.compaction_candidates(ds, policy)
+                if candidates:
+                    # Lance merges only fragments of equal index coverage: cover them first.
+                    full = replace(policy, index_lag_fragments=0, index_lag_rows=0)
+                    done["indexes_refreshed"] += mx.refresh_indexes(ds, spec, full)
+                    ds = self.dataset(spec.name)
+                    metrics = mx.compact(ds, candidates, policy)
+                    done["fragments_compacted"] = metrics.fragments_removed
+                ds = self.dataset(spec.name)
+                every = policy.cleanup_every  # crossed a multiple since the commit?
+                if ds.version // every > (first - 1) // every and mx.cleanup_due(
+                    self.uri(spec.name), ds.version, policy
+                ):
+                    done.update(
+                        mx.cleanup_versions(
+                            self.uri(spec.name),
+                            policy.keep_versions,
+                            policy.version_min_age,
+                            policy.retention,
+                        )
+                    )
+            except (OSError, RuntimeError, ValueError, CommitConflictError) as exc:
+                if not mx.is_conflict(exc):
+                    raise
+                done["deferred"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        return done
+
+    def ensure_indexes(self, spec: TableSpec, attempts: int = 8) -> list[str]:
+        """Create the spec's missing scalar indexes, tolerating concurrent writers; the
+        columns indexed now.
+
+        Two partitions committing at once may both try to create the same index: Lance
+        then rejects one CreateIndex as preempted (retryable) or says it already exists.
+        Either way the other writer's index serves; re-read and carry on.
+        """
+        created: list[str] = []
+        if not spec.indexes:
+            return created
+        for attempt in range(attempts + len(spec.indexes)):  # one round per index, + retries
+            ds = self._open(spec.name)
+            if ds is None or ds.count_rows() == 0:
+                return created
+            have = {tuple(ix["fields"]) for ix in ds.list_indices()}
+            missing = [(c, k) for c, k in spec.indexes if (c,) not in have]
+            if not missing:
+                return created
+            column, kind = missing[0]
+            try:
+                ds.create_scalar_index(column, kind)
+                created.append(column)
+            except CommitConflictError:
+                time.sleep(0.05 * (2 ** min(attempt, 5)))
+            except (OSError, ValueError) as exc:
+                if "already exists" not in str(exc):
+                    raise
+        ds = self.dataset(spec.name)
+        have = {tuple(ix["fields"]) for ix in ds.list_indices()}
+        still = [c for c, _ in spec.indexes if (c,) not in have]
+        if still:
+            raise RuntimeError(f"{spec.name}: could not create indexes on {still} (conflicts)")
+        return created
+
+    def read(
+        self,
+        table: str,
+        columns: Sequence[str] | None = None,
+        filter: str | None = None,
+        version: int | None = None,
+    ) -> pa.Table:
+        """Projection + predicate pushdown read; an absent table reads as empty. Blob
+        columns come back as their bytes (checked against their address)."""
+        ds = self._open(table, version)
+        if ds is None:
+            return pa.table({})
+        rows = ds.to_table(columns=list(columns) if columns else None, filter=filter)
+        return self.blobs.resolve(table, rows, ds.schema)
+
+    def read_batch(self, table: str, batch: str, columns: Sequence[str] | None = None) -> pa.Table:
+        return self.read(table, columns, f"batch = {sql_literal(batch)}")
+
+    def count(self, table: str, filter: str | None = None) -> int:
+        """Rows of ``table`` matching ``filter``; an absent table has none."""
+        ds = self._open(table)
+        return 0 if ds is None else ds.count_rows(filter)
+
+    def version(self, table: str) -> int | None:
+        """The table's current version; None when it does not exist."""
+        ds = self._open(table)
+        return None if ds is None else ds.version
+
+    def append(self, spec: TableSpec, rows: pa.Table) -> int:
+        """Add ``rows`` in one commit (for small queue/log tables); returns the version."""
+        self.ensure(spec)
+        rows = self._to_stored(spec, rows)
+        if rows.num_rows:
+            lance.write_dataset(
+                rows, self.uri(spec.name), mode="append", storage_options=self.storage_options
+            )
+            self.ensure_indexes(spec)
+            self.after_commit(spec)
+        return self.dataset(spec.name).version
+
+    def delete(self, table: str, predicate: str, attempts: int = 8) -> int:
+        """Delete the rows matching ``predicate`` in one commit, retrying lost races.
+
+        Returns the version after the delete (the current one when the table is absent or
+        nothing matched is still a valid answer: the rows are gone either way).
+        """
+        last: Exception | None = None
+        for attempt in range(attempts):
+            ds = self._open(table)
+            if ds is None:
+                return 0
+            try:
+                ds.delete(predicate)
+                return self.dataset(table).version
+            except (OSError, RuntimeError) as exc:
+                if "conflict" not in str(exc).lower() and not isinstance(exc, CommitConflictError):
+                    raise
+                last = exc
+                time.sleep(0.05 * (2**attempt))
+        assert last is not None
+        raise last
+
+    def replace_rows(self, spec: TableSpec, column: str, value: str, rows: pa.Table) -> int:
+        """Make ``rows`` exactly the rows of ``spec`` whose ``column`` is ``value``, in one
+        commit (a full-replacement ``merge_insert`` on the identity columns): a replay leaves
+        the same rows, never duplicates. For tables keyed by something other than ``batch``
+        (an opt-out list's rows); returns the table version."""
+        rows = rows.select(spec.schema.names).cast(spec.schema)
+        others = set(rows.column(column).to_pylist()) - {value}
+        if others:
+            raise ValueError(f"rows for {column}={value!r} include other values {sorted(others)}")
+        ds = self.ensure(spec)
+        (
+            ds.merge_insert(list(spec.identity))
+            .when_matched_update_all()
+            .when_not_matched_insert_all()
+            .when_not_matched_by_source_delete(f"{column} = {sql_literal(value)}")
+            .execute(self._to_stored(spec, rows))
+        )
+        self.ensure_indexes(spec)
+        self.after_commit(spec)
+        return self.dataset(spec.name).version
+
+    def add_columns(self, table: str, fields: Sequence[pa.Field]) -> int:
+        """Append null columns to ``table`` (a metadata-only commit): how a table written
+        under an older spec gains the fields a newer one added. Returns the version."""
+        ds = self.dataset(table)
+        if fields:
+            ds.add_columns(pa.schema(list(fields)))
+        return self.dataset(table).version
+
+    def ensure_scalar_indexes(self, table: str, indexes: Iterable[tuple[str, str]]) -> list[str]:
+        """Create the missing scalar indexes of a non-empty table; the columns indexed now.
+
+        For indexes a reader wants on another stage's table (the spec's own indexes are
+        kept by ``ensure_indexes`` on every write).
+        """
+        return self.ensure_indexes(TableSpec(table, pa.schema([]), (), tuple(indexes)))
+
+    def ensure_text_index(self, table: str, column: str, name: str) -> str:
+        """Create the INVERTED (full-text) index on ``column``, or fold new fragments into it.
+
+        Returns ``"created"``, ``"optimized"``, ``"empty"``, ``"absent"`` or ``"deferred
+        (...)"`` when concurrent commits kept winning: unindexed fragments are still searched
+        (flat), and the next write or the maintenance job indexes them.
+        """
+
+        def act(ds: lance.LanceDataset) -> str:
+            if ds.count_rows() == 0:
+                return "empty"
+            if _has_index(ds, column, ("INVERTED", "FTS")):
+                names = sorted({ix["name"] for ix in ds.list_indices() if ix["fields"] == [column]})
+                ds.optimize.optimize_indices(index_names=names)
+                return "optimized"
+            ds.create_scalar_index(column, "INVERTED", name=name, replace=False)
+            return "created"
+
+        return self._index_action(table, act)
+
+    def ensure_vector_index(
+        self,
+        table: str,
+        column: str,
+        name: str,
+        *,
+        min_rows: int,
+        index_type: str,
+        index_types: Sequence[str],
+        metric: str = "cosine",
+        **params: Any,
+    ) -> str:
+        """Build a vector index once ``table`` has ``min_rows`` rows; then keep it fed.
+
+        Returns ``"below_threshold (n < min)"``, ``"created"``, ``"optimized"``, ``"absent"``
+        or ``"deferred (...)"``. New data is assigned to the trained partitions (no
+        retraining). ``index_types``: the kinds that count as "already indexed".
+        """
+
+        def act(ds: lance.LanceDataset) -> str:
+            rows = ds.count_rows()
+            if _has_index(ds, column, index_types):
+                names = sorted({ix["name"] for ix in ds.list_indices() if ix["fields"] == [column]})
+                ds.optimize.optimize_indices(index_names=names)
+                return "optimized"
+            if rows < min_rows:
+                return f"below_threshold ({rows} < {min_rows})"
+            ds.create_index(column, index_type, name=name, metric=metric, **params)
+            return "created"
+
+        return self._index_action(table, act)
+
+    def _index_action(
+        self, table: str, action: Callable[[lance.LanceDataset], str], attempts: int = 3
+    ) -> str:
+        """Run an index action; a conflicting concurrent commit is retried, then reported.
+
+        Any other error is raised: only a lost race is an acceptable reason to skip.
+        """
+        last: Exception | None = None
+        for attempt in range(attempts):
+            ds = self._open(table)
+            if ds is None:
+                return "absent"
+            try:
+                return action(ds)
+            except (OSError, RuntimeError, ValueError) as exc:
+                message = str(exc)
+                if "already exists" in message:  # a concurrent writer built it
+                    return "exists"
+                if "conflict" not in message.lower():
+                    raise
+                last = exc
+                time.sleep(0.05 * (2**attempt))
+        return f"deferred ({type(last).__name__}: {str(last)[:160]})"
+
+    def maintain(
+        self,
+        spec: TableSpec,
+        target_rows_per_fragment: int = TARGET_ROWS_PER_FRAGMENT,
+        retention: timedelta = timedelta(days=7),
+        orphan_min_age: timedelta = ORPHAN_MIN_AGE,
+        keep_versions: int | None = None,
+        version_min_age: timedelta | None = None,
+    ) -> dict[str, Any]:
+        """Compact toward the target fragment size, refresh every index, drop versions past
+        retention (age, and count beyond ``keep_versions`` once older than
+        ``version_min_age``; pinned ones never), and remove files no version references
+        once they are ``orphan_min_age`` old. Blob bytes are never read or copied."""
+        if not self.exists(spec.name):
+            return {"table": spec.name, "skipped": "absent"}
+        keep = self.policy.keep_versions if keep_versions is None else keep_versions
+        min_age = self.policy.version_min_age if version_min_age is None else version_min_age
+        self.ensure_indexes(spec)
+        ds = self.dataset(spec.name)
+        before = len(ds.get_fragments())
+        with mx.maintenance_lock(self.root, spec.name, wait=True):  # a writer's is short
+            # Index every fragment first: Lance only merges fragments of equal index coverage.
+            # A partition commit racing a step wins; the step is redone on the new version.
+            deferred: list[str] = []
+            uri = self.uri(spec.name)
+            mx.retry_conflicts(lambda: mx.optimize_all_indices(uri), deferred)
+            metrics = mx.retry_conflicts(
+                lambda: open_dataset(uri).optimize.compact_files(
+                    target_rows_per_fragment=target_rows_per_fragment,
+                    batch_size=self.policy.compaction_batch_size,
+                    num_threads=1,
+                ),
+                deferred,
+            )
+            mx.retry_conflicts(lambda: mx.optimize_all_indices(uri), deferred)
+            cleanup = mx.cleanup_versions(self.uri(spec.name), keep, min_age, retention)
+            orphans = mx.remove_orphaned_files(
+                self.dataset(spec.name), self.uri(spec.name), retention, orphan_min_age
+            )
+        ds = self.dataset(spec.name)
+        return {
+            "table": spec.name,
+            "rows": ds.count_rows(),
+            "fragments_before": before,
+            "fragments_after": len(ds.get_fragments()),
+            "fragments_removed": metrics.fragments_removed if metrics else 0,
+            "version": ds.version,
+            "deferred": deferred,
+            **cleanup,
+            **orphans,
+        }
+
+    def remove_orphaned_files(
+        self, table: str, retention: timedelta, min_age: timedelta = ORPHAN_MIN_AGE
+    ) -> dict[str, Any]:
+        """Delete files of ``table`` no kept version references, once older than ``min_age``
+        (see ``maintenance.remove_orphaned_files``)."""
+        return mx.remove_orphaned_files(self.dataset(table), self.uri(table), retention, min_age)

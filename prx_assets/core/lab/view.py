@@ -1,0 +1,131 @@
+"""Read views of the lab: each table opened once, optionally at pinned versions."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import lance
+import pyarrow as pa
+from lance.query import FullTextOperator, MatchQuery
+
+from prx_assets.core.lab.blobs import logical_schema
+
+if TYPE_CHECKING:
+    from prx_assets.core.lab.store import Lab
+
+
+def _has_index(ds: lance.LanceDataset, column: str, kinds: Iterable[str]) -> bool:
+    wanted = {k.upper() for k in kinds}
+    return any(
+        ix["fields"] == [column] and str(ix["type"]).upper() in wanted for ix in ds.list_indices()
+    )
+
+
+class LabView:
+    """Reads of several tables through one open dataset each, optionally at fixed versions.
+
+    Why: opening a Lance dataset reads its manifest; a caller that reads a table several
+    times (the audit's trail, a browser query, a stage's inputs) should pay that once, and
+    reads pinned to versions see one consistent state of the lab even while stages commit.
+    A table is opened on first use (at ``versions[table]`` when given, else its latest
+    version), then every read of it goes to that same version; ``versions`` records the
+    version each opened table is read at, so a caller can report exactly what it read.
+    Safe to share between threads (each table is still opened once).
+    """
+
+    def __init__(self, lab: Lab, versions: Mapping[str, int] | None = None) -> None:
+        self.lab = lab
+        self.versions: dict[str, int] = dict(versions or {})
+        self._open: dict[str, lance.LanceDataset | None] = {}
+        self._lock = threading.Lock()
+
+    def _ds(self, table: str) -> lance.LanceDataset | None:
+        with self._lock:
+            if table not in self._open:
+                ds = self.lab._open(table, self.versions.get(table))
+                self._open[table] = ds
+                if ds is not None:
+                    self.versions[table] = ds.version
+            return self._open[table]
+
+    def pin(self, tables: Iterable[str]) -> dict[str, int]:
+        """Open ``tables`` now, so later reads see the lab as it is at this moment; the
+        version of each one that exists (absent tables stay absent for this view)."""
+        return {t: v for t in tables if (v := self.version(t)) is not None}
+
+    def exists(self, table: str) -> bool:
+        return self._ds(table) is not None
+
+    def version(self, table: str) -> int | None:
+        ds = self._ds(table)
+        return None if ds is None else ds.version
+
+    def schema(self, table: str) -> pa.Schema | None:
+        ds = self._ds(table)
+        return None if ds is None else logical_schema(ds.schema)
+
+    def indexed_columns(self, table: str) -> dict[str, set[str]]:
+        """Column -> index types present on ``table`` (empty when absent)."""
+        ds = self._ds(table)
+        out: dict[str, set[str]] = {}
+        for ix in [] if ds is None else ds.list_indices():
+            for column in ix["fields"]:
+                out.setdefault(column, set()).add(str(ix["type"]).upper())
+        return out
+
+    def read(
+        self,
+        table: str,
+        columns: Sequence[str] | None = None,
+        filter: str | None = None,
+        **scan: Any,
+    ) -> pa.Table:
+        """A pushed-down read; ``scan`` passes Lance scanner options (``limit``,
+        ``full_text_query``, ``nearest``, ``prefilter``, ``with_row_id``...). An absent
+        table reads as empty. Blob columns come back as their bytes."""
+        ds = self._ds(table)
+        if ds is None:
+            return pa.table({})
+        rows = ds.to_table(columns=list(columns) if columns else None, filter=filter, **scan)
+        return self.lab.blobs.resolve(table, rows, ds.schema)
+
+    def explain(
+        self,
+        table: str,
+        columns: Sequence[str] | None = None,
+        filter: str | None = None,
+        **scan: Any,
+    ) -> str | None:
+        """Lance's physical plan for the same read (which indexes it uses); None if absent.
+
+        Why here: the browser shows, per step, whether an index answered it; the plan is the
+        only place Lance says so.
+        """
+        ds = self._ds(table)
+        if ds is None:
+            return None
+        cols = list(columns) if columns is not None else None
+        return ds.scanner(columns=cols, filter=filter, **scan).explain_plan(True)
+
+    def count(self, table: str, filter: str | None = None, **scan: Any) -> int:
+        """Rows matching ``filter`` (0 when absent); ``scan`` as for :meth:`read`, e.g.
+        ``use_scalar_index=False`` to count by a full scan."""
+        ds = self._ds(table)
+        if ds is None:
+            return 0
+        if not scan:
+            return ds.count_rows(filter)
+        return ds.scanner(columns=[], with_row_id=True, filter=filter, **scan).count_rows()
+
+
+def full_text_query(text: str, column: str, *, all_terms: bool = True) -> Any:
+    """A Lance full-text match of ``text`` on ``column`` for ``LabView.read(...,
+    full_text_query=...)``: every term must match (``all_terms``) or any one of them.
+
+    Why a function: the query object is Lance's type; readers outside this module build it
+    here and never import Lance themselves.
+    """
+    operator = FullTextOperator.AND if all_terms else FullTextOperator.OR
+    return MatchQuery(text, column, operator=operator)

@@ -1,0 +1,229 @@
+"""A lab that stays cheap as batches accumulate (issue 12), on real Lance tables: the write
+path keeps indexes covering every fragment and compacts on its own, a compaction never
+loses a concurrent partition commit (processes), versions are bounded by count while pinned
+ones survive, and image bytes live in the blob store, never rewritten by maintenance."""
+
+import multiprocessing as mp
+import os
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from prx_assets.core.lab import DEFAULT_POLICY, MANUAL, BlobError, Lab, TableSpec
+
+SPEC = TableSpec(
+    name="t",
+    schema=pa.schema([("batch", pa.string()), ("key", pa.string()), ("v", pa.int64())]),
+    identity=("batch", "key"),
+    indexes=(("key", "BTREE"), ("batch", "BITMAP")),
+)
+BLOBS = TableSpec(
+    name="imgs",
+    schema=pa.schema([("batch", pa.string()), ("key", pa.string()), ("image", pa.large_binary())]),
+    identity=("batch", "key"),
+    indexes=(("key", "BTREE"), ("batch", "BITMAP")),
+    blobs=("image",),
+)
+SMALL_TIERS = replace(DEFAULT_POLICY, fan_in=4, base_rows=64)
+
+
+def _rows(batch: str, n: int, v: int = 0) -> pa.Table:
+    return pa.Table.from_pylist(
+        [{"batch": batch, "key": f"{batch}-{i}", "v": v} for i in range(n)], schema=SPEC.schema
+    )
+
+
+def _images(batch: str, n: int, size: int, seed: int) -> pa.Table:
+    rng = np.random.default_rng(seed)
+    return pa.table(
+        {
+            "batch": [batch] * n,
+            "key": [f"{batch}-{i}" for i in range(n)],
+            "image": pa.array([rng.bytes(size) for _ in range(n)], pa.large_binary()),
+        },
+        schema=BLOBS.schema,
+    )
+
+
+def _unindexed(lab: Lab, table: str) -> dict[str, int]:
+    ds = lab.dataset(table)
+    return {
+        ix["name"]: ds.stats.index_stats(ix["name"])["num_unindexed_fragments"]
+        for ix in ds.list_indices()
+    }
+
+
+def _files(root: Path) -> dict[str, int]:
+    return {
+        os.path.join(d, f): os.path.getsize(os.path.join(d, f))
+        for d, _, names in os.walk(root)
+        for f in names
+    }
+
+
+def test_indexes_cover_every_fragment_after_many_commits(tmp_path):
+    lab = Lab(tmp_path)  # the default policy: nobody runs maintenance
+    for i in range(30):
+        lab.replace_partition(SPEC, f"b{i:02d}", _rows(f"b{i:02d}", 5))
+    unindexed = _unindexed(lab, "t")
+    assert set(unindexed) == {"key_idx", "batch_idx"}
+    assert all(n <= DEFAULT_POLICY.index_lag_fragments for n in unindexed.values()), unindexed
+    plan = lab.dataset("t").scanner(columns=["key"], filter="batch = 'b29'").explain_plan()
+    assert "ScalarIndexQuery" in plan
+    assert lab.count("t", "batch = 'b29'") == 5 and lab.count("t") == 150
+
+
+def test_compaction_runs_automatically_once_a_size_tier_fills(tmp_path):
+    lab = Lab(tmp_path, policy=SMALL_TIERS)
+    manual = Lab(tmp_path / "manual", policy=MANUAL)
+    for i in range(24):
+        lab.replace_partition(SPEC, f"b{i:02d}", _rows(f"b{i:02d}", 5))
+        manual.replace_partition(SPEC, f"b{i:02d}", _rows(f"b{i:02d}", 5))
+    assert len(manual.dataset("t").get_fragments()) == 24  # what every table did before
+    fragments = lab.dataset("t").get_fragments()
+    # Tiers of 4: at most fan_in - 1 fragments wait in each of the few tiers.
+    assert len(fragments) <= 2 * (SMALL_TIERS.fan_in - 1) + 1, len(fragments)
+    assert sorted(lab.read("t").to_pylist(), key=lambda r: r["key"]) == sorted(
+        manual.read("t").to_pylist(), key=lambda r: r["key"]
+    )
+    assert all(n <= SMALL_TIERS.index_lag_fragments for n in _unindexed(lab, "t").values())
+
+
+def _replace_many(root: str, start: int, rounds: int) -> int:
+    lab = Lab(root, policy=MANUAL)  # writers only commit: the compactor maintains
+    for r in range(rounds):
+        for i in range(start, start + 6):
+            lab.replace_partition(SPEC, f"p{i:02d}", _rows(f"p{i:02d}", 3 + i % 4, v=r))
+    return rounds
+
+
+def _compact_repeatedly(root: str, runs: int) -> int:
+    lab = Lab(root, policy=replace(SMALL_TIERS, keep_versions=3, version_min_age=timedelta(0)))
+    done = 0
+    for _ in range(runs):
+        result = lab.maintain(SPEC, retention=timedelta(days=1), keep_versions=3)
+        done += result.get("fragments_removed", 0) or 0
+    return done
+
+
+def test_a_compaction_never_loses_a_concurrent_partition_commit(tmp_path):
+    root = str(tmp_path)
+    lab = Lab(root, policy=MANUAL)
+    for i in range(12):
+        lab.replace_partition(SPEC, f"p{i:02d}", _rows(f"p{i:02d}", 3 + i % 4, v=-1))
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(3) as pool:
+        compactor = pool.apply_async(_compact_repeatedly, (root, 12))
+        writers = [pool.apply_async(_replace_many, (root, s, 4)) for s in (0, 6)]
+        assert [w.get(timeout=300) for w in writers] == [4, 4]
+        assert compactor.get(timeout=300) > 0  # it really compacted while they committed
+    for i in range(12):
+        rows = lab.read("t", filter=f"batch = 'p{i:02d}'").to_pylist()
+        assert sorted(r["key"] for r in rows) == [f"p{i:02d}-{j}" for j in range(3 + i % 4)]
+        assert {r["v"] for r in rows} == {3}, (i, rows)  # each writer's last commit
+    lab.dataset("t").validate()
+
+
+def test_retention_by_count_keeps_pinned_versions_and_their_files(tmp_path):
+    policy = replace(SMALL_TIERS, keep_versions=4, version_min_age=timedelta(0), cleanup_every=4)
+    lab = Lab(tmp_path, policy=policy)
+    lab.replace_partition(SPEC, "a", _rows("a", 3, v=1))
+    pinned = lab.version("t")
+    lab.pin_versions("snapshot-1", {"t": pinned})
+    assert lab.pinned_versions() == {"t": {pinned}}
+    for r in range(2, 30):
+        lab.replace_partition(SPEC, "a", _rows("a", 3, v=r))  # compactions rewrite "a" too
+    lab.maintain(SPEC, retention=timedelta(days=1))
+    versions = [v["version"] for v in lab.dataset("t").versions()]
+    assert len(versions) <= policy.keep_versions + 1 + 1, versions  # + the pinned one
+    assert pinned in versions
+    old = lab.dataset("t", version=pinned).to_table().to_pylist()  # its files are still there
+    assert sorted(r["v"] for r in old) == [1, 1, 1]
+    assert {r["v"] for r in lab.read("t").to_pylist()} == {29}
+    lab.unpin("snapshot-1")
+    assert lab.pinned_versions() == {}
+    lab.maintain(SPEC, retention=timedelta(days=1))
+    assert pinned not in [v["version"] for v in lab.dataset("t").versions()]
+
+
+def test_repinning_moves_a_holders_pin_and_other_holders_keep_theirs(tmp_path):
+    lab = Lab(tmp_path, policy=MANUAL)
+    lab.replace_partition(SPEC, "a", _rows("a", 2))
+    v1 = lab.version("t")
+    lab.replace_partition(SPEC, "a", _rows("a", 2, v=1))
+    v2 = lab.version("t")
+    lab.pin_versions("x", {"t": v1})
+    lab.pin_versions("y", {"t": v1})
+    lab.pin_versions("x", {"t": v2})
+    assert lab.pinned_versions() == {"t": {v1, v2}}
+    lab.unpin("y")
+    assert lab.pinned_versions() == {"t": {v2}}
+    with pytest.raises((ValueError, OSError)):
+        lab.pin_versions("z", {"t": v2 + 100})  # a version that does not exist
+
+
+def test_image_bytes_round_trip_through_the_blob_store(tmp_path):
+    lab = Lab(tmp_path)
+    rows = _images("a", 4, 5000, seed=1)
+    lab.replace_partition(BLOBS, "a", rows)
+    assert lab.read_batch("imgs", "a", ["key", "image"]).sort_by("key") == rows.select(
+        ["key", "image"]
+    )
+    view = lab.view()
+    assert view.read("imgs", ["image"], "key = 'a-2'").column("image")[0].as_py() == (
+        rows.column("image")[2].as_py()
+    )
+    assert view.schema("imgs").field("image").type == pa.large_binary()
+    stored = lab.dataset("imgs").to_table(columns=["image"]).column("image").to_pylist()
+    assert all(isinstance(r, str) and len(r) == 64 for r in stored)  # references, not bytes
+    data = sum(s for p, s in _files(tmp_path / "imgs.lance" / "data").items())
+    assert data < 4 * 5000 / 4  # the data files hold no image bytes
+    # A rerun writes the same addresses: no new blob bytes.
+    assert lab.replace_partition(BLOBS, "a", rows)["blob_bytes_written"] == 0
+    # Altered or missing bytes are refused, never returned.
+    path = Path(lab.blobs.path("imgs", stored[0]))
+    path.write_bytes(b"not the picture")
+    with pytest.raises(BlobError, match="does not match"):
+        lab.read("imgs", ["image"], f"image = '{stored[0]}'")
+    path.unlink()
+    with pytest.raises(BlobError, match="missing"):
+        lab.read("imgs", ["image"], f"image = '{stored[0]}'")
+
+
+def test_a_table_with_inline_bytes_keeps_working(tmp_path):
+    lab = Lab(tmp_path)
+    inline = TableSpec(BLOBS.name, BLOBS.schema, BLOBS.identity, BLOBS.indexes)  # as before
+    lab.replace_partition(inline, "a", _images("a", 2, 100, seed=2))
+    lab.replace_partition(BLOBS, "b", _images("b", 2, 100, seed=3))
+    assert lab.dataset("imgs").schema.field("image").type == pa.large_binary()
+    got = lab.read("imgs", ["key", "image"]).sort_by("key")
+    want = pa.concat_tables([_images("a", 2, 100, 2), _images("b", 2, 100, 3)])
+    assert got == want.select(["key", "image"])
+
+
+def test_maintenance_never_rewrites_image_bytes(tmp_path):
+    def rewritten_share(spec: TableSpec, root: Path) -> float:
+        lab = Lab(root, policy=MANUAL)
+        image_bytes = 0
+        for i in range(12):
+            rows = _images(f"b{i:02d}", 4, 100_000, seed=i)
+            image_bytes += sum(len(v.as_py()) for v in rows.column("image"))
+            lab.replace_partition(spec, f"b{i:02d}", rows)
+        before = _files(root)
+        result = lab.maintain(spec, retention=timedelta(days=1))
+        assert result["fragments_after"] == 1
+        lab.add_columns("imgs", [pa.field("extra", pa.int32())])
+        after = _files(root)
+        written = sum(s for p, s in after.items() if before.get(p) != s)
+        assert lab.read_batch("imgs", "b03", ["key", "image"]).sort_by("key") == _images(
+            "b03", 4, 100_000, seed=3
+        ).select(["key", "image"])
+        return written / image_bytes
+
+    inline = TableSpec(BLOBS.name, BLOBS.schema, BLOBS.identity, BLOBS.indexes)
+    assert rewritten_share(inline, tmp_path / "inline") > 0.9  # how images was stored before
+    assert rewritten_share(BLOBS, tmp_path / "blobs") <= 0.05
