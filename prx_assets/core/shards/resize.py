@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
@@ -62,8 +63,11 @@ from prx_assets.core.ingest.decode import (
 from prx_assets.core.shards.buckets import Assignment
 
 DETAIL_MARGIN = 2  # fast-path intermediates keep >= 2x the pixels of the resized target
-RESAMPLE = "lanczos"  # the shard path's filter (see module doc); "bicubic-aa": torch's
-RESAMPLE_CHOICES = ("lanczos", "bicubic-aa")
+RESAMPLE = "lanczos"  # the shard path's filter (see module doc)
+# "lanczos": libvips' Lanczos-3 (JPEG sources, downsampling); "lanczos-pillow": Pillow's, the
+# reference it is held to; "bicubic-aa": torch's antialiased bicubic (the former default).
+RESAMPLE_CHOICES = ("lanczos", "lanczos-pillow", "bicubic-aa")
+_LANCZOS = ("lanczos", "lanczos-pillow")
 RESAMPLE_DESCRIPTION = (
     "literal Lanczos-3 (Pillow) over the crop box, from a libjpeg-turbo DCT-scaled decode "
     "(smallest eighth covering the cover size) for JPEG sources; differs from the naive full "
@@ -248,14 +252,142 @@ class AssignmentMismatch(ValueError):
     """The bytes are not the size their assignment was computed for."""
 
 
+_POWER_OF_TWO_SCALES = (8, 4, 2, 1)  # DCT scale divisors decoded: 1/8, 1/4, 1/2, full
+# libjpeg-turbo's 5/8, 6/8 and 7/8 IDCTs are slower than its full-size one (3.5 MP baseline,
+# one core: 11.2 / 13.3 / 16.3 ms against 8.3 ms for 8/8; 1/2 is 5.0 ms): a source whose
+# smallest covering eighth is one of those is decoded at full size instead, and Lanczos
+# takes the extra reduction (libvips: a few ms more, less than the slow IDCT costs).
+_VIPS_PHASE_SEARCH = 256  # right-edge padding tried to put vips' sampling grid on Pillow's
+
+
+def decode_divisor(size: tuple[int, int], cover: tuple[int, int]) -> int:
+    """The largest of 8, 4, 2, 1 with ``size / divisor`` still covering ``cover`` (both
+    axes, exact: the decoded pixels stand for ``size / divisor``), so Lanczos downsamples."""
+    (w, h), (cw, ch) = size, cover
+    return next(f for f in _POWER_OF_TWO_SCALES if f == 1 or (w >= cw * f and h >= ch * f))
+
+
+def _inverse(method: Image.Transpose | None) -> Image.Transpose | None:
+    T = Image.Transpose
+    return {T.ROTATE_90: T.ROTATE_270, T.ROTATE_270: T.ROTATE_90}.get(method, method)  # type: ignore[arg-type]
+
+
+@lru_cache(maxsize=1)
+def _vips() -> Any:
+    """pyvips, set up for one core per process: parallelism comes from the worker pool.
+
+    Imported on first use, inside the process (or pool worker) that renders, never in a
+    forkserver before it forks; the operation cache is off (every image is new).
+    """
+    os.environ["VIPS_CONCURRENCY"] = "1"  # read when libvips starts, i.e. at this import
+    import pyvips
+
+    pyvips.concurrency_set(1)
+    pyvips.cache_set_max(0)
+    return pyvips
+
+
+def _padding(extent: int, scale: float) -> int:
+    """Columns (rows) of edge padding that put libvips' output grid on Pillow's.
+
+    libvips' reduce maps output pixel ``i`` to input ``(i + 0.5) / scale + d`` with
+    ``d = (n - rint(n * scale) / scale) / 2`` for an input of ``n`` pixels (it centres the
+    rounding of the output size); Pillow's ``resize`` (and the naive resize) has ``d = 0``.
+    Padding the far edge by ``p`` pixels changes only ``d``: the ``p`` that makes
+    ``(n + p) * scale`` nearest an integer makes ``d`` negligible (below libvips' own 1/64
+    phase steps on the images measured). The padding is read only by the outputs at that
+    edge, like the edge extension it replaces there.
+    """
+
+    def misfit(p: int) -> float:
+        x = (extent + p) * scale
+        return abs(x - round(x)) / scale
+
+    return min(range(_VIPS_PHASE_SEARCH), key=lambda p: (misfit(p), p))
+
+
+def lanczos_vips(
+    arr: np.ndarray,
+    valid: tuple[float, float],
+    resize_size: tuple[int, int],
+    box: tuple[int, int, int, int],
+) -> np.ndarray:
+    """Lanczos-3 of ``arr`` (HxWx3 uint8) scaled so that ``valid`` (w, h from the top-left
+    corner) becomes ``resize_size``, cropped to the integer ``box`` of that: libvips'
+    reduceh/reducev on one core, only the box computed (libvips is demand-driven).
+
+    The same sampling as Pillow's ``resize(resize_size)`` then ``crop(box)`` (per-axis
+    scale, pixel centres, grid aligned by ``_padding``); libvips extends edges by copying
+    where Pillow renormalises the kernel, so the outermost output pixels differ slightly.
+    Downsampling only (``scale <= 1`` on both axes).
+    """
+    vips = _vips()
+    h, w, bands = arr.shape
+    sx, sy = resize_size[0] / valid[0], resize_size[1] / valid[1]
+    if sx > 1 or sy > 1:
+        raise ValueError(f"lanczos_vips downsamples only, got scale {sx:.4f} x {sy:.4f}")
+    img = vips.Image.new_from_memory(np.ascontiguousarray(arr).data, w, h, bands, "uchar")
+    px, py = _padding(w, sx), _padding(h, sy)
+    if px or py:
+        img = img.embed(0, 0, w + px, h + py, extend="copy")
+    out = img.resize(sx, vscale=sy, kernel="lanczos3", gap=0.0)
+    left, top, right, bottom = box
+    out = out.crop(left, top, right - left, bottom - top)
+    return np.ndarray(
+        buffer=out.write_to_memory(), dtype=np.uint8, shape=(out.height, out.width, bands)
+    )
+
+
+def _scaled_jpeg_vips(
+    data: bytes, assignment: Assignment, orientation: int, max_pixels: int
+) -> Image.Image:
+    """A JPEG decoded at 1/8, 1/4, 1/2 or full size (``decode_divisor``), Lanczos-3 by
+    libvips in the stored (unturned) frame, then turned by its EXIF orientation.
+
+    Raises ``ValueError`` (libjpeg-turbo in strict mode, or a size that disagrees with the
+    assignment) and ``DecodeRejected`` (pixel limit).
+    """
+    height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    if width * height > max_pixels:
+        raise DecodeRejected(
+            "decompression_bomb",
+            f"{width}x{height} = {width * height} px exceeds the limit of {max_pixels} px",
+        )
+    method = ORIENTATION_TRANSPOSE.get(orientation)
+    turned = orientation in (5, 6, 7, 8)
+    oriented = (height, width) if turned else (width, height)
+    if oriented != assignment.source_size:
+        w, h = assignment.source_size
+        raise AssignmentMismatch(
+            f"assignment is for a {w}x{h} image but the bytes decode to "
+            f"{oriented[0]}x{oriented[1]} (after orientation {orientation})"
+        )
+    rw, rh = assignment.resize_size
+    stored_resize = (rh, rw) if turned else (rw, rh)  # the resize in the stored frame
+    f = decode_divisor((width, height), stored_resize)
+    arr = simplejpeg.decode_jpeg(
+        data, colorspace="RGB", min_width=-(-width // f), min_height=-(-height // f)
+    )
+    dh, dw = arr.shape[:2]
+    if (dw, dh) != (-(-width // f), -(-height // f)):
+        raise ValueError(f"{width}x{height} decoded to {dw}x{dh}, not at 1/{f}")
+    # The stored-frame crop box: the oriented one turned back (the canvas is resize_size).
+    stored_box = transpose_box(assignment.crop_box, (rw, rh), _inverse(method))
+    box = tuple(int(round(v)) for v in stored_box)
+    out = lanczos_vips(arr, (width / f, height / f), stored_resize, box)  # type: ignore[arg-type]
+    img = Image.fromarray(out, "RGB")
+    return img.transpose(method) if method is not None else img
+
+
 def _scaled_jpeg(
     data: bytes, assignment: Assignment, orientation: int, max_pixels: int
 ) -> tuple[Image.Image, tuple[float, float, float, float]]:
     """Decode a JPEG at the smallest eighth covering ``resize_size``; the crop box in it.
 
-    Returns the oriented RGB image and the float box of the crop in its pixels. Raises
-    ``ValueError`` (from libjpeg-turbo in strict mode, or for a size that disagrees with the
-    assignment) and ``DecodeRejected`` (pixel limit).
+    The Pillow path (``resample="lanczos-pillow"``, the reference the libvips path is held
+    to, and the fallback for upscales). Returns the oriented RGB image and the float box of
+    the crop in its pixels. Raises ``ValueError`` (from libjpeg-turbo in strict mode, or for
+    a size that disagrees with the assignment) and ``DecodeRejected`` (pixel limit).
     """
     height, width, _, _ = simplejpeg.decode_jpeg_header(data)
     if width * height > max_pixels:
@@ -318,10 +450,12 @@ def resize_to_bucket(
     if resample not in RESAMPLE_CHOICES:
         raise ValueError(f"resample must be one of {RESAMPLE_CHOICES}, got {resample!r}")
     target = (assignment.shape.width, assignment.shape.height)
-    if resample == "lanczos":
+    if resample in _LANCZOS:
         facts = facts if facts is not None else SourceFacts.probe(data, max_pixels)
         if facts.scaled_decode:
             try:
+                if resample == "lanczos" and not assignment.upscaled:
+                    return _scaled_jpeg_vips(data, assignment, facts.orientation, max_pixels)
                 img, box = _scaled_jpeg(data, assignment, facts.orientation, max_pixels)
             except AssignmentMismatch:
                 raise
@@ -332,7 +466,7 @@ def resize_to_bucket(
             else:
                 return img.resize(target, Image.Resampling.LANCZOS, box=box)
     src = prepare_fast(data, assignment, max_pixels)
-    if resample == "lanczos" or src.draft_factor * src.reduce_factor > 1:
+    if resample in _LANCZOS or src.draft_factor * src.reduce_factor > 1:
         return src.image.resize(target, Image.Resampling.LANCZOS, box=src.box)
     out = _bicubic_aa(src.image, assignment.resize_size)
     left, top, right, bottom = assignment.crop_box
