@@ -615,6 +615,23 @@ class LabView:
             return pa.table({})
         return ds.to_table(columns=list(columns) if columns else None, filter=filter, **scan)
 
+    def take_matching(self, table: str, columns: Sequence[str], filter: str) -> pa.Table:
+        """The rows matching ``filter``, read in two steps: their row ids (the scalar
+        indexes answer the filter; no data column is read), then only those rows.
+
+        Why: a filtered scan that projects a large column (``images.image``, megabytes a
+        row) costs Lance ~30 ms of CPU per call whatever the number of matches (measured on
+        lance 14.0.2: 5 or 32 matching rows, 27-55 ms), while taking the rows by id costs
+        ~1 ms per megabyte. Same rows as :meth:`read` (order not kept); same snapshot, so
+        the ids are valid for the rows they name. An absent table reads as empty.
+        """
+        ds = self._ds(table)
+        if ds is None:
+            return pa.table({})
+        ids = ds.to_table(columns=[], with_row_id=True, filter=filter).column("_rowid")
+        # _take_rows is Lance's take by row id (marked unstable; pinned lance version).
+        return ds._take_rows(ids, columns=list(columns))
+
     def explain(
         self,
         table: str,

@@ -1,6 +1,10 @@
 """Resizing into buckets: within the q92 loss of the plain path, exact shapes, EXIF, q92 JPEG."""
 
+import hashlib
 import io
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +20,14 @@ from prx_assets.core.shards.resize import (
     SourceFacts,
     _bicubic_aa,
     _scaled_jpeg,
+    decode_divisor,
     encode_jpeg,
     estimate_jpeg_quality,
     jpeg_quality_tables,
+    lanczos_vips,
     prepare_fast,
     psnr,
+    render_jpeg,
     resize_plain,
     resize_to_bucket,
 )
@@ -313,3 +320,97 @@ def test_quality_estimate_reads_the_tables(quality: int) -> None:
 def test_quality_tables_reject_non_jpeg() -> None:
     with pytest.raises(ValueError, match="not a JPEG"):
         jpeg_quality_tables((PHOTOS / "coffee.png").read_bytes())
+
+
+def test_decode_scale_is_a_power_of_two_never_a_slow_eighth() -> None:
+    # libjpeg-turbo's 5/8..7/8 IDCTs cost more than a full decode: a source whose smallest
+    # covering eighth is one of those decodes at full size; 1/2, 1/4, 1/8 when they cover.
+    a = assign_bucket(2401, 1601)
+    assert a is not None
+    rw, rh = a.resize_size
+    eighth = next(m for m in range(1, 9) if 2401 * m / 8 >= rw and 1601 * m / 8 >= rh)
+    assert 5 <= eighth <= 7  # the case the rule is for
+    assert decode_divisor((2401, 1601), a.resize_size) == 1
+    table = bucket_table(tiers=(512, 1024))  # a 1024 tier for the large sources
+    big = assign_bucket(4801, 3201, table=table)
+    assert big is not None and decode_divisor((4801, 3201), big.resize_size) == 2
+    huge = assign_bucket(9601, 6401, table=table)
+    assert huge is not None and decode_divisor((9601, 6401), huge.resize_size) == 4
+    # Covering is exact (the decoded pixels stand for size / divisor), on both axes.
+    for size, cover in (((4000, 3000), (2000, 1500)), ((4000, 3000), (2001, 1500))):
+        f = decode_divisor(size, cover)
+        assert size[0] / f >= cover[0] and size[1] / f >= cover[1]
+        assert f == 8 or size[0] / (2 * f) < cover[0] or size[1] / (2 * f) < cover[1]
+
+
+@pytest.mark.parametrize("source", [(2401, 1601), (4801, 3201)])
+def test_default_lanczos_is_the_naive_sampling(source: tuple[int, int]) -> None:
+    # libvips' Lanczos-3 from a full (or 1/2) decode against the naive full decode + Pillow
+    # Lanczos + crop: the same sampling grid, so far closer than the q92 loss.
+    data = _jpeg(_mosaic(source, 11))
+    a = assign_bucket(*source, table=bucket_table(tiers=(512, 1024)))
+    assert a is not None
+    plain = resize_plain(data, a)
+    fast = resize_to_bucket(data, a)
+    assert fast.size == plain.size == (a.shape.width, a.shape.height)
+    limit = 50.0 if decode_divisor(source, a.resize_size) == 1 else _q92_loss(plain)
+    assert psnr(fast, plain) > max(limit, _q92_loss(plain))
+    pillow = resize_to_bucket(data, a, resample="lanczos-pillow")  # the reference path
+    assert psnr(pillow, plain) > _q92_loss(plain)
+
+
+def test_vips_grid_is_aligned_to_pillows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # libvips centres the rounding of its output size (a sub-pixel shift); the edge padding
+    # puts its grid back on Pillow's. Without it the same resize is visibly shifted. The
+    # case: a 1/2 decode of a 2405x1613 JPEG, 1203x807 pixels standing for 1202.5x806.5.
+    import prx_assets.core.shards.resize as resize
+
+    img = _mosaic((1203, 807), 5)
+    arr = np.asarray(img)
+    size, box, valid = (733, 491), (20, 10, 700, 480), (1202.5, 806.5)
+    whole = img.resize(size, Image.Resampling.LANCZOS, box=(0, 0, *valid))
+    ref = np.asarray(whole.crop(box))
+    inner = (slice(8, -8), slice(8, -8))  # edges: copy-extend vs renormalised kernel
+
+    def db(out: np.ndarray) -> float:
+        return psnr(Image.fromarray(out[inner]), Image.fromarray(ref[inner]))
+
+    aligned = lanczos_vips(arr, valid, size, box)
+    assert aligned.shape == (470, 680, 3)
+    monkeypatch.setattr(resize, "_VIPS_PHASE_SEARCH", 1)
+    shifted = lanczos_vips(arr, valid, size, box)
+    assert db(aligned) > 50.0
+    assert db(shifted) < db(aligned) - 6.0
+
+
+def test_vips_refuses_to_upscale() -> None:
+    arr = np.zeros((100, 100, 3), np.uint8)
+    with pytest.raises(ValueError, match="downsamples only"):
+        lanczos_vips(arr, (100.0, 100.0), (120, 90), (0, 0, 120, 90))
+
+
+_SIMD_CHILD = """
+import hashlib, sys
+from prx_assets.core.shards.buckets import assign_bucket
+from prx_assets.core.shards.resize import render_jpeg
+data = sys.stdin.buffer.read()
+from PIL import Image
+import io
+a = assign_bucket(*Image.open(io.BytesIO(data)).size)
+print(hashlib.sha256(render_jpeg(data, a)).hexdigest())
+"""
+
+
+def test_render_bytes_do_not_depend_on_simd() -> None:
+    # libvips' uchar reduce is fixed-point; its SIMD (Highway) kernels and its scalar code
+    # must give the same bytes, or shards would differ between CPUs. VIPS_NOVECTOR=1 turns
+    # SIMD off in a child process; the render must be byte-identical.
+    data = _jpeg(_mosaic((2401, 1601), 2))
+    a = assign_bucket(2401, 1601)
+    assert a is not None
+    here = hashlib.sha256(render_jpeg(data, a)).hexdigest()
+    env = {**os.environ, "VIPS_NOVECTOR": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", _SIMD_CHILD], input=data, capture_output=True, env=env, check=True
+    )
+    assert child.stdout.decode().strip() == here

@@ -298,12 +298,10 @@ def _padding(extent: int, scale: float) -> int:
     phase steps on the images measured). The padding is read only by the outputs at that
     edge, like the edge extension it replaces there.
     """
-
-    def misfit(p: int) -> float:
-        x = (extent + p) * scale
-        return abs(x - round(x)) / scale
-
-    return min(range(_VIPS_PHASE_SEARCH), key=lambda p: (misfit(p), p))
+    x = (extent + np.arange(_VIPS_PHASE_SEARCH, dtype=np.float64)) * scale
+    misfit = np.abs(x - np.rint(x))
+    # The first padding within float noise of the best (0 when the grid already fits).
+    return int(np.flatnonzero(misfit <= misfit.min() + 1e-9)[0])
 
 
 def lanczos_vips(
