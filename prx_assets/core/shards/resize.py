@@ -5,16 +5,24 @@ The reference is the naive pipeline: full decode, Lanczos to the cover size, cro
 gives the trainer the same picture up to a difference smaller than the q92 encode's own loss
 (PSNR against the reference above PSNR of the q92 round trip, on >= 95 % of real photos:
 ``prx_assets_tests/core/test_resize.py``, benchmarks/bench_resize and bench_pipeline), at a
-fraction of the cost. The filter is literal Lanczos-3 (Pillow's); what is skipped is work
-whose pixels the output never uses:
+fraction of the cost. The filter is literal Lanczos-3; what is skipped is work whose pixels
+the output never uses:
 
 - JPEG sources (baseline or progressive, RGB or greyscale, one frame) are decoded by
-  libjpeg-turbo (``simplejpeg``) straight to the smallest DCT scale in eighths (1/8 .. 8/8)
-  that still covers the bucket's cover size (``resize_size``), so the Lanczos pass always
-  downsamples (or, for the recorded 384..511 px upscales, starts from full size). The scaled
-  IDCT is itself a band-limited resample; what it changes is below the q92 loss (tested).
-- Only the crop box is resampled (``resize(box=...)``: the same sampling as "resize the whole
-  image, then crop"; the pixels Lanczos reads outside the box are read, none are computed).
+  libjpeg-turbo (``simplejpeg``) at 1/8, 1/4, 1/2 or full size: the smallest of those that
+  still covers the bucket's cover size (``decode_divisor``). Never 5/8..7/8: those scaled
+  IDCTs cost more than the full-size one (3.5 MP, one core: 10.9 / 13.0 / 15.9 ms against
+  8.5 ms; 1/2 is 6.7 ms), so where one of them would be the smallest covering eighth the
+  decode is full size and Lanczos takes the whole reduction. For progressive JPEGs the
+  entropy decode dominates (25.6 ms full, 23.8 ms at 1/2): the same rule, little to win.
+- Lanczos-3 is libvips' (``pyvips``: ``reduceh``/``reducev``, fixed-point SIMD, one thread
+  per process, ``lanczos_vips``), in the stored frame of the JPEG, only the crop box
+  computed (libvips is demand-driven), then the EXIF turn of the small result. Its sampling
+  grid is put on Pillow's (``_padding``), so from a full decode it is within ~56 dB of the
+  naive output; about 5x cheaper than Pillow's Lanczos over the same box. The same bytes
+  with libvips' SIMD on or off (tested), so shards do not depend on the CPU's vector units.
+  ``resample="lanczos-pillow"`` is the previous path (Pillow's Lanczos over the crop box
+  from the smallest covering eighth): the reference, and what upscaled assignments use.
 - Encoding is libjpeg-turbo's (``simplejpeg.encode_jpeg``): baseline, q92, 4:4:4, JFIF
   header only.
 - Other formats (PNG, WebP, ...), CMYK or multi-frame JPEGs, and any JPEG libjpeg-turbo
@@ -34,7 +42,7 @@ torch is imported only then. Its generic, AVX2 and AVX512 kernels give bit-ident
 without AVX2 it is ~10x slower than with.
 
 Determinism: same bytes in, same bytes out (libjpeg-turbo's accurate integer IDCT and fancy
-upsampling, as Pillow uses; Pillow's Lanczos; a fixed encoder).
+upsampling, as Pillow uses; libvips' fixed-point Lanczos, SIMD or not; a fixed encoder).
 """
 
 from __future__ import annotations
@@ -69,9 +77,9 @@ RESAMPLE = "lanczos"  # the shard path's filter (see module doc)
 RESAMPLE_CHOICES = ("lanczos", "lanczos-pillow", "bicubic-aa")
 _LANCZOS = ("lanczos", "lanczos-pillow")
 RESAMPLE_DESCRIPTION = (
-    "literal Lanczos-3 (Pillow) over the crop box, from a libjpeg-turbo DCT-scaled decode "
-    "(smallest eighth covering the cover size) for JPEG sources; differs from the naive full "
-    "decode + Lanczos by less than the q92 encode loss"
+    "literal Lanczos-3 (libvips, one core) over the crop box, from a libjpeg-turbo decode at "
+    "1/8, 1/4, 1/2 or full size (the smallest covering the cover size) for JPEG sources; "
+    "differs from the naive full decode + Lanczos by less than the q92 encode loss"
 )
 _SCALED_DECODE_MODES = ("RGB", "L")  # JPEG colour modes libjpeg-turbo turns into RGB itself
 JPEG_QUALITY = 92
