@@ -414,3 +414,24 @@ def test_render_bytes_do_not_depend_on_simd() -> None:
         [sys.executable, "-c", _SIMD_CHILD], input=data, capture_output=True, env=env, check=True
     )
     assert child.stdout.decode().strip() == here
+
+
+@pytest.mark.parametrize("orientation", range(2, 9))
+def test_the_array_turn_is_pillows_transpose(orientation: int) -> None:
+    # The libvips path turns its small result as an array; each EXIF turn must be exactly
+    # Pillow's (what ImageOps.exif_transpose, and so the naive path, does).
+    from prx_assets.core.ingest.decode import ORIENTATION_TRANSPOSE
+    from prx_assets.core.shards.resize import _turn
+
+    img = _mosaic((301, 203), orientation)
+    method = ORIENTATION_TRANSPOSE[orientation]
+    np.testing.assert_array_equal(_turn(np.asarray(img), method), np.asarray(img.transpose(method)))
+
+
+def test_render_encodes_the_same_pixels_resize_to_bucket_returns() -> None:
+    data = _jpeg(_mosaic((1801, 1201), 4))
+    a = assign_bucket(1801, 1201)
+    assert a is not None
+    assert render_jpeg(data, a) == encode_jpeg(resize_to_bucket(data, a))
+    with pytest.raises(ValueError, match="HxWx3 uint8"):
+        encode_jpeg(np.zeros((4, 4), np.uint8))

@@ -346,7 +346,7 @@ def lanczos_vips(
 
 def _scaled_jpeg_vips(
     data: bytes, assignment: Assignment, orientation: int, max_pixels: int
-) -> Image.Image:
+) -> np.ndarray:
     """A JPEG decoded at 1/8, 1/4, 1/2 or full size (``decode_divisor``), Lanczos-3 by
     libvips in the stored (unturned) frame, then turned by its EXIF orientation.
 
@@ -381,8 +381,23 @@ def _scaled_jpeg_vips(
     stored_box = transpose_box(assignment.crop_box, (rw, rh), _inverse(method))
     box = tuple(int(round(v)) for v in stored_box)
     out = lanczos_vips(arr, (width / f, height / f), stored_resize, box)  # type: ignore[arg-type]
-    img = Image.fromarray(out, "RGB")
-    return img.transpose(method) if method is not None else img
+    return np.ascontiguousarray(_turn(out, method))
+
+
+def _turn(arr: np.ndarray, method: Image.Transpose | None) -> np.ndarray:
+    """``Image.transpose(method)`` on an HxWxC array (a view; same pixels as Pillow's)."""
+    T = Image.Transpose
+    if method is None:
+        return arr
+    return {
+        T.FLIP_LEFT_RIGHT: lambda a: a[:, ::-1],
+        T.FLIP_TOP_BOTTOM: lambda a: a[::-1],
+        T.ROTATE_180: lambda a: a[::-1, ::-1],
+        T.ROTATE_90: lambda a: np.rot90(a, 1),
+        T.ROTATE_270: lambda a: np.rot90(a, -1),
+        T.TRANSPOSE: lambda a: a.transpose(1, 0, 2),
+        T.TRANSVERSE: lambda a: a.transpose(1, 0, 2)[::-1, ::-1],
+    }[method](arr)
 
 
 def _scaled_jpeg(
@@ -453,6 +468,19 @@ def resize_to_bucket(
     the crop box, since bicubic's softness would add to those prefilters'. ``facts``: what
     ingest recorded about the bytes (probed from the header when None).
     """
+    out = _to_bucket(data, assignment, max_pixels, resample, facts)
+    return out if isinstance(out, Image.Image) else Image.fromarray(out, "RGB")
+
+
+def _to_bucket(
+    data: bytes,
+    assignment: Assignment,
+    max_pixels: int,
+    resample: str,
+    facts: SourceFacts | None,
+) -> Image.Image | np.ndarray:
+    """``resize_to_bucket``'s pixels: an HxWx3 array from the libvips path (no Pillow
+    image made only to be encoded), a Pillow image from the others."""
     if resample not in RESAMPLE_CHOICES:
         raise ValueError(f"resample must be one of {RESAMPLE_CHOICES}, got {resample!r}")
     target = (assignment.shape.width, assignment.shape.height)
@@ -487,10 +515,10 @@ def render_jpeg(
     facts: SourceFacts | None = None,
 ) -> bytes:
     """Source bytes to the bucket's training JPEG: ``resize_to_bucket`` then ``encode_jpeg``."""
-    return encode_jpeg(resize_to_bucket(data, assignment, max_pixels, resample, facts))
+    return encode_jpeg(_to_bucket(data, assignment, max_pixels, resample, facts))
 
 
-def encode_jpeg(img: Image.Image, quality: int = JPEG_QUALITY) -> bytes:
+def encode_jpeg(img: Image.Image | np.ndarray, quality: int = JPEG_QUALITY) -> bytes:
     """Baseline JPEG at ``quality``, 4:4:4, by libjpeg-turbo; same pixels give same bytes.
 
     Only the JFIF header is written: no EXIF, ICC profile, comment or timestamp, so a rerun
@@ -498,12 +526,18 @@ def encode_jpeg(img: Image.Image, quality: int = JPEG_QUALITY) -> bytes:
     Standard (Annex K) tables scaled by libjpeg's quality rule, accurate integer DCT,
     standard Huffman tables (``JPEG_OPTIMIZE`` off).
     """
-    if img.mode != "RGB":
+    if isinstance(img, np.ndarray):
+        if img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
+            raise ValueError(f"encode_jpeg expects HxWx3 uint8 pixels, got {img.dtype} {img.shape}")
+        pixels = np.ascontiguousarray(img)
+    elif img.mode != "RGB":
         raise ValueError(f"encode_jpeg expects an RGB image, got mode {img.mode}")
+    else:
+        pixels = np.asarray(img)
     if not 1 <= quality <= 100:
         raise ValueError(f"JPEG quality must be in 1..100, got {quality}")
     return simplejpeg.encode_jpeg(
-        np.asarray(img),
+        pixels,
         quality=quality,
         colorspace="RGB",
         colorsubsampling=_SIMPLEJPEG_SUBSAMPLING[JPEG_SUBSAMPLING],
