@@ -21,8 +21,9 @@ what validating by decoding costs), ``imagehash.phash`` on ``Image.open``, naive
 Lanczos + q92 (open, RGB, Lanczos to the cover size, crop, save q92 4:4:4 with the same bucket
 geometry), and their sum (one image through a naive ingest + pHash + shard path).
 
-``--workers-check``: the baseline partition again, unpinned, with ``LabResource.workers`` 1
-and then 2 (fresh data roots): per-stage speed-up and whether the shard trees are identical.
+``--workers-check``: the baseline partition again, unpinned (a child process given back every
+CPU the run started with), with ``LabResource.workers`` 1 and then 2 (fresh data roots):
+per-stage speed-up and whether the shard trees are identical.
 
     python -m benchmarks.bench_pipeline [--n 96] [--progressive-n 32] [--workers-check] [--quick]
 """
@@ -33,9 +34,15 @@ import argparse
 import os
 import sys
 
+_CPUS_ENV = "BENCH_PIPELINE_CPUS"  # the CPUs the run was given, for the unpinned child
 if __name__ == "__main__" and "--workers-check-child" not in sys.argv:
+    os.environ[_CPUS_ENV] = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     _CPU = max(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {_CPU})  # one core, before any library starts threads
+elif __name__ == "__main__" and os.environ.get(_CPUS_ENV):
+    # The workers check's child: affinity is inherited across fork/exec, so without this
+    # it would run its "two workers" on the parent's one pinned core.
+    os.sched_setaffinity(0, {int(c) for c in os.environ[_CPUS_ENV].split(",")})
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")

@@ -2,9 +2,9 @@
 
 Naive: open -> convert('RGB') -> Lanczos to the cover size -> crop -> save(q92), with the
 same bucket geometry and the same JPEG settings (4:4:4), so only the resize path differs.
-Fast: ``resize_to_bucket`` (default ``resample="lanczos"``: libjpeg-turbo decode at the
-smallest eighth covering the cover size, literal Lanczos over the crop box) -> ``encode_jpeg``
-(libjpeg-turbo). Also timed: ``resample="bicubic-aa"`` (torch's antialiased bicubic after the
+Fast: ``resize_to_bucket`` (default ``resample="lanczos"``: libjpeg-turbo decode at 1/8, 1/4,
+1/2 or full size, the smallest covering the cover size, then libvips' Lanczos-3 over the crop
+box on one core) -> ``encode_jpeg`` (libjpeg-turbo). Also timed: ``resample="bicubic-aa"`` (torch's antialiased bicubic after the
 Pillow decode, the former default). The ``shortcut`` column is the Pillow path's draft/reduce
 (what non-JPEG sources and bicubic-aa use). The whole stage in the asset, with its Lance and
 MDS work, is ``benchmarks/bench_pipeline.py``.

@@ -58,6 +58,7 @@ _PRELOAD = [
     "numpy",
     "PIL.Image",
     "simplejpeg",
+    "pyvips",  # imports libvips without starting a thread (checked): safe to fork from
     "prx_assets.core.ingest.runner",
     "prx_assets.core.dedup.phash",
     "prx_assets.core.shards.render",

@@ -364,3 +364,25 @@ def test_replace_rows_makes_exactly_the_rows_of_one_value(tmp_path):
         assert "other values" in str(exc)
     else:
         raise AssertionError("rows of l2 were accepted as the rows of l1")
+
+
+def test_take_matching_reads_the_rows_a_filter_read_does_at_the_pinned_version(tmp_path):
+    # Row ids through the indexes, then a take: the same rows as the filtered scan, also
+    # after replacements left deleted rows in old fragments, and at the view's version.
+    lab = Lab(tmp_path)
+    lab.replace_partition(SPEC, "a", _rows("a", 6))
+    lab.replace_partition(SPEC, "b", _rows("b", 4))
+    lab.replace_partition(SPEC, "a", _rows("a", 5, v=2))  # deletes a's first rows
+    view = lab.view()
+    where = "batch = 'a' AND key IN ('a-1', 'a-4', 'a-5', 'b-1')"
+
+    def rows(table: pa.Table) -> list[dict]:
+        return sorted(table.to_pylist(), key=lambda r: r["key"])
+
+    taken = rows(view.take_matching("t", ["key", "v"], where))
+    assert taken == rows(view.read("t", ["key", "v"], where))
+    assert taken == [{"key": "a-1", "v": 2}, {"key": "a-4", "v": 2}]  # a-5 was deleted
+    lab.replace_partition(SPEC, "a", _rows("a", 6, v=3))
+    assert rows(view.take_matching("t", ["key", "v"], where)) == taken  # pinned
+    assert view.take_matching("t", ["key"], "batch = 'none'").num_rows == 0
+    assert view.take_matching("absent", ["key"], "batch = 'a'").num_rows == 0

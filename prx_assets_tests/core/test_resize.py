@@ -1,6 +1,10 @@
 """Resizing into buckets: within the q92 loss of the plain path, exact shapes, EXIF, q92 JPEG."""
 
+import hashlib
 import io
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,11 +20,14 @@ from prx_assets.core.shards.resize import (
     SourceFacts,
     _bicubic_aa,
     _scaled_jpeg,
+    decode_divisor,
     encode_jpeg,
     estimate_jpeg_quality,
     jpeg_quality_tables,
+    lanczos_vips,
     prepare_fast,
     psnr,
+    render_jpeg,
     resize_plain,
     resize_to_bucket,
 )
@@ -313,3 +320,132 @@ def test_quality_estimate_reads_the_tables(quality: int) -> None:
 def test_quality_tables_reject_non_jpeg() -> None:
     with pytest.raises(ValueError, match="not a JPEG"):
         jpeg_quality_tables((PHOTOS / "coffee.png").read_bytes())
+
+
+def test_decode_scale_is_a_power_of_two_never_a_slow_eighth() -> None:
+    # libjpeg-turbo's 5/8..7/8 IDCTs cost more than a full decode: a source whose smallest
+    # covering eighth is one of those decodes at full size; 1/2, 1/4, 1/8 only while the
+    # decoded pixels keep >= 2x the cover size (a scaled IDCT alone is a weak low-pass).
+    a = assign_bucket(2401, 1601)
+    assert a is not None
+    rw, rh = a.resize_size
+    eighth = next(m for m in range(1, 9) if 2401 * m / 8 >= rw and 1601 * m / 8 >= rh)
+    assert 5 <= eighth <= 7  # the case the rule is for
+    assert decode_divisor((2401, 1601), a.resize_size) == 1
+    table = bucket_table(tiers=(512, 1024))  # a 1024 tier for the large sources
+    for size, divisor in (((4801, 3201), 1), ((6001, 4001), 2), ((9601, 6401), 2)):
+        b = assign_bucket(*size, table=table)
+        assert b is not None and decode_divisor(size, b.resize_size) == divisor
+    for size, cover in (((4000, 3000), (1000, 750)), ((4000, 3000), (1001, 750))):
+        f = decode_divisor(size, cover)
+        assert size[0] / f >= 2 * cover[0] and size[1] / f >= 2 * cover[1]
+        assert f == 8 or size[0] / (2 * f) < 2 * cover[0] or size[1] / (2 * f) < 2 * cover[1]
+    assert decode_divisor((4000, 3000), (1000, 750)) == 2
+    assert decode_divisor((4000, 3000), (1001, 750)) == 1
+
+
+def test_scaled_decodes_keep_a_margin_on_native_detail() -> None:
+    # 24 MP of native-pixel mosaic into the 512 tier: the largest allowed scale (1/4 here)
+    # keeps the difference from naive well under the q92 loss (the smallest covering one,
+    # 1/8, measured 0.1-0.4 dB from failing).
+    data = _jpeg(_mosaic((6001, 4001), 0))
+    a = assign_bucket(6001, 4001, table=bucket_table(tiers=(512,)))
+    assert a is not None and decode_divisor((6001, 4001), a.resize_size) == 4
+    plain = resize_plain(data, a)
+    assert psnr(resize_to_bucket(data, a), plain) > _q92_loss(plain) + 6.0
+
+
+@pytest.mark.parametrize("source", [(2401, 1601), (6001, 4001)])
+def test_default_lanczos_is_the_naive_sampling(source: tuple[int, int]) -> None:
+    # libvips' Lanczos-3 from a full (or 1/2) decode against the naive full decode + Pillow
+    # Lanczos + crop: the same sampling grid, so far closer than the q92 loss.
+    data = _jpeg(_mosaic(source, 11))
+    a = assign_bucket(*source, table=bucket_table(tiers=(512, 1024)))
+    assert a is not None
+    plain = resize_plain(data, a)
+    fast = resize_to_bucket(data, a)
+    assert fast.size == plain.size == (a.shape.width, a.shape.height)
+    limit = 50.0 if decode_divisor(source, a.resize_size) == 1 else _q92_loss(plain)
+    assert psnr(fast, plain) > max(limit, _q92_loss(plain))
+    # Pillow's Lanczos (from the smallest covering eighth, no margin): same shape; on this
+    # 24 MP mosaic it is the one that falls under the q92 loss, which the margin prevents.
+    pillow = resize_to_bucket(data, a, resample="lanczos-pillow")
+    assert pillow.size == plain.size
+
+
+def test_vips_grid_is_aligned_to_pillows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # libvips centres the rounding of its output size (a sub-pixel shift); the edge padding
+    # puts its grid back on Pillow's. Without it the same resize is visibly shifted. The
+    # case: a 1/2 decode of a 2405x1613 JPEG, 1203x807 pixels standing for 1202.5x806.5.
+    import prx_assets.core.shards.resize as resize
+
+    img = _mosaic((1203, 807), 5)
+    arr = np.asarray(img)
+    size, box, valid = (733, 491), (20, 10, 700, 480), (1202.5, 806.5)
+    whole = img.resize(size, Image.Resampling.LANCZOS, box=(0, 0, *valid))
+    ref = np.asarray(whole.crop(box))
+    inner = (slice(8, -8), slice(8, -8))  # edges: copy-extend vs renormalised kernel
+
+    def db(out: np.ndarray) -> float:
+        return psnr(Image.fromarray(out[inner]), Image.fromarray(ref[inner]))
+
+    aligned = lanczos_vips(arr, valid, size, box)
+    assert aligned.shape == (470, 680, 3)
+    monkeypatch.setattr(resize, "_VIPS_PHASE_SEARCH", 1)
+    shifted = lanczos_vips(arr, valid, size, box)
+    assert db(aligned) > 50.0
+    assert db(shifted) < db(aligned) - 6.0
+
+
+def test_vips_refuses_to_upscale() -> None:
+    arr = np.zeros((100, 100, 3), np.uint8)
+    with pytest.raises(ValueError, match="downsamples only"):
+        lanczos_vips(arr, (100.0, 100.0), (120, 90), (0, 0, 120, 90))
+
+
+_SIMD_CHILD = """
+import hashlib, sys
+from prx_assets.core.shards.buckets import assign_bucket
+from prx_assets.core.shards.resize import render_jpeg
+data = sys.stdin.buffer.read()
+from PIL import Image
+import io
+a = assign_bucket(*Image.open(io.BytesIO(data)).size)
+print(hashlib.sha256(render_jpeg(data, a)).hexdigest())
+"""
+
+
+def test_render_bytes_do_not_depend_on_simd() -> None:
+    # libvips' uchar reduce is fixed-point; its SIMD (Highway) kernels and its scalar code
+    # must give the same bytes, or shards would differ between CPUs. VIPS_NOVECTOR=1 turns
+    # SIMD off in a child process; the render must be byte-identical.
+    data = _jpeg(_mosaic((2401, 1601), 2))
+    a = assign_bucket(2401, 1601)
+    assert a is not None
+    here = hashlib.sha256(render_jpeg(data, a)).hexdigest()
+    env = {**os.environ, "VIPS_NOVECTOR": "1"}
+    child = subprocess.run(
+        [sys.executable, "-c", _SIMD_CHILD], input=data, capture_output=True, env=env, check=True
+    )
+    assert child.stdout.decode().strip() == here
+
+
+@pytest.mark.parametrize("orientation", range(2, 9))
+def test_the_array_turn_is_pillows_transpose(orientation: int) -> None:
+    # The libvips path turns its small result as an array; each EXIF turn must be exactly
+    # Pillow's (what ImageOps.exif_transpose, and so the naive path, does).
+    from prx_assets.core.ingest.decode import ORIENTATION_TRANSPOSE
+    from prx_assets.core.shards.resize import _turn
+
+    img = _mosaic((301, 203), orientation)
+    method = ORIENTATION_TRANSPOSE[orientation]
+    np.testing.assert_array_equal(_turn(np.asarray(img), method), np.asarray(img.transpose(method)))
+
+
+def test_render_encodes_the_same_pixels_resize_to_bucket_returns() -> None:
+    data = _jpeg(_mosaic((1801, 1201), 4))
+    a = assign_bucket(1801, 1201)
+    assert a is not None
+    assert render_jpeg(data, a) == encode_jpeg(resize_to_bucket(data, a))
+    with pytest.raises(ValueError, match="HxWx3 uint8"):
+        encode_jpeg(np.zeros((4, 4), np.uint8))

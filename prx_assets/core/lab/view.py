@@ -91,6 +91,25 @@ class LabView:
         rows = ds.to_table(columns=list(columns) if columns else None, filter=filter, **scan)
         return self.lab.blobs.resolve(table, rows, ds.schema)
 
+    def take_matching(self, table: str, columns: Sequence[str], filter: str) -> pa.Table:
+        """The rows matching ``filter``, read in two steps: their row ids (the scalar
+        indexes answer the filter; no data column is read), then only those rows.
+
+        Why: a filtered scan that projects a large column costs Lance ~30 ms of CPU per
+        call whatever the number of matches (measured on lance 14.0.2 with inline image
+        bytes: 5 or 32 matching rows, 27-55 ms), while taking the rows by id costs ~1 ms per
+        megabyte. Same rows as :meth:`read` (order not kept), same snapshot, so the ids are
+        valid for the rows they name; blob columns come back as their bytes. An absent
+        table reads as empty.
+        """
+        ds = self._ds(table)
+        if ds is None:
+            return pa.table({})
+        ids = ds.to_table(columns=[], with_row_id=True, filter=filter).column("_rowid")
+        # _take_rows is Lance's take by row id (marked unstable; pinned lance version).
+        rows = ds._take_rows(ids, columns=list(columns))
+        return self.lab.blobs.resolve(table, rows, ds.schema)
+
     def explain(
         self,
         table: str,

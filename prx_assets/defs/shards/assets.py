@@ -77,9 +77,10 @@ class MDSShardsConfig(Config):
     resample: str = Field(
         default=RESAMPLE,
         description=(
-            "'lanczos' (default: literal Lanczos-3 over the crop box, from a libjpeg-turbo "
-            "DCT-scaled decode for JPEG sources) or 'bicubic-aa' (torch's antialiased bicubic; "
-            "differs from Lanczos by less than the q92 loss)."
+            "'lanczos' (default: literal Lanczos-3 by libvips over the crop box, from a "
+            "libjpeg-turbo decode at 1/8, 1/4, 1/2 or full size for JPEG sources), "
+            "'lanczos-pillow' (Pillow's Lanczos-3, the reference) or 'bicubic-aa' (torch's "
+            "antialiased bicubic; differs from Lanczos by less than the q92 loss)."
         ),
     )
     max_render_failures: int = Field(
