@@ -43,6 +43,8 @@ def test_demo_materialises_every_stage(tmp_path, monkeypatch, capsys):
 
         graph = build_defs(str(tmp_path / "data")).resolve_asset_graph()
         for asset_key in graph.get_all_asset_keys():
+            if not graph.get(asset_key).is_partitioned:
+                continue  # training_snapshots: made on demand, not per batch
             done = instance.get_materialized_partitions(asset_key)
             # opt_out_lists is partitioned by list, and the demo receives none.
             expected = set() if asset_key.to_user_string() == "opt_out_lists" else set(partitions)

@@ -271,10 +271,22 @@ def test_cleanup_keeps_pinned_lance_versions_until_retired(platform):
     platform.config["skip_policy"] = SkipPolicyResource(excluded_classes=["nsfw"])
     platform.settle()  # new skip_audit versions
     assert lab.version("skip_audit") > version
-    lab.maintain(spec("skip_audit"), retention=timedelta(0), orphan_min_age=timedelta(0))
+    lab.maintain(  # everything unpinned but the newest version may go
+        spec("skip_audit"),
+        retention=timedelta(0),
+        orphan_min_age=timedelta(0),
+        keep_versions=1,
+        version_min_age=timedelta(0),
+    )
     assert lab.read("skip_audit", ["key"], version=version).num_rows == expected
     retire_snapshot(lab, root, "keep")
-    lab.maintain(spec("skip_audit"), retention=timedelta(0), orphan_min_age=timedelta(0))
+    lab.maintain(
+        spec("skip_audit"),
+        retention=timedelta(0),
+        orphan_min_age=timedelta(0),
+        keep_versions=1,  # by count as well: the newest only, nothing pinned any more
+        version_min_age=timedelta(0),
+    )
     with pytest.raises((OSError, ValueError)):  # the version's manifest is gone
         lab.dataset("skip_audit", version=version)
 

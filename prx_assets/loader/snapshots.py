@@ -116,13 +116,12 @@ class PinnedSkipListStream(SkipListStream):
             reproduce=stream.reproduce,
         )
 
-    def _load_skiplists(self, readers: list[Any]) -> tuple[str, list[SkipList]]:
+    def _load_skiplists(self, readers: list[Any], index_raw: bytes) -> tuple[str, list[SkipList]]:
         where = f"{self.local_dir} (snapshot {self.snapshot_id!r})"
-        index_raw = self._index_bytes()
         if hashlib.sha256(index_raw).hexdigest() != self.pinned.index_sha256:
             raise SnapshotChanged(f"{where}: index.json differs from the pinned one")
         if not self.reproduce:
-            generation, out = super()._load_skiplists(readers)
+            generation, out = super()._load_skiplists(readers, index_raw)
             if generation != self.pinned.generation:
                 raise SnapshotChanged(
                     f"{where}: skip-list generation {generation[:12]}… is live, the snapshot "

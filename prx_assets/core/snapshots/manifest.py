@@ -10,7 +10,8 @@ written once, atomically (tmp + fsync + rename), never changed; retiring a snaps
      "fingerprints": {"policy": [...], "captioner": [...], "classifier": [...], "code": "..."},
      "directories": [{"relative_dir": "mds/512/512x512/src.001",
                       "index_sha256": "...", "generation": "<skiplists.json self-hash>",
-                      "shards": [{"shard": ..., "sidecar": ..., "sha256": ...}, ...],
+                      "shards": [{"shard": ..., "sidecar": ..., "sha256": ...,
+                                  "samples": ..., "skipped": ...}, ...],
                       "samples": 40, "kept_samples": 31}, ...],
      "sha256": "<hex of the canonical JSON of every other key>"}
 
@@ -66,7 +67,14 @@ class PinnedDirectory:
             "index_sha256": self.index_sha256,
             "generation": self.generation,
             "shards": [
-                {"shard": e.shard, "sidecar": e.sidecar, "sha256": e.sha256} for e in self.shards
+                {
+                    "shard": e.shard,
+                    "sidecar": e.sidecar,
+                    "sha256": e.sha256,
+                    "samples": e.samples,
+                    "skipped": e.skipped,
+                }
+                for e in self.shards
             ],
             "samples": self.samples,
             "kept_samples": self.kept_samples,
@@ -145,7 +153,13 @@ def parse_snapshot(data: bytes, source: str) -> SnapshotManifest:
                 index_sha256=str(d["index_sha256"]),
                 generation=str(d["generation"]),
                 shards=tuple(
-                    ManifestEntry(str(e["shard"]), str(e["sidecar"]), str(e["sha256"]))
+                    ManifestEntry(
+                        str(e["shard"]),
+                        str(e["sidecar"]),
+                        str(e["sha256"]),
+                        None if e.get("samples") is None else int(e["samples"]),
+                        None if e.get("skipped") is None else int(e["skipped"]),
+                    )
                     for e in d["shards"]
                 ),
                 samples=int(d["samples"]),
