@@ -354,15 +354,12 @@ def lanczos_vips(
     )
 
 
-def _scaled_jpeg_vips(
+def _checked_jpeg_header(
     data: bytes, assignment: Assignment, orientation: int, max_pixels: int
-) -> np.ndarray:
-    """A JPEG decoded at 1/8, 1/4, 1/2 or full size (``decode_divisor``), Lanczos-3 by
-    libvips in the stored (unturned) frame, then turned by its EXIF orientation.
-
-    Raises ``ValueError`` (libjpeg-turbo in strict mode, or a size that disagrees with the
-    assignment) and ``DecodeRejected`` (pixel limit).
-    """
+) -> tuple[int, int, Image.Transpose | None, bool]:
+    """The JPEG's stored size, its EXIF turn and whether it swaps the sides, checked
+    before any pixel is decoded: against the pixel limit (``DecodeRejected``) and against
+    the size the assignment was made for (``AssignmentMismatch``)."""
     height, width, _, _ = simplejpeg.decode_jpeg_header(data)
     if width * height > max_pixels:
         raise DecodeRejected(
@@ -378,6 +375,19 @@ def _scaled_jpeg_vips(
             f"assignment is for a {w}x{h} image but the bytes decode to "
             f"{oriented[0]}x{oriented[1]} (after orientation {orientation})"
         )
+    return width, height, method, turned
+
+
+def _scaled_jpeg_vips(
+    data: bytes, assignment: Assignment, orientation: int, max_pixels: int
+) -> np.ndarray:
+    """A JPEG decoded at 1/8, 1/4, 1/2 or full size (``decode_divisor``), Lanczos-3 by
+    libvips in the stored (unturned) frame, then turned by its EXIF orientation.
+
+    Raises ``ValueError`` (libjpeg-turbo in strict mode, or a size that disagrees with the
+    assignment) and ``DecodeRejected`` (pixel limit).
+    """
+    width, height, method, turned = _checked_jpeg_header(data, assignment, orientation, max_pixels)
     rw, rh = assignment.resize_size
     stored_resize = (rh, rw) if turned else (rw, rh)  # the resize in the stored frame
     f = decode_divisor((width, height), stored_resize)
@@ -420,21 +430,7 @@ def _scaled_jpeg(
     the crop in its pixels. Raises ``ValueError`` (from libjpeg-turbo in strict mode, or for
     a size that disagrees with the assignment) and ``DecodeRejected`` (pixel limit).
     """
-    height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-    if width * height > max_pixels:
-        raise DecodeRejected(
-            "decompression_bomb",
-            f"{width}x{height} = {width * height} px exceeds the limit of {max_pixels} px",
-        )
-    method = ORIENTATION_TRANSPOSE.get(orientation)
-    turned = orientation in (5, 6, 7, 8)
-    oriented = (height, width) if turned else (width, height)
-    if oriented != assignment.source_size:
-        w, h = assignment.source_size
-        raise AssignmentMismatch(
-            f"assignment is for a {w}x{h} image but the bytes decode to "
-            f"{oriented[0]}x{oriented[1]} (after orientation {orientation})"
-        )
+    width, height, method, turned = _checked_jpeg_header(data, assignment, orientation, max_pixels)
     rw, rh = assignment.resize_size
     if turned:
         rw, rh = rh, rw
