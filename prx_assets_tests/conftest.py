@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,29 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
 
 PHOTOS = Path(__file__).resolve().parents[1] / "prx_assets" / "demo" / "photos"
+
+# Streaming creates two file locks per dataset in the temporary directory and never removes
+# them; every later dataset stats each earlier prefix's locks to find a free one, so a
+# machine that ran the suite a few times builds datasets ever more slowly. Locks of prefixes
+# whose shared memory is gone (their datasets are) are removed when the session starts and
+# after each test.
+_STREAMING_LOCK = re.compile(r"(\d{6})_(?:barrier|cache)_filelock")
+
+
+def _remove_dead_streaming_locks() -> None:
+    shm, tmp = Path("/dev/shm"), tempfile.gettempdir()
+    if not shm.is_dir():
+        return
+    live = {name[:6] for name in os.listdir(shm) if name[:6].isdigit()}
+    for name in os.listdir(tmp):
+        m = _STREAMING_LOCK.fullmatch(name)
+        if m and m.group(1) not in live:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(tmp, name))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _remove_dead_streaming_locks()
 
 
 @pytest.fixture(autouse=True)
@@ -26,6 +52,7 @@ def _release_streaming_shared_memory(_no_descriptor_leak: None):
 
     with streaming_memory_released():
         yield
+    _remove_dead_streaming_locks()
 
 
 #: Descriptors the test process may hold between tests (~25 at steady state). A leak fails
