@@ -26,14 +26,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from prx_assets.core.ingest.sources import (
-    ARCHIVE_SUFFIXES,
-    MANIFEST_SUFFIXES,
     READY_MARKER,
     SOURCE_DEFAULTS_FILE,
     BatchError,
     BatchRef,
     batch_key,
     discover_batches,
+    file_chunk,
     resolve_batch,
 )
 from prx_assets.core.storage import ObjectStore, is_remote, join, open_store
@@ -44,16 +43,6 @@ def _ignored(name: str) -> bool:
     return name.startswith((".", "_")) or name.endswith((".tmp", ".partial"))
 
 
-def _file_batch(name: str) -> tuple[str, str] | None:
-    for suffix in ARCHIVE_SUFFIXES:
-        if name.endswith(suffix):
-            return name[: -len(suffix)], "archive"
-    for suffix in MANIFEST_SUFFIXES:
-        if name.endswith(suffix):
-            return name[: -len(suffix)], "manifest"
-    return None
-
-
 def _remote_entries(store: ObjectStore, source: str) -> list[tuple[str, str, str]]:
     """(entry name, chunk, kind) of every complete batch entry of one remote source."""
     dirs, files = store.children(source)
@@ -62,7 +51,7 @@ def _remote_entries(store: ObjectStore, source: str) -> list[tuple[str, str, str
         if not _ignored(d) and store.size(f"{source}/{d}/{READY_MARKER}") is not None:
             out.append((d, d, "folder"))
     for f in files:
-        if not _ignored(f) and (named := _file_batch(f)) is not None:
+        if not _ignored(f) and (named := file_chunk(f)) is not None:
             out.append((f, *named))
     return sorted(out)
 

@@ -177,10 +177,9 @@ def _ignored(name: str) -> bool:
     return name.startswith((".", "_")) or name.endswith((".tmp", ".partial"))
 
 
-def _chunk_name(entry: Path) -> tuple[str, str] | None:
-    name = entry.name
-    if entry.is_dir():
-        return (name, "folder") if (entry / READY_MARKER).exists() else None
+def file_chunk(name: str) -> tuple[str, str] | None:
+    """(chunk, kind) of a batch file by its suffix, local or on object storage; None if
+    the name is no batch file."""
     for suffix in ARCHIVE_SUFFIXES:
         if name.endswith(suffix):
             return name[: -len(suffix)], "archive"
@@ -188,6 +187,12 @@ def _chunk_name(entry: Path) -> tuple[str, str] | None:
         if name.endswith(suffix):
             return name[: -len(suffix)], "manifest"
     return None
+
+
+def _chunk_name(entry: Path) -> tuple[str, str] | None:
+    if entry.is_dir():
+        return (entry.name, "folder") if (entry / READY_MARKER).exists() else None
+    return file_chunk(entry.name)
 
 
 def batch_key(source: str, chunk: str) -> str:
