@@ -1,4 +1,5 @@
-"""The lance_maintenance job removes files a killed writer left, and refuses unsafe ages."""
+"""The lance_maintenance job removes files and blobs a killed writer left, and refuses
+unsafe ages."""
 
 import os
 import time
@@ -42,6 +43,9 @@ def test_the_job_removes_unreferenced_files_past_the_age_and_keeps_the_table(
     then = time.time() - 3 * 86400
     for name in orphans:
         os.utime(Path(uri) / "data" / name, (then, then))
+    # ... and the blob such a run stored before it was killed (no version names it).
+    lost, _ = store.blobs.put(IMAGES.name, b"an image no row names")
+    os.utime(store.blobs.path(IMAGES.name, lost), (then, then))
 
     job = build_defs(lab_resource.data_root).resolve_job_def("lance_maintenance")
     result = job.execute_in_process(instance=instance)
@@ -52,6 +56,10 @@ def test_the_job_removes_unreferenced_files_past_the_age_and_keeps_the_table(
     assert not (orphans & _data_files(uri))
     assert store.dataset(IMAGES.name).count_rows() == rows_before
     store.dataset(IMAGES.name).validate()
+    assert images["blobs"]["deleted"] == 1 and not os.path.exists(
+        store.blobs.path(IMAGES.name, lost)
+    )
+    assert store.read_batch(IMAGES.name, KEY, ["key", "image"]).num_rows == rows_before
 
 
 def test_the_job_refuses_an_orphan_age_below_the_floor(lab_resource: LabResource):

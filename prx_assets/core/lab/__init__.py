@@ -1,7 +1,8 @@
 """The Lance "lab": the only package that imports Lance.
 
 ``store`` holds ``Lab`` (writes, reads, maintenance entry points, pins), ``view`` the
-read views, ``blobs`` the content-addressed store for image bytes, ``maintenance`` the
+read views, ``blobs`` the content-addressed store for image bytes (``blob_gc`` collects
+the blobs no retained version names), ``maintenance`` the
 policy that keeps every operation's cost independent of the number of batches, ``spec``
 what a table is. Import from here; the module split is an implementation detail.
 """

@@ -15,8 +15,8 @@ object storage), so a path either holds the whole value or does not exist; a wri
 before its commit leaves blobs no row references, and its rerun writes the same addresses
 (content-addressed: idempotent, byte-identical). Every read checks the sha256 of what it
 read and raises on a mismatch or a missing blob: a reader never gets bytes other than the
-ones the row names. Blobs are never deleted by maintenance (a removed row's blob may still
-be named by a kept or pinned version; identical bytes in another batch share it).
+ones the row names. Write-path maintenance never deletes blobs; ``blob_gc`` (run by the
+``lance_maintenance`` job) deletes those no retained or pinned version names.
 """
 
 from __future__ import annotations
@@ -82,6 +82,14 @@ class BlobStore:
         else:
             self._fs, self._base = arrow_filesystem(self.root)
 
+    @property
+    def is_local(self) -> bool:
+        return self._local
+
+    def table_dir(self, table: str) -> str:
+        """The directory (filesystem path) holding ``table``'s blobs."""
+        return f"{self._base}/{table}"
+
     def path(self, table: str, ref: str) -> str:
         """Where the value with sha256 ``ref`` of ``table`` lives (filesystem path)."""
         if len(ref) != 64 or any(c not in "0123456789abcdef" for c in ref):
@@ -95,8 +103,15 @@ class BlobStore:
         ref = hashlib.sha256(view).hexdigest()
         path = self.path(table, ref)
         if self._local:
-            if os.path.exists(path):
-                return ref, 0
+            try:
+                if os.stat(path).st_size == view.nbytes:
+                    # Touched: a blob about to be named again must look fresh to the
+                    # collector (blob_gc), which spares files younger than its min age.
+                    os.utime(path)
+                    return ref, 0
+                # A torn file (power loss before its bytes reached the disk): rewritten.
+            except FileNotFoundError:
+                pass
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             tmp = f"{path}.{uuid.uuid4().hex}.tmp"
             with open(tmp, "wb") as fh:

@@ -28,6 +28,7 @@ from lance.fragment import write_fragments
 
 from prx_assets.core.crashpoints import crashpoint
 from prx_assets.core.lab import maintenance as mx
+from prx_assets.core.lab.blob_gc import BlobSweep, sweep_blobs
 from prx_assets.core.lab.blobs import BlobStore, is_blob_ref, stored_schema
 from prx_assets.core.lab.io import open_dataset, storage_options
 from prx_assets.core.lab.maintenance import (
@@ -590,3 +591,16 @@ class Lab(VersionPins):
         """Delete files of ``table`` no kept version references, once older than ``min_age``
         (see ``maintenance.remove_orphaned_files``)."""
         return mx.remove_orphaned_files(self.dataset(table), self.uri(table), retention, min_age)
+
+    def sweep_blobs(
+        self, spec: TableSpec, min_age: timedelta = ORPHAN_MIN_AGE, **kwargs: Any
+    ) -> dict[str, Any]:
+        """Delete ``spec``'s blobs that no retained (or pinned) version names, once older
+        than ``min_age`` (see ``blob_gc``); under the table's maintenance lock, so no
+        version cleanup runs meanwhile."""
+        if not spec.blobs or not self.exists(spec.name):
+            return BlobSweep(spec.name, skipped="no blobs").as_dict()
+        with mx.maintenance_lock(self.root, spec.name, wait=True):
+            return sweep_blobs(
+                self.uri(spec.name), self.blobs, spec.name, spec.blobs, min_age, **kwargs
+            ).as_dict()

@@ -1,5 +1,6 @@
 """Lance maintenance: compaction toward ~1M rows per fragment, index refresh, version cleanup,
-and removal of files no version references (left by killed writers).
+removal of files no version references (left by killed writers), and collection of the
+blobs no retained version names (replaced or deleted images).
 
 The write path already keeps every table indexed, tiered-compacted and its versions bounded
 (``core/lab/maintenance.py``); this job adds full compaction and orphaned-file removal."""
@@ -47,16 +48,18 @@ class MaintenanceConfig(Config):
         default=ORPHAN_MIN_AGE.total_seconds() / 3600,
         ge=MIN_ORPHAN_AGE_HOURS,
         description=(
-            "Files no version references (a writer killed before its commit) are deleted "
-            "once this old. Must exceed the longest write from first fragment to commit."
+            "Files no version references (a writer killed before its commit) and blobs no "
+            "retained version names are deleted once this old. Must exceed the longest "
+            "write from first fragment (or blob) to commit."
         ),
     )
 
 
 @op(
     description=(
-        "Compact every lab table, optimise its indexes, drop versions past retention, and "
-        "delete files no version references once older than orphan_min_age_hours."
+        "Compact every lab table, optimise its indexes, drop versions past retention, "
+        "delete files no version references and blobs no retained version names, once "
+        "older than orphan_min_age_hours."
     )
 )
 def compact_lab_tables(
@@ -73,6 +76,10 @@ def compact_lab_tables(
             keep_versions=config.keep_versions,
             version_min_age=timedelta(minutes=config.version_min_age_minutes),
         )
+        if spec.blobs:  # after cleanup: blobs only dropped versions named go now
+            result["blobs"] = store.sweep_blobs(
+                spec, min_age=timedelta(hours=config.orphan_min_age_hours)
+            )
         context.log.info(f"{spec.name}: {result}")
         results.append(result)
     return Output(results, metadata={"tables": MetadataValue.json(results)})
