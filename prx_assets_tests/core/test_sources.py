@@ -351,6 +351,38 @@ def test_default_limit_refuses_big_tar_members_and_sample_groups_before_reading(
     assert cands["ok.jpg"].error is None and cands["ok.jpg"].data == small
 
 
+@pytest.mark.parametrize(
+    "kind",
+    [tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME],
+    ids=["pax", "global", "gnu"],
+)
+def test_a_huge_extended_header_is_refused_before_it_is_read(tmp_path, kind):
+    """tarfile reads a pax or GNU long-name header whole before its member: 800 MB of
+    header (a hole on disk) would sit in memory. It is refused by its size instead."""
+    (tmp_path / "s").mkdir()
+    path = tmp_path / "s" / "003.tar"
+    small = _jpeg()
+    _sparse_tar(path, [("ok.jpg", small), ("later.jpg", small)])
+    first = tarfile.TarInfo("ok.jpg")
+    first.size = len(small)
+    start = len(first.tobuf(format=tarfile.PAX_FORMAT)) + -(-len(small) // 512) * 512
+    header = tarfile.TarInfo("././@PaxHeader" if kind != tarfile.GNUTYPE_LONGNAME else "x")
+    header.type, header.size = kind, 800 * MIB
+    with open(path, "r+b") as fh:  # the extended header goes between the two members
+        rest = (fh.seek(start), fh.read())[1]
+        fh.seek(start)
+        fh.write(header.tobuf(format=tarfile.USTAR_FORMAT))
+        fh.seek(start + 512 + header.size)
+        fh.write(rest)
+    ref = resolve_batch(tmp_path, "s.003")
+    cands, growth = peak_rss_growth(lambda: list(iter_candidates(ref)))
+    assert growth < 64 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
+    assert [c.path for c in cands if c.error is None] == ["ok.jpg"]  # what came before
+    damage = [c.error for c in cands if c.error]
+    assert len(damage) == 1 and damage[0][0] == "corrupt_archive"
+    assert f"{800 * MIB:,} bytes" in damage[0][1] and "1,048,576-byte limit" in damage[0][1]
+
+
 def test_manifest_rows_over_the_limit_are_refused_before_reading(tmp_path):
     src = tmp_path / "s"
     (src / "_files").mkdir(parents=True)

@@ -596,10 +596,43 @@ def _member_refusal(member: tarfile.TarInfo, ext: str, max_file_bytes: int) -> F
     return None
 
 
+#: The largest extended header (pax records, GNU long name or link) read. tarfile reads
+#: one whole into memory before the member it describes; real ones are a few hundred bytes.
+MAX_EXTENDED_HEADER_BYTES = 1 << 20
+_EXTENDED_HEADERS = frozenset(
+    {
+        tarfile.XHDTYPE,
+        tarfile.XGLTYPE,
+        tarfile.SOLARIS_XHDTYPE,
+        tarfile.GNUTYPE_LONGNAME,
+        tarfile.GNUTYPE_LONGLINK,
+    }
+)
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A header whose extended header is refused before it is read when it is too big."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _EXTENDED_HEADERS and self.size > MAX_EXTENDED_HEADER_BYTES:
+            # SubsequentHeaderError: tarfile turns it into a ReadError wherever it occurs.
+            raise tarfile.SubsequentHeaderError(
+                f"an extended header of {self.size:,} bytes, over the "
+                f"{MAX_EXTENDED_HEADER_BYTES:,}-byte limit (the rest of the archive is unread)"
+            )
+        return super()._proc_member(tarfile_)
+
+
 def _open_tar(ref: BatchRef) -> tarfile.TarFile:
     try:
         # Names are bytes in the header; surrogateescape keeps every byte (printable_name).
-        return tarfile.open(ref.path, mode="r:*", encoding="utf-8", errors="surrogateescape")
+        return tarfile.open(
+            ref.path,
+            mode="r:*",
+            encoding="utf-8",
+            errors="surrogateescape",
+            tarinfo=_BoundedTarInfo,
+        )
     except (tarfile.TarError, OSError) as exc:
         where = printable_name(os.fsencode(ref.path))
         raise BatchError(f"{where}: not a readable tar archive: {bound_text(str(exc))}") from exc
