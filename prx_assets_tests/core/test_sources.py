@@ -9,6 +9,7 @@ import tarfile
 from pathlib import Path
 from urllib.parse import unquote_to_bytes
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -381,6 +382,49 @@ def test_a_huge_extended_header_is_refused_before_it_is_read(tmp_path, kind):
     damage = [c.error for c in cands if c.error]
     assert len(damage) == 1 and damage[0][0] == "corrupt_archive"
     assert f"{800 * MIB:,} bytes" in damage[0][1] and "1,048,576-byte limit" in damage[0][1]
+
+
+def _bytes_read() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux /proc/self/io")
+def test_a_compressed_archive_is_read_once_and_an_oversized_sample_still_refused(tmp_path):
+    rng = np.random.default_rng(0)
+    noise = [rng.integers(0, 256, (600, 600, 3), dtype=np.uint8) for _ in range(4)]
+    photos = []
+    for a in noise:  # incompressible JPEGs: the .tar.gz is about as big as its members
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, "JPEG", quality=95)
+        photos.append(buf.getvalue())
+    limit = len(photos[0]) + len(photos[1]) - 1  # "big" (two members) is over it
+    (tmp_path / "s").mkdir()
+    path = tmp_path / "s" / "004.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in [
+            ("a.jpg", photos[0]),
+            ("big.jpg", photos[1]),
+            ("big.png", photos[0]),
+            ("c.jpg", photos[2]),
+            ("d.jpg", photos[3]),
+        ]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    ref = resolve_batch(tmp_path, "s.004")
+    before = _bytes_read()
+    cands = {c.path: c for c in iter_candidates(ref, limit)}
+    read = _bytes_read() - before
+    size = path.stat().st_size
+    assert read < 1.5 * size, f"read {read:,} bytes of a {size:,}-byte archive"
+    assert [p for p, c in cands.items() if c.error is None] == ["a.jpg", "c.jpg", "d.jpg"]
+    for name in ("big.jpg", "big.png"):
+        assert cands[name].error[0] == "too_large" and "sample 'big'" in cands[name].error[1]
+        assert cands[name].data is None
+    assert cands["d.jpg"].data == photos[3]
 
 
 def test_manifest_rows_over_the_limit_are_refused_before_reading(tmp_path):

@@ -56,10 +56,13 @@ at most the limit), after a first pass over the headers that sizes each sample.
 
 from __future__ import annotations
 
+import bz2
 import csv
 import errno
+import gzip
 import hashlib
 import json
+import lzma
 import os
 import posixpath
 import re
@@ -649,68 +652,71 @@ def _members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
             yield member
 
 
-def _sample_sizes(ref: BatchRef, max_file_bytes: int) -> list[int]:
-    """Headers only: the bytes each sample would hold in memory, in archive order.
-
-    A sample is a run of adjacent members sharing a stem. Damage ends the list early; the
-    reading pass meets the same damage and records it.
-    """
-    sizes: list[int] = []
-    current: str | None = None
+def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
     try:
-        with _open_tar(ref) as tar:
-            for member in _members(tar):
-                stem, ext = _split_ext(member.name)
-                if stem != current or not sizes:
-                    sizes.append(0)
-                    current = stem
-                if _member_refusal(member, ext, max_file_bytes) is None:
-                    sizes[-1] += member.size
-    except (tarfile.TarError, OSError, EOFError, BatchError):
-        pass
-    return sizes
+        f = tar.extractfile(member)
+        return f.read() if f is not None else b""
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise FileRefused(UNREADABLE, f"archive member unreadable: {bound_text(str(exc))}") from exc
+
+
+def _oversized(stem: str, total: int, max_file_bytes: int) -> FileRefused:
+    return FileRefused(
+        TOO_LARGE,
+        f"sample {quote_bounded(printable_name(stem))} holds {total:,} bytes in its members, "
+        f"over the {max_file_bytes:,}-byte limit for one sample",
+    )
 
 
 def _iter_archive(ref: BatchRef, max_file_bytes: int) -> Iterator[Candidate]:
-    """Two passes: sizes from the headers, then one sample at a time, read only if it fits."""
-    sizes = _sample_sizes(ref, max_file_bytes)
+    """One pass, one sample (a run of adjacent members sharing a stem) at a time; a sample
+    whose members' sizes (from their headers) add up to more than the limit is refused
+    whole, and never more than the limit is held.
+
+    An uncompressed archive's members are read when their sample ends, by seeking back, so
+    an oversized sample is never read. A compressed one cannot seek back cheaply: members
+    are read as they come while their sample fits, and dropped if it turns out not to; the
+    stream is decompressed once.
+    """
     tar = _open_tar(ref)
-    current: str | None = None
+    seekable = not isinstance(tar.fileobj, (gzip.GzipFile, bz2.BZ2File, lzma.LZMAFile))
     group: list[_Entry] = []
-    index = -1
-    held = 0
-    oversized: FileRefused | None = None
+    current: str | None = None
+    total = 0
+
+    def sample() -> list[_Entry]:
+        if total > max_file_bytes:
+            refusal = _oversized(current or "", total, max_file_bytes)
+            for e in group:
+                if e.refusal is None:
+                    e.refusal, e.read = refusal, None
+        return group
+
     with tar:
         try:
             for member in _members(tar):
                 stem, ext = _split_ext(member.name)
-                if stem != current or index < 0:
-                    yield from _sample_candidates(ref, group)
-                    group, current, held, index = [], stem, 0, index + 1
-                    total = sizes[index] if index < len(sizes) else 0
-                    oversized = None
-                    if total > max_file_bytes:
-                        oversized = FileRefused(
-                            TOO_LARGE,
-                            f"sample {quote_bounded(printable_name(stem))} holds {total:,} "
-                            f"bytes in its members, over the {max_file_bytes:,}-byte limit "
-                            "for one sample",
-                        )
+                if stem != current or not group:
+                    yield from _sample_candidates(ref, sample())
+                    group, current, total = [], stem, 0
                 raw = member.name.encode("utf-8", "surrogateescape")
                 e = _Entry(_display_path(raw), ext, size=member.size)
-                e.refusal = _member_refusal(member, ext, max_file_bytes) or oversized
-                if e.refusal is None and held + member.size > max_file_bytes:
-                    e.refusal = _too_large(held + member.size, max_file_bytes, "sample")
+                e.refusal = _member_refusal(member, ext, max_file_bytes)
                 if e.refusal is None:
-                    f = tar.extractfile(member)
-                    data = f.read() if f is not None else b""
-                    held += len(data)
-                    e.read = lambda data=data: data
+                    total += member.size
+                    if seekable:
+                        e.read = lambda m=member: _read_member(tar, m)
+                    elif total <= max_file_bytes:
+                        try:
+                            data = _read_member(tar, member)
+                            e.read = lambda data=data: data
+                        except FileRefused as exc:
+                            e.refusal = exc
                 group.append(e)
+            yield from _sample_candidates(ref, sample())
         except (tarfile.TarError, OSError, EOFError) as exc:
-            # A damaged archive: keep what was read, record the damage once.
-            yield from _sample_candidates(ref, group)
-            group = []
+            # A damaged archive: keep the samples before the damage, record it once.
+            yield from _sample_candidates(ref, sample())
             yield _with_defaults(
                 Candidate(
                     printable_name(ref.path.name),
@@ -719,7 +725,6 @@ def _iter_archive(ref: BatchRef, max_file_bytes: int) -> Iterator[Candidate]:
                 ),
                 ref,
             )
-    yield from _sample_candidates(ref, group)
 
 
 # --------------------------------------------------------------------------- manifests
