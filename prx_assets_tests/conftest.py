@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,28 +14,14 @@ os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
 
 PHOTOS = Path(__file__).resolve().parents[1] / "prx_assets" / "demo" / "photos"
 
-# Streaming creates two file locks per dataset in the temporary directory and never removes
-# them; every later dataset stats each earlier prefix's locks to find a free one, so a
-# machine that ran the suite a few times builds datasets ever more slowly. Locks of prefixes
-# whose shared memory is gone (their datasets are) are removed when the session starts and
-# after each test.
-_STREAMING_LOCK = re.compile(r"(\d{6})_(?:barrier|cache)_filelock")
-
-
-def _remove_dead_streaming_locks() -> None:
-    shm, tmp = Path("/dev/shm"), tempfile.gettempdir()
-    if not shm.is_dir():
-        return
-    live = {name[:6] for name in os.listdir(shm) if name[:6].isdigit()}
-    for name in os.listdir(tmp):
-        m = _STREAMING_LOCK.fullmatch(name)
-        if m and m.group(1) not in live:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(tmp, name))
+# Streaming never removes its file locks; stale ones slow every later dataset construction
+# (see prx_assets.loader.locks). Removed when the session starts and after each test.
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    _remove_dead_streaming_locks()
+    from prx_assets.loader.locks import remove_dead_streaming_locks
+
+    remove_dead_streaming_locks()
 
 
 @pytest.fixture(autouse=True)
@@ -48,11 +31,12 @@ def _release_streaming_shared_memory(_no_descriptor_leak: None):
     Streaming holds each segment (and its file descriptor) until the process exits; over the
     whole suite in one process that exhausts the descriptor limit.
     """
+    from prx_assets.loader.locks import remove_dead_streaming_locks
     from prx_assets_tests.core.stage_inputs import streaming_memory_released
 
     with streaming_memory_released():
         yield
-    _remove_dead_streaming_locks()
+    remove_dead_streaming_locks()
 
 
 #: Descriptors the test process may hold between tests (~25 at steady state). A leak fails
