@@ -170,7 +170,7 @@ def _local_counts(
             return None
         warn_unscreened(where, stacklevel=4)
         return unscreened_partition_counts(where), None
-    source = os.path.join(where, MANIFEST_BASENAME)
+    source = f"{where}/{MANIFEST_BASENAME}"
     try:
         data = read_whole_file(source)
     except FileNotFoundError:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -191,3 +192,41 @@ def test_a_directory_rewritten_after_discovery_is_refused(mds_root: MdsRoot, tmp
         os.replace(f, mds_root.dir(rel) / f.name)
     with pytest.raises(SkipListStale, match="written for another index.json"):
         ShapeBatchedLoader(found, batch_size=4, num_canonical_nodes=1)
+
+
+def test_whole_file_reads_are_exact_at_every_size(tmp_path: Path):
+    """``read_whole_file`` returns a file's bytes whatever their size (empty, at and across
+    its first-read boundary, megabytes) and refuses an absent file."""
+    from prx_assets.loader.dataset import _FIRST_READ, read_whole_file
+
+    rng = random.Random(12)
+    for size in (0, 1, 399, _FIRST_READ - 1, _FIRST_READ, _FIRST_READ + 1, 3 * 2**20 + 7):
+        path = tmp_path / f"f{size}"
+        data = rng.randbytes(size)
+        path.write_bytes(data)
+        assert read_whole_file(str(path)) == data
+    with pytest.raises(FileNotFoundError):
+        read_whole_file(str(tmp_path / "absent"))
+
+
+def test_shard_readers_are_streamings_own(mds_root: MdsRoot):
+    """The dataset builds each shard reader through streaming's ``reader_from_json`` without
+    its deep copy; the readers equal streaming's own, attribute for attribute, and the
+    entry handed over is left as it was (streaming still edits a copy)."""
+    from streaming.base.format import reader_from_json
+    from streaming.base.world import World
+
+    from prx_assets.loader import SkipListStream
+    from prx_assets.loader.dataset import _ParsedHere
+
+    d = mds_root.dir("0/16x24/b0")
+    stream = SkipListStream(local=str(d))
+    ours, raw = stream._readers_and_index(World.detect(), allow_unsafe_types=False)
+    assert raw == (d / "index.json").read_bytes()
+    entries = json.loads(raw)["shards"]
+    theirs = [reader_from_json(str(d), "", info) for info in entries]
+    assert [vars(r) for r in ours] == [vars(r) for r in theirs] and len(ours) >= 3
+    assert all(type(r) is type(t) for r, t in zip(ours, theirs, strict=True))
+    wrapped = _ParsedHere(entries[0])
+    reader_from_json(str(d), "", wrapped)  # streaming edits its copy, never the entry
+    assert wrapped == entries[0] and {"version", "format"} <= set(wrapped)
