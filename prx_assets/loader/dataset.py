@@ -440,7 +440,8 @@ class SkipListStream(Stream):
                     break
                 out.append(verify_sidecar(entry, sidecar, where, reader.samples))
             else:
-                self._drop_stale_mirrors(manifest.sidecars)
+                if not self._reads_local():
+                    self._drop_stale_mirrors(manifest.sidecars)
                 return manifest.generation, out
             # A named sidecar is gone: a new generation was published (and ours swept)
             # between the two reads, unless the manifest still names it.
