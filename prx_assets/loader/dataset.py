@@ -237,9 +237,11 @@ class _ParsedHere(dict):
     """One shard's entry of an ``index.json`` a stream has just parsed for its own readers.
 
     streaming's ``MDSReader.from_json`` deep-copies the entry it is given, so that a reader
-    never shares objects with its caller's; nothing but the new reader ever holds this one,
-    so a shallow copy builds the same reader, through streaming's own code, for a fifth of
-    the CPU (~10 µs less per shard: an eighth of plain construction at 10,000 directories).
+    never shares objects with its caller; this entry comes from index bytes the stream has
+    just parsed and drops once its reader is built, so nothing else can see the lists the
+    reader keeps, and a shallow copy builds the same reader through streaming's own code
+    (version and format checks included) for a sixth of the CPU: 12 → 2 µs per shard here,
+    about 13 µs per directory, a sixth of plain construction at 10,000 directories.
     """
 
     def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
