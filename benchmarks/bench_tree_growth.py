@@ -34,8 +34,6 @@ os.environ["TMPDIR"] = _FRESH_TMP
 tempfile.tempdir = None  # re-read TMPDIR
 
 import argparse  # noqa: E402
-import atexit  # noqa: E402
-import contextlib  # noqa: E402
 import gc  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
@@ -44,7 +42,7 @@ import secrets  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable, Iterator  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -57,35 +55,12 @@ from prx_assets.core.shards.mds import (  # noqa: E402
     skip_nothing,
     write_partition_buckets,
 )
+from prx_assets_tests.streaming_memory import streaming_memory_released  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "bench_tree_growth.json"
 TIER, SHAPE = 512, "16x24"
 SAMPLES_PER_DIR = 4
-
-
-@contextlib.contextmanager
-def streaming_memory_released() -> Iterator[None]:
-    """Run, on exit, the shared-memory cleanups streaming registers with atexit inside the
-    block (it otherwise keeps every segment until the process exits)."""
-    held: list[tuple[Callable[..., Any], tuple, dict]] = []
-    real = atexit.register
-
-    def register(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
-        if not str(getattr(f, "__module__", "")).startswith("streaming."):
-            return real(f, *args, **kwargs)
-        held.append((f, args, kwargs))
-        return f
-
-    atexit.register = register  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        atexit.register = real
-        gc.collect()
-        for f, args, kwargs in reversed(held):
-            with contextlib.suppress(Exception):
-                f(*args, **kwargs)
 
 
 def _samples(batch: str) -> list[MDSSample]:

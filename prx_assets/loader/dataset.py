@@ -204,6 +204,50 @@ def _shard_name(reader: Any) -> str:
     return reader.raw_data.basename
 
 
+_FIRST_READ = 1 << 14  # holds any manifest, sidecar or index of a few dozen shards
+
+
+def read_whole_file(path: str) -> bytes:
+    """A local file's bytes, without a Python file object; ``FileNotFoundError`` if absent.
+
+    One ``open``, reads until end of file (two for a small file: its bytes, then the empty
+    read that proves the end) and one ``close``: about half the CPU of ``open(path,
+    "rb").read()`` (no buffered reader, no ``fstat`` or ``isatty`` probe), which counts for the
+    small files the loader reads per directory (manifest, index, sidecars: four at each of
+    10,000 directories). A big file gets its remaining size from ``fstat`` and one read.
+    Contents are checked by hash downstream, so a torn read fails closed.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.read(fd, _FIRST_READ)
+        if len(data) == _FIRST_READ:
+            data += os.read(fd, max(os.fstat(fd).st_size - _FIRST_READ, 0) + 1)
+        more = os.read(fd, 1 << 16) if data else b""
+        if not more:
+            return data
+        parts = [data, more]
+        while more := os.read(fd, 1 << 16):
+            parts.append(more)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+class _ParsedHere(dict):
+    """One shard's entry of an ``index.json`` a stream has just parsed for its own readers.
+
+    streaming's ``MDSReader.from_json`` deep-copies the entry it is given, so that a reader
+    never shares objects with its caller; this entry comes from index bytes the stream has
+    just parsed and drops once its reader is built, so nothing else can see the lists the
+    reader keeps, and a shallow copy builds the same reader through streaming's own code
+    (version and format checks included) for a sixth of the CPU: 12 → 2 µs per shard here,
+    about 13 µs per directory, a sixth of plain construction at 10,000 directories.
+    """
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
+        return dict(self)
+
+
 class SkipListStream(Stream):
     """A ``Stream`` that applies its directory's live skip-list generation when listing shards.
 
@@ -253,6 +297,7 @@ class SkipListStream(Stream):
         self.dropped_shards: list[str] = []
         self.raw_samples = 0
         self.kept_samples = 0
+        self._where: tuple[tuple[Any, ...], str, bool] | None = None  # see _local_dir_and_mode
 
     @classmethod
     def from_stream(cls, stream: Stream, skiplists: str = REQUIRE_SKIPLISTS) -> SkipListStream:
@@ -274,18 +319,32 @@ class SkipListStream(Stream):
 
     @property
     def local_dir(self) -> str:
-        return os.path.normpath(os.path.join(self.local, self.split))
+        return self._local_dir_and_mode()[0]
 
     def _reads_local(self) -> bool:
-        return self.remote is None or os.path.abspath(self.remote) == os.path.abspath(self.local)
+        return self._local_dir_and_mode()[1]
+
+    def _local_dir_and_mode(self) -> tuple[str, bool]:
+        """(the directory read or cached into, whether it is read in place: no remote, or
+        the remote is that directory), worked out once per (remote, local, split): the
+        path arithmetic ran on every file fetch, three times per directory."""
+        key = (self.remote, self.local, self.split)
+        where = getattr(self, "_where", None)
+        if where is None or where[0] != key:
+            local_dir = os.path.normpath(os.path.join(self.local, self.split))
+            in_place = self.remote is None or os.path.abspath(self.remote) == os.path.abspath(
+                self.local
+            )
+            where = self._where = (key, local_dir, in_place)
+        return where[1], where[2]
 
     def _fetch(self, name: str) -> tuple[bytes | None, str]:
         """A file of this stream's directory (None when absent) and where it came from."""
-        local_path = os.path.join(self.local_dir, name)
-        if self._reads_local():
+        local_dir, in_place = self._local_dir_and_mode()
+        local_path = f"{local_dir}/{name}"  # the manifest, or a sidecar it names: plain names
+        if in_place:
             try:
-                with open(local_path, "rb") as fh:
-                    return fh.read(), local_path
+                return read_whole_file(local_path), local_path
             except FileNotFoundError:
                 return None, local_path
         remote_path = os.path.join(self.remote, self.split, name)
@@ -323,13 +382,13 @@ class SkipListStream(Stream):
 
         Where the index is already local (a local stream, or a cache holding it) it is read
         once and the readers are built from those bytes the way ``Stream.get_shards`` does
-        (version 2 only, ``reader_from_json``, ``validate``); otherwise streaming fetches it
+        (version 2 only, ``reader_from_json`` on entries nothing else holds: see
+        ``_ParsedHere``, ``validate``); otherwise streaming fetches it
         (download, or wait for the local leader) and the fetched file is read back.
         """
         path = os.path.join(self.local, self.split, INDEX_BASENAME)
         try:
-            with open(path, "rb") as fh:
-                index_raw = fh.read()
+            index_raw = read_whole_file(path)
         except FileNotFoundError:
             readers = super().get_shards(world, allow_unsafe_types)
             return readers, self._index_bytes()
@@ -344,7 +403,7 @@ class SkipListStream(Stream):
             )
         readers = []
         for info in obj["shards"]:
-            reader = reader_from_json(self.local, self.split, info)
+            reader = reader_from_json(self.local, self.split, _ParsedHere(info))
             reader.validate(allow_unsafe_types)
             readers.append(reader)
         return readers, index_raw
@@ -383,7 +442,8 @@ class SkipListStream(Stream):
                     break
                 out.append(verify_sidecar(entry, sidecar, where, reader.samples))
             else:
-                self._drop_stale_mirrors(manifest.sidecars)
+                if not self._reads_local():
+                    self._drop_stale_mirrors(manifest.sidecars)
                 return manifest.generation, out
             # A named sidecar is gone: a new generation was published (and ours swept)
             # between the two reads, unless the manifest still names it.

@@ -60,6 +60,7 @@ from prx_assets.loader.dataset import (
     REQUIRE_SKIPLISTS,
     SkipListStream,
     check_skiplists_mode,
+    read_whole_file,
     warn_unscreened,
 )
 from prx_assets.loader.remote import (
@@ -169,10 +170,9 @@ def _local_counts(
             return None
         warn_unscreened(where, stacklevel=4)
         return unscreened_partition_counts(where), None
-    source = os.path.join(where, MANIFEST_BASENAME)
+    source = f"{where}/{MANIFEST_BASENAME}"
     try:
-        with open(source, "rb") as fh:
-            data = fh.read()
+        data = read_whole_file(source)
     except FileNotFoundError:
         if os.path.isfile(os.path.join(where, INDEX_BASENAME)):
             raise SkipListMissing(

@@ -21,7 +21,6 @@ resuming under another snapshot, or none, raises ``SnapshotChanged``.
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import os
 import warnings
@@ -54,9 +53,15 @@ from prx_assets.loader.dataset import (
     check_resume_snapshot,
     snapshot_of,
 )
+from prx_assets.loader.discover import (
+    BucketStream,
+    _natural,
+    _repeat_for,
+    _shape_filter,
+    parse_shape,
+)
 
 __all__ = ["SnapshotChanged", "check_resume_snapshot", "snapshot_of", "snapshot_streams"]
-from prx_assets.loader.discover import BucketStream, parse_shape
 
 REFUSE_CHANGES = "refuse"
 REPRODUCE_UNSAFE = "reproduce-UNSAFE"
@@ -183,11 +188,7 @@ def snapshot_streams(
     if is_retired(base, snapshot):
         raise SnapshotError(f"snapshot {snapshot!r} is retired: its files may be gone")
     tier_set = None if tiers is None else {str(t) for t in tiers}
-    shape_set = None
-    if shapes is not None:
-        shape_set = {
-            parse_shape(s) if isinstance(s, str) else (int(s[0]), int(s[1])) for s in shapes
-        }
+    shape_set = _shape_filter(shapes)
     batch_set = None if batches is None else {str(b) for b in batches}
     chosen: list[PinnedDirectory] = []
     for d in manifest.directories:
@@ -247,16 +248,3 @@ def snapshot_streams(
     out = [b for b in out if b not in empty]
     out.sort(key=lambda b: (_natural(b.tier), b.height, b.width, _natural(b.batch)))
     return out
-
-
-def _natural(name: str) -> tuple[int, int, str]:
-    return (0, int(name), "") if name.isdigit() else (1, 0, name)
-
-
-def _repeat_for(relpath: str, weights: Mapping[str, float] | None) -> float | None:
-    for pattern, repeat in (weights or {}).items():
-        if fnmatch.fnmatchcase(relpath, pattern):
-            if repeat < 0:
-                raise ValueError(f"weight for {pattern!r} must be >= 0, got {repeat}")
-            return float(repeat)
-    return None

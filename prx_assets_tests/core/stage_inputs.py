@@ -4,11 +4,7 @@ MDS directories read back by the official reader."""
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import gc
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +16,15 @@ from prx_assets.core.ingest.sources import resolve_batch
 from prx_assets.core.lab import Lab
 from prx_assets.core.resolution.profile import profile_images
 from prx_assets.core.tables import IMAGES, REJECTS, RESOLUTION
+from prx_assets_tests.streaming_memory import streaming_memory_released
+
+__all__ = [
+    "DEMO_BATCH",
+    "RecordingLab",
+    "ingest_demo_batch",
+    "read_mds_dir",
+    "streaming_memory_released",  # kept importable from here (tests and conftest use it)
+]
 
 DEMO_BATCH = "public-skimage.000"  # 22 files, some under the size cutoff
 
@@ -46,37 +51,6 @@ def ingest_demo_batch(lab: Lab, landing: Path, batch: str = DEMO_BATCH) -> list[
     lab.replace_partition(RESOLUTION, batch, profile_images(sizes))
     profile = lab.read_batch(RESOLUTION.name, batch, ["key", "eligible"]).to_pylist()
     return sorted(r["key"] for r in profile if r["eligible"])
-
-
-@contextlib.contextmanager
-def streaming_memory_released() -> Iterator[None]:
-    """Release, on exit, the shared memory streaming readers opened inside the block.
-
-    Streaming keeps each shared-memory segment it opens alive until the process exits (an
-    atexit handler per segment, ``streaming.base.shared.memory.SharedMemory.cleanup``), so a
-    long test session that builds many readers runs out of file descriptors. Those handlers
-    alone are held back and run when the block ends (drop every reader inside it); any other
-    atexit registration goes through untouched.
-    """
-    held: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
-    real_register = atexit.register
-
-    def register(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[..., Any]:
-        if not str(getattr(f, "__module__", "")).startswith("streaming."):
-            return real_register(f, *args, **kwargs)
-        held.append((f, args, kwargs))
-        return f
-
-    atexit.register = register  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        atexit.register = real_register
-        if held:  # nothing opened: no collection (a second or two in a big process)
-            gc.collect()
-        for f, args, kwargs in reversed(held):
-            with contextlib.suppress(Exception):  # best-effort release of shared memory
-                f(*args, **kwargs)
 
 
 def read_mds_dir(directory: str | Path) -> list[dict[str, Any]]:
