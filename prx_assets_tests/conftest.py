@@ -32,7 +32,7 @@ def _release_streaming_shared_memory(_no_descriptor_leak: None):
     whole suite in one process that exhausts the descriptor limit.
     """
     from prx_assets.loader.locks import remove_dead_streaming_locks
-    from prx_assets_tests.core.stage_inputs import streaming_memory_released
+    from prx_assets_tests.streaming_memory import streaming_memory_released
 
     with streaming_memory_released():
         yield

@@ -76,6 +76,7 @@ from prx_assets.core.skiplists.sidecars import (
     parse_manifest,
     verify_sidecar,
 )
+from prx_assets.loader.locks import remove_dead_streaming_locks
 from prx_assets.loader.remote import absent_on_remote
 
 # The small-bucket rule in the loader's words: kept samples and shards, its parameter names.
@@ -630,6 +631,9 @@ class SkipListDataset(StreamingDataset):
         """
         import torch.distributed as dist
 
+        # Streaming's dead file locks would make this prefix search slower on every node
+        # that has run many jobs (``locks``).
+        remove_dead_streaming_locks()
         distributed = dist.is_available() and dist.is_initialized()
         attempts = 1 if distributed else PREFIX_RACE_ATTEMPTS
         for attempt in range(attempts):

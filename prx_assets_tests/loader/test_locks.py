@@ -52,3 +52,18 @@ def test_nothing_happens_without_a_shared_memory_directory(tmp_path):
     Path(tmp_path, "000001_barrier_filelock").touch()
     assert remove_dead_streaming_locks(str(tmp_path), shm_dir=str(tmp_path / "absent")) == 0
     assert Path(tmp_path, "000001_barrier_filelock").exists()
+
+
+def test_the_loader_clears_dead_locks_before_it_builds_its_datasets(mds_root):
+    from prx_assets.loader import ShapeBatchedLoader, discover_streams
+
+    tmp = tempfile.gettempdir()
+    used = {int(n[:6]) for n in set(os.listdir("/dev/shm")) | _locks(tmp) if n[:6].isdigit()}
+    dead = {f"{max(used, default=0) + 700 + i:06d}_cache_filelock" for i in range(3)}
+    for name in dead:
+        Path(tmp, name).touch()
+    loader = ShapeBatchedLoader(
+        discover_streams(mds_root.root), batch_size=4, num_canonical_nodes=1
+    )
+    assert not dead & _locks(tmp)
+    assert {k for b in loader for k in b["key"]} == mds_root.all_keys()
