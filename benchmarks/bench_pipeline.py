@@ -1,7 +1,7 @@
 """The whole CPU path per core: ``batch_pipeline`` for one partition, beside naive baselines.
 
-Inputs: real multi-megapixel JPEGs derived from the bundled photos (``prx_assets/demo/photos``),
-never noise: each photo cropped to an aspect ratio and Lanczos-upscaled to 3-4 MP, and every
+Inputs: real multi-megapixel JPEGs derived from the bundled photos (``prx_assets/demo/photos``,
+made by ``prx_assets/demo/jpegs.py``, the generator the resize tests use too), never noise: each photo cropped to an aspect ratio and Lanczos-upscaled to 3-4 MP, and every
 third image a mosaic of the photos' native pixels (real per-pixel detail, the hard case for a
 resampler), re-encoded at q95 as baseline JPEGs (one partition) and as progressive JPEGs
 (another), each with an alt-text sidecar.
