@@ -23,6 +23,7 @@ _INK = (40, 40, 40)
 _GRID = (225, 225, 225)
 _BLUE, _GREEN, _PURPLE, _RED = (64, 99, 216), (56, 152, 38), (149, 88, 178), (203, 60, 51)
 _TICKS = 5  # about this many labelled ticks per axis
+_LABEL_CHARS = 40  # a bar label (data: reasons, shapes) is shown at most this long
 
 
 @lru_cache(maxsize=8)
@@ -169,6 +170,7 @@ def resolution_histogram(
 
 def bar_chart(labels: list[str], values: list[float], title: str, xlabel: str = "") -> bytes:
     """One bar per label (labels slanted under the bars), as a PNG."""
+    labels = [s if len(s) <= _LABEL_CHARS else s[: _LABEL_CHARS - 1] + "…" for s in labels]
     n = len(labels)
     width = max(320, 40 * n + 160)
     label_font = _font(10)

@@ -69,3 +69,9 @@ def test_charts_do_not_import_matplotlib():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_long_label_is_shortened_not_drawn_whole():
+    # Labels are data (a snapshot diff's reasons): a huge one must not make a huge picture.
+    img = _open(bar_chart(["x" * 100_000, "b"], [1.0, 2.0], "t"))
+    assert img.width < 1000 and img.height < 1000
