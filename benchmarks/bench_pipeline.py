@@ -1,7 +1,7 @@
 """The whole CPU path per core: ``batch_pipeline`` for one partition, beside naive baselines.
 
-Inputs: real multi-megapixel JPEGs derived from the bundled photos (``prx_assets/demo/photos``),
-never noise: each photo cropped to an aspect ratio and Lanczos-upscaled to 3-4 MP, and every
+Inputs: real multi-megapixel JPEGs derived from the bundled photos (``prx_assets/demo/photos``,
+made by ``prx_assets/demo/jpegs.py``, the generator the resize tests use too), never noise: each photo cropped to an aspect ratio and Lanczos-upscaled to 3-4 MP, and every
 third image a mosaic of the photos' native pixels (real per-pixel detail, the hard case for a
 resampler), re-encoded at q95 as baseline JPEGs (one partition) and as progressive JPEGs
 (another), each with an alt-text sidecar.
@@ -60,8 +60,9 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from prx_assets.demo.jpegs import bundled_photos, crop_to_aspect, jpeg_bytes, mosaic  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
-PHOTOS = REPO / "prx_assets" / "demo" / "photos"
 RESULTS = REPO / "benchmarks" / "results" / "bench_pipeline.json"
 SOURCE = "bench"
 CPU_STAGES = (
@@ -80,39 +81,9 @@ QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 # --------------------------------------------------------------------------- inputs
 
 
-def _photos() -> list[Image.Image]:
-    return [Image.open(p).convert("RGB") for p in sorted(PHOTOS.iterdir())]
-
-
-def _crop_to_aspect(img: Image.Image, aspect: float) -> Image.Image:
-    w, h = img.size
-    if w / h > aspect:
-        cw = round(h * aspect)
-        return img.crop(((w - cw) // 2, 0, (w - cw) // 2 + cw, h))
-    ch = round(w / aspect)
-    return img.crop((0, (h - ch) // 2, w, (h - ch) // 2 + ch))
-
-
-def _mosaic(photos: list[Image.Image], size: tuple[int, int], rng: np.random.Generator):
-    canvas = Image.new("RGB", size)
-    y = 0
-    while y < size[1]:
-        row_h = int(rng.integers(300, 700))
-        x = 0
-        while x < size[0]:
-            p = photos[int(rng.integers(len(photos)))]
-            cw, ch = min(int(rng.integers(300, 800)), p.width), min(row_h, p.height)
-            left = int(rng.integers(0, p.width - cw + 1))
-            top = int(rng.integers(0, p.height - ch + 1))
-            canvas.paste(p.crop((left, top, left + cw, top + ch)), (x, y))
-            x += cw
-        y += row_h
-    return canvas
-
-
 def make_images(n: int, progressive: bool, seed: int) -> list[bytes]:
     """``n`` 3-4 MP JPEGs (q95) from the bundled photos: upscaled crops and native mosaics."""
-    photos = _photos()
+    photos = bundled_photos()
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -121,13 +92,11 @@ def make_images(n: int, progressive: bool, seed: int) -> list[bytes]:
         w = round((mp * 1e6 * aspect) ** 0.5)
         h = round(w / aspect)
         if i % 3 == 2:
-            img = _mosaic(photos, (w, h), rng)
+            img = mosaic((w, h), rng)
         else:
-            src = _crop_to_aspect(photos[i % len(photos)], aspect)
+            src = crop_to_aspect(photos[i % len(photos)], aspect)
             img = src.resize((w, h), Image.Resampling.LANCZOS)
-        buf = io.BytesIO()
-        img.save(buf, "JPEG", quality=95, progressive=progressive)
-        out.append(buf.getvalue())
+        out.append(jpeg_bytes(img, quality=95, progressive=progressive))
     return out
 
 

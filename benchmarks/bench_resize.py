@@ -51,6 +51,7 @@ from prx_assets.core.shards.resize import (
     psnr,
     resize_to_bucket,
 )
+from prx_assets.demo.jpegs import mosaic
 
 REPO = Path(__file__).resolve().parents[1]
 PHOTOS = REPO / "prx_assets" / "demo" / "photos"
@@ -86,26 +87,13 @@ def make_upscaled(tmp: Path, photos: tuple[str, ...], sizes_mp: tuple[float, ...
 
 def make_mosaics(tmp: Path, sizes_mp: tuple[float, ...], aspects: tuple[float, ...]) -> list[Path]:
     """Canvases filled with crops of every demo photo at native resolution (no resampling)."""
-    photos = [Image.open(p).convert("RGB") for p in sorted(PHOTOS.iterdir())]
     rng = np.random.default_rng(0)
     paths = []
     for mp in sizes_mp:
         for aspect in aspects:
             w = round((mp * 1e6 * aspect) ** 0.5)
             h = round(w / aspect)
-            canvas = Image.new("RGB", (w, h))
-            y = 0
-            while y < h:
-                row_h = int(rng.integers(350, 700))
-                x = 0
-                while x < w:
-                    p = photos[int(rng.integers(len(photos)))]
-                    cw, ch = min(int(rng.integers(350, 800)), p.width), min(row_h, p.height)
-                    left = int(rng.integers(0, p.width - cw + 1))
-                    top = int(rng.integers(0, p.height - ch + 1))
-                    canvas.paste(p.crop((left, top, left + cw, top + ch)), (x, y))
-                    x += cw
-                y += row_h
+            canvas = mosaic((w, h), rng, row_heights=(350, 700), tile_widths=(350, 800))
             paths.append(_save(canvas, tmp / f"mosaic_a{aspect:.2f}_{mp:g}mp.jpg"))
     return paths
 

@@ -217,3 +217,38 @@ def test_float_images_are_clipped_to_unit_range_and_scaled():
     assert grey.tolist() == [[0, 0, 64, 128, 255, 255, 0]]
     constant = np.full((8, 8), 30000 / 65535, np.float32)
     assert np.unique(_grey(to_rgb(Image.fromarray(constant, "F"))[0])).tolist() == [117]
+
+
+def _outcome(fn, data: bytes):
+    try:
+        return fn(data)
+    except DecodeRejected as exc:
+        return ("rejected", exc.reason)
+
+
+def test_inspect_image_and_inspect_and_decode_agree_on_facts_and_refusals():
+    # Both run one validating decode (_decode_checked): what ingest records (format, size
+    # after EXIF turn, mode, frames, conversion) and every refusal must be the same.
+    from prx_assets.core.ingest.decode import inspect_and_decode
+
+    photo = Image.open(PHOTOS / "china.jpg").convert("RGB")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotated: reported width/height swap
+    gif = [Image.new("P", (40, 30), i) for i in range(3)]
+    cases = [p.read_bytes() for p in sorted(PHOTOS.iterdir())]
+    cases += [
+        _jpeg(photo, exif=exif.tobytes()),
+        _jpeg(photo.convert("CMYK")),
+        _jpeg(photo.convert("L"), progressive=True),
+        _save(gif[0], "GIF", save_all=True, append_images=gif[1:]),
+        _save(photo.convert("RGBA"), "PNG"),
+    ]
+    broken = [b"", b"not an image" * 9, cases[4][: len(cases[4]) // 2], cases[-5][:-4000]]
+    for data in cases + broken:
+        draft = (128, 128)
+        info = _outcome(inspect_image, data)
+        both = _outcome(lambda d, draft=draft: inspect_and_decode(d, draft_size=draft), data)
+        assert info == (both if both[0] == "rejected" else both[0])
+    assert all(isinstance(_outcome(inspect_image, d), tuple) for d in broken)
+    rotated = inspect_image(cases[len(cases) - 5])
+    assert (rotated.width, rotated.height) == (photo.height, photo.width)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from PIL import Image
@@ -99,3 +100,29 @@ def test_contact_sheet_draws_one_row_per_cluster():
     assert rgb.getpixel((6 + 64 + 8 + 6 + 2, 18 + 6 + 1)) == G._DUP_RGB
     with pytest.raises(ValueError, match="at least one non-empty group"):
         G.contact_sheet([])
+
+
+def test_contact_sheet_reads_only_the_dc_scans_of_progressive_jpegs(monkeypatch):
+    # A 1/8-scale tile of a progressive JPEG needs only its DC scans: the sheet is the
+    # same, pixel for pixel, as from the whole stream, and the cut stream is what is decoded.
+    from prx_assets.core.dedup import phash
+    from prx_assets.demo.jpegs import bundled_photos, jpeg_bytes
+
+    big = bundled_photos()[0].resize((1400, 1000))
+    data = jpeg_bytes(big, progressive=True)
+    groups = [[G.Tile(data, ("1400x1000", "b"), True), G.Tile(data, ("1400x1000", "c"), False)]]
+    decoded: list[int] = []
+    real_decode = G.decode_rgb
+    monkeypatch.setattr(
+        G, "decode_rgb", lambda d, **kw: decoded.append(len(d)) or real_decode(d, **kw)
+    )
+    cut = G.contact_sheet(groups, thumb=112)
+    assert decoded and max(decoded) < len(data) // 2  # the AC scans were left out
+    monkeypatch.setattr(G, "progressive_dc_scans", lambda d, t=phash.FAST_DRAFT_TARGET: None)
+    decoded.clear()
+    whole = G.contact_sheet(groups, thumb=112)
+    assert decoded == [len(data), len(data)]
+    assert np.array_equal(
+        np.asarray(Image.open(io.BytesIO(cut)).convert("RGB")),
+        np.asarray(Image.open(io.BytesIO(whole)).convert("RGB")),
+    )

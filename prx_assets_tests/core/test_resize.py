@@ -31,6 +31,7 @@ from prx_assets.core.shards.resize import (
     resize_plain,
     resize_to_bucket,
 )
+from prx_assets.demo.jpegs import jpeg_bytes, mosaic
 
 PHOTOS = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos"
 
@@ -105,28 +106,11 @@ def test_pillow_path_without_shortcut_is_plain_sampling() -> None:
 
 def _mosaic(size: tuple[int, int], seed: int) -> Image.Image:
     """A canvas of crops of the bundled photos at their native pixels: real per-pixel detail."""
-    photos = [Image.open(p).convert("RGB") for p in sorted(PHOTOS.iterdir())]
-    rng = np.random.default_rng(seed)
-    canvas = Image.new("RGB", size)
-    y = 0
-    while y < size[1]:
-        row_h = int(rng.integers(300, 600))
-        x = 0
-        while x < size[0]:
-            p = photos[int(rng.integers(len(photos)))]
-            cw, ch = min(int(rng.integers(300, 700)), p.width), min(row_h, p.height)
-            left = int(rng.integers(0, p.width - cw + 1))
-            top = int(rng.integers(0, p.height - ch + 1))
-            canvas.paste(p.crop((left, top, left + cw, top + ch)), (x, y))
-            x += cw
-        y += row_h
-    return canvas
+    return mosaic(size, np.random.default_rng(seed), row_heights=(300, 600), tile_widths=(300, 700))
 
 
 def _jpeg(img: Image.Image, progressive: bool = False, exif: bytes = b"") -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=95, progressive=progressive, exif=exif)
-    return buf.getvalue()
+    return jpeg_bytes(img, quality=95, progressive=progressive, exif=exif)
 
 
 def test_lanczos_default_is_within_the_q92_loss_on_real_photos() -> None:

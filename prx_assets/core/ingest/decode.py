@@ -214,59 +214,17 @@ def to_rgb(img: Image.Image) -> tuple[Image.Image, str]:
     return img.convert("RGB"), mode.lower()
 
 
-def inspect_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageInfo:
-    """Validate untrusted bytes completely (header, limits, full decode) without keeping pixels.
+def _decode_checked(
+    data: bytes, max_pixels: int, draft_size: tuple[int, int] | None
+) -> tuple[Image.Image, ImageInfo]:
+    """Open by the policy, record what ingest stores, and decode the first frame.
 
-    JPEGs are verified in draft mode (DCT scaling to 1/8): libjpeg still entropy-decodes
-    every scan, so truncation and corrupt data are caught, at a fraction of the cost.
-    """
-    img = _open(data, max_pixels)
-    fmt = img.format or "UNKNOWN"
-    n_frames = int(getattr(img, "n_frames", 1) or 1)
-    orientation = _orientation(img)
-    w, h = img.size
-    mode = img.mode
-    try:
-        if fmt in ("JPEG", "MPO"):
-            img.draft(img.mode, (max(1, w // 8), max(1, h // 8)))
-        img.load()
-    except Image.DecompressionBombError as exc:
-        raise DecodeRejected("decompression_bomb", str(exc)) from None
-    except OSError as exc:
-        msg = str(exc)
-        reason = "truncated" if "truncated" in msg else "corrupt_data"
-        raise DecodeRejected(reason, msg) from None
-    except Exception as exc:  # noqa: BLE001
-        raise DecodeRejected("corrupt_data", f"{type(exc).__name__}: {exc}") from None
-    finally:
-        img.close()
-    if orientation in _TRANSPOSING_ORIENTATIONS:
-        w, h = h, w
-    _, conversion = _conversion_for_mode(mode, "transparency" in img.info)
-    return ImageInfo(
-        format=fmt,
-        width=w,
-        height=h,
-        mode=mode,
-        n_frames=n_frames,
-        orientation=orientation,
-        conversion=conversion,
-    )
-
-
-def inspect_and_decode(
-    data: bytes,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
-    draft_size: tuple[int, int] | None = None,
-) -> tuple[ImageInfo, Image.Image | None]:
-    """``inspect_image``'s validation and ``decode_rgb``'s pixels from one decode.
-
-    Why: validating a stream means entropy-decoding all of it, which is also the whole cost
-    of the reduced-scale decode pHash needs; doing both from one decode saves the second.
-    The refusals are ``inspect_image``'s (any DCT scale entropy-decodes every scan, so the
-    answer is the same as its 1/8 draft), and the image equals ``decode_rgb(data, max_pixels,
-    draft_size)`` step for step. The image is None when the policy's RGB conversion fails
-    (the file is still valid; a stage that needs pixels then decodes and reports it).
+    The one validating decode behind ``inspect_image`` and ``inspect_and_decode``: the
+    refusals (``DecodeRejected``) and the recorded facts cannot drift apart between them.
+    ``draft_size`` (oriented pixels) lets a JPEG decode at the smallest DCT scale still at
+    least that large; libjpeg entropy-decodes every scan at any scale, so truncation and
+    corrupt data are refused the same way. Returns the loaded, un-oriented image (the
+    caller closes it) and its ``ImageInfo``; on a refusal the image is already closed.
     """
     img = _open(data, max_pixels)
     fmt = img.format or "UNKNOWN"
@@ -306,6 +264,36 @@ def inspect_and_decode(
         orientation=orientation,
         conversion=conversion,
     )
+    return img, info
+
+
+def inspect_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageInfo:
+    """Validate untrusted bytes completely (header, limits, full decode) without keeping pixels.
+
+    JPEGs are verified in draft mode (DCT scaling to 1/8: the smallest scale at least 1x1
+    px): libjpeg still entropy-decodes every scan, so truncation and corrupt data are
+    caught, at a fraction of the cost.
+    """
+    img, info = _decode_checked(data, max_pixels, (1, 1))
+    img.close()
+    return info
+
+
+def inspect_and_decode(
+    data: bytes,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    draft_size: tuple[int, int] | None = None,
+) -> tuple[ImageInfo, Image.Image | None]:
+    """``inspect_image``'s validation and ``decode_rgb``'s pixels from one decode.
+
+    Why: validating a stream means entropy-decoding all of it, which is also the whole cost
+    of the reduced-scale decode pHash needs; doing both from one decode saves the second.
+    The refusals are ``inspect_image``'s (any DCT scale entropy-decodes every scan, so the
+    answer is the same as its 1/8 draft), and the image equals ``decode_rgb(data, max_pixels,
+    draft_size)`` step for step. The image is None when the policy's RGB conversion fails
+    (the file is still valid; a stage that needs pixels then decodes and reports it).
+    """
+    img, info = _decode_checked(data, max_pixels, draft_size)
     try:
         rgb: Image.Image | None = to_rgb(ImageOps.exif_transpose(img))[0]
     except Exception:  # noqa: BLE001 - valid file, no pixels for the caller
