@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import io
 import json
-import multiprocessing
 import os
 import random
 import shutil
@@ -52,6 +51,7 @@ from prx_assets.core.skiplists.sidecars import (
     read_index_shards,
 )
 from prx_assets_tests import kill_jobs
+from prx_assets_tests.forkservers import forkserver_preloading
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SIGKILL + forkserver: Linux")
 
@@ -67,9 +67,8 @@ TRIAL_TIMEOUT_S = 120.0
 @pytest.fixture(scope="module")
 def forkserver():
     """A forkserver context whose server has imported every writer (see kill_jobs)."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["prx_assets_tests.kill_jobs"])
-    return ctx
+    with forkserver_preloading(["prx_assets_tests.kill_jobs"]) as ctx:
+        yield ctx
 
 
 @pytest.fixture(scope="module")

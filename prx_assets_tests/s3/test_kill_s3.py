@@ -18,7 +18,6 @@ stale pointer or object removed). Then, in this process:
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import sys
@@ -39,6 +38,7 @@ from prx_assets.core.skiplists.sidecars import (
     read_index_shards,
 )
 from prx_assets.core.storage import open_store
+from prx_assets_tests.forkservers import forkserver_preloading
 from prx_assets_tests.s3 import kill_jobs_s3
 from prx_assets_tests.test_kill import NEVER, W, X, Y, Z, _sample, raw_keys, tiles  # noqa: F401
 
@@ -52,9 +52,10 @@ TRIAL_TIMEOUT_S = 120.0
 
 @pytest.fixture(scope="module")
 def forkserver():
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["prx_assets_tests.kill_jobs", "prx_assets_tests.s3.kill_jobs_s3"])
-    return ctx
+    with forkserver_preloading(
+        ["prx_assets_tests.kill_jobs", "prx_assets_tests.s3.kill_jobs_s3"]
+    ) as ctx:
+        yield ctx
 
 
 def run_trial(ctx, s3_server, job: str, kwargs: dict, crash_at: str | None = None) -> int:  # noqa: ANN001
