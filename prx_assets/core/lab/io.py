@@ -52,12 +52,63 @@ def session() -> lance.Session:
     return _SESSION[1]
 
 
+# The newest version this process has seen of each local table (a hint, never trusted
+# alone: see ``_latest_from_hint``).
+_LATEST: dict[str, int] = {}
+HINT_PROBES = 64  # newer manifests looked for one by one before listing instead
+
+
+def _manifest_path(uri: str, version: int, v2: bool) -> Path:
+    name = f"{2**64 - 1 - version:020d}" if v2 else str(version)
+    return Path(uri) / "_versions" / f"{name}.manifest"
+
+
+def _latest_from_hint(uri: str) -> int | None:
+    """The table's latest version from this process's last sight of it, or None.
+
+    Why: Lance finds a local table's latest version by listing ``_versions``, one entry per
+    kept version, on every open (~0.4 µs each: 2 ms at 5,000 versions, and retention keeps
+    every version younger than ``version_min_age``). A commit writes manifest ``v + 1``
+    atomically and versions are consecutive, so from a version known to exist, the first
+    missing successor manifest is the latest (a few ``stat`` calls). The answer is as fresh
+    as a listing: a commit landing just after either is missed by both.
+    """
+    known = _LATEST.get(uri)
+    if known is None or "://" in uri:
+        return None
+    for v2 in (True, False):
+        if _manifest_path(uri, known, v2).exists():
+            version = known
+            for _ in range(HINT_PROBES):
+                if not _manifest_path(uri, version + 1, v2).exists():
+                    return version
+                version += 1
+            return None
+    return None
+
+
 def open_dataset(uri: str, version: int | None = None) -> lance.LanceDataset:
     """``lance.dataset(uri, version)`` with the storage options ``uri`` needs, on the
-    process's shared session."""
-    return lance.dataset(
-        uri, version=version, storage_options=storage_options(uri), session=session()
-    )
+    process's shared session; the latest version without listing every manifest when this
+    process has seen the table before (local tables)."""
+    options = storage_options(uri)
+    if version is None and (latest := _latest_from_hint(uri)) is not None:
+        try:
+            ds = lance.dataset(uri, version=latest, storage_options=options, session=session())
+        except (ValueError, OSError):  # removed meanwhile (cleanup): list instead
+            _LATEST.pop(uri, None)
+        else:
+            return ds
+    ds = lance.dataset(uri, version=version, storage_options=options, session=session())
+    if version is None:
+        seen(uri, ds.version)
+    return ds
+
+
+def seen(uri: str, version: int) -> None:
+    """Record that ``uri`` has ``version`` (after an open or a commit of this process)."""
+    if "://" not in uri and version > _LATEST.get(uri, -1):
+        _LATEST[uri] = version
 
 
 def arrow_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:

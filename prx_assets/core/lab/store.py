@@ -28,7 +28,7 @@ from lance.fragment import write_fragments
 from prx_assets.core.crashpoints import crashpoint
 from prx_assets.core.lab import maintenance as mx
 from prx_assets.core.lab.blobs import BlobStore, is_blob_ref, stored_schema
-from prx_assets.core.lab.io import open_dataset, session, storage_options
+from prx_assets.core.lab.io import open_dataset, storage_options
 from prx_assets.core.lab.maintenance import (
     DEFAULT_POLICY,
     ORPHAN_MIN_AGE,
@@ -106,12 +106,7 @@ class Lab(VersionPins):
     def _open(self, table: str, version: int | None = None) -> lance.LanceDataset | None:
         """The dataset, or None when the table does not exist (one open either way)."""
         try:
-            return lance.dataset(
-                self.uri(table),
-                version=version,
-                storage_options=self.storage_options,
-                session=session(),
-            )
+            return open_dataset(self.uri(table), version)
         except (ValueError, OSError, FileNotFoundError):
             return None
 
@@ -125,12 +120,7 @@ class Lab(VersionPins):
         place decides how the lab is read, written and indexed (blob columns hold
         references here, not bytes).
         """
-        return lance.dataset(
-            self.uri(table),
-            version=version,
-            storage_options=self.storage_options,
-            session=session(),
-        )
+        return open_dataset(self.uri(table), version)
 
     def view(self, versions: Mapping[str, int] | None = None) -> LabView:
         """A read view that opens each table once (at ``versions[table]`` when given)."""
