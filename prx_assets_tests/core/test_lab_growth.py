@@ -66,6 +66,14 @@ def _files(root: Path) -> dict[str, int]:
     }
 
 
+def _tiers_bound(policy, rows: int) -> int:
+    """Segments an index may hold: fan_in - 1 per size tier up to ``rows``, plus the first."""
+    tiers = 1
+    while policy.base_rows * policy.fan_in**tiers <= rows:
+        tiers += 1
+    return (policy.fan_in - 1) * tiers + 1
+
+
 def test_indexes_cover_every_fragment_after_many_commits(tmp_path):
     lab = Lab(tmp_path)  # the default policy: nobody runs maintenance
     for i in range(30):
@@ -86,8 +94,9 @@ def test_compaction_runs_automatically_once_a_size_tier_fills(tmp_path):
         manual.replace_partition(SPEC, f"b{i:02d}", _rows(f"b{i:02d}", 5))
     assert len(manual.dataset("t").get_fragments()) == 24  # what every table did before
     fragments = lab.dataset("t").get_fragments()
-    # The first fragment, one compacted run of 17, and at most the lag waiting unindexed.
-    assert len(fragments) <= 2 + SMALL_TIERS.index_lag_fragments, len(fragments)
+    # At most fan_in - 1 compacted runs per size tier, and the lag waiting unindexed.
+    bound = _tiers_bound(SMALL_TIERS, 24 * 5) + SMALL_TIERS.index_lag_fragments
+    assert len(fragments) <= bound, (len(fragments), bound)
     assert sorted(lab.read("t").to_pylist(), key=lambda r: r["key"]) == sorted(
         manual.read("t").to_pylist(), key=lambda r: r["key"]
     )
@@ -103,14 +112,6 @@ def _segments(lab: Lab, table: str) -> dict[str, list[tuple[str, frozenset[int]]
     for ix in lab.dataset(table).list_indices():
         out.setdefault(ix["name"], []).append((ix["uuid"], frozenset(ix["fragment_ids"])))
     return out
-
-
-def _tiers_bound(policy, rows: int) -> int:
-    """Segments an index may hold: fan_in - 1 per size tier up to ``rows``, plus the first."""
-    tiers = 1
-    while policy.base_rows * policy.fan_in**tiers <= rows:
-        tiers += 1
-    return (policy.fan_in - 1) * tiers + 1
 
 
 def test_index_segments_stay_few_and_old_segments_are_never_rewritten(tmp_path):
@@ -171,6 +172,20 @@ def test_look_ups_see_every_committed_row_once_across_deltas_compaction_and_reru
     assert len(keys) == len(set(keys)) == len(want) == lab.count("t")
     assert sorted(keys) == sorted(want)
     ds.validate()
+
+
+def test_maintain_merges_every_delta_segment_and_compacts_to_one_fragment(tmp_path):
+    lab = Lab(tmp_path, policy=DELTAS)
+    for i in range(30):
+        lab.replace_partition(SPEC, f"b{i:02d}", _rows(f"b{i:02d}", 4))
+    assert max(len(s) for s in _segments(lab, "t").values()) > 1
+    result = lab.maintain(SPEC, retention=timedelta(days=1))
+    assert result["fragments_after"] == 1, result
+    segments = _segments(lab, "t")
+    assert {len(s) for s in segments.values()} == {1}, segments
+    (only,) = [f.fragment_id for f in lab.dataset("t").get_fragments()]
+    assert all(s[0][1] == {only} for s in segments.values())
+    assert lab.read("t", ["key"], "key = 'b17-3'").num_rows == 1 and lab.count("t") == 120
 
 
 def _commit_with_maintenance(root: str, start: int, count: int) -> int:

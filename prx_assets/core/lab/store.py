@@ -250,12 +250,9 @@ class Lab(VersionPins):
                 new_fragments=new_fragments,
             )
             try:
-                committed = lance.LanceDataset.commit(
-                    self.uri(spec.name),
-                    op,
-                    read_version=ds.version,
-                    storage_options=self.storage_options,
-                )
+                # Committing on the opened dataset, not its URI: Lance then does not list
+                # every kept manifest to find the latest (a conflict is still detected).
+                committed = lance.LanceDataset.commit(ds, op, read_version=ds.version)
             except OSError as exc:  # a conflicting concurrent commit: recompute and retry
                 last = exc
                 time.sleep(0.05 * (2**attempt))
