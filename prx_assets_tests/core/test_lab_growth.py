@@ -5,10 +5,12 @@ ones survive, and image bytes live in the blob store, never rewritten by mainten
 
 import multiprocessing as mp
 import os
+import shutil
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
+import lance
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -248,6 +250,25 @@ def test_a_compaction_never_loses_a_concurrent_partition_commit(tmp_path):
         assert sorted(r["key"] for r in rows) == [f"p{i:02d}-{j}" for j in range(3 + i % 4)]
         assert {r["v"] for r in rows} == {3}, (i, rows)  # each writer's last commit
     lab.dataset("t").validate()
+
+
+def test_opens_see_commits_made_behind_this_process(tmp_path):
+    """The latest version comes from stat'ing successor manifests when this process has seen
+    the table: commits it did not make (another process, Lance directly), many of them, and
+    a table removed and created again at the same path are all seen."""
+    lab = Lab(tmp_path, policy=MANUAL)
+    lab.replace_partition(SPEC, "a", _rows("a", 3))
+    assert lab.count("t") == 3  # the process has seen the table now
+    uri = lab.uri("t")
+    lance.write_dataset(lab._to_stored(SPEC, _rows("b", 2)), uri, mode="append")
+    assert lab.count("t") == 5 and lab.version("t") == lance.dataset(uri).version
+    for i in range(70):  # more than the successors stat'ed one by one: listed instead
+        lance.write_dataset(lab._to_stored(SPEC, _rows(f"c{i}", 1)), uri, mode="append")
+    assert lab.count("t") == 75 and lab.version("t") == lance.dataset(uri).version
+    shutil.rmtree(uri)
+    assert not lab.exists("t")
+    lab.replace_partition(SPEC, "z", _rows("z", 1))
+    assert lab.count("t") == 1 and lab.read("t", ["key"]).column("key").to_pylist() == ["z-0"]
 
 
 def test_retention_by_count_keeps_pinned_versions_and_their_files(tmp_path):

@@ -58,9 +58,9 @@ _LATEST: dict[str, int] = {}
 HINT_PROBES = 64  # newer manifests looked for one by one before listing instead
 
 
-def _manifest_path(uri: str, version: int, v2: bool) -> Path:
+def _manifest_exists(uri: str, version: int, v2: bool) -> bool:
     name = f"{2**64 - 1 - version:020d}" if v2 else str(version)
-    return Path(uri) / "_versions" / f"{name}.manifest"
+    return os.path.exists(f"{uri}/_versions/{name}.manifest")
 
 
 def _latest_from_hint(uri: str) -> int | None:
@@ -77,10 +77,11 @@ def _latest_from_hint(uri: str) -> int | None:
     if known is None or "://" in uri:
         return None
     for v2 in (True, False):
-        if _manifest_path(uri, known, v2).exists():
+        if _manifest_exists(uri, known, v2):
             version = known
             for _ in range(HINT_PROBES):
-                if not _manifest_path(uri, version + 1, v2).exists():
+                if not _manifest_exists(uri, version + 1, v2):
+                    _LATEST[uri] = version
                     return version
                 version += 1
             return None

@@ -28,7 +28,7 @@ from lance.fragment import write_fragments
 from prx_assets.core.crashpoints import crashpoint
 from prx_assets.core.lab import maintenance as mx
 from prx_assets.core.lab.blobs import BlobStore, is_blob_ref, stored_schema
-from prx_assets.core.lab.io import open_dataset, storage_options
+from prx_assets.core.lab.io import open_dataset, seen, storage_options
 from prx_assets.core.lab.maintenance import (
     DEFAULT_POLICY,
     ORPHAN_MIN_AGE,
@@ -258,6 +258,7 @@ class Lab(VersionPins):
                 time.sleep(0.05 * (2**attempt))
                 continue
             crashpoint("lab.committed")
+            seen(self.uri(spec.name), committed.version)
             self.ensure_indexes(spec, committed)
             result = {
                 "rows_written": rows,
@@ -302,9 +303,11 @@ class Lab(VersionPins):
                             break
                         for key, value in merged.items():
                             done[key] = done.get(key, 0) + value
-                if mx.heavy_fragments(ds, policy) and (
-                    heavy := mx.heavy_fragments(ds := self.dataset(spec.name), policy)
-                ):
+                heavy = mx.heavy_fragments(ds, policy)
+                if heavy:  # check again on the latest version before rewriting
+                    ds = self.dataset(spec.name)
+                    heavy = mx.heavy_fragments(ds, policy)
+                if heavy:
                     metrics = mx.compact(ds, heavy, policy)
                     done["fragments_compacted"] = (
                         done.get("fragments_compacted", 0) + metrics.fragments_removed
