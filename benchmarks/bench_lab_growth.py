@@ -124,7 +124,8 @@ def _peak_rss_mb() -> float:
 
 
 def _maintain_copy(lab: Lab, spec: TableSpec) -> dict:
-    """A full ``Lab.maintain`` on a copy of the table, in a child (its own peak RSS)."""
+    """A full ``Lab.maintain`` on a copy of the table, in a child (its own peak RSS: the
+    high-water mark of its memory map, which a fork does not carry over)."""
     with tempfile.TemporaryDirectory(dir=lab.root) as tmp:
         shutil.copytree(Path(lab.uri(spec.name)), Path(tmp) / f"{spec.name}.lance")
         code = (
@@ -132,8 +133,11 @@ def _maintain_copy(lab: Lab, spec: TableSpec) -> dict:
             "from prx_assets.core.lab import Lab;from prx_assets.core.tables import BY_NAME;"
             "t=time.perf_counter();"
             "r=Lab(sys.argv[1]).maintain(BY_NAME[sys.argv[2]],retention=timedelta(days=7));"
+            # VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's RSS at fork.
+            "hwm=[l for l in open('/proc/self/status') if l.startswith('VmHWM')];"
             "print(json.dumps({'s':time.perf_counter()-t,"
-            "'rss_mb':resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024,"
+            "'rss_mb':int(hwm[0].split()[1])/1024 if hwm else "
+            "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024,"
             "'fragments_after':r.get('fragments_after')}))"
         )
         out = subprocess.run(
