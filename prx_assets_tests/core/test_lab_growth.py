@@ -252,6 +252,14 @@ def test_a_compaction_never_loses_a_concurrent_partition_commit(tmp_path):
     lab.dataset("t").validate()
 
 
+def test_the_reported_version_is_the_data_commit_when_indexes_follow_it(tmp_path):
+    lab = Lab(tmp_path, policy=MANUAL)
+    version = lab.replace_partition(SPEC, "a", _rows("a", 3))["version"]  # creates indexes
+    assert lab.version("t") > version and len(lab.dataset("t").list_indices()) == 2
+    assert lab.dataset("t", version=version).count_rows() == 3
+    assert lab.dataset("t", version=version - 1).count_rows() == 0
+
+
 def test_opens_see_commits_made_behind_this_process(tmp_path):
     """The latest version comes from stat'ing successor manifests when this process has seen
     the table: commits it did not make (another process, Lance directly), many of them, and

@@ -259,12 +259,12 @@ class Lab(VersionPins):
                 continue
             crashpoint("lab.committed")
             seen(self.uri(spec.name), committed.version)
-            self.ensure_indexes(spec, committed)
             result = {
                 "rows_written": rows,
                 "rows_replaced": addresses.num_rows,
-                "version": committed.version,
+                "version": committed.version,  # before index commits move ``committed`` on
             }
+            self.ensure_indexes(spec, committed)
             return result, committed
         assert last is not None
         raise last
