@@ -188,9 +188,10 @@ class Lab(VersionPins):
         counted = _CountingBatches(batches, spec, batch, stored, self.blobs)
         reader = pa.RecordBatchReader.from_batches(stored, iter(counted))
         try:
-            new_fragments = write_fragments(
-                reader, self.uri(spec.name), schema=stored, storage_options=self.storage_options
-            )
+            # On the opened dataset, not its URI: Lance would list every kept manifest to
+            # find the latest version first (measured: 1.5 ms at 100 partitions, 4.8 ms at
+            # 4,000).
+            new_fragments = write_fragments(reader, ds, schema=stored)
         except OSError:
             if counted.error is not None:  # our own refusal, wrapped by Lance: surface it
                 raise counted.error from None
