@@ -18,6 +18,7 @@ rewrites, for ``images`` as stored before (inline bytes) and as stored now (blob
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -43,6 +44,8 @@ RESULTS = REPO / "benchmarks" / "results" / "bench_lab_growth.json"
 CHECKPOINTS = (100, 1_000, 3_000, 10_000)
 DEFAULT_TABLES = ("images", "shard_samples", "skip_audit")
 REPEATS = 7
+# Reads take about a millisecond: more samples keep their median steady on a shared machine.
+READ_REPEATS = 21
 
 
 def _value(field: pa.Field, batch: str, i: int, image_bytes: int, rng: random.Random):
@@ -121,7 +124,8 @@ def _peak_rss_mb() -> float:
 
 
 def _maintain_copy(lab: Lab, spec: TableSpec) -> dict:
-    """A full ``Lab.maintain`` on a copy of the table, in a child (its own peak RSS)."""
+    """A full ``Lab.maintain`` on a copy of the table, in a child (its own peak RSS: the
+    high-water mark of its memory map, which a fork does not carry over)."""
     with tempfile.TemporaryDirectory(dir=lab.root) as tmp:
         shutil.copytree(Path(lab.uri(spec.name)), Path(tmp) / f"{spec.name}.lance")
         code = (
@@ -129,8 +133,11 @@ def _maintain_copy(lab: Lab, spec: TableSpec) -> dict:
             "from prx_assets.core.lab import Lab;from prx_assets.core.tables import BY_NAME;"
             "t=time.perf_counter();"
             "r=Lab(sys.argv[1]).maintain(BY_NAME[sys.argv[2]],retention=timedelta(days=7));"
+            # VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's RSS at fork.
+            "hwm=[l for l in open('/proc/self/status') if l.startswith('VmHWM')];"
             "print(json.dumps({'s':time.perf_counter()-t,"
-            "'rss_mb':resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024,"
+            "'rss_mb':int(hwm[0].split()[1])/1024 if hwm else "
+            "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/1024,"
             "'fragments_after':r.get('fragments_after')}))"
         )
         out = subprocess.run(
@@ -147,7 +154,7 @@ def measure(lab: Lab, spec: TableSpec, n: int, rows: int, image_bytes: int, rece
     rng = random.Random(n)
     ds = lab.dataset(spec.name)
     old = [f"b{rng.randrange(n):05d}" for _ in range(REPEATS)]
-    picks = iter(old * 3)
+    picks = itertools.cycle(old)
     out: dict = {"new_batch_replace_ms": statistics.median(recent[-50:]) * 1e3}
     # The mean of the last 100 commits carries the write path's own maintenance.
     out["new_batch_replace_mean100_ms"] = statistics.fmean(recent[-100:]) * 1e3
@@ -155,9 +162,9 @@ def measure(lab: Lab, spec: TableSpec, n: int, rows: int, image_bytes: int, rece
     out["rerun_replace_ms"] = _median_ms(
         lambda: lab.replace_partition(spec, (b := next(picks)), rerun_rows[b])
     )
-    out["read_batch_ms"] = _median_ms(lambda: lab.read_batch(spec.name, next(picks)))
+    out["read_batch_ms"] = _median_ms(lambda: lab.read_batch(spec.name, next(picks)), READ_REPEATS)
     out["count_batch_ms"] = _median_ms(
-        lambda: lab.count(spec.name, f"batch = '{next(picks)}'"), REPEATS
+        lambda: lab.count(spec.name, f"batch = '{next(picks)}'"), READ_REPEATS
     )
     probe = lab.read_batch(spec.name, old[0])
     for column, kind in spec.indexes:
@@ -166,7 +173,8 @@ def measure(lab: Lab, spec: TableSpec, n: int, rows: int, image_bytes: int, rece
         value = probe.column(column)[0].as_py()
         literal = f"'{value}'" if isinstance(value, str) else str(value)
         out[f"lookup_{column}_ms"] = _median_ms(
-            lambda c=column, v=literal: lab.read(spec.name, ["batch", c], f"{c} = {v}")
+            lambda c=column, v=literal: lab.read(spec.name, ["batch", c], f"{c} = {v}"),
+            READ_REPEATS,
         )
     ds = lab.dataset(spec.name)
     out["fragments"] = len(ds.get_fragments())
@@ -174,6 +182,10 @@ def measure(lab: Lab, spec: TableSpec, n: int, rows: int, image_bytes: int, rece
         (ds.stats.index_stats(ix["name"])["num_unindexed_fragments"] for ix in ds.list_indices()),
         default=0,
     )
+    segments: dict[str, int] = {}
+    for ix in ds.list_indices():
+        segments[ix["name"]] = segments.get(ix["name"], 0) + 1
+    out["index_segments_max"] = max(segments.values(), default=0)
     out["versions"] = len(list((Path(lab.uri(spec.name)) / "_versions").iterdir()))
     out["versions_mb"] = _dir_bytes(Path(lab.uri(spec.name)) / "_versions") / 1e6
     out["table_mb"] = _dir_bytes(Path(lab.uri(spec.name))) / 1e6
@@ -210,7 +222,7 @@ def grow(spec: TableSpec, stop: int, rows: int, image_bytes: int, policy: str) -
                 print(
                     f"{spec.name:>14} N={n:>6}  {ratios}\n{'':>14}   build {building:.1f} s "
                     f"({building / base['build_s']:.1f}x of N=100)  fragments {m['fragments']} "
-                    f"unindexed {m['unindexed_fragments']}  _versions {m['versions']} files "
+                    f"unindexed {m['unindexed_fragments']}  segments {m['index_segments_max']}  _versions {m['versions']} files "
                     f"{m['versions_mb']:.1f} MB  maintain {m['maintain_s']:.2f} s "
                     f"(peak {m['maintain_peak_rss_mb']:.0f} MB)  peak RSS {m['peak_rss_mb']:.0f} MB",
                     flush=True,

@@ -5,15 +5,18 @@ ones survive, and image bytes live in the blob store, never rewritten by mainten
 
 import multiprocessing as mp
 import os
+import shutil
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
+import lance
 import numpy as np
 import pyarrow as pa
 import pytest
 
 from prx_assets.core.lab import DEFAULT_POLICY, MANUAL, BlobError, Lab, TableSpec
+from prx_assets.core.lab.maintenance import unindexed_fragments
 
 SPEC = TableSpec(
     name="t",
@@ -65,6 +68,14 @@ def _files(root: Path) -> dict[str, int]:
     }
 
 
+def _tiers_bound(policy, rows: int) -> int:
+    """Segments an index may hold: fan_in - 1 per size tier up to ``rows``, plus the first."""
+    tiers = 1
+    while policy.base_rows * policy.fan_in**tiers <= rows:
+        tiers += 1
+    return (policy.fan_in - 1) * tiers + 1
+
+
 def test_indexes_cover_every_fragment_after_many_commits(tmp_path):
     lab = Lab(tmp_path)  # the default policy: nobody runs maintenance
     for i in range(30):
@@ -85,12 +96,125 @@ def test_compaction_runs_automatically_once_a_size_tier_fills(tmp_path):
         manual.replace_partition(SPEC, f"b{i:02d}", _rows(f"b{i:02d}", 5))
     assert len(manual.dataset("t").get_fragments()) == 24  # what every table did before
     fragments = lab.dataset("t").get_fragments()
-    # Tiers of 4: at most fan_in - 1 fragments wait in each of the few tiers.
-    assert len(fragments) <= 2 * (SMALL_TIERS.fan_in - 1) + 1, len(fragments)
+    # At most fan_in - 1 compacted runs per size tier, and the lag waiting unindexed.
+    bound = _tiers_bound(SMALL_TIERS, 24 * 5) + SMALL_TIERS.index_lag_fragments
+    assert len(fragments) <= bound, (len(fragments), bound)
     assert sorted(lab.read("t").to_pylist(), key=lambda r: r["key"]) == sorted(
         manual.read("t").to_pylist(), key=lambda r: r["key"]
     )
     assert all(n <= SMALL_TIERS.index_lag_fragments for n in _unindexed(lab, "t").values())
+
+
+# Runs of 3 fragments, tiers of 3 segments: many folds and tier merges in few commits.
+DELTAS = replace(DEFAULT_POLICY, index_lag_fragments=2, fan_in=3, base_rows=8)
+
+
+def _segments(lab: Lab, table: str) -> dict[str, list[tuple[str, frozenset[int]]]]:
+    out: dict[str, list[tuple[str, frozenset[int]]]] = {}
+    for ix in lab.dataset(table).list_indices():
+        out.setdefault(ix["name"], []).append((ix["uuid"], frozenset(ix["fragment_ids"])))
+    return out
+
+
+def test_index_segments_stay_few_and_old_segments_are_never_rewritten(tmp_path):
+    lab = Lab(tmp_path, policy=DELTAS)
+    history: dict[str, set[str]] = {}
+    most = 0
+    for i in range(90):
+        lab.replace_partition(SPEC, f"b{i:02d}", _rows(f"b{i:02d}", 4))
+        for name, segs in _segments(lab, "t").items():
+            history.setdefault(name, set()).update(u for u, _ in segs)
+            most = max(most, len(segs))
+    bound = _tiers_bound(DELTAS, 90 * 4)
+    assert 2 < most <= bound, (most, bound)  # deltas, not one whole-index rewrite each time
+    assert len(lab.dataset("t").get_fragments()) <= bound + DELTAS.index_lag_fragments
+    # One more run: a fold adds a delta and may merge the lowest tier; the segments of the
+    # higher tiers (most of the rows) are neither merged nor remapped (same uuid). Lance's
+    # plain index update and a compaction over every tier rewrote them all.
+    before = _segments(lab, "t")
+    for i in range(90, 90 + DELTAS.index_lag_fragments + 1):
+        lab.replace_partition(SPEC, f"b{i:02d}", _rows(f"b{i:02d}", 4))
+    after = _segments(lab, "t")
+    for name, segs in before.items():
+        kept = {u for u, _ in after[name]} & {u for u, _ in segs}
+        assert segs[0][0] in kept, (name, segs, after[name])  # the oldest, largest one
+        assert len(kept) >= len(segs) - DELTAS.fan_in, (name, segs, after[name])
+
+
+def test_look_ups_see_every_committed_row_once_across_deltas_compaction_and_reruns(tmp_path):
+    lab = Lab(tmp_path, policy=DELTAS)
+    want: dict[str, int] = {}
+    for i in range(40):
+        batch = f"b{i:02d}"
+        lab.replace_partition(SPEC, batch, _rows(batch, 3 + i % 3, v=i))
+        want.update({f"{batch}-{j}": i for j in range(3 + i % 3)})
+        if i % 7 == 6:  # a rerun of an older batch: fewer rows, new values
+            old = f"b{i - 5:02d}"
+            lab.replace_partition(SPEC, old, _rows(old, 2, v=100 + i))
+            want = {k: v for k, v in want.items() if not k.startswith(old + "-")}
+            want.update({f"{old}-{j}": 100 + i for j in range(2)})
+    for extra in ("y0", "y1"):  # end with rows in an unindexed fragment (a fold empties it)
+        if unindexed_fragments(lab.dataset("t"), SPEC):
+            break
+        lab.replace_partition(SPEC, extra, _rows(extra, 2, v=7))
+        want.update({f"{extra}-{j}": 7 for j in range(2)})
+    assert unindexed_fragments(lab.dataset("t"), SPEC)  # look-ups below cover both kinds
+    assert max(len(s) for s in _segments(lab, "t").values()) > 1  # and several deltas
+    ds = lab.dataset("t")
+    assert "ScalarIndexQuery" in ds.scanner(filter="key = 'b03-1'").explain_plan()
+    for key, v in want.items():
+        rows = lab.read("t", ["key", "v"], f"key = '{key}'").to_pylist()
+        assert rows == [{"key": key, "v": v}], (key, rows)
+    for i in range(40):
+        batch = f"b{i:02d}"
+        expected = sorted(k for k in want if k.startswith(batch + "-"))
+        got = lab.read_batch("t", batch, ["key"]).column("key").to_pylist()
+        assert sorted(got) == expected and lab.count("t", f"batch = '{batch}'") == len(got)
+    keys = lab.read("t", ["key"]).column("key").to_pylist()
+    assert len(keys) == len(set(keys)) == len(want) == lab.count("t")
+    assert sorted(keys) == sorted(want)
+    ds.validate()
+
+
+def test_maintain_merges_every_delta_segment_and_compacts_to_one_fragment(tmp_path):
+    lab = Lab(tmp_path, policy=DELTAS)
+    for i in range(30):
+        lab.replace_partition(SPEC, f"b{i:02d}", _rows(f"b{i:02d}", 4))
+    assert max(len(s) for s in _segments(lab, "t").values()) > 1
+    result = lab.maintain(SPEC, retention=timedelta(days=1))
+    assert result["fragments_after"] == 1, result
+    segments = _segments(lab, "t")
+    assert {len(s) for s in segments.values()} == {1}, segments
+    (only,) = [f.fragment_id for f in lab.dataset("t").get_fragments()]
+    assert all(s[0][1] == {only} for s in segments.values())
+    assert lab.read("t", ["key"], "key = 'b17-3'").num_rows == 1 and lab.count("t") == 120
+
+
+def _commit_with_maintenance(root: str, start: int, count: int) -> int:
+    lab = Lab(root, policy=DELTAS)  # every writer maintains after its own commits
+    for r in range(2):
+        for i in range(start, start + count):
+            lab.replace_partition(SPEC, f"q{i:03d}", _rows(f"q{i:03d}", 2 + i % 3, v=r))
+    return count
+
+
+def test_concurrent_writers_maintaining_the_table_lose_no_commit(tmp_path):
+    root = str(tmp_path)
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(3) as pool:
+        jobs = [pool.apply_async(_commit_with_maintenance, (root, s, 14)) for s in (0, 14, 28)]
+        assert [j.get(timeout=300) for j in jobs] == [14, 14, 14]
+    lab = Lab(root, policy=MANUAL)
+    for i in range(42):
+        rows = lab.read("t", ["key", "v"], f"batch = 'q{i:03d}'").to_pylist()
+        assert sorted(r["key"] for r in rows) == [f"q{i:03d}-{j}" for j in range(2 + i % 3)]
+        assert {r["v"] for r in rows} == {1}, (i, rows)
+        one = f"q{i:03d}-1"
+        assert lab.read("t", ["key"], f"key = '{one}'").num_rows == 1
+    assert lab.count("t") == sum(2 + i % 3 for i in range(42))
+    segs = _segments(lab, "t")
+    assert max(len(s) for s in segs.values()) <= _tiers_bound(DELTAS, lab.count("t") * 2)
+    lab.dataset("t").validate()
 
 
 def _replace_many(root: str, start: int, rounds: int) -> int:
@@ -126,6 +250,33 @@ def test_a_compaction_never_loses_a_concurrent_partition_commit(tmp_path):
         assert sorted(r["key"] for r in rows) == [f"p{i:02d}-{j}" for j in range(3 + i % 4)]
         assert {r["v"] for r in rows} == {3}, (i, rows)  # each writer's last commit
     lab.dataset("t").validate()
+
+
+def test_the_reported_version_is_the_data_commit_when_indexes_follow_it(tmp_path):
+    lab = Lab(tmp_path, policy=MANUAL)
+    version = lab.replace_partition(SPEC, "a", _rows("a", 3))["version"]  # creates indexes
+    assert lab.version("t") > version and len(lab.dataset("t").list_indices()) == 2
+    assert lab.dataset("t", version=version).count_rows() == 3
+    assert lab.dataset("t", version=version - 1).count_rows() == 0
+
+
+def test_opens_see_commits_made_behind_this_process(tmp_path):
+    """The latest version comes from stat'ing successor manifests when this process has seen
+    the table: commits it did not make (another process, Lance directly), many of them, and
+    a table removed and created again at the same path are all seen."""
+    lab = Lab(tmp_path, policy=MANUAL)
+    lab.replace_partition(SPEC, "a", _rows("a", 3))
+    assert lab.count("t") == 3  # the process has seen the table now
+    uri = lab.uri("t")
+    lance.write_dataset(lab._to_stored(SPEC, _rows("b", 2)), uri, mode="append")
+    assert lab.count("t") == 5 and lab.version("t") == lance.dataset(uri).version
+    for i in range(70):  # more than the successors stat'ed one by one: listed instead
+        lance.write_dataset(lab._to_stored(SPEC, _rows(f"c{i}", 1)), uri, mode="append")
+    assert lab.count("t") == 75 and lab.version("t") == lance.dataset(uri).version
+    shutil.rmtree(uri)
+    assert not lab.exists("t")
+    lab.replace_partition(SPEC, "z", _rows("z", 1))
+    assert lab.count("t") == 1 and lab.read("t", ["key"]).column("key").to_pylist() == ["z-0"]
 
 
 def test_retention_by_count_keeps_pinned_versions_and_their_files(tmp_path):
