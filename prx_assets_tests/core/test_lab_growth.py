@@ -378,3 +378,20 @@ def test_maintenance_never_rewrites_image_bytes(tmp_path):
     inline = TableSpec(BLOBS.name, BLOBS.schema, BLOBS.identity, BLOBS.indexes)
     assert rewritten_share(inline, tmp_path / "inline") > 0.9  # how images was stored before
     assert rewritten_share(BLOBS, tmp_path / "blobs") <= 0.05
+
+
+def test_taken_rows_carry_the_blob_bytes_and_refuse_altered_ones(tmp_path):
+    lab = Lab(tmp_path)
+    rows = _images("a", 4, 5000, seed=1)
+    lab.replace_partition(BLOBS, "a", rows)
+    view = lab.view()
+    taken = view.take_matching_rows("imgs", ["key", "image"], "batch = 'a' AND key != 'a-2'")
+    by_key = sorted(taken, key=lambda r: r["key"])
+    assert by_key == [r for r in rows.select(["key", "image"]).to_pylist() if r["key"] != "a-2"]
+    table = view.take_matching("imgs", ["key", "image"], "batch = 'a' AND key != 'a-2'")
+    assert sorted(table.to_pylist(), key=lambda r: r["key"]) == by_key  # the same rows
+    assert view.take_matching_rows("imgs", ["key"], "batch = 'none'") == []
+    ref = lab.dataset("imgs").to_table(columns=["image"]).column("image")[0].as_py()
+    Path(lab.blobs.path("imgs", ref)).write_bytes(b"not the picture")
+    with pytest.raises(BlobError, match="does not match"):
+        lab.view().take_matching_rows("imgs", ["key", "image"], "batch = 'a'")

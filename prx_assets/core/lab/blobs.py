@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -168,6 +169,18 @@ class BlobStore:
                 column = pa.array(refs, pa.string())
             arrays.append(column)
         return pa.RecordBatch.from_arrays(arrays, schema=schema), written
+
+    def resolve_rows(
+        self, table: str, rows: list[dict[str, Any]], stored: pa.Schema
+    ) -> list[dict[str, Any]]:
+        """``rows`` (Python dicts, in place) with every blob reference replaced by its bytes."""
+        for name in {k for row in rows[:1] for k in row}:
+            if name not in stored.names or not is_blob_ref(stored.field(name)):
+                continue
+            values = self.get_many(table, [row[name] for row in rows])
+            for row, value in zip(rows, values, strict=True):
+                row[name] = value
+        return rows
 
     def resolve(self, table: str, rows: pa.Table, stored: pa.Schema) -> pa.Table:
         """``rows`` with every blob-reference column replaced by the bytes it names."""

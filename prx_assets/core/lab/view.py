@@ -105,10 +105,30 @@ class LabView:
         ds = self._ds(table)
         if ds is None:
             return pa.table({})
+        rows = self._take_matching_stored(ds, columns, filter)
+        return self.lab.blobs.resolve(table, rows, ds.schema)
+
+    def take_matching_rows(
+        self, table: str, columns: Sequence[str], filter: str
+    ) -> list[dict[str, Any]]:
+        """:meth:`take_matching` as Python rows, for a caller that wants them anyway: blob
+        values go from their files straight into the rows (checked against their address
+        as always), never through an Arrow column and back (two copies of every image's
+        bytes: 0.23 s against 0.15 s of CPU for 96 rows of 1.5 MB here,
+        ``python -m benchmarks.bench_take_rows``)."""
+        ds = self._ds(table)
+        if ds is None:
+            return []
+        rows = self._take_matching_stored(ds, columns, filter).to_pylist()
+        return self.lab.blobs.resolve_rows(table, rows, ds.schema)
+
+    @staticmethod
+    def _take_matching_stored(
+        ds: lance.LanceDataset, columns: Sequence[str], filter: str
+    ) -> pa.Table:
         ids = ds.to_table(columns=[], with_row_id=True, filter=filter).column("_rowid")
         # _take_rows is Lance's take by row id (marked unstable; pinned lance version).
-        rows = ds._take_rows(ids, columns=list(columns))
-        return self.lab.blobs.resolve(table, rows, ds.schema)
+        return ds._take_rows(ids, columns=list(columns))
 
     def explain(
         self,

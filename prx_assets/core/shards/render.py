@@ -128,11 +128,11 @@ class BucketRenderer:
     def _read(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
         if self.images is None:
             raise ValueError("BucketRenderer was given no images dataset to read from")
-        rows = self.images.take_matching(
+        rows = self.images.take_matching_rows(
             IMAGES.name,
             columns=["key", "image", "source", "license", *_FACT_COLUMNS],
             filter=f"batch = {sql_literal(self.batch)} AND {in_list('key', keys)}",
-        ).to_pylist()
+        )
         return {r["key"]: r for r in rows}
 
     def _tasks(
