@@ -192,17 +192,22 @@ def versions(shards_root: Path) -> dict[str, DirVersion]:
     out = {}
     for rel in visible_dirs(shards_root):
         d = shards_root / rel
-        live = load_generation(d)
-        keys = raw_keys(d)
-        kept, start = [], 0
-        for name, n in read_index_shards(d):
-            skipped = set(live.skiplists[name].indices)
-            kept += [k for i, k in enumerate(keys[start : start + n]) if i not in skipped]
-            start += n
         out[rel] = DirVersion(
-            (d / INDEX_BASENAME).read_bytes(), (d / MANIFEST_BASENAME).read_bytes(), tuple(kept)
+            (d / INDEX_BASENAME).read_bytes(),
+            (d / MANIFEST_BASENAME).read_bytes(),
+            kept_keys(d, load_generation(d)),
         )
     return out
+
+
+def kept_keys(d: Path, generation: Any) -> tuple[str, ...]:
+    """The keys of directory ``d`` its skip-list ``generation`` keeps, in index order."""
+    keys, kept, start = raw_keys(d), [], 0
+    for name, n in read_index_shards(d):
+        skipped = set(generation.skiplists[name].indices)
+        kept += [k for i, k in enumerate(keys[start : start + n]) if i not in skipped]
+        start += n
+    return tuple(kept)
 
 
 def check_readers(

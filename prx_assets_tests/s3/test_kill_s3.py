@@ -40,7 +40,7 @@ from prx_assets.core.skiplists.sidecars import (
 from prx_assets.core.storage import open_store
 from prx_assets_tests.forkservers import forkserver_preloading
 from prx_assets_tests.s3 import kill_jobs_s3
-from prx_assets_tests.test_kill import NEVER, W, X, Y, Z, _sample, raw_keys, tiles  # noqa: F401
+from prx_assets_tests.test_kill import NEVER, W, X, Y, Z, _sample, kept_keys, raw_keys, tiles  # noqa: F401
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="SIGKILL + forkserver: Linux")
 
@@ -91,13 +91,10 @@ def versions(uri: str, scratch: Path) -> dict[str, Version]:
         live = read_live(store, rel)
         d = mirror_version(live, store, Path(tempfile.mkdtemp(dir=scratch)))
         generation = load_generation(d)  # complete and verified, or this raises
-        keys, kept, start = raw_keys(d), [], 0
-        for name, n in read_index_shards(d):
-            skipped = set(generation.skiplists[name].indices)
-            kept += [k for i, k in enumerate(keys[start : start + n]) if i not in skipped]
-            start += n
         out[rel] = Version(
-            (d / INDEX_BASENAME).read_bytes(), (d / MANIFEST_BASENAME).read_bytes(), tuple(kept)
+            (d / INDEX_BASENAME).read_bytes(),
+            (d / MANIFEST_BASENAME).read_bytes(),
+            kept_keys(d, generation),
         )
     return out
 
