@@ -176,3 +176,33 @@ def test_a_torn_blob_is_rewritten_by_the_next_write_of_its_bytes(tmp_path):
         lab.blobs.get("imgs", ref)
     assert lab.replace_partition(SPEC, "a", rows)["blob_bytes_written"] == 2000
     _readable(lab)
+
+
+def test_references_stored_by_a_sink_are_committed_and_dangling_ones_refused(tmp_path):
+    """``local_blobs`` + ``stored_blobs``: a worker stores the bytes, the rows carry the
+    references; the commit checks each is stored, and refuses anything else."""
+    lab = Lab(tmp_path / "lab", policy=MANUAL)
+    lab.ensure(SPEC)
+    sink = lab.local_blobs(SPEC, "image")
+    assert sink is not None and lab.local_blobs(SPEC, "key") is None
+    values = [b"first value" * 100, b"second value" * 100]
+    refs = [sink.put(v)[0] for v in values]
+    assert sink.put(values[0])[1] == 0  # stored once: the second put writes nothing
+    as_refs = pa.schema([("batch", pa.string()), ("key", pa.string()), ("image", pa.string())])
+    rows = pa.table({"batch": ["b"] * 2, "key": ["k0", "k1"], "image": refs}, schema=as_refs)
+    lab.replace_partition(SPEC, "b", rows, stored_blobs=["image"])
+    assert (
+        lab.read_batch("imgs", "b", ["key", "image"]).sort_by("key").column("image").to_pylist()
+        == values
+    )
+    before = lab.dataset("imgs").version
+
+    dangling = rows.set_column(2, "image", pa.array(["ab" * 32, refs[1]], pa.string()))
+    with pytest.raises(BlobError, match="not stored"):
+        lab.replace_partition(SPEC, "b", dangling, stored_blobs=["image"])
+    with pytest.raises(ValueError, match="needs sha256 references"):  # bytes, not references
+        lab.replace_partition(SPEC, "b", _images("b", 2, 0), stored_blobs=["image"])
+    with pytest.raises(ValueError, match="not blob-reference columns"):
+        lab.replace_partition(SPEC, "b", rows, stored_blobs=["key"])
+    assert lab.dataset("imgs").version == before  # nothing committed by the refusals
+    assert lab.read_batch("imgs", "b", ["image"]).num_rows == 2

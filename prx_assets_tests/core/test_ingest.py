@@ -171,3 +171,39 @@ def test_a_batch_written_through_the_lab_twice_leaves_identical_rows(tmp_path):
     assert [w["rows_written"] for w in first] == [2, 4]
     assert [(w["rows_written"], w["rows_replaced"]) for w in again] == [(2, 2), (4, 4)]
     assert content() == before  # byte-identical, image bytes included
+
+
+def test_workers_store_the_blobs_and_the_rows_equal_the_parents_path(tmp_path):
+    """With a blob sink the validating process stores each accepted file's bytes (a worker
+    here) and the rows carry references; written through the lab they read back the same
+    bytes as the path where the parent stores them, for 1 and 2 workers. Refused files are
+    never stored."""
+    from prx_assets.core.lab import MANUAL
+
+    b = tmp_path / "s" / "000"
+    b.mkdir(parents=True)
+    files = {f"p{i}.jpg": _jpeg((40 * i, 90, 200 - 30 * i)) for i in range(5)}
+    files["broken.jpg"] = files["p0.jpg"][: len(files["p0.jpg"]) - 20]  # no end of image
+    for name, data in files.items():
+        (b / name).write_bytes(data)
+    (b / "_SUCCESS").write_text("")
+    read = {}
+    for label, workers, sink in (("parent", 1, False), ("inline", 1, True), ("two", 2, True)):
+        lab = Lab(tmp_path / f"lab-{label}", policy=MANUAL)
+        lab.ensure(IMAGES)
+        run = BatchIngest(
+            resolve_batch(tmp_path, "s.000"),
+            workers=workers,
+            blob_sink=lab.local_blobs(IMAGES, "image") if sink else None,
+        )
+        assert run.stored_blobs == (("image",) if sink else ())
+        lab.replace_partition(IMAGES, "s.000", run.image_batches(), stored_blobs=run.stored_blobs)
+        rows = lab.read_batch(IMAGES.name, "s.000", ["path", "key", "image"]).to_pylist()
+        read[label] = sorted((r["path"], r["key"], r["image"]) for r in rows)
+        assert [r["reason"] for r in run.rejects.to_pylist()] == ["truncated"]
+        stored = {p.name for p in Path(lab.blobs.table_dir("images")).rglob("*") if p.is_file()}
+        assert stored == {
+            hashlib.sha256(d).hexdigest() for n, d in files.items() if n != "broken.jpg"
+        }
+    assert read["parent"] == read["inline"] == read["two"]
+    assert {p for p, _, _ in read["two"]} == {n for n in files if n != "broken.jpg"}

@@ -233,3 +233,46 @@ def test_renderer_skips_a_broken_image_and_keeps_the_rest(tmp_path: Path) -> Non
     # No images table at all is refused at once, not turned into a failure per image.
     with pytest.raises(ValueError, match="no images table"):
         BucketRenderer(Lab(tmp_path / "empty").view(), "b0", plan.captions)
+
+
+def test_bucket_streams_run_one_pipeline_across_buckets_in_write_order(tmp_path: Path) -> None:
+    """One pipeline feeds every bucket (the workers do not drain at each bucket's end): the
+    same samples as rendering bucket by bucket, in ``bucket_order``, and a stream read out
+    of turn is refused rather than handed another bucket's samples."""
+    from prx_assets.core.shards.mds import bucket_order
+    from prx_assets.core.workers import ProcessPool
+
+    store = Lab(tmp_path / "lab")
+    sizes = {"a": (900, 600), "b": (600, 900), "c": (700, 700), "d": (900, 600), "e": (640, 640)}
+    images = {k: _jpeg("coffee.png", size) for k, size in sizes.items()}
+    images["f-broken"] = images["a"][: len(images["a"]) // 2]
+    sizes["f-broken"] = sizes["a"]
+    rows = [
+        {"key": k, "batch": "b0", "width": w, "height": h, "image": images[k], "source": "s"}
+        for k, (w, h) in sizes.items()
+    ]
+    store.replace_partition(IMAGES, "b0", pa.Table.from_pylist(rows, schema=IMAGES.schema))
+    assignments = assignment_rows(
+        pa.Table.from_pylist(rows).select(["key", "batch", "width", "height"])
+    )
+    captions = pa.Table.from_pylist([{"key": k, "caption": f"c {k}"} for k in sizes])
+    plan = plan_shards(assignments, captions)
+    assert len(plan.buckets) >= 3  # landscape, portrait, square
+
+    per_bucket = BucketRenderer(store.view(), "b0", plan.captions, chunk_size=2)
+    expected = {
+        b: [(s.key, s.image) for s in per_bucket.samples(r)] for b, r in plan.buckets.items()
+    }
+    with ProcessPool(2) as pool:
+        shared = BucketRenderer(store.view(), "b0", plan.captions, chunk_size=2, pool=pool)
+        streams = shared.bucket_streams(plan.buckets, window=3)
+        assert list(streams) == bucket_order(plan.buckets)
+        got = {b: [(s.key, s.image) for s in stream] for b, stream in streams.items()}
+    assert got == expected
+    assert shared.log.failures.keys() == per_bucket.log.failures.keys() == {"f-broken"}
+    assert shared.log.jpeg == per_bucket.log.jpeg
+
+    streams = BucketRenderer(store.view(), "b0", plan.captions).bucket_streams(plan.buckets)
+    second = list(streams)[1]
+    with pytest.raises(RuntimeError, match="out of turn"):
+        next(streams[second])

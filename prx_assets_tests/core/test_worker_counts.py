@@ -41,8 +41,11 @@ KEY = DEMO_BATCH
 def _run_everything(root: Path, landing: Path, workers: int) -> dict:
     """Ingest, profile, hash, assign, caption, plant facts, shard; what each wrote."""
     lab = Lab(root / "lab")
-    run = BatchIngest(resolve_batch(landing, KEY), workers=workers)
-    lab.replace_partition(IMAGES, KEY, run.image_batches())
+    lab.ensure(IMAGES)
+    # As raw_images runs it: the validating process (a worker, or inline) stores the blobs.
+    sink = lab.local_blobs(IMAGES, "image")
+    run = BatchIngest(resolve_batch(landing, KEY), workers=workers, blob_sink=sink)
+    lab.replace_partition(IMAGES, KEY, run.image_batches(), stored_blobs=run.stored_blobs)
     lab.replace_partition(REJECTS, KEY, run.rejects)
     sizes = lab.read_batch(IMAGES.name, KEY, ["key", "batch", "width", "height"])
     lab.replace_partition(RESOLUTION, KEY, profile_images(sizes))
@@ -114,3 +117,31 @@ def test_a_bad_image_fails_the_same_in_a_worker_as_inline(runs: dict) -> None:
     assert written == [rows[0]["key"], rows[3]["key"]]
     assert failures[rows[1]["key"]].startswith("AssignmentMismatch: assignment is for a")
     assert failures["0" * 64].startswith("image_missing")
+
+
+def test_an_altered_source_blob_fails_that_image_alone_for_any_worker_count(
+    runs: dict, tmp_path: Path
+) -> None:
+    """Workers read and check each source blob themselves: an altered one is that image's
+    render failure (the same inline), never other bytes rendered into the shards."""
+    src: Lab = runs[1]["lab"]
+    lab_root = tmp_path / "lab"
+    shutil.copytree(src.root, lab_root)
+    lab = Lab(lab_root)
+    rows = lab.read_batch(BUCKET_ASSIGNMENTS.name, KEY).sort_by("key").to_pylist()[:3]
+    victim = rows[1]["key"]
+    blob = Path(lab.blobs.path(IMAGES.name, victim))
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    captions = {r["key"]: NO_USABLE_CAPTION for r in rows}
+    logs = []
+    for pool in (InlinePool(), ProcessPool(2)):
+        renderer = BucketRenderer(lab.view(), KEY, captions, pool=pool)
+        written = [s.key for s in renderer.samples(rows)]
+        pool.close()
+        logs.append((written, renderer.log.failures))
+    assert logs[0] == logs[1]
+    written, failures = logs[0]
+    assert written == [rows[0]["key"], rows[2]["key"]]
+    assert failures[victim].startswith("BlobError:") and "does not match" in failures[victim]

@@ -34,12 +34,13 @@ from prx_assets.core.ingest.sources import (
 )
 from prx_assets.core.ingest.tables import ensure_usage_signals_column
 from prx_assets.core.lab import Lab
+from prx_assets.core.lab.blobs import LocalBlobs
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.core.text import bound_text, quote_bounded
-from prx_assets.core.workers import ItemFailed, make_pool
+from prx_assets.core.workers import InlinePool, ItemFailed, ProcessPool, make_pool
 
 ROWS_PER_RECORD_BATCH = 256
-BYTES_PER_RECORD_BATCH = 64 * 1024 * 1024  # a record batch also ends at this many image bytes
+BYTES_PER_RECORD_BATCH = 8 * 1024 * 1024  # a record batch also ends at this many image bytes
 
 
 @dataclass
@@ -70,7 +71,8 @@ def _record_batches(rows: Iterator[dict], schema: pa.Schema) -> Iterator[pa.Reco
     held = 0
     for row in rows:
         buf.append(row)
-        held += row.get("file_size") or 0
+        image = row.get("image")
+        held += len(image) if isinstance(image, bytes) else 0  # references hold nothing
         if len(buf) >= ROWS_PER_RECORD_BATCH or held >= BYTES_PER_RECORD_BATCH:
             yield pa.RecordBatch.from_pylist(buf, schema=schema)
             buf = []
@@ -107,6 +109,22 @@ def check_candidate(item: tuple[bytes, int]) -> Checked:
     return key, (info, thumb)
 
 
+def check_and_store(item: tuple[bytes, int, LocalBlobs]) -> tuple[str, object, bool]:
+    """``check_candidate``, then the accepted file's bytes stored in the lab's blob store
+    by the process that already holds them (picklable). Returns (key, result, stored):
+    stored is False when the file was refused (nothing is stored) or the store failed
+    (the parent then stores it and reports the error if that fails too)."""
+    data, max_pixels, sink = item
+    key, result = check_candidate((data, max_pixels))
+    if not isinstance(result[0], ImageInfo):
+        return key, result, False
+    try:
+        ref, _ = sink.put(data)
+    except OSError:
+        return key, result, False
+    return key, result, ref == key
+
+
 def migrate_images_table(lab: Lab) -> list[str]:
     """Give an ``images`` table written under an older spec the columns this one adds.
 
@@ -124,8 +142,15 @@ def migrate_images_table(lab: Lab) -> list[str]:
     return signals + [f.name for f in missing]
 
 
-def _check_or_skip(item: tuple[bytes, int] | None) -> Checked | None:
-    return None if item is None else check_candidate(item)
+def _check_or_skip(
+    item: tuple[bytes, int] | tuple[bytes, int, LocalBlobs] | None,
+) -> tuple[str, object, bool] | None:
+    if item is None:
+        return None
+    if len(item) == 3:
+        return check_and_store(item)  # type: ignore[arg-type]
+    key, result = check_candidate(item)  # type: ignore[arg-type]
+    return key, result, False
 
 
 class BatchIngest:
@@ -136,7 +161,10 @@ class BatchIngest:
     once that stream has been consumed. Hashing and validation run on ``workers`` processes
     (None: every CPU available; ``executor`` as in ``core/workers.py``), a bounded window of
     files in flight; everything order-dependent (duplicates, accounting) stays here, so the
-    rows are the same for any worker count.
+    rows are the same for any worker count. With ``blob_sink`` (``Lab.local_blobs``), each
+    accepted file's bytes are stored by the process that validated it (a worker on this
+    machine, or here for Ray workers), and the rows carry the references: write them with
+    ``replace_partition(IMAGES, ..., stored_blobs=run.stored_blobs)``.
     """
 
     def __init__(
@@ -146,8 +174,10 @@ class BatchIngest:
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         workers: int | None = None,
         executor: str | None = None,
+        blob_sink: LocalBlobs | None = None,
     ) -> None:
         self.ref = ref
+        self.blob_sink = blob_sink
         self.workers = workers
         self.executor = executor
         self.max_pixels = max_pixels
@@ -186,13 +216,22 @@ class BatchIngest:
         """Every candidate in order with its hash and validation (None: no bytes to check)."""
         pending: deque[Candidate] = deque()
 
-        def tasks() -> Iterator[tuple[bytes, int] | None]:
+        pool = make_pool(self.executor, self.workers)
+        # Workers store blobs only where they share this machine's filesystem.
+        sink = self.blob_sink if isinstance(pool, InlinePool | ProcessPool) else None
+
+        def tasks() -> Iterator[tuple | None]:
             for c in iter_candidates(self.ref, self.max_file_bytes):
                 pending.append(c)
-                ok = c.error is None and c.data is not None
-                yield (c.data, self.max_pixels) if ok else None
+                if c.error is not None or c.data is None:
+                    yield None
+                else:
+                    yield (
+                        (c.data, self.max_pixels)
+                        if sink is None
+                        else (c.data, self.max_pixels, sink)
+                    )
 
-        pool = make_pool(self.executor, self.workers)
         try:
             for out in pool.map_ordered(_check_or_skip, tasks()):
                 yield pending.popleft(), out
@@ -214,7 +253,7 @@ class BatchIngest:
                 why = checked.error if checked is not None else "no result"
                 self._reject(c, "validation_failed", why, hashlib.sha256(c.data).hexdigest())
                 continue
-            key, result = checked
+            key, result, stored = checked
             if key in first_path_of_key:
                 self._reject(
                     c,
@@ -232,6 +271,13 @@ class BatchIngest:
                 self._reject(c, str(result[0]), str(result[1]), key)
                 continue
             info, thumb = result
+            image: bytes | str = c.data
+            if self.blob_sink is not None:
+                if not stored:  # a Ray worker, or the worker's store failed: stored here
+                    ref, _ = self.blob_sink.put(c.data)
+                    if ref != key:
+                        raise AssertionError(f"blob reference {ref} != key {key} of {c.path!r}")
+                image = key  # the blob's reference: the same sha256
             self._seen_paths.add(c.path)
             first_path_of_key[key] = c.path
             stats.accepted += 1
@@ -256,7 +302,7 @@ class BatchIngest:
                 "orientation": info.orientation,
                 "n_frames": info.n_frames,
                 "file_size": len(c.data),
-                "image": c.data,
+                "image": image,
                 "usage_signals": c.usage_signals,
                 "phash_thumbnail": thumb,
                 "phash_thumbnail_version": THUMBNAIL_VERSION if thumb is not None else None,
@@ -264,5 +310,14 @@ class BatchIngest:
         stats.check()
         self._done = True
 
+    @property
+    def stored_blobs(self) -> tuple[str, ...]:
+        """The columns ``image_batches`` gives as blob references (see ``blob_sink``)."""
+        return ("image",) if self.blob_sink is not None else ()
+
     def image_batches(self) -> Iterator[pa.RecordBatch]:
-        return _record_batches(self._accepted_rows(), IMAGES.schema)
+        schema = IMAGES.schema
+        if self.blob_sink is not None:
+            at = schema.get_field_index("image")
+            schema = schema.set(at, pa.field("image", pa.string(), nullable=True))
+        return _record_batches(self._accepted_rows(), schema)

@@ -26,6 +26,7 @@ import os
 import uuid
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,70 @@ def logical_schema(stored: pa.Schema) -> pa.Schema:
     )
 
 
+def _check_ref(table: str, ref: str) -> None:
+    if len(ref) != 64 or any(c not in "0123456789abcdef" for c in ref):
+        raise BlobError(f"{table}: not a blob reference: {ref[:80]!r}")
+
+
+def _put_local(path: str, view: memoryview) -> int:
+    """Write ``view`` at ``path`` unless it is there whole; the bytes newly written."""
+    try:
+        if os.stat(path).st_size == view.nbytes:
+            # Touched: a blob about to be named again must look fresh to the collector
+            # (blob_gc), which spares files younger than its min age.
+            os.utime(path)
+            return 0
+        # A torn file (power loss before its bytes reached the disk): rewritten.
+    except FileNotFoundError:
+        pass
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(view)
+    os.replace(tmp, path)  # atomic: the name holds the whole value or nothing
+    return view.nbytes
+
+
+@dataclass(frozen=True)
+class LocalBlobs:
+    """One table's blob directory on this machine, for worker processes to store and read
+    values themselves (picklable: a path, nothing open).
+
+    Why: ingest's workers hold each file's bytes and its sha256; storing the blob there
+    spares the parent a second hash, an Arrow copy of every image and the writes, done
+    serially while the workers waited (the rows then carry the references:
+    ``Lab.replace_partition(..., stored_blobs=...)``, which checks each is in place before
+    the commit). The shard renderer's workers read and check the source bytes themselves,
+    so the parent neither reads nor ships them.
+    """
+
+    table: str
+    directory: str
+
+    def _path(self, ref: str) -> str:
+        _check_ref(self.table, ref)
+        return f"{self.directory}/{ref[:2]}/{ref[2:4]}/{ref}"
+
+    def put(self, data: bytes | memoryview) -> tuple[str, int]:
+        """Store ``data``; its reference (sha256 hex) and the bytes newly written."""
+        view = memoryview(data)
+        ref = hashlib.sha256(view).hexdigest()
+        return ref, _put_local(self._path(ref), view)
+
+    def get(self, ref: str) -> bytes:
+        """The bytes of ``ref``, checked against it; a missing or altered blob raises."""
+        try:
+            with open(self._path(ref), "rb") as fh:
+                data = fh.read()
+        except OSError as exc:
+            raise BlobError(f"{self.table}: blob {ref} is missing ({type(exc).__name__})") from exc
+        if hashlib.sha256(data).hexdigest() != ref:
+            raise BlobError(
+                f"{self.table}: blob {ref} does not match its address (altered or torn)"
+            )
+        return data
+
+
 class BlobStore:
     """``<lab root>/_blobs/<table>/``: one immutable file per distinct value, named by its
     sha256 (local directory or object-store URI)."""
@@ -93,9 +158,27 @@ class BlobStore:
 
     def path(self, table: str, ref: str) -> str:
         """Where the value with sha256 ``ref`` of ``table`` lives (filesystem path)."""
-        if len(ref) != 64 or any(c not in "0123456789abcdef" for c in ref):
-            raise BlobError(f"{table}: not a blob reference: {ref[:80]!r}")
+        _check_ref(table, ref)
         return f"{self._base}/{table}/{ref[:2]}/{ref[2:4]}/{ref}"
+
+    def local(self, table: str) -> LocalBlobs | None:
+        """``table``'s blobs for worker processes on this machine (picklable); None on
+        object storage (the process that holds the lab reads and writes them there)."""
+        return LocalBlobs(table, self.table_dir(table)) if self._local else None
+
+    def check_present(self, table: str, refs: Iterable[str | None]) -> None:
+        """Raise ``BlobError`` unless every reference names a stored blob (a ``stat``
+        each): rows that name blobs stored elsewhere are never committed dangling."""
+        for ref in refs:
+            if ref is None:
+                continue
+            path = self.path(table, ref)
+            if self._local:
+                present = os.path.isfile(path)
+            else:
+                present = self._fs.get_file_info(path).type == pafs.FileType.File
+            if not present:
+                raise BlobError(f"{table}: rows name blob {ref}, which is not stored")
 
     def put(self, table: str, data: bytes | memoryview | pa.Buffer) -> tuple[str, int]:
         """Store ``data``; its reference (sha256 hex) and the bytes newly written (0 when
@@ -104,20 +187,7 @@ class BlobStore:
         ref = hashlib.sha256(view).hexdigest()
         path = self.path(table, ref)
         if self._local:
-            try:
-                if os.stat(path).st_size == view.nbytes:
-                    # Touched: a blob about to be named again must look fresh to the
-                    # collector (blob_gc), which spares files younger than its min age.
-                    os.utime(path)
-                    return ref, 0
-                # A torn file (power loss before its bytes reached the disk): rewritten.
-            except FileNotFoundError:
-                pass
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-            with open(tmp, "wb") as fh:
-                fh.write(view)
-            os.replace(tmp, path)  # atomic: the name holds the whole value or nothing
+            return ref, _put_local(path, view)
         else:
             if self._fs.get_file_info(path).type == pafs.FileType.File:
                 return ref, 0

@@ -28,7 +28,13 @@ from lance.fragment import write_fragments
 from prx_assets.core.crashpoints import crashpoint
 from prx_assets.core.lab import maintenance as mx
 from prx_assets.core.lab.blob_gc import BlobSweep, sweep_blobs
-from prx_assets.core.lab.blobs import BlobStore, is_blob_ref, stored_schema
+from prx_assets.core.lab.blobs import (
+    BlobError,
+    BlobStore,
+    LocalBlobs,
+    is_blob_ref,
+    stored_schema,
+)
 from prx_assets.core.lab.io import open_dataset, seen, storage_options
 from prx_assets.core.lab.maintenance import (
     DEFAULT_POLICY,
@@ -52,20 +58,39 @@ class _CountingBatches:
         batch: str,
         stored: pa.Schema,
         blobs: BlobStore,
+        stored_blobs: Sequence[str] = (),
     ) -> None:
         self._batches = batches
         self._spec = spec
         self._batch = batch
         self._stored = stored
         self._blobs = blobs
-        self._blob_columns = [c for c in spec.blobs if is_blob_ref(stored.field(c))]
+        refs = [c for c in spec.blobs if is_blob_ref(stored.field(c))]
+        if set(stored_blobs) - set(refs):
+            raise ValueError(
+                f"{spec.name}: stored_blobs {sorted(set(stored_blobs) - set(refs))} are not "
+                "blob-reference columns of the stored table"
+            )
+        self._prestored = list(stored_blobs)
+        self._blob_columns = [c for c in refs if c not in stored_blobs]
+        # Columns given as references are cast to the stored (string) type, never to bytes.
+        self._schema = pa.schema(
+            [stored.field(f.name) if f.name in stored_blobs else f for f in spec.schema]
+        )
         self.rows = 0
         self.blob_bytes_written = 0
-        self.error: ValueError | None = None
+        self.error: Exception | None = None
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
-        schema = self._spec.schema
+        schema = self._schema
         for rb in self._batches:
+            for name in self._prestored:
+                if not pa.types.is_string(rb.schema.field(name).type):
+                    self.error = ValueError(
+                        f"{self._spec.name}.{name}: stored_blobs needs sha256 references, "
+                        f"got {rb.schema.field(name).type}"
+                    )
+                    raise self.error
             rb = pa.Table.from_batches([rb]).select(schema.names).cast(schema)
             for part in rb.to_batches():
                 batch_values = set(part.column("batch").unique().to_pylist())
@@ -74,6 +99,12 @@ class _CountingBatches:
                         f"rows for batch {self._batch!r} include other batches: {batch_values}"
                     )
                     raise self.error
+                for name in self._prestored:
+                    try:
+                        self._blobs.check_present(self._spec.name, part.column(name).to_pylist())
+                    except BlobError as exc:
+                        self.error = exc
+                        raise
                 self.rows += part.num_rows
                 if self._blob_columns:
                     part, written = self._blobs.to_stored(
@@ -135,6 +166,14 @@ class Lab(VersionPins):
             return pa.schema([ds.schema.field(n) for n in spec.schema.names])
         return stored_schema(spec.schema, spec.blobs)
 
+    def local_blobs(self, spec: TableSpec, column: str) -> LocalBlobs | None:
+        """``column``'s blobs for worker processes on this machine (picklable; references
+        they store go to ``replace_partition(..., stored_blobs=[column])``); None when the
+        lab is on object storage or the table keeps that column inline."""
+        if column not in spec.blobs or not is_blob_ref(self.stored_schema(spec).field(column)):
+            return None
+        return self.blobs.local(spec.name)
+
     def ensure(self, spec: TableSpec) -> lance.LanceDataset:
         """Create the table empty if missing (tolerating a concurrent creator)."""
         try:
@@ -171,8 +210,13 @@ class Lab(VersionPins):
         batch: str,
         data: pa.Table | Iterable[pa.RecordBatch],
         attempts: int = 8,
+        stored_blobs: Sequence[str] = (),
     ) -> dict[str, Any]:
         """Replace every row of ``batch`` with ``data`` in one Lance commit.
+
+        ``stored_blobs``: blob columns whose values ``data`` gives as the references a
+        ``local_blobs`` put stored (already stored, e.g. by worker processes); each is checked
+        to be in the blob store before the commit, and a dangling one fails the write.
 
         New rows are streamed into new fragment files first (bounded memory: a batch's
         image bytes are never all held at once; blob columns go to the blob store first),
@@ -186,7 +230,7 @@ class Lab(VersionPins):
         ds = self.ensure(spec)
         stored = pa.schema([ds.schema.field(n) for n in spec.schema.names])
         batches = data.to_batches() if isinstance(data, pa.Table) else data
-        counted = _CountingBatches(batches, spec, batch, stored, self.blobs)
+        counted = _CountingBatches(batches, spec, batch, stored, self.blobs, stored_blobs)
         reader = pa.RecordBatchReader.from_batches(stored, iter(counted))
         try:
             # On the opened dataset, not its URI: Lance would list every kept manifest to

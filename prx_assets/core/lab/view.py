@@ -10,7 +10,7 @@ import lance
 import pyarrow as pa
 from lance.query import FullTextOperator, MatchQuery
 
-from prx_assets.core.lab.blobs import logical_schema
+from prx_assets.core.lab.blobs import LocalBlobs, is_blob_ref, logical_schema
 
 if TYPE_CHECKING:
     from prx_assets.core.lab.store import Lab
@@ -109,18 +109,28 @@ class LabView:
         return self.lab.blobs.resolve(table, rows, ds.schema)
 
     def take_matching_rows(
-        self, table: str, columns: Sequence[str], filter: str
+        self, table: str, columns: Sequence[str], filter: str, blob_refs: bool = False
     ) -> list[dict[str, Any]]:
         """:meth:`take_matching` as Python rows, for a caller that wants them anyway: blob
         values go from their files straight into the rows (checked against their address
         as always), never through an Arrow column and back (two copies of every image's
         bytes: 0.23 s against 0.15 s of CPU for 96 rows of 1.5 MB here,
-        ``python -m benchmarks.bench_take_rows``)."""
+        ``python -m benchmarks.bench_take_rows``). ``blob_refs``: leave blob columns as
+        their references, for workers that read them through :meth:`local_blobs`."""
         ds = self._ds(table)
         if ds is None:
             return []
         rows = self._take_matching_stored(ds, columns, filter).to_pylist()
-        return self.lab.blobs.resolve_rows(table, rows, ds.schema)
+        return rows if blob_refs else self.lab.blobs.resolve_rows(table, rows, ds.schema)
+
+    def local_blobs(self, table: str, column: str) -> LocalBlobs | None:
+        """``column``'s blobs for worker processes on this machine (reads are checked
+        against their address there too); None on object storage, for an absent table or
+        one that keeps the column inline."""
+        ds = self._ds(table)
+        if ds is None or column not in ds.schema.names or not is_blob_ref(ds.schema.field(column)):
+            return None
+        return self.lab.blobs.local(table)
 
     @staticmethod
     def _take_matching_stored(

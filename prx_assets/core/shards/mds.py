@@ -531,6 +531,12 @@ def _shape_key(shape: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def bucket_order(buckets: Iterable[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The order ``write_partition_streams`` writes buckets in (tier, then shape): a
+    producer that renders every bucket in one stream must yield them in this order."""
+    return sorted(buckets, key=lambda g: (int(g[0]), _shape_key(g[1])))
+
+
 def write_partition_streams(
     root: str | os.PathLike[str],
     batch: str,
@@ -547,7 +553,8 @@ def write_partition_streams(
     increasing key order (checked while writing; a violation fails that bucket, leaving its
     previous version in place). Each stream is consumed only while its bucket is written,
     so a generator that renders images on demand keeps memory to one shard plus whatever
-    it buffers. A stream that yields nothing, and every bucket of ``batch`` absent from
+    it buffers; buckets are written in ``bucket_order``, so one producer may feed every
+    stream from a single pipeline that runs ahead into the next bucket. A stream that yields nothing, and every bucket of ``batch`` absent from
     ``streams``, loses its directory. New directories are written before stale ones are
     removed, so a crash in between can leave an image in two buckets until the rerun, but
     never in none. The same key in two buckets is refused before the second one is in place.
@@ -563,7 +570,7 @@ def write_partition_streams(
     placements: list[Placement] = []
     seen: set[str] = set()
     written: set[tuple[int, str]] = set()
-    for tier, shape in sorted(streams, key=lambda g: (int(g[0]), _shape_key(g[1]))):
+    for tier, shape in bucket_order(streams):
         out = _stream_bucket(
             root,
             batch,

@@ -247,7 +247,7 @@ class BatchShards:
         placements = write_partition_streams(
             tree.local_root,
             batch,
-            {bucket: renderer.samples(rows) for bucket, rows in plan.buckets.items()},
+            renderer.bucket_streams(plan.buckets),
             skips_for=screener,
             extra_columns=MDS_EXTRA_COLUMNS,
             size_limit=s.size_limit,

@@ -26,12 +26,18 @@ def raw_images(context: AssetExecutionContext, lab: LabResource) -> MaterializeR
         ref,
         shown,
     ):
-        run = BatchIngest(
-            ref, max_pixels=lab.max_pixels, max_file_bytes=lab.max_file_bytes, workers=lab.workers
-        )
         store = lab.lab()
         migrate_images_table(store)  # an images table from before signal capture / thumbnails
-        written = store.replace_partition(IMAGES, ref.key, run.image_batches())
+        run = BatchIngest(
+            ref,
+            max_pixels=lab.max_pixels,
+            max_file_bytes=lab.max_file_bytes,
+            workers=lab.workers,
+            blob_sink=store.local_blobs(IMAGES, "image"),  # workers store the bytes they hold
+        )
+        written = store.replace_partition(
+            IMAGES, ref.key, run.image_batches(), stored_blobs=run.stored_blobs
+        )
         rejected = store.replace_partition(REJECTS, ref.key, run.rejects)
     stats = run.stats
     context.log.info(
