@@ -1,9 +1,12 @@
-"""Render a bucket's samples: source bytes streamed from Lance, resized, JPEG-encoded.
+"""Render a bucket's samples: source bytes from the lab, resized, JPEG-encoded.
 
-Rendering reads the batch's image bytes one chunk of keys at a time, in key order per
+Rendering reads the batch's image rows one chunk of keys at a time, in key order per
 bucket, and maps ``render_task`` over them on a ``WorkerPool`` (every core of the process,
-at most a window of images in flight), so memory holds one chunk of source bytes and the
-window plus the shard being filled, and the output is the same for any worker count.
+at most a window of images in flight; one pipeline across all of a partition's buckets,
+``bucket_streams``), so memory holds one chunk of rows and the window plus the shard being
+filled, and the output is the same for any worker count. Workers on this machine (and the
+inline pool) get each source's blob reference and read and check the bytes themselves;
+Ray workers get the bytes.
 """
 
 from __future__ import annotations
