@@ -226,7 +226,12 @@ def _replace_many(root: str, start: int, rounds: int) -> int:
 
 
 def _compact_repeatedly(root: str, runs: int) -> int:
-    lab = Lab(root, policy=replace(SMALL_TIERS, keep_versions=3, version_min_age=timedelta(0)))
+    lab = Lab(
+        root,
+        policy=replace(
+            SMALL_TIERS, keep_versions=3, version_min_age=timedelta(0), reader_min_age=timedelta(0)
+        ),
+    )
     done = 0
     for _ in range(runs):
         result = lab.maintain(SPEC, retention=timedelta(days=1), keep_versions=3)
@@ -280,7 +285,13 @@ def test_opens_see_commits_made_behind_this_process(tmp_path):
 
 
 def test_retention_by_count_keeps_pinned_versions_and_their_files(tmp_path):
-    policy = replace(SMALL_TIERS, keep_versions=4, version_min_age=timedelta(0), cleanup_every=4)
+    policy = replace(
+        SMALL_TIERS,
+        keep_versions=4,
+        version_min_age=timedelta(0),
+        reader_min_age=timedelta(0),
+        cleanup_every=4,
+    )
     lab = Lab(tmp_path, policy=policy)
     lab.replace_partition(SPEC, "a", _rows("a", 3, v=1))
     pinned = lab.version("t")

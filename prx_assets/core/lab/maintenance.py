@@ -22,9 +22,9 @@ import fcntl
 import hashlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Set
 from dataclasses import dataclass
-from datetime import UTC, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -82,8 +82,12 @@ class MaintenancePolicy:
     Versions beyond the newest ``keep_versions`` are removed once older than
     ``version_min_age`` (a reader that opened one earlier than that may still be reading
     it; hold longer ones with ``Lab.pin_versions``; ``retention``, when smaller, shortens
-    that age); the current and pinned versions never. Every ``cleanup_every`` versions the
-    write path applies retention when it would remove something.
+    that age); the current and pinned versions never. On a local lab the versions a live
+    view holds are kept too (``readers``), so the age there is ``reader_min_age``, long
+    enough for a one-shot read (open, then read at once). Every ``cleanup_every`` versions
+    the write path applies retention when it would remove at least a quarter as many
+    versions as it keeps (a cleanup reads every kept manifest, so that bounds its cost per
+    version removed).
     """
 
     enabled: bool = True
@@ -96,6 +100,7 @@ class MaintenancePolicy:
     materialize_deleted_share: float = 0.25
     keep_versions: int = 100
     version_min_age: timedelta = timedelta(minutes=15)
+    reader_min_age: timedelta = timedelta(seconds=30)
     retention: timedelta = timedelta(days=7)
     cleanup_every: int = 64
     compaction_batch_size: int = 1024  # rows per compaction read: bounds its memory
@@ -320,43 +325,80 @@ def compact(ds: lance.LanceDataset, candidates: list[int], policy: MaintenancePo
     )
 
 
-def cleanup_due(uri: str, latest: int, policy: MaintenancePolicy) -> bool:
-    """Whether a cleanup would remove anything: more than ``keep_versions`` manifests and
-    the oldest one past ``version_min_age``. A directory listing and one manifest read, so
-    the write path does not pay a full cleanup (which reads every kept manifest) while
-    young versions are all it could find."""
+def listed_versions(uri: str) -> list[tuple[int, float]]:
+    """(version, manifest modification time) for every manifest in ``_versions``: one
+    directory listing, no manifest read."""
     fs, path = arrow_filesystem(uri)
     entries = fs.get_file_info(pafs.FileSelector(f"{path}/_versions", allow_not_found=True))
-    numbers = []
+    out = []
     for entry in entries:
         stem = entry.base_name.removesuffix(".manifest")
-        if stem.isdigit():
+        if stem.isdigit() and entry.base_name.endswith(".manifest"):
             n = int(stem)
-            numbers.append(2**64 - 1 - n if n >= 2**63 else n)  # V2 names count down
-    if len(numbers) <= policy.keep_versions:
+            version = 2**64 - 1 - n if n >= 2**63 else n  # V2 names count down
+            mtime = entry.mtime.timestamp() if entry.mtime is not None else time.time()
+            out.append((version, mtime))
+    return out
+
+
+def removable_versions(
+    listing: list[tuple[int, float]], keep_versions: int, min_age: timedelta, held: Set[int]
+) -> list[int]:
+    """The listed versions retention may drop: not among the newest ``keep_versions``, not
+    held by a live reader, and older than ``min_age``."""
+    newest = set(sorted(v for v, _ in listing)[-keep_versions:])
+    cutoff = time.time() - max(0.0, min_age.total_seconds())
+    return sorted(v for v, mtime in listing if v not in newest and v not in held and mtime < cutoff)
+
+
+def cleanup_due(
+    uri: str,
+    latest: int,
+    policy: MaintenancePolicy,
+    min_age: timedelta | None = None,
+    held: Set[int] = frozenset(),
+) -> bool:
+    """Whether a cleanup would remove at least a quarter as many versions as it keeps
+    (and at least one): a directory listing, no manifest read, so the write path does not
+    pay a full cleanup (which reads every kept manifest) for a handful of versions.
+    ``min_age``: the age rule (default ``policy.version_min_age``); ``held``: versions
+    live readers hold."""
+    listing = listed_versions(uri)
+    if len(listing) <= policy.keep_versions:
         return False
-    try:
-        stamp = open_dataset(uri, version=min(numbers)).get_version()["timestamp"]
-    except (ValueError, OSError):
-        return True
-    if stamp.tzinfo is None:  # Lance reports commit times in UTC
-        stamp = stamp.replace(tzinfo=UTC)
-    return time.time() - stamp.timestamp() > policy.version_min_age.total_seconds()
+    age = policy.version_min_age if min_age is None else min_age
+    drop = removable_versions(listing, policy.keep_versions, min(age, policy.retention), held)
+    return len(drop) >= max(1, (len(listing) - len(drop)) // 4)
 
 
 def cleanup_versions(
-    uri: str, keep_versions: int, min_age: timedelta, retention: timedelta
+    uri: str,
+    keep_versions: int,
+    min_age: timedelta,
+    retention: timedelta,
+    held: Set[int] | None = None,
 ) -> dict[str, Any]:
     """Drop every version that is neither among the newest ``keep_versions`` nor younger
-    than ``min(min_age, retention)``; pinned (tagged) versions and their files stay."""
+    than ``min(min_age, retention)``; pinned (tagged) versions and their files stay, and so
+    do the versions in ``held`` (live readers of a local lab: ``readers.held_versions``;
+    None: no reader holds are known, the age rule alone protects readers)."""
     if keep_versions < 1:
         raise ValueError(f"keep_versions must be >= 1, got {keep_versions}")
     ds = open_dataset(uri)
-    stats = ds.cleanup_old_versions(
-        older_than=max(timedelta(0), min(min_age, retention)),
-        retain_versions=keep_versions,
-        error_if_tagged_old_versions=False,
-    )
+    age = max(timedelta(0), min(min_age, retention))
+    if held is None:
+        stats = ds.cleanup_old_versions(
+            older_than=age, retain_versions=keep_versions, error_if_tagged_old_versions=False
+        )
+    else:
+        drop = [
+            v
+            for v in removable_versions(listed_versions(uri), keep_versions, age, held)
+            if v != ds.version
+        ]
+        if not drop:
+            return {"versions_removed": 0, "bytes_removed": 0}
+        stats = ds.cleanup_old_versions(versions=drop, error_if_tagged_old_versions=False)
     return {
         "versions_removed": getattr(stats, "old_versions", None),
         "bytes_removed": getattr(stats, "bytes_removed", None),

@@ -43,6 +43,7 @@ from prx_assets.core.lab.maintenance import (
     MaintenancePolicy,
 )
 from prx_assets.core.lab.pins import VersionPins
+from prx_assets.core.lab.readers import held_versions
 from prx_assets.core.lab.spec import TableSpec, sql_literal
 from prx_assets.core.lab.view import LabView, _has_index
 
@@ -359,22 +360,33 @@ class Lab(VersionPins):
                         done.get("fragments_compacted", 0) + metrics.fragments_removed
                     )
                 every = policy.cleanup_every  # crossed a multiple since the commit?
-                if ds.version // every > (first - 1) // every and mx.cleanup_due(
-                    self.uri(spec.name), ds.version, policy
-                ):
-                    done.update(
-                        mx.cleanup_versions(
-                            self.uri(spec.name),
-                            policy.keep_versions,
-                            policy.version_min_age,
-                            policy.retention,
+                if ds.version // every > (first - 1) // every:
+                    held, min_age = self._reader_protection(spec.name)
+                    if mx.cleanup_due(
+                        self.uri(spec.name), ds.version, policy, min_age, held or set()
+                    ):
+                        done.update(
+                            mx.cleanup_versions(
+                                self.uri(spec.name),
+                                policy.keep_versions,
+                                min_age,
+                                policy.retention,
+                                held,
+                            )
                         )
-                    )
             except (OSError, RuntimeError, ValueError, CommitConflictError) as exc:
                 if not mx.is_conflict(exc):
                     raise
                 done["deferred"] = f"{type(exc).__name__}: {str(exc)[:160]}"
         return done
+
+    def _reader_protection(self, table: str) -> tuple[set[int] | None, timedelta]:
+        """What keeps readers' versions: on a local lab the versions live views hold, and
+        ``policy.reader_min_age`` for one-shot reads; on object storage no holds (None) and
+        ``policy.version_min_age``."""
+        if "://" in self.root:
+            return None, self.policy.version_min_age
+        return held_versions(self.root, table), self.policy.reader_min_age
 
     def ensure_indexes(
         self, spec: TableSpec, ds: lance.LanceDataset | None = None, attempts: int = 8
@@ -605,7 +617,8 @@ class Lab(VersionPins):
         if not self.exists(spec.name):
             return {"table": spec.name, "skipped": "absent"}
         keep = self.policy.keep_versions if keep_versions is None else keep_versions
-        min_age = self.policy.version_min_age if version_min_age is None else version_min_age
+        _, default_age = self._reader_protection(spec.name)
+        min_age = default_age if version_min_age is None else version_min_age
         self.ensure_indexes(spec)
         ds = self.dataset(spec.name)
         before = len(ds.get_fragments())
@@ -624,7 +637,8 @@ class Lab(VersionPins):
                 deferred,
             )
             mx.retry_conflicts(lambda: mx.optimize_all_indices(uri), deferred)
-            cleanup = mx.cleanup_versions(self.uri(spec.name), keep, min_age, retention)
+            held, _ = self._reader_protection(spec.name)  # again: views opened meanwhile
+            cleanup = mx.cleanup_versions(self.uri(spec.name), keep, min_age, retention, held)
             orphans = mx.remove_orphaned_files(
                 self.dataset(spec.name), self.uri(spec.name), retention, orphan_min_age
             )

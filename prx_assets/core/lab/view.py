@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -11,6 +12,7 @@ import pyarrow as pa
 from lance.query import FullTextOperator, MatchQuery
 
 from prx_assets.core.lab.blobs import LocalBlobs, is_blob_ref, logical_schema
+from prx_assets.core.lab.readers import ReaderHold, hold_version
 
 if TYPE_CHECKING:
     from prx_assets.core.lab.store import Lab
@@ -33,22 +35,50 @@ class LabView:
     version), then every read of it goes to that same version; ``versions`` records the
     version each opened table is read at, so a caller can report exactly what it read.
     Safe to share between threads (each table is still opened once).
+
+    On a local lab the view holds each version it opened (``readers.hold_version``: a
+    shared lock the kernel drops if the process dies) until ``close`` or until the view is
+    garbage-collected, so version retention keeps those versions' files however long the
+    view reads them. Use it as a context manager, or ``close`` it, to let them go early.
     """
 
     def __init__(self, lab: Lab, versions: Mapping[str, int] | None = None) -> None:
         self.lab = lab
         self.versions: dict[str, int] = dict(versions or {})
         self._open: dict[str, lance.LanceDataset | None] = {}
+        self._holds: list[ReaderHold] = []
         self._lock = threading.Lock()
 
     def _ds(self, table: str) -> lance.LanceDataset | None:
         with self._lock:
             if table not in self._open:
                 ds = self.lab._open(table, self.versions.get(table))
-                self._open[table] = ds
                 if ds is not None:
+                    hold = hold_version(self.lab.root, table, ds.version)
+                    if hold is not None:
+                        self._holds.append(hold)
                     self.versions[table] = ds.version
+                self._open[table] = ds
             return self._open[table]
+
+    def close(self) -> None:
+        """Release the versions this view holds (it can still read; retention then
+        protects those reads by age only)."""
+        with self._lock:
+            holds, self._holds = self._holds, []
+        for hold in holds:
+            hold.release()
+
+    def __enter__(self) -> LabView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            for hold in self._holds:
+                hold.release()
 
     def pin(self, tables: Iterable[str]) -> dict[str, int]:
         """Open ``tables`` now, so later reads see the lab as it is at this moment; the
