@@ -85,9 +85,9 @@ class MaintenancePolicy:
     that age); the current and pinned versions never. On a local lab the versions a live
     view holds are kept too (``readers``), so the age there is ``reader_min_age``, long
     enough for a one-shot read (open, then read at once). Every ``cleanup_every`` versions
-    the write path applies retention when it would remove at least a quarter as many
-    versions as it keeps (a cleanup reads every kept manifest, so that bounds its cost per
-    version removed).
+    the write path applies retention when it would remove at least as many versions as it
+    keeps (a cleanup reads every kept manifest, so that bounds its cost per version
+    removed).
     """
 
     enabled: bool = True
@@ -358,9 +358,10 @@ def cleanup_due(
     min_age: timedelta | None = None,
     held: Set[int] = frozenset(),
 ) -> bool:
-    """Whether a cleanup would remove at least a quarter as many versions as it keeps
-    (and at least one): a directory listing, no manifest read, so the write path does not
-    pay a full cleanup (which reads every kept manifest) for a handful of versions.
+    """Whether a cleanup would remove at least as many versions as it keeps (and at least
+    one): a directory listing, no manifest read, so the write path does not pay a full
+    cleanup (which reads every kept manifest) for a handful of versions; at most two
+    manifests are read per version removed.
     ``min_age``: the age rule (default ``policy.version_min_age``); ``held``: versions
     live readers hold."""
     listing = listed_versions(uri)
@@ -368,7 +369,7 @@ def cleanup_due(
         return False
     age = policy.version_min_age if min_age is None else min_age
     drop = removable_versions(listing, policy.keep_versions, min(age, policy.retention), held)
-    return len(drop) >= max(1, (len(listing) - len(drop)) // 4)
+    return len(drop) >= max(1, len(listing) - len(drop))
 
 
 def cleanup_versions(

@@ -42,7 +42,10 @@ class MaintenanceConfig(Config):
     version_min_age_minutes: float = Field(
         default=DEFAULT_POLICY.version_min_age.total_seconds() / 60,
         ge=0,
-        description="No version younger than this is removed (readers may still use it).",
+        description=(
+            "No version younger than this is removed (one-shot readers may still use it); "
+            "on a local lab the versions live views hold are kept whatever their age."
+        ),
     )
     orphan_min_age_hours: float = Field(
         default=ORPHAN_MIN_AGE.total_seconds() / 3600,
