@@ -70,7 +70,7 @@ def _latest_from_hint(uri: str) -> int | None:
 
     Why: Lance finds a local table's latest version by listing ``_versions``, one entry per
     kept version, on every open (~0.4 µs each: 2 ms at 5,000 versions, and retention keeps
-    every version younger than ``version_min_age``). A commit writes manifest ``v + 1``
+    every version younger than its min age and every held one). A commit writes manifest ``v + 1``
     atomically and versions are consecutive, so from a version known to exist, the first
     missing successor manifest is the latest (a few ``stat`` calls). The answer is as fresh
     as a listing: a commit landing just after either is missed by both.
