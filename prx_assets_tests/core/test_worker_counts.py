@@ -100,11 +100,9 @@ def test_shard_tree_is_byte_identical_for_one_and_two_workers(runs: dict) -> Non
     assert [name for name in one if one[name] != two[name]] == []
 
 
-def test_a_bad_image_fails_the_same_in_a_worker_as_inline(runs: dict) -> None:
-    lab: Lab = runs[1]["lab"]
-    rows = lab.read_batch(BUCKET_ASSIGNMENTS.name, KEY).sort_by("key").to_pylist()[:4]
-    rows[1] = {**rows[1], "source_width": rows[1]["source_width"] + 7}  # not these bytes' size
-    rows[2] = {**rows[2], "key": "0" * 64}  # no bytes for this key
+def _render_inline_and_in_workers(lab: Lab, rows: list[dict]) -> tuple[list[str], dict]:
+    """Render ``rows`` inline and on two worker processes; both must log the same, and
+    that (keys written, failures) is returned."""
     captions = {r["key"]: NO_USABLE_CAPTION for r in rows}
     logs = []
     for pool in (InlinePool(), ProcessPool(2)):
@@ -113,7 +111,15 @@ def test_a_bad_image_fails_the_same_in_a_worker_as_inline(runs: dict) -> None:
         pool.close()
         logs.append((written, renderer.log.failures))
     assert logs[0] == logs[1]
-    written, failures = logs[0]
+    return logs[0]
+
+
+def test_a_bad_image_fails_the_same_in_a_worker_as_inline(runs: dict) -> None:
+    lab: Lab = runs[1]["lab"]
+    rows = lab.read_batch(BUCKET_ASSIGNMENTS.name, KEY).sort_by("key").to_pylist()[:4]
+    rows[1] = {**rows[1], "source_width": rows[1]["source_width"] + 7}  # not these bytes' size
+    rows[2] = {**rows[2], "key": "0" * 64}  # no bytes for this key
+    written, failures = _render_inline_and_in_workers(lab, rows)
     assert written == [rows[0]["key"], rows[3]["key"]]
     assert failures[rows[1]["key"]].startswith("AssignmentMismatch: assignment is for a")
     assert failures["0" * 64].startswith("image_missing")
@@ -134,14 +140,6 @@ def test_an_altered_source_blob_fails_that_image_alone_for_any_worker_count(
     data = bytearray(blob.read_bytes())
     data[len(data) // 2] ^= 0xFF
     blob.write_bytes(bytes(data))
-    captions = {r["key"]: NO_USABLE_CAPTION for r in rows}
-    logs = []
-    for pool in (InlinePool(), ProcessPool(2)):
-        renderer = BucketRenderer(lab.view(), KEY, captions, pool=pool)
-        written = [s.key for s in renderer.samples(rows)]
-        pool.close()
-        logs.append((written, renderer.log.failures))
-    assert logs[0] == logs[1]
-    written, failures = logs[0]
+    written, failures = _render_inline_and_in_workers(lab, rows)
     assert written == [rows[0]["key"], rows[2]["key"]]
     assert failures[victim].startswith("BlobError:") and "does not match" in failures[victim]

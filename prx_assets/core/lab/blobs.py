@@ -197,14 +197,12 @@ class BlobStore:
 
     def get(self, table: str, ref: str) -> bytes:
         """The bytes of ``ref``, checked against it; a missing or altered blob raises."""
+        if self._local:
+            return LocalBlobs(table, self.table_dir(table)).get(ref)
         path = self.path(table, ref)
         try:
-            if self._local:
-                with open(path, "rb") as fh:
-                    data = fh.read()
-            else:
-                with self._fs.open_input_file(path) as fh:
-                    data = fh.read()
+            with self._fs.open_input_file(path) as fh:
+                data = fh.read()
         except (FileNotFoundError, OSError) as exc:
             raise BlobError(f"{table}: blob {ref} is missing ({type(exc).__name__})") from exc
         if hashlib.sha256(data).hexdigest() != ref:

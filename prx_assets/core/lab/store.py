@@ -361,7 +361,7 @@ class Lab(VersionPins):
                     )
                 every = policy.cleanup_every  # crossed a multiple since the commit?
                 if ds.version // every > (first - 1) // every:
-                    held, min_age = self._reader_protection(spec.name)
+                    held, min_age = self._held_versions(spec.name), self._reader_min_age()
                     if mx.cleanup_due(
                         self.uri(spec.name), ds.version, policy, min_age, held or set()
                     ):
@@ -380,13 +380,16 @@ class Lab(VersionPins):
                 done["deferred"] = f"{type(exc).__name__}: {str(exc)[:160]}"
         return done
 
-    def _reader_protection(self, table: str) -> tuple[set[int] | None, timedelta]:
-        """What keeps readers' versions: on a local lab the versions live views hold, and
-        ``policy.reader_min_age`` for one-shot reads; on object storage no holds (None) and
+    def _held_versions(self, table: str) -> set[int] | None:
+        """The versions of ``table`` live views hold (local labs); None on object storage,
+        where no holds are known and the age rule alone protects readers."""
+        return None if "://" in self.root else held_versions(self.root, table)
+
+    def _reader_min_age(self) -> timedelta:
+        """The age under which no version is dropped: ``policy.reader_min_age`` where
+        views hold their versions (local labs; one-shot reads), else
         ``policy.version_min_age``."""
-        if "://" in self.root:
-            return None, self.policy.version_min_age
-        return held_versions(self.root, table), self.policy.reader_min_age
+        return self.policy.version_min_age if "://" in self.root else self.policy.reader_min_age
 
     def ensure_indexes(
         self, spec: TableSpec, ds: lance.LanceDataset | None = None, attempts: int = 8
@@ -617,8 +620,7 @@ class Lab(VersionPins):
         if not self.exists(spec.name):
             return {"table": spec.name, "skipped": "absent"}
         keep = self.policy.keep_versions if keep_versions is None else keep_versions
-        _, default_age = self._reader_protection(spec.name)
-        min_age = default_age if version_min_age is None else version_min_age
+        min_age = self._reader_min_age() if version_min_age is None else version_min_age
         self.ensure_indexes(spec)
         ds = self.dataset(spec.name)
         before = len(ds.get_fragments())
@@ -637,7 +639,7 @@ class Lab(VersionPins):
                 deferred,
             )
             mx.retry_conflicts(lambda: mx.optimize_all_indices(uri), deferred)
-            held, _ = self._reader_protection(spec.name)  # again: views opened meanwhile
+            held = self._held_versions(spec.name)
             cleanup = mx.cleanup_versions(self.uri(spec.name), keep, min_age, retention, held)
             orphans = mx.remove_orphaned_files(
                 self.dataset(spec.name), self.uri(spec.name), retention, orphan_min_age
