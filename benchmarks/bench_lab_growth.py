@@ -216,27 +216,30 @@ def grow(spec: TableSpec, stop: int, rows: int, image_bytes: int, policy: str) -
     root = Path(tempfile.mkdtemp(prefix=f"lab_growth_{spec.name}_"))
     lab = Lab(root, policy=MANUAL if policy == "manual" else Lab(root).policy)
     recent: list[float] = []
-    building = 0.0
+    building = cleaning = 0.0
     try:
         for i in range(stop):
             batch = f"b{i:05d}"
             data = make_rows(spec, batch, rows, image_bytes, seed=i)
             t = time.perf_counter()
-            lab.replace_partition(spec, batch, data)
+            done = lab.replace_partition(spec, batch, data)["maintenance"]
             dt = time.perf_counter() - t
             building += dt
+            cleaning += done.get("cleanup_s", 0.0)  # the write path's version cleanups
             recent.append(dt)
             n = i + 1
             if n in CHECKPOINTS:
                 m = measure(lab, spec, n, rows, image_bytes, recent)
                 m["build_s"] = building
+                m["cleanup_s_in_build"] = round(cleaning, 3)
                 results[n] = m
                 base = results[CHECKPOINTS[0]]
                 timed = [k for k in m if k.endswith("_ms")]
                 ratios = "  ".join(f"{k[:-3]} {m[k]:.1f} ({m[k] / base[k]:.2f}x)" for k in timed)
                 print(
                     f"{spec.name:>14} N={n:>6}  {ratios}\n{'':>14}   build {building:.1f} s "
-                    f"({building / base['build_s']:.1f}x of N=100)  fragments {m['fragments']} "
+                    f"({building / base['build_s']:.1f}x of N=100, cleanups {cleaning:.1f} s)  "
+                    f"fragments {m['fragments']} "
                     f"unindexed {m['unindexed_fragments']}  segments {m['index_segments_max']}  _versions {m['versions']} files "
                     f"{m['versions_mb']:.1f} MB ({m['versions_mb_once_min_age_passed']:.1f} MB once past "
                     f"the min age)  maintain {m['maintain_s']:.2f} s "

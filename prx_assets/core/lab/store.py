@@ -365,6 +365,7 @@ class Lab(VersionPins):
                     if mx.cleanup_due(
                         self.uri(spec.name), ds.version, policy, min_age, held or set()
                     ):
+                        started = time.perf_counter()
                         done.update(
                             mx.cleanup_versions(
                                 self.uri(spec.name),
@@ -374,6 +375,7 @@ class Lab(VersionPins):
                                 held,
                             )
                         )
+                        done["cleanup_s"] = round(time.perf_counter() - started, 4)
             except (OSError, RuntimeError, ValueError, CommitConflictError) as exc:
                 if not mx.is_conflict(exc):
                     raise
