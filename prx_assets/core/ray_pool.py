@@ -102,6 +102,8 @@ def _reachable(address: str, timeout: float) -> None:
 class RayPool:
     """A ``WorkerPool`` whose items run as Ray tasks, one CPU each, results in input order."""
 
+    same_machine = False  # a task may run on another node: it carries its bytes
+
     def __init__(
         self,
         workers: int | None = None,

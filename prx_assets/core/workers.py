@@ -73,9 +73,13 @@ class ItemFailed:
 
 
 class WorkerPool(Protocol):
-    """Maps a function over items on ``workers`` cores, results in input order."""
+    """Maps a function over items on ``workers`` cores, results in input order.
+
+    ``same_machine``: the items run on this machine, so a task may name a local file (a
+    blob of a local lab) instead of carrying its bytes."""
 
     workers: int
+    same_machine: bool
 
     def map_ordered(
         self, fn: Callable[[T], R], items: Iterable[T], *, window: int | None = None
@@ -116,6 +120,8 @@ def _window(window: int | None, workers: int) -> int:
 
 class InlinePool:
     """The calling process itself: what one worker means (nothing pickled, nothing spawned)."""
+
+    same_machine = True
 
     def __init__(self) -> None:
         self.workers = 1
@@ -176,6 +182,8 @@ def _context() -> multiprocessing.context.BaseContext:
 
 class ProcessPool:
     """``workers`` processes (forkserver), a bounded in-flight window, results in order."""
+
+    same_machine = True
 
     def __init__(self, workers: int) -> None:
         if workers < 1:

@@ -37,7 +37,7 @@ from prx_assets.core.lab import Lab
 from prx_assets.core.lab.blobs import LocalBlobs
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.core.text import bound_text, quote_bounded
-from prx_assets.core.workers import InlinePool, ItemFailed, ProcessPool, make_pool
+from prx_assets.core.workers import ItemFailed, make_pool
 
 ROWS_PER_RECORD_BATCH = 256
 BYTES_PER_RECORD_BATCH = 8 * 1024 * 1024  # a record batch also ends at this many image bytes
@@ -218,7 +218,7 @@ class BatchIngest:
 
         pool = make_pool(self.executor, self.workers)
         # Workers store blobs only where they share this machine's filesystem.
-        sink = self.blob_sink if isinstance(pool, InlinePool | ProcessPool) else None
+        sink = self.blob_sink if pool.same_machine else None
 
         def tasks() -> Iterator[tuple | None]:
             for c in iter_candidates(self.ref, self.max_file_bytes):

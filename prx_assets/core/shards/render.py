@@ -25,7 +25,7 @@ from prx_assets.core.shards.plan import CaptionInfo
 from prx_assets.core.shards.resize import RESAMPLE, RESAMPLE_CHOICES, SourceFacts, render_jpeg
 from prx_assets.core.shards.tables import assignment_from_row
 from prx_assets.core.tables import IMAGES
-from prx_assets.core.workers import InlinePool, ItemFailed, ProcessPool, WorkerPool
+from prx_assets.core.workers import InlinePool, ItemFailed, WorkerPool
 
 # MDS columns beyond mds.BASE_COLUMNS: caption provenance, and the upscale flag so a
 # trainer can keep native pixels only without a lab lookup. Flags are ints (MDS has no bool).
@@ -138,7 +138,7 @@ class BucketRenderer:
         # themselves: the bytes are neither read nor pickled here, and a missing or
         # altered blob is that image's render failure for any worker count. Ray workers
         # may not see this filesystem: they get the bytes.
-        local = isinstance(self.pool, ProcessPool | InlinePool) and images is not None
+        local = self.pool.same_machine and images is not None
         self._blobs = images.local_blobs(IMAGES.name, "image") if local else None
 
     def _read(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -190,9 +190,9 @@ class BucketRenderer:
 
         Why not ``samples`` per bucket: each bucket then drained the pool at its end, and
         the workers idled while the writer finished it (MDS index, fsyncs, skip-list
-        sidecars) and read the next bucket's first chunk: 0.66 idle core-seconds of
-        mds_shards' 1.46 s with 2 workers on 96 photos in 7 buckets. Here the window of
-        images in flight runs on into the next bucket while the writer closes this one.
+        sidecars) and read the next bucket's first chunk. Here the window of images in
+        flight runs on into the next bucket while the writer closes this one (what is
+        left idle: ``bench_pipeline --workers-check``, ``idle_core_seconds``).
         The streams are in ``mds.bucket_order`` and must be consumed in it, each to its
         end (what ``write_partition_streams`` does); one read out of turn raises instead
         of handing a sample to the wrong bucket. ``window`` (default four per worker)
