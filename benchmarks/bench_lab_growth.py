@@ -4,12 +4,14 @@ at N = 100, 1,000, 3,000, 10,000 partitions, through the real write path.
 Each table shape (a registered ``TableSpec``) is grown one ``Lab.replace_partition`` per
 partition (``--rows`` rows each, synthetic values of the spec's schema) with the default
 write-path maintenance. At each checkpoint N it prints, per operation, the median time and
-its ratio to N = 100: a new batch's ``replace_partition`` (the commits just before N), a
-rerun's ``replace_partition`` of an old batch, ``read_batch``, a key look-up (each BTREE
-column of the spec), ``count`` of a batch; then ``_versions`` size, fragments, unindexed
-fragments, the growth time so far, a full ``Lab.maintain`` on a copy of the table (time and
-its peak RSS, in a child process) and this process's peak RSS (the write path's own
-maintenance included). Then, with ~0.5 MB image rows, the bytes one maintenance run
+its ratio to N = 100: a new batch's ``replace_partition``, a rerun's ``replace_partition``
+of an old batch, ``read_batch``, a key look-up (each BTREE column of the spec), ``count``
+of a batch. The N = 100 figure is measured again at every checkpoint, side by side: a copy
+of the table as it was at N = 100 runs each operation in turn with the grown table, so the
+ratio does not carry the machine's drift between checkpoints (minutes apart). Then
+``_versions`` size, fragments, unindexed fragments, the growth time so far (wall and CPU),
+a full ``Lab.maintain`` on a copy of the table (time and its peak RSS, in a child process)
+and this process's peak RSS (the write path's own maintenance included). Then, with ~0.5 MB image rows, the bytes one maintenance run
 rewrites, for ``images`` as stored before (inline bytes) and as stored now (blob store).
 
     python -m benchmarks.bench_lab_growth [--quick] [--rows 10] [--tables images,skip_audit]
@@ -106,15 +108,6 @@ def make_rows(spec: TableSpec, batch: str, n: int, image_bytes: int, seed: int) 
     return pa.Table.from_pylist(rows, schema=spec.schema)
 
 
-def _median_ms(fn, repeats: int = REPEATS) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
-
-
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -164,32 +157,92 @@ def _maintain_copy(lab: Lab, spec: TableSpec) -> dict:
         return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure(lab: Lab, spec: TableSpec, n: int, rows: int, image_bytes: int, recent: list) -> dict:
+def _side_by_side_ms(ops: dict, repeats: int) -> dict[str, float]:
+    """Median ms of each op, the ops run in turn within every repeat: the reference lab and
+    the grown one see the same machine state, so drift on a shared machine cancels out of
+    their ratio."""
+    times: dict[str, list[float]] = {k: [] for k in ops}
+    for _ in range(repeats):
+        for name, fn in ops.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def _timed_ops(lab: Lab, spec: TableSpec, n: int, rows: int, image_bytes: int, tag: str) -> dict:
+    """The operations a stage, sensor or the browser performs on ``lab`` (grown to ``n``
+    partitions), as zero-argument callables: op name -> (callable, repeats)."""
     rng = random.Random(n)
-    ds = lab.dataset(spec.name)
     old = [f"b{rng.randrange(n):05d}" for _ in range(REPEATS)]
-    picks = itertools.cycle(old)
-    out: dict = {"new_batch_replace_ms": statistics.median(recent[-50:]) * 1e3}
-    # The mean of the last 100 commits carries the write path's own maintenance.
-    out["new_batch_replace_mean100_ms"] = statistics.fmean(recent[-100:]) * 1e3
+    picks = {k: itertools.cycle(old) for k in ("rerun", "read", "count")}
     rerun_rows = {b: make_rows(spec, b, rows, image_bytes, seed=int(b[1:]) + 7) for b in old}
-    out["rerun_replace_ms"] = _median_ms(
-        lambda: lab.replace_partition(spec, (b := next(picks)), rerun_rows[b])
+    # Rows made up front: the timed call is the write alone.
+    fresh = iter(
+        [
+            (f"{tag}{j:05d}", make_rows(spec, f"{tag}{j:05d}", rows, image_bytes, seed=10_000 + j))
+            for j in range(REPEATS)
+        ]
     )
-    out["read_batch_ms"] = _median_ms(lambda: lab.read_batch(spec.name, next(picks)), READ_REPEATS)
-    out["count_batch_ms"] = _median_ms(
-        lambda: lab.count(spec.name, f"batch = '{next(picks)}'"), READ_REPEATS
-    )
+
+    def new_batch() -> None:
+        lab.replace_partition(spec, *next(fresh))
+
+    ops: dict = {
+        "new_batch_replace_side_ms": (new_batch, REPEATS),
+        "rerun_replace_ms": (
+            lambda: lab.replace_partition(spec, (b := next(picks["rerun"])), rerun_rows[b]),
+            REPEATS,
+        ),
+        "read_batch_ms": (lambda: lab.read_batch(spec.name, next(picks["read"])), READ_REPEATS),
+        "count_batch_ms": (
+            lambda: lab.count(spec.name, f"batch = '{next(picks['count'])}'"),
+            READ_REPEATS,
+        ),
+    }
     probe = lab.read_batch(spec.name, old[0])
     for column, kind in spec.indexes:
         if kind != "BTREE" or column not in probe.column_names:
             continue
         value = probe.column(column)[0].as_py()
         literal = f"'{value}'" if isinstance(value, str) else str(value)
-        out[f"lookup_{column}_ms"] = _median_ms(
+        ops[f"lookup_{column}_ms"] = (
             lambda c=column, v=literal: lab.read(spec.name, ["batch", c], f"{c} = {v}"),
             READ_REPEATS,
         )
+    return ops
+
+
+def measure(
+    lab: Lab,
+    spec: TableSpec,
+    n: int,
+    rows: int,
+    image_bytes: int,
+    recent: list,
+    reference: Lab | None,
+) -> dict:
+    """Every operation at ``n``; with a ``reference`` lab (a fresh copy of the table as it
+    was at N = 100), each op alternates with the same op there, and ``ratio_side_by_side``
+    holds their ratios."""
+    out: dict = {"new_batch_replace_ms": statistics.median(recent[-50:]) * 1e3}
+    # The mean of the last 100 commits carries the write path's own maintenance.
+    out["new_batch_replace_mean100_ms"] = statistics.fmean(recent[-100:]) * 1e3
+    grown = _timed_ops(lab, spec, n, rows, image_bytes, tag=f"m{n}_")
+    base = (
+        _timed_ops(reference, spec, CHECKPOINTS[0], rows, image_bytes, tag=f"m{n}_")
+        if reference is not None
+        else {}
+    )
+    for name, (fn, repeats) in grown.items():
+        pair = {"grown": fn}
+        if name in base:
+            pair["reference"] = base[name][0]
+        ms = _side_by_side_ms(pair, repeats)
+        out[name] = ms["grown"]
+        if "reference" in ms:
+            out.setdefault("reference_ms", {})[name] = ms["reference"]
+            out.setdefault("ratio_side_by_side", {})[name[:-3]] = ms["grown"] / ms["reference"]
     ds = lab.dataset(spec.name)
     out["fragments"] = len(ds.get_fragments())
     out["unindexed_fragments"] = max(
@@ -211,35 +264,52 @@ def measure(lab: Lab, spec: TableSpec, n: int, rows: int, image_bytes: int, rece
     return out
 
 
+def _reference_copy(snapshot: Path, policy: str) -> tuple[Lab, Path]:
+    """A fresh lab from the N = 100 snapshot: the baseline each checkpoint runs beside."""
+    root = Path(tempfile.mkdtemp(prefix="lab_growth_reference_"))
+    shutil.copytree(snapshot, root, dirs_exist_ok=True)
+    return Lab(root, policy=MANUAL if policy == "manual" else Lab(root).policy), root
+
+
 def grow(spec: TableSpec, stop: int, rows: int, image_bytes: int, policy: str) -> dict:
     results: dict = {}
     root = Path(tempfile.mkdtemp(prefix=f"lab_growth_{spec.name}_"))
+    snapshot = Path(tempfile.mkdtemp(prefix=f"lab_growth_{spec.name}_at100_"))
     lab = Lab(root, policy=MANUAL if policy == "manual" else Lab(root).policy)
     recent: list[float] = []
-    building = cleaning = 0.0
+    building = building_cpu = cleaning = 0.0
     try:
         for i in range(stop):
             batch = f"b{i:05d}"
             data = make_rows(spec, batch, rows, image_bytes, seed=i)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             done = lab.replace_partition(spec, batch, data)["maintenance"]
             dt = time.perf_counter() - t
             building += dt
+            building_cpu += time.process_time() - c  # every thread of this process
             cleaning += done.get("cleanup_s", 0.0)  # the write path's version cleanups
             recent.append(dt)
             n = i + 1
+            if n == CHECKPOINTS[0]:
+                shutil.copytree(root, snapshot, dirs_exist_ok=True)
             if n in CHECKPOINTS:
-                m = measure(lab, spec, n, rows, image_bytes, recent)
+                reference, reference_root = _reference_copy(snapshot, policy)
+                try:
+                    m = measure(lab, spec, n, rows, image_bytes, recent, reference)
+                finally:
+                    shutil.rmtree(reference_root, ignore_errors=True)
                 m["build_s"] = building
+                m["build_cpu_s"] = building_cpu
                 m["cleanup_s_in_build"] = round(cleaning, 3)
                 results[n] = m
                 base = results[CHECKPOINTS[0]]
-                timed = [k for k in m if k.endswith("_ms")]
-                ratios = "  ".join(f"{k[:-3]} {m[k]:.1f} ({m[k] / base[k]:.2f}x)" for k in timed)
+                side = m["ratio_side_by_side"]
+                ratios = "  ".join(f"{k} {m[k + '_ms']:.1f} ({r:.2f}x)" for k, r in side.items())
                 print(
-                    f"{spec.name:>14} N={n:>6}  {ratios}\n{'':>14}   build {building:.1f} s "
-                    f"({building / base['build_s']:.1f}x of N=100, cleanups {cleaning:.1f} s)  "
-                    f"fragments {m['fragments']} "
+                    f"{spec.name:>14} N={n:>6}  vs N=100 side by side: {ratios}\n"
+                    f"{'':>14}   build {building:.1f} s wall, {building_cpu:.1f} s CPU "
+                    f"({building / base['build_s']:.1f}x / {building_cpu / base['build_cpu_s']:.1f}x"
+                    f" of N=100, cleanups {cleaning:.1f} s)  fragments {m['fragments']} "
                     f"unindexed {m['unindexed_fragments']}  segments {m['index_segments_max']}  _versions {m['versions']} files "
                     f"{m['versions_mb']:.1f} MB ({m['versions_mb_once_min_age_passed']:.1f} MB once past "
                     f"the min age)  maintain {m['maintain_s']:.2f} s "
@@ -249,6 +319,7 @@ def grow(spec: TableSpec, stop: int, rows: int, image_bytes: int, policy: str) -
                 recent.clear()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(snapshot, ignore_errors=True)
     return results
 
 
