@@ -126,3 +126,52 @@ def test_contact_sheet_reads_only_the_dc_scans_of_progressive_jpegs(monkeypatch)
         np.asarray(Image.open(io.BytesIO(cut)).convert("RGB")),
         np.asarray(Image.open(io.BytesIO(whole)).convert("RGB")),
     )
+
+
+def test_contact_sheet_draws_previews_without_decoding_the_originals(monkeypatch):
+    # A tile with ingest's preview is drawn from it; the original is decoded only for a
+    # tile without one (a lab ingested before the column), or one larger than the preview.
+    from prx_assets.demo.jpegs import bundled_photos, jpeg_bytes
+
+    big = jpeg_bytes(bundled_photos()[0].resize((1400, 1000)), progressive=False)
+    preview = G.preview_of_decoded(Image.open(io.BytesIO(big)).convert("RGB"))
+    assert len(preview) < len(big) // 10
+    decoded: list[int] = []
+    real_decode = G.decode_rgb
+    monkeypatch.setattr(
+        G, "decode_rgb", lambda d, **kw: decoded.append(len(d)) or real_decode(d, **kw)
+    )
+    groups = [
+        [G.Tile(big, ("1400x1000", "b"), True, preview), G.Tile(big, ("1400x1000", "c"), False)]
+    ]
+    G.contact_sheet(groups, thumb=G.PREVIEW_PX)
+    assert decoded == [len(preview), len(big)]
+    decoded.clear()
+    G.contact_sheet(groups, thumb=2 * G.PREVIEW_PX)  # the preview would be upscaled
+    assert decoded == [len(big), len(big)]
+
+
+def test_gallery_groups_read_previews_and_originals_only_where_missing(tmp_path: Path):
+    from prx_assets.core.lab import Lab
+    from prx_assets.core.tables import IMAGES
+
+    lab = Lab(tmp_path / "lab")
+    photo = (PHOTOS / "coffee.png").read_bytes()
+    preview = G.preview_of_decoded(Image.open(io.BytesIO(photo)).convert("RGB"))
+    base = {f.name: None for f in IMAGES.schema} | {"width": 600, "height": 400}
+    rows = [
+        base | {"batch": "b", "key": "k1", "image": photo, "preview": preview},
+        base | {"batch": "b", "key": "k2", "image": photo + b"x", "preview": None},
+    ]
+    lab.replace_partition(IMAGES, "b", pa.Table.from_pylist(rows, schema=IMAGES.schema))
+    decisions = pa.Table.from_pylist(
+        [
+            {"cluster_id": "c", "batch": "b", "key": "k1", "is_keeper": True},
+            {"cluster_id": "c", "batch": "b", "key": "k2", "is_keeper": False},
+        ]
+    )
+    (tiles,) = G.gallery_groups(lab, "b", decisions)
+    assert [(t.keeper, t.preview, t.data) for t in tiles] == [
+        (True, preview, None),  # the preview alone: no original read
+        (False, None, photo + b"x"),
+    ]

@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 from prx_assets.core.dedup.decisions import DedupSettings
+from prx_assets.core.dedup.gallery import PREVIEW_PX
 from prx_assets.core.dedup.phash import fast_thumbnail, thumbnail_from_bytes
 from prx_assets.core.dedup.runner import BatchHashes
 from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS, inspect_image
@@ -48,10 +49,14 @@ def _inputs() -> list[bytes]:
 
 def test_ingest_thumbnail_is_fast_thumbnail_bit_for_bit() -> None:
     for data in _inputs():
-        _, (info, thumb) = check_candidate((data, DEFAULT_MAX_PIXELS))
+        _, (info, thumb, preview) = check_candidate((data, DEFAULT_MAX_PIXELS))
         assert info == inspect_image(data)  # what ingest records is unchanged
         assert thumb is not None
         assert np.array_equal(thumbnail_from_bytes(thumb), fast_thumbnail(data))
+        # The gallery's preview: a small JPEG, oriented like the image (its aspect).
+        small = Image.open(io.BytesIO(preview))
+        assert small.format == "JPEG" and max(small.size) <= PREVIEW_PX
+        assert abs(small.width / small.height - info.width / info.height) < 0.05
 
 
 def test_validation_from_the_thumbnail_decode_still_refuses_truncation() -> None:
@@ -90,12 +95,13 @@ def test_hashes_from_stored_thumbnails_equal_hashes_from_the_bytes(data_root: Pa
 
 def test_an_images_table_of_the_older_spec_gains_the_columns(tmp_path: Path) -> None:
     lab = Lab(tmp_path / "lab")
-    old = pa.schema([f for f in IMAGES.schema if not f.name.startswith("phash_thumbnail")])
+    added = ["phash_thumbnail", "phash_thumbnail_version", "preview"]
+    old = pa.schema([f for f in IMAGES.schema if f.name not in added])
     row = {f.name: None for f in old} | {"key": "k" * 64, "batch": "b.0"}
     import lance
 
     lance.write_dataset(pa.Table.from_pylist([row], schema=old), lab.uri(IMAGES.name))
-    assert migrate_images_table(lab) == ["phash_thumbnail", "phash_thumbnail_version"]
+    assert migrate_images_table(lab) == added
     assert migrate_images_table(lab) == []
     assert lab.dataset(IMAGES.name).schema.names == IMAGES.schema.names
     assert lab.read(IMAGES.name, ["key", "phash_thumbnail"]).to_pylist() == [
@@ -111,7 +117,7 @@ def test_a_table_from_before_both_columns_gets_uncaptured_signals_never_null(
     from prx_assets.core.ingest.signals import UNCAPTURED
 
     lab = Lab(tmp_path / "lab")
-    added = {"usage_signals", "phash_thumbnail", "phash_thumbnail_version"}
+    added = {"usage_signals", "phash_thumbnail", "phash_thumbnail_version", "preview"}
     old = pa.schema([f for f in IMAGES.schema if f.name not in added])
     row = {f.name: None for f in old} | {"key": "k" * 64, "batch": "b.0"}
     import lance

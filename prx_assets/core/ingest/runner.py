@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from prx_assets.core.dedup.gallery import preview_of_decoded
 from prx_assets.core.dedup.phash import (
     FAST_DRAFT_TARGET,
     fast_thumbnail_of_decoded,
@@ -82,16 +83,19 @@ def _record_batches(rows: Iterator[dict], schema: pa.Schema) -> Iterator[pa.Reco
 
 
 THUMBNAIL_VERSION = phash_version("fast")  # what images.phash_thumbnail is made for
-# key, and (info, stored pHash thumbnail or None) or the refusal's (reason, detail)
-Checked = tuple[str, tuple[ImageInfo, bytes | None] | tuple[str, str]]
+# key, and (info, stored pHash thumbnail or None, review preview or None) or the refusal's
+# (reason, detail)
+Checked = tuple[str, tuple[ImageInfo, bytes | None, bytes | None] | tuple[str, str]]
 
 
 def check_candidate(item: tuple[bytes, int]) -> Checked:
-    """sha256, the policy's validation and the pHash thumbnail of one file (picklable).
+    """sha256, the policy's validation, the pHash thumbnail and the review preview of one
+    file (picklable).
 
     Validation decodes at the pHash ``fast`` scale (every scan is still entropy-decoded, so
     the refusals are the same as a 1/8 draft's) and the thumbnail is made from that decode,
-    so ``image_hashes`` never decodes the image again. A refusal comes back as (reason,
+    so ``image_hashes`` never decodes the image again; so is the small preview the
+    duplicate gallery draws (``core/dedup/gallery``). A refusal comes back as (reason,
     detail), the same in a worker as inline.
     """
     data, max_pixels = item
@@ -100,13 +104,17 @@ def check_candidate(item: tuple[bytes, int]) -> Checked:
         info, rgb = inspect_and_decode(data, max_pixels, (FAST_DRAFT_TARGET, FAST_DRAFT_TARGET))
     except DecodeRejected as exc:
         return key, (exc.reason, exc.detail)
-    thumb = None
+    thumb = preview = None
     if rgb is not None:
         try:
             thumb = thumbnail_to_bytes(fast_thumbnail_of_decoded(data, rgb))
         except Exception:  # noqa: BLE001 - no thumbnail: image_hashes decodes the bytes itself
             thumb = None
-    return key, (info, thumb)
+        try:
+            preview = preview_of_decoded(rgb)
+        except Exception:  # noqa: BLE001 - no preview: the gallery decodes the bytes itself
+            preview = None
+    return key, (info, thumb, preview)
 
 
 def check_and_store(item: tuple[bytes, int, LocalBlobs]) -> tuple[str, object, bool]:
@@ -270,7 +278,7 @@ class BatchIngest:
             if not isinstance(result[0], ImageInfo):
                 self._reject(c, str(result[0]), str(result[1]), key)
                 continue
-            info, thumb = result
+            info, thumb, preview = result
             image: bytes | str = c.data
             if self.blob_sink is not None:
                 if not stored:  # a Ray worker, or the worker's store failed: stored here
@@ -306,6 +314,7 @@ class BatchIngest:
                 "usage_signals": c.usage_signals,
                 "phash_thumbnail": thumb,
                 "phash_thumbnail_version": THUMBNAIL_VERSION if thumb is not None else None,
+                "preview": preview,
             }
         stats.check()
         self._done = True

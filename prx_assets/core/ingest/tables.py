@@ -36,6 +36,9 @@ IMAGES = TableSpec(
             # again (null, or another version: it decodes the bytes).
             pa.field("phash_thumbnail", pa.binary()),
             pa.field("phash_thumbnail_version", pa.string()),
+            # A PREVIEW_PX JPEG of the same decode, for the duplicate gallery
+            # (core/dedup/gallery; null: the gallery decodes the original).
+            pa.field("preview", pa.binary()),
         ]
     ),
     identity=("batch", "key"),
