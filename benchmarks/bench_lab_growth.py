@@ -11,10 +11,18 @@ of the table as it was at N = 100 runs each operation in turn with the grown tab
 ratio does not carry the machine's drift between checkpoints (minutes apart). Then
 ``_versions`` size, fragments, unindexed fragments, the growth time so far (wall and CPU),
 a full ``Lab.maintain`` on a copy of the table (time and its peak RSS, in a child process)
-and this process's peak RSS (the write path's own maintenance included). Then, with ~0.5 MB image rows, the bytes one maintenance run
-rewrites, for ``images`` as stored before (inline bytes) and as stored now (blob store).
+and this process's peak RSS (the write path's own maintenance included). The build's
+linearity is measured the same way: a second table is built to 1,000 partitions beside the
+long build, one of its commits after every N/1,000 of the long build's, and the two
+builds' times are compared (``build_side_by_side``). Then, with ~0.5 MB image rows, the
+bytes one maintenance run rewrites, for ``images`` as stored before (inline bytes) and as
+stored now (blob store).
 
     python -m benchmarks.bench_lab_growth [--quick] [--rows 10] [--tables images,skip_audit]
+
+The shard tree's side of the same issue (directory writes against their siblings, loader
+construction at 100 ... 10,000 directories against the plain ``StreamingDataset``, the
+landing cursor) is ``benchmarks/bench_tree_growth.py``.
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ RESULTS = REPO / "benchmarks" / "results" / "bench_lab_growth.json"
 CHECKPOINTS = (100, 1_000, 3_000, 10_000)
 DEFAULT_TABLES = ("images", "shard_samples", "skip_audit")
 REPEATS = 7
+# The build every longer one is compared with ("linear: <= 12x the time to 1,000").
+REFERENCE_BUILD = 1_000
 # Reads take about a millisecond: more samples keep their median steady on a shared machine.
 READ_REPEATS = 21
 
@@ -278,6 +288,14 @@ def grow(spec: TableSpec, stop: int, rows: int, image_bytes: int, policy: str) -
     lab = Lab(root, policy=MANUAL if policy == "manual" else Lab(root).policy)
     recent: list[float] = []
     building = building_cpu = cleaning = 0.0
+    # The build to REFERENCE_BUILD partitions, run beside the long one: one of its commits
+    # after every ``every`` of the long build's, so both builds see the same machine over
+    # the same minutes (a build to 10,000 takes minutes; the machine's speed moves by more
+    # than the target's margin in that time).
+    every = stop // REFERENCE_BUILD if stop > REFERENCE_BUILD else 0
+    side_root = Path(tempfile.mkdtemp(prefix=f"lab_growth_{spec.name}_side_")) if every else None
+    side_lab = Lab(side_root, policy=lab.policy) if side_root is not None else None
+    side_n, side_wall, side_cpu, side_cleaning = 0, 0.0, 0.0, 0.0
     try:
         for i in range(stop):
             batch = f"b{i:05d}"
@@ -290,6 +308,15 @@ def grow(spec: TableSpec, stop: int, rows: int, image_bytes: int, policy: str) -
             cleaning += done.get("cleanup_s", 0.0)  # the write path's version cleanups
             recent.append(dt)
             n = i + 1
+            if side_lab is not None and n % every == 0 and side_n < REFERENCE_BUILD:
+                b = f"b{side_n:05d}"
+                rows_b = make_rows(spec, b, rows, image_bytes, seed=side_n)
+                t, c = time.perf_counter(), time.process_time()
+                side_done = side_lab.replace_partition(spec, b, rows_b)["maintenance"]
+                side_wall += time.perf_counter() - t
+                side_cpu += time.process_time() - c
+                side_cleaning += side_done.get("cleanup_s", 0.0)
+                side_n += 1
             if n == CHECKPOINTS[0]:
                 shutil.copytree(root, snapshot, dirs_exist_ok=True)
             if n in CHECKPOINTS:
@@ -317,9 +344,31 @@ def grow(spec: TableSpec, stop: int, rows: int, image_bytes: int, policy: str) -
                     flush=True,
                 )
                 recent.clear()
+        if side_lab is not None:
+            results["build_side_by_side"] = {
+                "partitions": stop,
+                "reference_partitions": side_n,
+                "build_s": building,
+                "build_cpu_s": building_cpu,
+                "reference_build_s": side_wall,
+                "reference_build_cpu_s": side_cpu,
+                "cleanup_s": round(cleaning, 3),
+                "reference_cleanup_s": round(side_cleaning, 3),
+                "ratio": building / side_wall,
+                "ratio_cpu": building_cpu / side_cpu,
+            }
+            print(
+                f"{spec.name:>14} build to {stop} against the build to {side_n} run beside it: "
+                f"{building:.1f} s / {side_wall:.1f} s = {building / side_wall:.1f}x wall, "
+                f"{building_cpu / side_cpu:.1f}x CPU (cleanups {cleaning:.1f} s / "
+                f"{side_cleaning:.1f} s)",
+                flush=True,
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(snapshot, ignore_errors=True)
+        if side_root is not None:
+            shutil.rmtree(side_root, ignore_errors=True)
     return results
 
 
