@@ -1,13 +1,13 @@
 """The lab's contract on real Lance tables: one commit per partition, concurrent writers and
 index builders, maintenance and orphan removal, and the read and write API every stage uses."""
 
-import multiprocessing as mp
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pyarrow as pa
 
 from prx_assets.core.lab import MANUAL, Lab, TableSpec, full_text_query
+from prx_assets_tests.spawned import spawn_pool
 
 SPEC = TableSpec(
     name="t",
@@ -75,7 +75,7 @@ def test_concurrent_partitions_lose_no_rows(tmp_path):
     lab = Lab(tmp_path)
     lab.replace_partition(SPEC, "seed", _rows("seed", 10))
     jobs = [(str(tmp_path), f"p{i}", 50 + i) for i in range(6)] * 2  # each twice, racing
-    with mp.get_context("spawn").Pool(4) as pool:
+    with spawn_pool(4) as pool:
         assert sorted(pool.map(_write, jobs)) == sorted(j[1] for j in jobs)
     ds = lab.dataset("t")
     for i in range(6):
@@ -123,7 +123,7 @@ def test_concurrent_index_creation_tolerates_preempted_commits(tmp_path):
     for i in range(3):
         lab.replace_partition(unindexed, f"b{i}", _rows(f"b{i}", 30))
     assert lab.dataset("t").list_indices() == []
-    with mp.get_context("spawn").Pool(4) as pool:
+    with spawn_pool(4) as pool:
         assert pool.map(_ensure, [str(tmp_path)] * 8) == [True] * 8
     names = {ix["name"] for ix in lab.dataset("t").list_indices()}
     assert names == {"key_idx", "batch_idx"}

@@ -3,7 +3,6 @@ path keeps indexes covering every fragment and compacts on its own, a compaction
 loses a concurrent partition commit (processes), versions are bounded by count while pinned
 ones survive, and image bytes live in the blob store, never rewritten by maintenance."""
 
-import multiprocessing as mp
 import os
 import shutil
 from dataclasses import replace
@@ -17,6 +16,7 @@ import pytest
 
 from prx_assets.core.lab import DEFAULT_POLICY, MANUAL, BlobError, Lab, TableSpec
 from prx_assets.core.lab.maintenance import unindexed_fragments
+from prx_assets_tests.spawned import spawn_pool
 
 SPEC = TableSpec(
     name="t",
@@ -200,8 +200,7 @@ def _commit_with_maintenance(root: str, start: int, count: int) -> int:
 
 def test_concurrent_writers_maintaining_the_table_lose_no_commit(tmp_path):
     root = str(tmp_path)
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(3) as pool:
+    with spawn_pool(3) as pool:
         jobs = [pool.apply_async(_commit_with_maintenance, (root, s, 14)) for s in (0, 14, 28)]
         assert [j.get(timeout=300) for j in jobs] == [14, 14, 14]
     lab = Lab(root, policy=MANUAL)
@@ -244,8 +243,7 @@ def test_a_compaction_never_loses_a_concurrent_partition_commit(tmp_path):
     lab = Lab(root, policy=MANUAL)
     for i in range(12):
         lab.replace_partition(SPEC, f"p{i:02d}", _rows(f"p{i:02d}", 3 + i % 4, v=-1))
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(3) as pool:
+    with spawn_pool(3) as pool:
         compactor = pool.apply_async(_compact_repeatedly, (root, 12))
         writers = [pool.apply_async(_replace_many, (root, s, 4)) for s in (0, 6)]
         assert [w.get(timeout=300) for w in writers] == [4, 4]

@@ -26,6 +26,7 @@ from prx_assets.core.skiplists.intake import (
 from prx_assets.core.skiplists.reruns import OptOutCursor, plan_opt_out_tick
 from prx_assets.core.tables import IMAGES, OPT_OUT_LISTS, OPT_OUTS
 from prx_assets_tests.core.skip_world import World, key_of
+from prx_assets_tests.spawned import spawn_pool
 
 A, B, C = "src.a", "src.b", "src.c"
 T1 = datetime(2024, 6, 1, tzinfo=UTC)
@@ -196,14 +197,11 @@ def _take_in(args: tuple[str, str, str]) -> str:
 def test_concurrent_intakes_of_different_lists_all_record(world, drop):
     # The daemon may run several intake runs at once (one per list): each commit to
     # opt_outs / opt_out_lists must survive the others (merge_insert retries contention).
-    import multiprocessing
-
     names = ["photo", "copy", "lonely", "unsharded"]
     for n in names:
         _write(drop, f"{n}.txt", key_of(n) + "\n")
     ids = _ids(drop)
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(len(ids)) as pool:
+    with spawn_pool(len(ids)) as pool:
         statuses = pool.map(_take_in, [(world.lab.root, str(drop), i) for i in ids])
     assert statuses == ["accepted"] * len(ids)
     assert sorted(world.lab.read(OPT_OUT_LISTS.name, ["list_id"]).column(0).to_pylist()) == ids

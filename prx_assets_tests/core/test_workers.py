@@ -14,6 +14,7 @@ from prx_assets.core.workers import (
     available_cpus,
     make_pool,
 )
+from prx_assets_tests.spawned import spawn_pool
 
 
 def square_after_delay(x: int) -> int:
@@ -117,9 +118,7 @@ def _pool_kind_in_a_daemon(_: int) -> str:
 
 
 def test_a_daemonic_process_gets_an_inline_pool() -> None:
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(1) as daemons:
+    with spawn_pool(1) as daemons:
         assert daemons.map(_pool_kind_in_a_daemon, [0]) == ["InlinePool"]
 
 

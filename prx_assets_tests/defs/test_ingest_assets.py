@@ -2,7 +2,6 @@
 and concurrent partitions safe, the lab maintainable, limits configured on the resource."""
 
 import io
-import multiprocessing as mp
 import os
 import tarfile
 from pathlib import Path
@@ -15,6 +14,7 @@ from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.resources import LabResource
+from prx_assets_tests.spawned import spawn_pool
 
 ASSETS = [raw_images, resolution_profile]
 
@@ -104,8 +104,7 @@ def test_two_partitions_materialised_concurrently_lose_no_rows(
 ):
     keys = demo_manifest.batches[:2]
     instance.add_dynamic_partitions(BATCHES.name, keys)
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(2) as pool:
+    with spawn_pool(2) as pool:
         ok = pool.starmap(
             _run_in_own_process,
             [(instance.get_ref(), lab_resource.data_root, k) for k in keys],
