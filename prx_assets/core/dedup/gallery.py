@@ -6,7 +6,8 @@ the lab. :func:`gallery_groups` picks the clusters (cross-batch ones first) and 
 their previews; :func:`contact_sheet` draws them.
 
 Why previews: a tile drawn from the original costs a full entropy decode of a multi-megapixel
-JPEG (~8 ms), and the sheet's 16 tiles had become the largest cost of ``phash_clusters``.
+JPEG, and a sheet's 16 such tiles had become the largest cost of ``phash_clusters``
+(``bench_pipeline``'s per-stage seconds).
 Ingest already holds a 1/8-scale decode of every image (its validation), so it stores a
 ``PREVIEW_PX`` JPEG of it (``images.preview``, a few KB); an image without one (a lab
 ingested before the column) is drawn from its original bytes as before.
@@ -104,8 +105,8 @@ def contact_sheet(groups: Sequence[Sequence[Tile]], thumb: int = 112, title: str
     buf = io.BytesIO()
     # 256 colours are plenty for a review sheet and keep the UI's event metadata small; the
     # octree quantiser takes ~2 ms where the default median cut took ~80-170 ms per sheet.
-    # zlib's default level, not optimize=True: 9 ms against 34 ms for a 4-cluster sheet,
-    # for a file 0.4 % larger.
+    # zlib's default level, not optimize=True: that tries every setting, several times the
+    # time for a barely smaller file.
     sheet.quantize(colors=256, method=Image.Quantize.FASTOCTREE).save(buf, "PNG", compress_level=6)
     return buf.getvalue()
 
@@ -160,9 +161,9 @@ def gallery_groups(
     for c in chosen:
         tiles = []
         for m in members[c]:
-            img = found.get((m["batch"], m["key"]))
-            size = f"{img['width']}x{img['height']}" if img else "?"
             pair = (m["batch"], m["key"])
+            img = found.get(pair)
+            size = f"{img['width']}x{img['height']}" if img else "?"
             tiles.append(
                 Tile(
                     originals.get(pair),
