@@ -54,10 +54,17 @@ RESULTS = REPO / "benchmarks" / "results" / "bench_lab_growth.json"
 CHECKPOINTS = (100, 1_000, 3_000, 10_000)
 DEFAULT_TABLES = ("images", "shard_samples", "skip_audit")
 REPEATS = 7
+# Inline binary columns of ``images`` at their real sizes in ``blob_rewrites``: the pHash
+# thumbnail (32x32 float32) and the gallery preview (3.6 KB: the mean on bench_pipeline's
+# photos).
+INLINE_PER_IMAGE_BYTES = {"phash_thumbnail": 32 * 32 * 4, "preview": 3_600}
 # The build every longer one is compared with ("linear: <= 12x the time to 1,000").
 REFERENCE_BUILD = 1_000
 # Reads take about a millisecond: more samples keep their median steady on a shared machine.
 READ_REPEATS = 21
+# The side-by-side writes, each on a batch of its own (a rerun of an old batch, a new batch):
+# with 7 the median of one write moved by +-0.3x between runs on this machine.
+WRITE_REPEATS = 21
 
 
 def _value(field: pa.Field, batch: str, i: int, image_bytes: int, rng: random.Random):
@@ -184,14 +191,14 @@ def _timed_ops(lab: Lab, spec: TableSpec, n: int, rows: int, image_bytes: int, t
     """The operations a stage, sensor or the browser performs on ``lab`` (grown to ``n``
     partitions), as zero-argument callables: op name -> (callable, repeats)."""
     rng = random.Random(n)
-    old = [f"b{rng.randrange(n):05d}" for _ in range(REPEATS)]
+    old = [f"b{i:05d}" for i in rng.sample(range(n), WRITE_REPEATS)]
     picks = {k: itertools.cycle(old) for k in ("rerun", "read", "count")}
     rerun_rows = {b: make_rows(spec, b, rows, image_bytes, seed=int(b[1:]) + 7) for b in old}
     # Rows made up front: the timed call is the write alone.
     fresh = iter(
         [
             (f"{tag}{j:05d}", make_rows(spec, f"{tag}{j:05d}", rows, image_bytes, seed=10_000 + j))
-            for j in range(REPEATS)
+            for j in range(WRITE_REPEATS)
         ]
     )
 
@@ -199,10 +206,10 @@ def _timed_ops(lab: Lab, spec: TableSpec, n: int, rows: int, image_bytes: int, t
         lab.replace_partition(spec, *next(fresh))
 
     ops: dict = {
-        "new_batch_replace_side_ms": (new_batch, REPEATS),
+        "new_batch_replace_side_ms": (new_batch, WRITE_REPEATS),
         "rerun_replace_ms": (
             lambda: lab.replace_partition(spec, (b := next(picks["rerun"])), rerun_rows[b]),
-            REPEATS,
+            WRITE_REPEATS,
         ),
         "read_batch_ms": (lambda: lab.read_batch(spec.name, next(picks["read"])), READ_REPEATS),
         "count_batch_ms": (
@@ -378,7 +385,9 @@ def _files(root: Path) -> dict[str, int]:
 
 def blob_rewrites(partitions: int, rows: int, image_bytes: int) -> dict:
     """Bytes one maintenance run writes, as a share of the image bytes, with ~0.5 MB rows:
-    ``images`` as stored before (inline) and now (blob store)."""
+    ``images`` as stored before (inline) and now (blob store). The other columns are
+    small synthetic values, but the inline binary ones (``INLINE_PER_IMAGE_BYTES``) have
+    their real sizes."""
     out = {}
     inline = replace(IMAGES, blobs=())
     for label, spec in (("inline", inline), ("blob_store", IMAGES)):
@@ -393,6 +402,11 @@ def blob_rewrites(partitions: int, rows: int, image_bytes: int) -> dict:
                 total += sum(map(len, images))
                 idx = data.schema.get_field_index("image")
                 data = data.set_column(idx, "image", pa.array(images, pa.large_binary()))
+                # The inline per-image columns at their real sizes: compaction rewrites them.
+                for column, size in INLINE_PER_IMAGE_BYTES.items():
+                    at = data.schema.get_field_index(column)
+                    blob = pa.array([rng.bytes(size) for _ in range(rows)], pa.binary())
+                    data = data.set_column(at, column, blob)
                 lab.replace_partition(spec, f"b{p:04d}", data)
             before = _files(root)
             t = time.perf_counter()
