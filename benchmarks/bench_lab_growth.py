@@ -54,10 +54,8 @@ RESULTS = REPO / "benchmarks" / "results" / "bench_lab_growth.json"
 CHECKPOINTS = (100, 1_000, 3_000, 10_000)
 DEFAULT_TABLES = ("images", "shard_samples", "skip_audit")
 REPEATS = 7
-# Inline binary columns of ``images`` at their real sizes in ``blob_rewrites``: the pHash
-# thumbnail (32x32 float32) and the gallery preview (3.6 KB: the mean on bench_pipeline's
-# photos).
-INLINE_PER_IMAGE_BYTES = {"phash_thumbnail": 32 * 32 * 4, "preview": 3_600}
+
+
 # The build every longer one is compared with ("linear: <= 12x the time to 1,000").
 REFERENCE_BUILD = 1_000
 # Reads take about a millisecond: more samples keep their median steady on a shared machine.
@@ -65,6 +63,21 @@ READ_REPEATS = 21
 # The side-by-side writes, each on a batch of its own (a rerun of an old batch, a new batch):
 # with 7 the median of one write moved by +-0.3x between runs on this machine.
 WRITE_REPEATS = 21
+
+
+def inline_per_image_bytes(photos: int = 8) -> dict[str, int]:
+    """The inline binary columns of ``images`` at their real sizes, for ``blob_rewrites``:
+    what ingest's ``check_candidate`` stores for ``bench_pipeline``'s 3-4 MP photos (the
+    pHash thumbnail, the gallery preview; mean bytes)."""
+    from benchmarks.bench_pipeline import make_images
+    from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS
+    from prx_assets.core.ingest.runner import check_candidate
+
+    made = [check_candidate((d, DEFAULT_MAX_PIXELS))[1] for d in make_images(photos, False, 1)]
+    return {
+        column: round(statistics.fmean(len(m[i]) for m in made))
+        for i, column in ((1, "phash_thumbnail"), (2, "preview"))
+    }
 
 
 def _value(field: pa.Field, batch: str, i: int, image_bytes: int, rng: random.Random):
@@ -386,9 +399,10 @@ def _files(root: Path) -> dict[str, int]:
 def blob_rewrites(partitions: int, rows: int, image_bytes: int) -> dict:
     """Bytes one maintenance run writes, as a share of the image bytes, with ~0.5 MB rows:
     ``images`` as stored before (inline) and now (blob store). The other columns are
-    small synthetic values, but the inline binary ones (``INLINE_PER_IMAGE_BYTES``) have
-    their real sizes."""
-    out = {}
+    small synthetic values, but the inline binary ones have their real sizes
+    (``inline_per_image_bytes``)."""
+    inline_bytes = inline_per_image_bytes()
+    out: dict = {"inline_per_image_bytes": inline_bytes}
     inline = replace(IMAGES, blobs=())
     for label, spec in (("inline", inline), ("blob_store", IMAGES)):
         root = Path(tempfile.mkdtemp(prefix=f"lab_blobs_{label}_"))
@@ -403,7 +417,7 @@ def blob_rewrites(partitions: int, rows: int, image_bytes: int) -> dict:
                 idx = data.schema.get_field_index("image")
                 data = data.set_column(idx, "image", pa.array(images, pa.large_binary()))
                 # The inline per-image columns at their real sizes: compaction rewrites them.
-                for column, size in INLINE_PER_IMAGE_BYTES.items():
+                for column, size in inline_bytes.items():
                     at = data.schema.get_field_index(column)
                     blob = pa.array([rng.bytes(size) for _ in range(rows)], pa.binary())
                     data = data.set_column(at, column, blob)
