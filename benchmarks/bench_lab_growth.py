@@ -59,10 +59,11 @@ REPEATS = 7
 # The build every longer one is compared with ("linear: <= 12x the time to 1,000").
 REFERENCE_BUILD = 1_000
 # Reads take about a millisecond: more samples keep their median steady on a shared machine.
-READ_REPEATS = 21
+READ_REPEATS = 22
 # The side-by-side writes, each on a batch of its own (a rerun of an old batch, a new batch):
-# with 7 the median of one write moved by +-0.3x between runs on this machine.
-WRITE_REPEATS = 21
+# with 7 the median of one write moved by +-0.3x between runs on this machine. Both counts
+# even: each table runs first in half the pairs (``_side_by_side_ms``).
+WRITE_REPEATS = 22
 
 
 def inline_per_image_bytes(photos: int = 8) -> dict[str, int]:
@@ -187,13 +188,22 @@ def _maintain_copy(lab: Lab, spec: TableSpec) -> dict:
         return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _side_by_side_ms(ops: dict, repeats: int) -> dict[str, float]:
+ORDERS = ("alternate", "grown-first", "reference-first")
+
+
+def _side_by_side_ms(ops: dict, repeats: int, order: str = "alternate") -> dict[str, float]:
     """Median ms of each op, the ops run in turn within every repeat: the reference lab and
     the grown one see the same machine state, so drift on a shared machine cancels out of
-    their ratio."""
+    their ratio. The order flips every repeat, so neither table always runs first: with the
+    grown table first in every pair, a table against its own copy at N = 100 read up to
+    1.41x for writes (``--stop 100 --order grown-first``; the other orders keep one order
+    throughout, to measure that)."""
     times: dict[str, list[float]] = {k: [] for k in ops}
-    for _ in range(repeats):
-        for name, fn in ops.items():
+    for repeat in range(repeats):
+        flip = order == "reference-first" or (order == "alternate" and repeat % 2 == 1)
+        names = list(ops)[::-1] if flip else list(ops)
+        for name in names:
+            fn = ops[name]
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
@@ -251,6 +261,7 @@ def measure(
     image_bytes: int,
     recent: list,
     reference: Lab | None,
+    order: str = "alternate",
 ) -> dict:
     """Every operation at ``n``; with a ``reference`` lab (a fresh copy of the table as it
     was at N = 100), each op alternates with the same op there, and ``ratio_side_by_side``
@@ -268,7 +279,7 @@ def measure(
         pair = {"grown": fn}
         if name in base:
             pair["reference"] = base[name][0]
-        ms = _side_by_side_ms(pair, repeats)
+        ms = _side_by_side_ms(pair, repeats, order)
         out[name] = ms["grown"]
         if "reference" in ms:
             out.setdefault("reference_ms", {})[name] = ms["reference"]
@@ -301,7 +312,9 @@ def _reference_copy(snapshot: Path, policy: str) -> tuple[Lab, Path]:
     return Lab(root, policy=MANUAL if policy == "manual" else Lab(root).policy), root
 
 
-def grow(spec: TableSpec, stop: int, rows: int, image_bytes: int, policy: str) -> dict:
+def grow(
+    spec: TableSpec, stop: int, rows: int, image_bytes: int, policy: str, order: str = "alternate"
+) -> dict:
     results: dict = {}
     root = Path(tempfile.mkdtemp(prefix=f"lab_growth_{spec.name}_"))
     snapshot = Path(tempfile.mkdtemp(prefix=f"lab_growth_{spec.name}_at100_"))
@@ -342,7 +355,7 @@ def grow(spec: TableSpec, stop: int, rows: int, image_bytes: int, policy: str) -
             if n in CHECKPOINTS:
                 reference, reference_root = _reference_copy(snapshot, policy)
                 try:
-                    m = measure(lab, spec, n, rows, image_bytes, recent, reference)
+                    m = measure(lab, spec, n, rows, image_bytes, recent, reference, order)
                 finally:
                     shutil.rmtree(reference_root, ignore_errors=True)
                 m["build_s"] = building
@@ -458,6 +471,9 @@ def main() -> int:
     ap.add_argument("--policy", choices=("default", "manual"), default="default")
     ap.add_argument("--blob-partitions", type=int, default=24)
     ap.add_argument("--blob-rows", type=int, default=4)
+    ap.add_argument(
+        "--order", choices=ORDERS, default="alternate", help="which table runs first in a pair"
+    )
     args = ap.parse_args()
     stop = args.stop or (1_000 if args.quick else CHECKPOINTS[-1])
     names = (
@@ -469,13 +485,19 @@ def main() -> int:
         "command": " ".join(["python -m benchmarks.bench_lab_growth", *sys.argv[1:]]),
         "rows_per_partition": args.rows,
         "policy": args.policy,
+        "order": args.order,
         "tables": {},
     }
     for name in names:
-        report["tables"][name] = grow(BY_NAME[name], stop, args.rows, args.image_bytes, args.policy)
+        report["tables"][name] = grow(
+            BY_NAME[name], stop, args.rows, args.image_bytes, args.policy, args.order
+        )
     report["blob_rewrites"] = blob_rewrites(args.blob_partitions, args.blob_rows, 500_000)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    target = RESULTS.with_name("bench_lab_growth_quick.json") if args.quick else RESULTS
+    # Only the full default run is the one the docs quote; the others keep their own file.
+    stem = "bench_lab_growth" + (f"_stop{stop}" if args.stop else "_quick" if args.quick else "")
+    stem += "" if args.order == "alternate" else "_" + args.order.replace("-", "_")
+    target = RESULTS.with_name(stem + ".json")
     target.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {target.relative_to(REPO)}")
     return 0
