@@ -206,3 +206,26 @@ def test_references_stored_by_a_sink_are_committed_and_dangling_ones_refused(tmp
         lab.replace_partition(SPEC, "b", rows, stored_blobs=["key"])
     assert lab.dataset("imgs").version == before  # nothing committed by the refusals
     assert lab.read_batch("imgs", "b", ["image"]).num_rows == 2
+
+
+def test_a_sink_given_the_bytes_sha256_stores_them_there_and_a_wrong_one_is_refused_on_read(
+    tmp_path,
+):
+    """``LocalBlobs.put(data, sha256=...)`` (ingest's workers pass the key they just hashed)
+    stores at that address without hashing again; a wrong digest cannot pass a blob off as
+    another value, because every read checks the bytes against their address."""
+    import hashlib
+
+    lab = Lab(tmp_path / "lab", policy=MANUAL)
+    lab.ensure(SPEC)
+    sink = lab.local_blobs(SPEC, "image")
+    value = b"an image's bytes" * 64
+    digest = hashlib.sha256(value).hexdigest()
+    assert sink.put(value, sha256=digest) == (digest, len(value))
+    assert sink.get(digest) == value and lab.blobs.get("imgs", digest) == value
+    wrong = hashlib.sha256(b"another image").hexdigest()
+    sink.put(value, sha256=wrong)
+    with pytest.raises(BlobError, match="does not match its address"):
+        sink.get(wrong)
+    with pytest.raises(BlobError):
+        lab.blobs.get("imgs", wrong)

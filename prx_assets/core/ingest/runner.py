@@ -127,7 +127,7 @@ def check_and_store(item: tuple[bytes, int, LocalBlobs]) -> tuple[str, object, b
     if not isinstance(result[0], ImageInfo):
         return key, result, False
     try:
-        ref, _ = sink.put(data)
+        ref, _ = sink.put(data, sha256=key)  # ``key`` is these bytes' sha256, just computed
     except OSError:
         return key, result, False
     return key, result, ref == key

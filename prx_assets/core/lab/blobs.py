@@ -115,10 +115,16 @@ class LocalBlobs:
         _check_ref(self.table, ref)
         return f"{self.directory}/{ref[:2]}/{ref[2:4]}/{ref}"
 
-    def put(self, data: bytes | memoryview) -> tuple[str, int]:
-        """Store ``data``; its reference (sha256 hex) and the bytes newly written."""
+    def put(self, data: bytes | memoryview, sha256: str | None = None) -> tuple[str, int]:
+        """Store ``data``; its reference (sha256 hex) and the bytes newly written.
+
+        ``sha256``: the hex digest the caller has just computed of these same bytes (ingest's
+        key), which spares hashing them a second time (0.8 ms per 1.5 MB here). A wrong one
+        would store the bytes under another address; every ``get`` checks the bytes against
+        their address, so such a blob is refused on read, never served as another image.
+        """
         view = memoryview(data)
-        ref = hashlib.sha256(view).hexdigest()
+        ref = sha256 if sha256 is not None else hashlib.sha256(view).hexdigest()
         return ref, _put_local(self._path(ref), view)
 
     def get(self, ref: str) -> bytes:
