@@ -57,18 +57,18 @@ def test_demo_materialises_every_stage(tmp_path, monkeypatch, capsys):
     finally:
         instance.dispose()
     assert "no skipped sample appeared" in out
-    # Every planted pair is found (or its copy is under the size cutoff, never hashed), and
-    # each found pair keeps the larger image: the numbers, not just the sentence.
+    # Every planted pair is found (copies under the size cutoff are hashed too), and each
+    # found pair keeps the larger image: the numbers, not just the sentence.
     planted = len(build_demo_landing(tmp_path / "manifest-only", size="small").planted_duplicates)
     numbers = re.search(
         r"planted duplicate pairs found (\d+) of (\d+) \(keeper = higher resolution: (\d+); "
-        r"copies under the size cutoff, never hashed: (\d+)\)",
+        r"not hashed yet: (\d+); copies under the size cutoff are hashed too",
         out,
     )
     assert numbers, out
     found, of, keeper_larger, not_hashed = map(int, numbers.groups())
     assert of == planted > 0
-    assert found > 0 and found + not_hashed == planted
+    assert found == planted and not_hashed == 0
     assert keeper_larger == found
     for key in partitions:  # the no-caption count per batch (the demo's photos all have one)
         assert f"  {key}: 0 of " in out and "eligible without a caption" in out

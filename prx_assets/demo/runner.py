@@ -114,7 +114,8 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
             f"\nDedup (pHash, Hamming 0): {dups} duplicates marked non-keeper; planted duplicate "
             f"pairs found {planted['found']} of {planted['planted']} "
             f"(keeper = higher resolution: {planted['keeper_is_higher_resolution']}; "
-            f"copies under the size cutoff, never hashed: {planted['not_hashed']})"
+            f"not hashed yet: {planted['not_hashed']}; copies under the size cutoff are "
+            f"hashed too, so an opt-out naming one reaches its larger copies)"
         )
     if store.exists("shard_samples"):
         rows = store.read("shard_samples", ["relative_dir"]).column("relative_dir").to_pylist()

@@ -56,6 +56,7 @@ class Img:
     url: str | None
     sharded: bool
     hashed: bool
+    eligible: bool = True  # resolution's verdict: False for a copy under the size cutoff
 
     @property
     def key(self) -> str:
@@ -82,6 +83,7 @@ class World:
         url: str | None = None,
         sharded: bool = True,
         hashed: bool = True,
+        eligible: bool = True,
     ) -> str:
         """Declare one image; ``phash`` None gives it a hash of its own. Returns its key."""
         if phash is None:
@@ -99,6 +101,7 @@ class World:
             url,
             sharded,
             hashed,
+            eligible,
         )
         return key_of(name)
 
@@ -180,7 +183,7 @@ class World:
 
     @staticmethod
     def _resolution_row(i: Img) -> dict:
-        return {"key": i.key, "batch": i.batch, "eligible": True, "max_tier": 512}
+        return {"key": i.key, "batch": i.batch, "eligible": i.eligible, "max_tier": 512}
 
     @staticmethod
     def _caption_row(i: Img) -> dict:

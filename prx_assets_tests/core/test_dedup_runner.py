@@ -108,13 +108,15 @@ def sorted_rows(lab: Lab, spec: TableSpec, columns: Sequence[str] | None = None)
 # --------------------------------------------------------------------------- BatchHashes
 
 
-def test_batch_hashes_hashes_exactly_the_eligible_images_and_verifies_what_it_stored(tmp_path):
+def test_batch_hashes_hashes_every_profiled_image_and_verifies_what_it_stored(tmp_path):
     lab = Lab(tmp_path / "lab")
     files = {"astronaut.png": png("astronaut.png"), "rocket.png": png("rocket.jpg")}
     files["small.png"] = png("chelsea.png")  # 451x300: under the 384 px cutoff
     batch = land_and_ingest(lab, tmp_path / "landing", "000", files)
     out = BatchHashes(lab, batch, S0, read_chunk=1).run()  # one image per chunk
-    assert (out.eligible, out.hashed, out.low_information) == (2, 2, 0)
+    # The small copy is hashed too (not eligible for training): an opt-out naming only it
+    # must reach its larger copies through their cluster.
+    assert (out.to_hash, out.ineligible, out.hashed, out.low_information) == (3, 1, 3, 0)
     assert out.coverage.complete and out.coverage.missing == []
     # Hashed from the thumbnails ingest stored from its validation decode: no bytes read
     # (test_ingest_thumbnails.py proves they are the hasher's own, bit for bit).
@@ -126,8 +128,7 @@ def test_batch_hashes_hashes_exactly_the_eligible_images_and_verifies_what_it_st
     )
     assert lab.read(IMAGE_HASHES.name, ["key"], version=out.lance_version - 1).num_rows == 0
     stored = {r["key"]: r for r in lab.read_batch(IMAGE_HASHES.name, batch).to_pylist()}
-    assert key_of(lab, batch, "small.png") not in stored
-    for path in ("astronaut.png", "rocket.png"):
+    for path in ("astronaut.png", "rocket.png", "small.png"):
         row = stored[key_of(lab, batch, path)]
         want = phash_bytes(files[path], "fast")
         assert row["phash"] == hash_to_int64(want.hash) and row["phash_version"] == "fast-v1"
@@ -144,8 +145,8 @@ def test_batch_hashes_refuses_without_its_inputs(tmp_path):
     with pytest.raises(InputNotReady, match="no resolution table yet"):
         BatchHashes(lab, "src.000", S0).run()
     batch = land_and_ingest(lab, tmp_path / "landing", "000", {"a.png": png("astronaut.png")})
-    lab.delete(IMAGES.name, "batch IS NOT NULL")  # resolution says eligible, the image is gone
-    with pytest.raises(InputNotReady, match=r"1 eligible image\(s\) of src.000 are not in"):
+    lab.delete(IMAGES.name, "batch IS NOT NULL")  # resolution profiled it, the image is gone
+    with pytest.raises(InputNotReady, match=r"1 profiled image\(s\) of src.000 are not in"):
         BatchHashes(lab, batch, S0).run()
     assert lab.version(IMAGE_HASHES.name) is None  # nothing written
     with pytest.raises(ValueError, match="read_chunk must be >= 1"):

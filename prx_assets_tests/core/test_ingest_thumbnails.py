@@ -78,7 +78,9 @@ def test_hashes_from_stored_thumbnails_equal_hashes_from_the_bytes(data_root: Pa
     assert set(stored.column("phash_thumbnail_version").to_pylist()) == {THUMBNAIL_VERSION}
     first = BatchHashes(lab, DEMO_BATCH, DedupSettings(), workers=1)
     out = first.run()
-    assert out.coverage.complete and out.hashed == len(eligible)
+    # Every image is hashed, those under the size cutoff too (they never train).
+    assert out.coverage.complete and out.hashed == out.to_hash == stored.num_rows
+    assert out.to_hash - out.ineligible == len(eligible)
     assert first.bytes_read == 0  # no image bytes read: nothing decoded again
     from_thumbnails = _hash_rows(lab)
 

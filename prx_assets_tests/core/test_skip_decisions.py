@@ -109,6 +109,33 @@ def test_an_opt_out_of_a_smaller_copy_excludes_the_larger_copy(world):
     assert _reasons(world, B) == {"small-copy": ("opt_out",)}
 
 
+def test_an_opt_out_naming_only_a_copy_under_the_size_cutoff_excludes_its_larger_copy(world):
+    """The small copy never trains (not eligible, never written), but it is hashed, so it
+    shares the cluster of its larger copy; an opt-out list naming only it reaches that copy,
+    and the opt-out sensor's expansion through the cluster requests the larger copy's batch.
+    """
+    world.image("original", A, phash=11, pixels=1600 * 900)
+    small = world.image("thumbnail", B, phash=11, pixels=300 * 200, eligible=False, sharded=False)
+    world.commit()
+    # B holds only the thumbnail: no shards at all. That must not hold A's copy pending.
+    assert _reasons(world, A) == {"original": ()}
+    assert (A, key_of("original")) in cluster_copies(world.lab, [(B, small)])
+    world.opt_out("legal.txt@1", [small])
+    decisions, _ = _decisions(world, A)
+    assert decisions["original"].reasons == ("opt_out",)
+    assert decisions["original"].opt_out_via == (small,)
+
+
+def test_an_ineligible_copy_is_never_the_training_copy_even_when_it_is_the_largest(world):
+    # Eligibility is not only size (e.g. an aspect outside 0.5-2.0): the largest copy of the
+    # cluster may be one that is never written; training then goes to the best written one.
+    world.image("panorama", B, phash=12, pixels=6000 * 1000, eligible=False, sharded=False)
+    world.image("crop", A, phash=12, pixels=1000 * 900)
+    world.image("smaller", A, phash=12, pixels=800 * 700)
+    world.commit()
+    assert _reasons(world, A) == {"crop": (), "smaller": ("duplicate",)}
+
+
 # --------------------------------------------------------------------------- fail closed
 
 

@@ -52,7 +52,8 @@ def _run_everything(root: Path, landing: Path, workers: int) -> dict:
     hashes = BatchHashes(lab, KEY, DedupSettings(), workers=workers).run()
     assert hashes.coverage.complete
     hash_rows = lab.read_batch(IMAGE_HASHES.name, KEY).sort_by("key").to_pylist()
-    eligible = sorted(r["key"] for r in hash_rows)
+    profile = lab.read_batch(RESOLUTION.name, KEY, ["key", "eligible"]).to_pylist()
+    eligible = sorted(r["key"] for r in profile if r["eligible"])  # all are hashed; these train
     BatchAssignment(lab, KEY).run()
     _captions(lab, eligible[1:])
     plant_decision_facts(lab, KEY, eligible, copies={eligible[2]: eligible[3]})

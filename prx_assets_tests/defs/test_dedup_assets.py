@@ -168,16 +168,20 @@ def jpeg(img: Image.Image, quality: int = 95) -> bytes:
 # --------------------------------------------------------------------------- the demo
 
 
-def test_every_eligible_image_is_hashed_once_with_mode_and_version(staged):
+def test_every_profiled_image_is_hashed_once_with_mode_and_version(staged):
     store = staged.lab.lab()
+    ineligible = 0
     for batch in staged.manifest.batches:
         profile = store.read_batch(RESOLUTION.name, batch, ["key", "eligible"]).to_pylist()
-        eligible = sorted(r["key"] for r in profile if r["eligible"])
+        profiled = sorted(r["key"] for r in profile)
+        ineligible += sum(not r["eligible"] for r in profile)
         hashed = store.read_batch(IMAGE_HASHES.name, batch).to_pylist()
-        assert sorted(r["key"] for r in hashed) == eligible and eligible
+        # Copies under the size cutoff too: an opt-out naming one reaches its cluster.
+        assert sorted(r["key"] for r in hashed) == profiled and profiled
         assert {(r["phash_mode"], r["phash_version"]) for r in hashed} == {("fast", "fast-v1")}
         assert all(r["pixels"] > 0 and r["file_size"] > 0 for r in hashed)
-        assert set(clusters(staged.lab, batch)) == {(batch, k) for k in eligible}
+        assert set(clusters(staged.lab, batch)) == {(batch, k) for k in profiled}
+    assert ineligible > 0  # the demo holds images under the cutoff: the case is exercised
     indexes = {tuple(ix["fields"]) for ix in store.dataset(IMAGE_HASHES.name).list_indices()}
     assert ("phash",) in indexes
     assert staged.checks and all(staged.checks.values()), staged.checks
@@ -186,15 +190,16 @@ def test_every_eligible_image_is_hashed_once_with_mode_and_version(staged):
 def test_planted_duplicates_are_found_with_the_larger_copy_kept(staged):
     summary = summarise_planted(staged.lab.lab(), staged.manifest)
     by_pair = {(p["copy"], p["original"]): p for p in summary["pairs"]}
-    # coffee's 3/4 copy is 450x300: under the 384 px cutoff, so never hashed (not a miss).
-    assert summary["not_hashed"] == 1
+    # coffee's 3/4 copy is 450x300: under the 384 px cutoff, never trained, but hashed, so
+    # it joins its original's cluster (an opt-out naming only it reaches the original).
+    assert summary["not_hashed"] == 0
     assert (
         by_pair[("public-skimage.003:coffee-dup-downscaled.jpg", "public-skimage.000:coffee.png")][
             "status"
         ]
-        == "not_hashed"
+        == "found"
     )
-    assert summary["found"] == summary["keeper_is_higher_resolution"] == 3
+    assert summary["found"] == summary["keeper_is_higher_resolution"] == 4
     assert summary["missed"] == 0 and summary["planted"] == 4
     # Fast mode finds at least what the reference (imagehash) definition would.
     landing = staged.lab.landing
@@ -213,8 +218,9 @@ def test_planted_duplicates_are_found_with_the_larger_copy_kept(staged):
 
 def test_metadata_reports_duplicates_sizes_and_a_gallery(staged):
     md = staged.metadata["public-skimage.003"]
-    # Its three eligible copies are duplicates of larger images of earlier batches.
-    assert md["images"] == 3 and md["duplicates_of_other_batches"] == 3
+    # Its four copies (three eligible, one under the size cutoff: hashed too) are
+    # duplicates of larger images of earlier batches.
+    assert md["images"] == 4 and md["duplicates_of_other_batches"] == 4
     assert md["kept"] == 0 and md["duplicates_within_batch"] == 0
     assert "| size | count |" in md["cluster_sizes"]
     assert (
@@ -389,7 +395,7 @@ def test_the_hash_check_fails_on_missing_extra_or_outdated_rows():
     res = hashes_complete_result(coverage)
     assert not res.passed
     md = {k: v.value for k, v in res.metadata.items()}
-    assert md["missing"] == ["c"] and md["not_eligible_but_hashed"] == ["x"]
+    assert md["missing"] == ["c"] and md["unexpected"] == ["x"]
     assert md["other_phash_version"] == ["b"] and md["undecodable"] == ["c: truncated: cut"]
     ok = hashes_complete_result(hash_coverage(["a"], stored.slice(0, 1), "fast-v1", {}))
     assert ok.passed

@@ -1,6 +1,6 @@
 """The dedup stage's checks: what the stored rows must satisfy after a run wrote them.
 
-- :func:`hash_coverage`: every eligible image of a batch has exactly one hash row of the
+- :func:`hash_coverage`: every profiled image of a batch has exactly one hash row of the
   configured pHash version, and no other image has one (``image_hashes_complete``);
 - :func:`check_keepers`: each cluster touching a batch has exactly one keeper across all
   batches, the one with the most pixels; low-information images are their own keeper
@@ -33,22 +33,22 @@ from prx_assets.core.tables import IMAGE_HASHES
 
 @dataclass(frozen=True)
 class HashCoverage:
-    """Stored hash rows of a batch against its eligible images."""
+    """Stored hash rows of a batch against the images it must hash (every profiled one)."""
 
-    eligible: int
+    expected: int
     hashed: int
-    missing: list[str]  # eligible, no hash row
-    not_eligible_but_hashed: list[str]
+    missing: list[str]  # expected, no hash row
+    unexpected: list[str]  # hashed, but not a profiled image of the batch
     other_phash_version: list[str]
     undecodable: list[str]  # "key: reason" (ingest accepted them; the hasher could not)
 
     @property
     def complete(self) -> bool:
-        return not (self.missing or self.not_eligible_but_hashed or self.other_phash_version)
+        return not (self.missing or self.unexpected or self.other_phash_version)
 
 
 def hash_coverage(
-    eligible: list[str], stored: pa.Table, version: str, rejected: dict[str, str]
+    expected: list[str], stored: pa.Table, version: str, rejected: dict[str, str]
 ) -> HashCoverage:
     """``stored``: the batch's ``key, phash_version`` rows as read back after the write."""
     versions = dict(
@@ -59,10 +59,10 @@ def hash_coverage(
         )
     )
     return HashCoverage(
-        eligible=len(eligible),
+        expected=len(expected),
         hashed=len(versions),
-        missing=[k for k in eligible if k not in versions],
-        not_eligible_but_hashed=sorted(set(versions) - set(eligible)),
+        missing=[k for k in expected if k not in versions],
+        unexpected=sorted(set(versions) - set(expected)),
         other_phash_version=sorted(k for k, v in versions.items() if v != version),
         undecodable=[f"{k}: {why}" for k, why in sorted(rejected.items())],
     )

@@ -32,8 +32,9 @@ def summarise_planted(lab: Lab, manifest: _HasPlanted) -> dict[str, Any]:
 
     A pair counts as *found* when both images have a ``phash_clusters`` row with the same
     ``cluster_id``; *keeper ok* when that cluster's keeper has at least as many pixels as
-    either image of the pair. Copies under the training size cutoff are never hashed (not
-    eligible), and are reported as such rather than as misses.
+    either image of the pair. Copies under the training size cutoff are hashed too (never
+    trained, but an opt-out naming one must reach its cluster); a pair with an image not
+    hashed yet is reported as such rather than as a miss.
     """
     pairs = [(_split(c), _split(o)) for c, o in manifest.planted_duplicates]
     refs = {r for pair in pairs for r in pair}
@@ -73,7 +74,7 @@ def summarise_planted(lab: Lab, manifest: _HasPlanted) -> dict[str, Any]:
             members = [(copy[0], ids[0][0]), (orig[0], ids[1][0])]
             if any(m not in hsh for m in members):
                 entry["status"] = "not_hashed"
-                entry["note"] = "under the size cutoff (not eligible) or not hashed yet"
+                entry["note"] = "not hashed yet"
             elif any(m not in dec for m in members):
                 entry["status"] = "not_decided"
             else:

@@ -1,7 +1,8 @@
 """The dedup stage's runners: each reads, decides, writes and verifies one batch through Lab.
 
-- :class:`BatchHashes` (``image_hashes``): hash every eligible image of the batch, stream
-  the rows into one partition replacement, read them back against the eligible list.
+- :class:`BatchHashes` (``image_hashes``): hash every profiled image of the batch (copies
+  under the training size cutoff included: see ``keys_to_hash``), stream the rows into one
+  partition replacement, read them back against that list.
 - :class:`BatchClusters` (``phash_clusters``): decide the batch against the whole corpus
   (:func:`~prx_assets.core.dedup.corpus.gather_corpus`, then
   :func:`~prx_assets.core.dedup.decisions.plan_batch`), write its rows and its
@@ -83,11 +84,12 @@ class InputNotReady(RuntimeError):
 
 @dataclass(frozen=True)
 class HashOutcome:
-    """What ``BatchHashes.run`` wrote, and the stored rows checked against the eligible list."""
+    """What ``BatchHashes.run`` wrote, and the stored rows checked against the list to hash."""
 
     batch: str
     settings: DedupSettings
-    eligible: int
+    to_hash: int  # every profiled image of the batch
+    ineligible: int  # of those, not trainable (e.g. under the size cutoff): hashed for opt-outs
     hashed: int
     low_information: int
     bytes_read: int
@@ -97,7 +99,7 @@ class HashOutcome:
 
 
 class BatchHashes:
-    """Hash every eligible image of ``batch`` into its ``image_hashes`` rows (one commit).
+    """Hash every profiled image of ``batch`` into its ``image_hashes`` rows (one commit).
 
     Only one chunk of ``read_chunk`` images' bytes is in memory at a time; in ``fast`` mode
     its thumbnails are decoded on ``workers`` processes (None: every CPU available) and
@@ -126,32 +128,33 @@ class BatchHashes:
         self.low_information = 0
         self.bytes_read = 0
 
-    def eligible_keys(self, view: LabView) -> list[str]:
-        """The batch's eligible keys, all present in ``images`` (else :class:`InputNotReady`)."""
+    def keys_to_hash(self, view: LabView) -> tuple[list[str], int]:
+        """Every profiled key of the batch, all present in ``images`` (else
+        :class:`InputNotReady`), and how many of them are not eligible for training.
+
+        Why the ineligible ones too: a copy under the size cutoff never trains, but an
+        opt-out list or a reserving signal may name only it. Hashed, it joins the cluster of
+        its larger copies, and the skip policy excludes the whole cluster for it; unhashed,
+        the larger copies would train. (It can never be the training copy: it is never
+        written to shards, so the skip policy counts it as excluded.)
+        """
         if not view.exists(RESOLUTION.name):
             raise InputNotReady(
                 f"no resolution table yet: materialise resolution_profile for {self.batch}"
             )
         where = f"batch = {sql_literal(self.batch)}"
         profile = view.read(RESOLUTION.name, ["key", "eligible"], where)
-        keys = sorted(
-            k
-            for k, ok in zip(
-                profile.column("key").to_pylist(),
-                profile.column("eligible").to_pylist(),
-                strict=True,
-            )
-            if ok
-        )
+        keys = sorted(profile.column("key").to_pylist())
+        ineligible = sum(1 for ok in profile.column("eligible").to_pylist() if not ok)
         stored = view.read(IMAGES.name, ["key"], where)
         present = set(stored.column("key").to_pylist()) if stored.num_columns else set()
         missing = [k for k in keys if k not in present]
         if missing:
             raise InputNotReady(
-                f"{len(missing)} eligible image(s) of {self.batch} are not in `images` "
+                f"{len(missing)} profiled image(s) of {self.batch} are not in `images` "
                 f"(e.g. {missing[0]}): rematerialise raw_images and resolution_profile"
             )
-        return keys
+        return keys, ineligible
 
     def record_batches(self, view: LabView, keys: list[str]) -> Iterator[pa.RecordBatch]:
         """The hash rows, one record batch per chunk of images (one batched DCT each)."""
@@ -249,7 +252,7 @@ class BatchHashes:
 
     def run(self) -> HashOutcome:
         view = self.lab.view()  # resolution and images opened once for the whole run
-        keys = self.eligible_keys(view)
+        keys, ineligible = self.keys_to_hash(view)
         t0 = time.perf_counter()
         self.pool = make_pool(self.executor, self.workers)
         try:
@@ -264,7 +267,8 @@ class BatchHashes:
         return HashOutcome(
             batch=self.batch,
             settings=self.settings,
-            eligible=len(keys),
+            to_hash=len(keys),
+            ineligible=ineligible,
             hashed=self.hashed,
             low_information=self.low_information,
             bytes_read=self.bytes_read,

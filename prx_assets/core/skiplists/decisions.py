@@ -175,6 +175,10 @@ def gather_copies(
     captions = _rows(lab, CAPTIONS, batch, others, ["caption", "backend_fingerprint"], chunk)
     classes = _rows(lab, CAPTION_CLASSES, batch, others, ["label", "caption_fingerprint"], chunk)
     shard_rows = _rows(lab, SHARD_SAMPLES, batch, others, [], chunk, own=False)
+    # Copies not eligible for training (e.g. under the size cutoff) are hashed, so that an
+    # opt-out naming one reaches its cluster, but never written: known, not pending, even in
+    # a batch that has no shards at all (which would otherwise count as not sharded yet).
+    profiles = _rows(lab, RESOLUTION, batch, others, ["eligible"], chunk, own=False)
     unsharded = {b for b, _ in others} - _sharded_batches(lab, {b for b, _ in others})
     stale = {(r["batch"], r["key"]) for r in read_dirty(lab).to_pylist()}
     id_rows = lookup_by_keys(lab, IMAGES.name, IMAGES.schema, others, fact_columns, chunk=chunk)
@@ -208,6 +212,8 @@ def gather_copies(
             written: bool | None = k in keys
         elif ref in shard_rows:
             written = True
+        elif ref in profiles and profiles[ref]["eligible"] is False:
+            written = False
         else:
             written = None if b in unsharded else False
         copies.append(

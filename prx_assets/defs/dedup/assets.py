@@ -81,17 +81,21 @@ def _image_hashes(
         out = BatchHashes(
             store, context.partition_key, settings, dedup.read_chunk, workers=lab.workers
         ).run()
-    context.log.info(f"{out.batch}: hashed {out.hashed}/{out.eligible} in {out.seconds:.1f} s")
+    context.log.info(
+        f"{out.batch}: hashed {out.hashed}/{out.to_hash} ({out.ineligible} not eligible for "
+        f"training, hashed so an opt-out naming them reaches their copies) in {out.seconds:.1f} s"
+    )
     return MaterializeResult(
         metadata={
-            "eligible_images": out.eligible,
+            "images_to_hash": out.to_hash,
+            "ineligible_hashed_for_opt_outs": out.ineligible,
             "hashed": out.hashed,
             "undecodable": len(out.coverage.undecodable),
             "phash_mode": settings.phash_mode,
             "phash_version": settings.phash_version,
             "low_information": out.low_information,
             "low_info_threshold": settings.low_info_threshold,
-            "ms_per_image": 1e3 * out.seconds / max(1, out.eligible),
+            "ms_per_image": 1e3 * out.seconds / max(1, out.to_hash),
             "mb_read": round(out.bytes_read / 1e6, 3),
             "image_hashes_lance_version": out.lance_version,
             "lab": MetadataValue.path(store.uri(IMAGE_HASHES.name)),
@@ -106,10 +110,10 @@ def hashes_complete_result(coverage: HashCoverage) -> AssetCheckResult:
         passed=coverage.complete,
         severity=AssetCheckSeverity.ERROR,
         metadata={
-            "eligible": coverage.eligible,
+            "expected": coverage.expected,
             "hashed": coverage.hashed,
             "missing": _some(coverage.missing),
-            "not_eligible_but_hashed": _some(coverage.not_eligible_but_hashed),
+            "unexpected": _some(coverage.unexpected),
             "other_phash_version": _some(coverage.other_phash_version),
             "undecodable": _some(coverage.undecodable),
         },
@@ -226,18 +230,22 @@ def build_dedup_assets(config: DedupConfigResource) -> list[AssetsDefinition]:
         deps=[raw_images, resolution_profile],
         group_name=GROUP,
         kinds={"lance"},
-        code_version=f"image_hashes-v1-{settings.phash_version}",
+        # v2: every profiled image is hashed, copies under the size cutoff included.
+        code_version=f"image_hashes-v2-{settings.phash_version}",
         check_specs=[
             _spec(
                 HASHES_COMPLETE,
                 IMAGE_HASHES_ASSET,
-                "Every eligible image of the partition has exactly one hash row of the "
-                "configured pHash version, and no other image has one.",
+                "Every profiled image of the partition (copies under the size cutoff included) "
+                "has exactly one hash row of the configured pHash version, and no other "
+                "image has one.",
             )
         ],
         description=(
             f"64-bit pHash ({settings.phash_mode} mode, {settings.phash_version}) of every "
-            "eligible image, with AC energy, pixels and file size for the keeper rule. "
+            "profiled image (also those under the size cutoff, so that an opt-out naming "
+            "only a small copy reaches its larger copies through their cluster), with AC "
+            "energy, pixels and file size for the keeper rule. "
             "BTREE index on phash for look-ups by hash."
         ),
     )
