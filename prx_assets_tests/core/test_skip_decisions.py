@@ -27,6 +27,7 @@ from prx_assets.core.skiplists.decisions import (
     read_skip_dirty,
 )
 from prx_assets.core.skiplists.policy import SkipPolicy, audit_rows
+from prx_assets.core.skiplists.runner import PartitionSkipLists
 from prx_assets.core.tables import CAPTION_CLASSES, CAPTIONS, IMAGES, SHARD_SAMPLES, SKIP_AUDIT
 from prx_assets_tests.core.skip_world import FLAT, T0, World, key_of
 
@@ -253,6 +254,28 @@ def _record(world: World, batch: str, policy: SkipPolicy | None = None) -> None:
     """What skip_lists(batch) records: its audit rows."""
     _, out = _decisions(world, batch, policy)
     world.lab.replace_partition(SKIP_AUDIT, batch, audit_rows(batch, out, {}, T0))
+
+
+def test_an_opt_out_of_a_small_copy_clustered_later_reaches_the_recorded_larger_copy(
+    world, tmp_path
+):
+    """The opt-out is recorded before the thumbnail is hashed: the original's batch decided
+    it kept, and the sensor's cluster expansion found no other copy then. The thumbnail's
+    batch has no samples, but its skip_lists run gathers the thumbnail's cluster and marks
+    the original's recorded decision contradicted, so that batch reruns."""
+    world.image("original", A, phash=13, pixels=1600 * 900)
+    small = world.image("thumbnail", B, phash=13, pixels=300 * 200, eligible=False, sharded=False)
+    world.commit()
+    _record(world, A)  # kept: decided while no copy of it was opted out
+    world.opt_out("legal.txt@1", [small])
+    out = decide_partition(world.lab, B, world.samples(B), SkipPolicy())
+    assert out.decisions == []  # B holds nothing that trains
+    changes = contradicted_elsewhere(world.lab, out)
+    assert [(c.batch, c.key, c.after) for c in changes] == [(A, key_of("original"), "opt_out")]
+    # The stage itself, on a batch with no shards: it runs and queues A for its rerun.
+    done = PartitionSkipLists(world.lab, str(tmp_path / "shards"), B, SkipPolicy()).run()
+    assert done.samples == 0 and [c.batch for c in done.marked_elsewhere] == [A]
+    assert read_skip_dirty(world.lab).column("batch").to_pylist() == [A]
 
 
 def test_contradicted_decisions_of_other_batches_are_found(world):

@@ -151,11 +151,15 @@ def gather_copies(
             f"(e.g. {sorted(missing)[0]}): rerun raw_images and the stages after it"
         )
     decided = _rows(lab, PHASH_CLUSTERS, batch, [], ["cluster_id", "low_information"], chunk)
+    # The clusters of every hashed image of the batch, not only of its samples: a copy that
+    # never trains (under the size cutoff) may carry an opt-out or a reserving signal for
+    # its cluster, and this run is where the other batches' copies learn of it
+    # (``contradicted_elsewhere``), even when the batch has no samples at all.
     cluster_ids = sorted(
         {
             r["cluster_id"]
-            for (_, k), r in decided.items()
-            if k in keys and r["cluster_id"] is not None and not r["low_information"]
+            for r in decided.values()
+            if r["cluster_id"] is not None and not r["low_information"]
         }
     )
     members: list[tuple[str, str]] = []
