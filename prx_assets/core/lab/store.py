@@ -176,22 +176,30 @@ class Lab(VersionPins):
         return self.blobs.local(spec.name)
 
     def ensure(self, spec: TableSpec) -> lance.LanceDataset:
-        """Create the table empty if missing (tolerating a concurrent creator)."""
+        """Create the table empty if missing (tolerating a concurrent creator).
+
+        Why not ``write_dataset(mode="create")``: when another process creates the table
+        between its existence check and its commit, Lance retries the create as an
+        ``Overwrite`` at the next version, which erases every row committed meanwhile (seen:
+        four processes creating ``opt_outs`` at once, one list's rows gone). Committing the
+        empty ``Overwrite`` with no retry lands as version 1 or fails; a failed create finds
+        the table another process made.
+        """
         try:
             return self.dataset(spec.name)
         except (ValueError, OSError, FileNotFoundError):
             pass
         schema = stored_schema(spec.schema, spec.blobs)
         try:
-            lance.write_dataset(
-                pa.Table.from_pylist([], schema=schema),
+            lance.LanceDataset.commit(
                 self.uri(spec.name),
-                mode="create",
+                lance.LanceOperation.Overwrite(schema, []),
+                max_retries=0,
                 storage_options=self.storage_options,
+                enable_v2_manifest_paths=True,
             )
         except (OSError, ValueError):
-            # Another process created it first; that is fine.
-            pass
+            pass  # another process created it first; the open below finds its table
         return self.dataset(spec.name)
 
     def _to_stored(self, spec: TableSpec, rows: pa.Table) -> pa.Table:
