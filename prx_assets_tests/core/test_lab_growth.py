@@ -312,6 +312,28 @@ def test_opens_see_commits_made_behind_this_process(tmp_path):
     assert lab.count("t") == 1 and lab.read("t", ["key"]).column("key").to_pylist() == ["z-0"]
 
 
+def test_opens_see_the_latest_version_past_a_gap_retention_left_after_a_pinned_one(tmp_path):
+    # Retention keeps a pinned version and drops its successors: a process that last saw the
+    # pinned version must not take the first missing successor for the latest and read the
+    # pinned version's rows (an opt-out recorded since would be missed).
+    lab = Lab(tmp_path, policy=MANUAL)
+    lab.replace_partition(SPEC, "a", _rows("a", 3))
+    pinned = lab.version("t")
+    assert lab.count("t") == 3  # the process has seen this version last
+    lab.pin_versions("snapshot-1", {"t": pinned})
+    uri = lab.uri("t")
+    later = [lab._to_stored(SPEC, _rows(f"c{i}", 1)) for i in range(6)]
+    for rows in later:  # commits this process does not see, then retention behind its back
+        lance.write_dataset(rows, uri, mode="append")
+    lance.dataset(uri).cleanup_old_versions(
+        older_than=timedelta(0), retain_versions=2, error_if_tagged_old_versions=False
+    )
+    kept = sorted(v["version"] for v in lance.dataset(uri).versions())
+    assert pinned in kept and pinned + 1 not in kept  # the gap is there
+    assert lab.version("t") == lance.dataset(uri).version
+    assert lab.count("t") == 9
+
+
 def test_retention_by_count_keeps_pinned_versions_and_their_files(tmp_path):
     policy = replace(
         SMALL_TIERS,

@@ -9,6 +9,7 @@ operation (blobs, version listings, orphan removal) the same filesystem.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -65,22 +66,43 @@ def _manifest_exists(uri: str, version: int, v2: bool) -> bool:
     return os.path.exists(f"{uri}/_versions/{name}.manifest")
 
 
+def _lance_hint(uri: str) -> int | None:
+    """The version Lance's ``_versions/latest_version_hint.json`` names (Lance rewrites it
+    after each commit to a local table), or None when it is absent or unreadable."""
+    try:
+        with open(f"{uri}/_versions/latest_version_hint.json", "rb") as fh:
+            version = json.loads(fh.read(4096)).get("version")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return version if isinstance(version, int) and version >= 0 else None
+
+
 def _latest_from_hint(uri: str) -> int | None:
-    """The table's latest version from this process's last sight of it, or None.
+    """The table's latest version from this process's last sight of it, or None (list).
 
     Why: Lance finds a local table's latest version by listing ``_versions``, one entry per
     kept version, on every open (~0.4 µs each: 2 ms at 5,000 versions, and retention keeps
-    every version younger than its min age and every held one). A commit writes manifest ``v + 1``
-    atomically and versions are consecutive, so from a version known to exist, the first
-    missing successor manifest is the latest (a few ``stat`` calls). The answer is as fresh
-    as a listing: a commit landing just after either is missed by both.
+    every version younger than its min age and every held one). A commit writes manifest
+    ``v + 1`` atomically and versions are consecutive, so from a version known to exist the
+    first missing successor manifest is the latest (a few ``stat`` calls), unless retention
+    removed successors of a version it kept out of order (a pinned or held one): the
+    version this process last saw may be exactly such a version, and its first missing
+    successor would then be a gap, not the end (a stale read). So the probe starts from the
+    newer of that version and the one Lance's own hint names: retention never removes the
+    newest ``keep_versions``, and the hint lags the latest only by commits still writing it,
+    so no gap lies beyond it. No readable hint, or its manifest gone: list. The answer is
+    as fresh as a listing: a commit landing just after either is missed by both.
     """
     known = _LATEST.get(uri)
     if known is None or "://" in uri:
         return None
+    hinted = _lance_hint(uri)
+    if hinted is None:
+        return None
+    start = max(known, hinted)
     for v2 in (True, False):
-        if _manifest_exists(uri, known, v2):
-            version = known
+        if _manifest_exists(uri, start, v2):
+            version = start
             for _ in range(HINT_PROBES):
                 if not _manifest_exists(uri, version + 1, v2):
                     _LATEST[uri] = version
