@@ -1,0 +1,210 @@
+"""An opt-out that names only a copy under the 384 px cutoff, through Dagster end to end.
+
+Two batches of real photos hold the same picture: a large copy that trains, and a small
+copy that never can (its batch has no shards). A list naming only the small copy's content
+key must keep the large copy out of training, whether the list arrives after both batches
+(the opt-out sensor expands the named image's pHash cluster to the large copy's batch) or
+before the small copy is ingested (the small copy's batch finds the large copy's recorded
+decision contradicted and queues its batch; ``skip_dirty_sensor`` reruns it). Real batch
+pipeline runs, real sensor ticks, real skip-list sidecars, and the training loader.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import io
+import warnings
+from pathlib import Path
+
+import pytest
+from dagster import instance_for_test
+from PIL import Image
+
+from prx_assets.core.tables import IMAGE_HASHES, IMAGES, RESOLUTION, SHARD_SAMPLES, SKIP_AUDIT
+from prx_assets.definitions import DOWNSTREAM_OF_DEDUP, build_defs
+from prx_assets.defs.dedup.settle import settle_dedup_in_process
+from prx_assets.defs.partitions import BATCHES
+from prx_assets.defs.run_requests import QUIET, evaluate_sensor, execute_run_request
+from prx_assets.demo.jpegs import PHOTO_DIR, jpeg_bytes
+
+LARGE = "public-optout.000"  # the large copy (and a bystander photo that stays)
+SMALL = "public-optout.001"  # only a copy under the size cutoff
+
+
+def _photo(name: str) -> Image.Image:
+    return Image.open(PHOTO_DIR / name).convert("RGB")
+
+
+def _batch(landing: Path, key: str, images: dict[str, bytes]) -> None:
+    source, chunk = key.split(".")
+    folder = landing / source / chunk
+    folder.mkdir(parents=True)
+    for name, data in images.items():
+        (folder / name).write_bytes(data)
+        (folder / f"{Path(name).stem}.txt").write_text(f"a photograph ({name})")
+    (folder / "_SUCCESS").write_text("")
+
+
+@pytest.fixture
+def photos() -> dict[str, bytes]:
+    coffee = _photo("coffee.png")  # 600 x 400
+    big = coffee.resize((1200, 800), Image.Resampling.LANCZOS)
+    small = coffee.resize((360, 240), Image.Resampling.LANCZOS)  # under 384 px
+    return {
+        "large": jpeg_bytes(big, quality=95),
+        "small": jpeg_bytes(small, quality=95),
+        "bystander": jpeg_bytes(_photo("chelsea.png").resize((902, 600)), quality=95),
+    }
+
+
+class Platform:
+    """One data root, its definitions and a real (temporary sqlite) Dagster instance."""
+
+    def __init__(self, root: Path, instance) -> None:
+        self.root = root
+        self.defs = build_defs(str(root))
+        self.instance = instance
+        self.lab = self.defs.resources["lab"].lab()
+        self.cursors: dict[str, str | None] = {}
+
+    def land(self, key: str, images: dict[str, bytes]) -> None:
+        """A batch lands and runs through the whole pipeline, then dedup settles."""
+        _batch(self.root / "landing", key, images)
+        self.instance.add_dynamic_partitions(BATCHES.name, [key])
+        job = self.defs.resolve_job_def("batch_pipeline")
+        result = job.execute_in_process(
+            partition_key=key, instance=self.instance, run_config=QUIET, raise_on_error=False
+        )
+        assert result.success, key
+        settle_dedup_in_process(self.defs, self.instance, DOWNSTREAM_OF_DEDUP, log=lambda _: None)
+
+    def tick(self, sensor: str) -> list[str]:
+        """One tick of ``sensor``, its runs carried out; what they were for."""
+        requests, self.cursors[sensor] = evaluate_sensor(
+            self.defs, self.instance, sensor, self.cursors.get(sensor)
+        )
+        for request in requests:
+            assert execute_run_request(self.defs, self.instance, request, None), request
+        return [
+            f"{','.join(k.to_user_string() for k in r.asset_selection or [])}:{r.partition_key}"
+            for r in requests
+        ]
+
+    def settle(self, sensor: str, ticks: int = 4) -> list[str]:
+        """Ticks until ``sensor`` asks for nothing more (bounded): every request made."""
+        done: list[str] = []
+        for _ in range(ticks):
+            asked = self.tick(sensor)
+            if not asked:
+                return done
+            done += asked
+        raise AssertionError(f"{sensor} still requesting after {ticks} ticks: {done}")
+
+    def opt_out(self, name: str, lines: list[str]) -> None:
+        directory = self.root / "optouts"
+        directory.mkdir(exist_ok=True)
+        (directory / name).write_text("\n".join(lines) + "\n")
+
+    def key_of(self, batch: str, file_name: str) -> str:
+        rows = self.lab.read_batch(IMAGES.name, batch, ["key", "path"]).to_pylist()
+        (key,) = [r["key"] for r in rows if r["path"].endswith(file_name)]
+        return key
+
+    def audit(self, batch: str) -> dict[str, dict]:
+        return {r["key"]: r for r in self.lab.read_batch(SKIP_AUDIT.name, batch).to_pylist()}
+
+    def trained_keys(self) -> list[str]:
+        """What the training loader yields from the shard tree (sidecars honoured)."""
+        from prx_assets.loader import ShapeBatchedLoader, discover_streams
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # tiny buckets warn; expected
+            buckets = discover_streams(self.root / "shards")
+            if not buckets:
+                return []
+            loader = ShapeBatchedLoader(buckets, batch_size=1, shuffle=False, num_canonical_nodes=1)
+            keys = [k for batch in loader for k in batch["key"]]
+        del loader
+        gc.collect()
+        return keys
+
+    def check_preconditions(self, large: str, small: str) -> None:
+        """The small copy is ineligible, unsharded, hashed, and in the large one's cluster."""
+        eligible = {
+            r["key"]: r["eligible"]
+            for b in (LARGE, SMALL)
+            for r in self.lab.read_batch(RESOLUTION.name, b, ["key", "eligible"]).to_pylist()
+        }
+        assert eligible[large] is True and eligible[small] is False
+        assert self.lab.count(SHARD_SAMPLES.name, f"batch = '{SMALL}'") == 0
+        hashes = {
+            r["key"]: r["phash"]
+            for b in (LARGE, SMALL)
+            for r in self.lab.read_batch(IMAGE_HASHES.name, b, ["key", "phash"]).to_pylist()
+        }
+        assert hashes[small] == hashes[large], "the planted copy is not at Hamming 0"
+
+
+@pytest.fixture
+def platform(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRX_DATA_ROOT", str(tmp_path / "data"))
+    with instance_for_test() as instance:
+        yield Platform(tmp_path / "data", instance)
+
+
+def test_a_list_naming_only_the_small_copy_keeps_the_large_copy_out(platform, photos):
+    p = platform
+    p.land(LARGE, {"large.jpg": photos["large"], "bystander.jpg": photos["bystander"]})
+    p.land(SMALL, {"small.jpg": photos["small"]})
+    large, small = p.key_of(LARGE, "large.jpg"), p.key_of(SMALL, "small.jpg")
+    bystander = p.key_of(LARGE, "bystander.jpg")
+    assert sorted(p.trained_keys()) == sorted([large, bystander])  # before: both train
+
+    p.opt_out("small-copy.txt", [small])
+    runs = p.settle("opt_out_sensor")
+    assert any(r.startswith("opt_out_lists:") for r in runs)
+    assert f"skip_lists:{LARGE}" in runs  # the cluster reached the large copy's batch
+
+    row = p.audit(LARGE)[large]
+    assert row["excluded"] and "opt_out" in row["reasons"], row
+    assert row["opt_out_via"] == [small]  # excluded because of the copy the list named
+    assert p.audit(LARGE)[bystander]["excluded"] is False
+    assert p.trained_keys() == [bystander]
+    p.check_preconditions(large, small)  # and it was the case the test is about
+
+
+def test_a_list_recorded_before_the_small_copy_arrives_reaches_the_large_copy(platform, photos):
+    p = platform
+    small_key = hashlib.sha256(photos["small"]).hexdigest()  # a content key: its sha256
+    p.land(LARGE, {"large.jpg": photos["large"], "bystander.jpg": photos["bystander"]})
+    p.opt_out("early.txt", [small_key])
+    runs = p.settle("opt_out_sensor")
+    assert runs and all(r.startswith("opt_out_lists:") for r in runs)  # names nothing yet
+    large = p.key_of(LARGE, "large.jpg")
+    assert p.audit(LARGE)[large]["excluded"] is False  # decided "kept", and trains
+
+    # Any rerun the small copy's batch causes is what the daemon's sensors would request;
+    # the large copy's batch is requested by skip_dirty_sensor, not by the settle above.
+    _batch(p.root / "landing", SMALL, {"small.jpg": photos["small"]})
+    p.instance.add_dynamic_partitions(BATCHES.name, [SMALL])
+    job = p.defs.resolve_job_def("batch_pipeline")
+    assert job.execute_in_process(
+        partition_key=SMALL, instance=p.instance, run_config=QUIET, raise_on_error=False
+    ).success
+    assert p.key_of(SMALL, "small.jpg") == small_key
+    p.check_preconditions(large, small_key)
+    assert large in p.trained_keys()  # not yet: the large copy's sidecars are stale
+
+    assert p.settle("skip_dirty_sensor") == [f"skip_lists:{LARGE}"]
+    row = p.audit(LARGE)[large]
+    assert row["excluded"] and "opt_out" in row["reasons"], row
+    assert large not in p.trained_keys()
+
+
+def test_the_planted_copies_are_real_photos_not_blank_images(photos):
+    # Guard for the two tests above: the pHash match is between real pictures.
+    for name in ("large", "small"):
+        img = Image.open(io.BytesIO(photos[name]))
+        extrema = img.convert("L").getextrema()
+        assert extrema[1] - extrema[0] > 100, name
