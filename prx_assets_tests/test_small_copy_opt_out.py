@@ -11,10 +11,8 @@ pipeline runs, real sensor ticks, real skip-list sidecars, and the training load
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import io
-import warnings
 from pathlib import Path
 
 import pytest
@@ -27,6 +25,7 @@ from prx_assets.defs.dedup.settle import settle_dedup_in_process
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.run_requests import QUIET, evaluate_sensor, execute_run_request
 from prx_assets.demo.jpegs import PHOTO_DIR, jpeg_bytes
+from prx_assets_tests.loader_keys import loader_keys
 
 LARGE = "public-optout.000"  # the large copy (and a bystander photo that stays)
 SMALL = "public-optout.001"  # only a copy under the size cutoff
@@ -116,18 +115,7 @@ class Platform:
 
     def trained_keys(self) -> list[str]:
         """What the training loader yields from the shard tree (sidecars honoured)."""
-        from prx_assets.loader import ShapeBatchedLoader, discover_streams
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # tiny buckets warn; expected
-            buckets = discover_streams(self.root / "shards")
-            if not buckets:
-                return []
-            loader = ShapeBatchedLoader(buckets, batch_size=1, shuffle=False, num_canonical_nodes=1)
-            keys = [k for batch in loader for k in batch["key"]]
-        del loader
-        gc.collect()
-        return keys
+        return loader_keys(self.root / "shards")
 
     def check_preconditions(self, large: str, small: str) -> None:
         """The small copy is ineligible, unsharded, hashed, and in the large one's cluster."""

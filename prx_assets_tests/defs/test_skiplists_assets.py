@@ -1,8 +1,6 @@
 """skip_lists on a real demo partition: sidecars, the loader, the audit, policy changes."""
 
-import gc
 import io
-import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -46,6 +44,7 @@ from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.skiplists.assets import build_skiplist_assets
 from prx_assets.defs.skiplists.config import SkipPolicyResource
 from prx_assets.defs.skiplists.sensors import skip_policy_sensor
+from prx_assets_tests.loader_keys import loader_keys
 
 KEY = "public-skimage.000"
 T0 = datetime(2024, 1, 1, tzinfo=UTC)
@@ -281,21 +280,6 @@ def _sidecar_skips(b: Built) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def _loader_keys(root: Path) -> list[str]:
-    from prx_assets.loader import ShapeBatchedLoader, discover_streams
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # tiny buckets: small-bucket warnings are expected
-        buckets = discover_streams(root)
-        if not buckets:  # every sample of every bucket skipped: nothing to yield
-            return []
-        loader = ShapeBatchedLoader(buckets, batch_size=1, shuffle=False, num_canonical_nodes=1)
-        keys = [k for batch in loader for k in batch["key"]]
-    del loader
-    gc.collect()
-    return keys
-
-
 def _audit(store) -> dict[str, dict]:
     return {r["key"]: r for r in store.read_batch(SKIP_AUDIT.name, KEY).to_pylist()}
 
@@ -319,7 +303,7 @@ def test_skip_lists_end_to_end(instance, lab_resource, built):
     # Sidecars: exactly the expected indices with their reasons, one per shard.
     assert _sidecar_skips(b) == expected
     # The real loader never yields a skipped key and yields every other one once.
-    keys = _loader_keys(b.root)
+    keys = loader_keys(b.root)
     assert sorted(keys) == sorted(set(b.keys) - set(expected))
 
     audit = _audit(store)
@@ -389,7 +373,7 @@ def test_skip_lists_end_to_end(instance, lab_resource, built):
     assert audit[b.heir]["reasons"] == ["opt_out"]
     md = result.asset_materializations_for_node("skip_lists")[0].metadata
     assert md["newly_excluded"].value == 2 and md["no_longer_excluded"].value == 0
-    assert {b.keeper, b.heir}.isdisjoint(_loader_keys(b.root))
+    assert {b.keeper, b.heir}.isdisjoint(loader_keys(b.root))
 
 
 def test_no_caption_is_skipped_counted_and_checked(instance, lab_resource, built):
@@ -423,7 +407,7 @@ def test_no_caption_is_skipped_counted_and_checked(instance, lab_resource, built
     (check,) = result.get_asset_check_evaluations()
     assert not check.passed and check.severity.value == "ERROR"
     assert sorted(check.metadata["keys_without_caption"].value) == blank
-    assert set(blank).isdisjoint(_loader_keys(b.root))
+    assert set(blank).isdisjoint(loader_keys(b.root))
 
 
 def test_policy_change_reruns_only_skip_lists_with_new_decisions(instance, lab_resource, built):
@@ -536,4 +520,4 @@ def test_a_sample_written_without_caption_stays_skipped(instance, lab_resource, 
     assert _run(instance, lab_resource).success
     assert _sidecar_skips(b)[kept] == ("no_caption",)
     assert _audit(b.store)[kept]["reasons"] == ["no_caption"]
-    assert kept not in _loader_keys(b.root)
+    assert kept not in loader_keys(b.root)
