@@ -7,9 +7,7 @@ from an earlier batch left the earlier (now duplicate) copy in training until a 
 
 from __future__ import annotations
 
-import gc
 import io
-import warnings
 from pathlib import Path
 
 from PIL import Image
@@ -20,6 +18,7 @@ from prx_assets.core.dedup.reruns import dedup_reruns
 from prx_assets.core.tables import IMAGES
 from prx_assets.defs.resources import LabResource
 from prx_assets.demo.build import load_photo_metadata
+from prx_assets_tests.loader_keys import loader_keys
 
 PHOTOS = Path(__file__).resolve().parents[1] / "prx_assets" / "demo" / "photos"
 
@@ -52,20 +51,6 @@ def _batch(landing: Path, chunk: str, files: dict[str, tuple[str, bytes]]) -> Pa
 def _key(lab, batch: str, path: str) -> str:
     rows = lab.read_batch(IMAGES.name, batch, ["key", "path"]).to_pylist()
     return next(r["key"] for r in rows if r["path"] == path)
-
-
-def _default_loader_keys(shards_root: str) -> list[str]:
-    from prx_assets.loader import ShapeBatchedLoader, discover_streams
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # tiny buckets: small-bucket warnings are expected
-        loader = ShapeBatchedLoader(
-            discover_streams(shards_root), batch_size=1, shuffle=False, num_canonical_nodes=1
-        )
-        keys = [k for batch in loader for k in batch["key"]]
-    del loader
-    gc.collect()
-    return keys
 
 
 def test_register_batch_materialize_settles_cross_batch_dedup(tmp_path, monkeypatch, capsys):
@@ -105,7 +90,7 @@ def test_register_batch_materialize_settles_cross_batch_dedup(tmp_path, monkeypa
     small = _key(lab, "web.000", "galaxy-small.jpg")
     large = _key(lab, "web.001", "galaxy.jpg")
     others = {_key(lab, "web.000", "astronaut.jpg"), _key(lab, "web.001", "camera.jpg")}
-    yielded = _default_loader_keys(lab_resource.shards_root)
+    yielded = loader_keys(lab_resource.shards_root)
     assert small not in yielded  # the duplicate left training, with no daemon
     assert yielded.count(large) == 1  # the keeper is trained on, once
     assert others <= set(yielded)

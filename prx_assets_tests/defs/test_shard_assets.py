@@ -26,7 +26,8 @@ from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.shards.assets import bucket_assignments, mds_shards
 from prx_assets.defs.skiplists.config import SkipPolicyResource
-from prx_assets_tests.core.stage_inputs import read_mds_dir, streaming_memory_released
+from prx_assets_tests.core.stage_inputs import read_mds_dir
+from prx_assets_tests.loader_keys import loader_keys
 
 KEY = "public-skimage.000"
 SHARD_LIMIT = 1_000_000  # not the default: the run config must reach the writer
@@ -265,7 +266,7 @@ def test_rerun_is_byte_identical_and_a_bucket_can_empty(instance, lab_resource, 
     assert all(len(sl) == sl_samples for sl, sl_samples in _skip_counts(root / gone))
     live = load_generation(root / gone).skiplists.values()
     assert {code for sl in live for codes in sl.reasons for code in codes} == {"no_caption"}
-    assert not lost & set(_default_loader_keys(root))
+    assert not lost & set(loader_keys(root))
     assert {k: v for k, v in _tree_hashes(root).items() if not k.startswith(gone)} == {
         k: v for k, v in first.items() if not k.startswith(gone)
     }
@@ -340,22 +341,6 @@ def _plant_decisions(store, keys: list[str]) -> dict[str, str]:
     return {text: "class_text", dup: "duplicate"}
 
 
-def _default_loader_keys(root: Path) -> list[str]:
-    import warnings
-
-    from prx_assets.loader import ShapeBatchedLoader, discover_streams
-
-    with warnings.catch_warnings(), streaming_memory_released():
-        warnings.simplefilter("ignore")  # tiny buckets: small-bucket warnings are expected
-        buckets = discover_streams(root)
-        if not buckets:  # every sample of every bucket skipped: nothing to yield
-            return []
-        loader = ShapeBatchedLoader(buckets, batch_size=1, shuffle=False, num_canonical_nodes=1)
-        keys = [k for batch in loader for k in batch["key"]]
-        del loader
-    return keys
-
-
 def test_mds_shards_alone_never_exposes_unscreened_samples(instance, lab_resource, built) -> None:
     """Finding: mds_shards rewrote directories without sidecars and the default loader then
     trained on duplicates and excluded classes until skip_lists ran again."""
@@ -365,7 +350,7 @@ def test_mds_shards_alone_never_exposes_unscreened_samples(instance, lab_resourc
     root = Path(lab_resource.shards_root)
     written = {r["key"] for r in _shard_rows(store)}
     assert set(planted) <= written
-    yielded = _default_loader_keys(root)
+    yielded = loader_keys(root)
     assert len(yielded) == len(set(yielded))
     assert not set(yielded) & set(planted)
     assert uncaptioned not in yielded
@@ -385,7 +370,7 @@ def test_an_image_without_caption_is_written_and_skipped_as_no_caption(
     r = rows[uncaptioned]
     raw = read_mds_dir(root / r["relative_dir"])[r["sample_index"]]
     assert raw["key"] == uncaptioned and raw["caption"] == ""
-    yielded = _default_loader_keys(root)
+    yielded = loader_keys(root)
     assert yielded and uncaptioned not in yielded  # ... and never trained on
 
 
