@@ -12,9 +12,15 @@ from prx_assets.demo.build import build_demo_landing
 def test_demo_materialises_every_stage(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("PRX_DATA_ROOT", str(tmp_path / "data"))
+    import torch
+
+    threads = torch.get_num_threads()
     code = cli_main(["demo", "--data-root", str(tmp_path / "data"), "--size", "small"])
     out = capsys.readouterr().out
     assert code == 0, out
+    # The demo's training loop runs on one torch thread and gives the count back: a model run
+    # later in the same process (the caption classifier) must score as in a fresh one.
+    assert torch.get_num_threads() == threads
     assert "newly registered" in out and "public-skimage.000" in out
     assert f"Lance lab: {tmp_path / 'data' / 'lab'}" in out  # nothing outside the data root
     lab = LabResource(data_root=str(tmp_path / "data")).lab()

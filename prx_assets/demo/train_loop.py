@@ -18,7 +18,22 @@ from prx_assets.core.lab import Lab
 
 
 def run_training_loop(shards_root: str, lab: Lab, batch_size: int = 4, epochs: int = 1) -> dict:
+    """One pass of the loader over ``shards_root``, on one torch thread; what it yielded.
+
+    The caller's torch thread count is restored afterwards: it is process state, and a model
+    run later in the same process (e.g. the caption classifier) must not inherit ours.
+    """
     import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(shards_root, lab, batch_size, epochs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(shards_root: str, lab: Lab, batch_size: int, epochs: int) -> dict:
     from transformers import AutoModel, AutoTokenizer
 
     from prx_assets.loader import (
@@ -30,7 +45,6 @@ def run_training_loop(shards_root: str, lab: Lab, batch_size: int = 4, epochs: i
     )
     from prx_assets.loader.offline_encoder import build_offline_bert
 
-    torch.set_num_threads(1)
     excluded: set[str] = set()
     if lab.exists("skip_audit"):
         audit = lab.read("skip_audit", ["key", "excluded"], "excluded = true")
