@@ -64,7 +64,10 @@ def build_offline_bert(
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
     )
-    torch.manual_seed(seed)
-    BertModel(config).save_pretrained(out)
+    # The weights' seed only: the caller's global torch RNG state is left as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = BertModel(config)
+    model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

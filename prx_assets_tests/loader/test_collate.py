@@ -119,3 +119,16 @@ def test_jpeg_column_and_bad_batches(tmp_path: Path):
     broken = dict(sample, image=io.BytesIO(jpeg_bytes(Image.new("RGB", (8, 8)))).read()[:40])
     with pytest.raises(Exception, match="truncated|corrupt"):
         collate([broken])
+
+
+def test_building_the_offline_encoder_leaves_the_callers_rng_alone(tmp_path):
+    # A trainer that builds the offline encoder must keep its own random stream: the seed
+    # is the weights' only, and the same seed still gives the same weights.
+    torch.manual_seed(1234)
+    expected = torch.rand(4)
+    torch.manual_seed(1234)
+    first = build_offline_bert(tmp_path / "a", WORDS, hidden_size=32, seed=7)
+    assert torch.equal(torch.rand(4), expected)
+    second = build_offline_bert(tmp_path / "b", WORDS, hidden_size=32, seed=7)
+    a = (Path(first) / "model.safetensors").read_bytes()
+    assert a == (Path(second) / "model.safetensors").read_bytes()
