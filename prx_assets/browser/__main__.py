@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from prx_assets.browser.app import LOOPBACK_HOSTS, BrowserApp, make_server
@@ -35,6 +37,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--thumb-cache-mb", type=int, default=64)
     p.add_argument("--quiet", action="store_true", help="no per-request log lines")
     return p.parse_args(argv)
+
+
+def stop_on_sigterm(server) -> None:  # noqa: ANN001 - any socketserver.BaseServer
+    """SIGTERM (``docker stop``, systemd, a supervisor) stops the server cleanly, like Ctrl-C.
+
+    Why explicit: a process inherits an ignored or blocked SIGTERM from whoever started it
+    (a shell's ``trap '' TERM``, a supervisor's mask), and would then outlive every stop
+    request until it is killed. Installing a handler replaces an inherited "ignore", and the
+    signal is unblocked. ``shutdown`` waits for ``serve_forever`` to return, so it runs on
+    its own thread, not in the handler.
+    """
+
+    def _stop(signum: int, frame: object) -> None:
+        threading.Thread(target=server.shutdown, name="browser-stop", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     host, port = server.server_address[:2]
     shown = f"[{host}]" if ":" in str(host) else host
     print(f"curation browser on http://{shown}:{port}/  (lab {lab_root}; Ctrl-C stops)", flush=True)
+    stop_on_sigterm(server)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

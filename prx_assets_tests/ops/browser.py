@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -77,7 +78,15 @@ def serve(cmd: list[str], health_url: str, env: dict[str, str], name: str, timeo
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
+            # Say why it outlived SIGTERM (an ignored or blocked signal shows here), then kill.
+            try:
+                lines = Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+            except OSError:
+                lines = []
+            sig = "; ".join(x for x in lines if x.startswith("Sig"))
+            warnings.warn(f"{name} outlived SIGTERM for 20 s ({sig}); killed", stacklevel=2)
             proc.kill()
+            proc.wait()
 
 
 @contextmanager
