@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import http.client
 import io
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -251,29 +249,9 @@ def test_sigterm_stops_the_browser_cleanly_even_when_its_parent_ignored_it(brows
     # What a parent may hand down: SIGTERM ignored (``trap '' TERM``), kept across exec.
     port = free_port()
     cmd = [sys.executable, "-m", "prx_assets.browser", "--data-root", str(browser_data_root)]
-    proc = subprocess.Popen(
-        ["/bin/sh", "-c", 'trap "" TERM; exec "$@"', "sh", *cmd, "--port", str(port), "--quiet"],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/api/facets", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, "the browser did not start"
-            time.sleep(0.3)
+    ignoring = ["/bin/sh", "-c", 'trap "" TERM; exec "$@"', "sh", *cmd, "--port", str(port)]
+    health = f"http://127.0.0.1:{port}/api/facets"
+    with serve([*ignoring, "--quiet"], health, {"PYTHONPATH": str(REPO)}, "the browser") as proc:
         proc.send_signal(signal.SIGTERM)
         # A clean stop: serve_forever returns, the socket is closed, exit status 0.
         assert proc.wait(timeout=15) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
