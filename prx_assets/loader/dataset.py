@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import json
 import os
 import time
@@ -57,6 +58,7 @@ import numpy as np
 from streaming import Stream, StreamingDataset
 from streaming.base.format import reader_from_json
 from streaming.base.storage import CloudDownloader
+from streaming.base.storage.download import S3Downloader
 from streaming.base.world import World
 
 from prx_assets.core.shards import small_buckets
@@ -249,6 +251,46 @@ class _ParsedHere(dict):
         return dict(self)
 
 
+_DOWNLOADERS: dict[tuple[int, type, str | None, str], CloudDownloader] = {}
+# What an S3 downloader's client is built from (boto3 reads the rest of its configuration
+# from files these select): a change makes a new one, so a stale endpoint is never reused.
+_S3_CLIENT_ENV = (
+    "S3_ENDPOINT_URL",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "MOSAICML_STREAMING_AWS_REQUESTER_PAYS",
+)
+
+
+def shared_downloader(remote: str | None) -> CloudDownloader:
+    """The downloader this process uses for ``remote``: one for every S3 stream, one per
+    remote otherwise.
+
+    Streaming builds a downloader per ``Stream``, and our own fetches built one per file;
+    each S3 downloader makes its own client (a new boto3 session, service model and
+    endpoint resolver: ~0.15-0.25 s of CPU), so a loader over many directories paid that
+    for every index, manifest and sidecar at start-up. An S3 downloader's client comes only
+    from the environment (``_S3_CLIENT_ENV``, part of the key), never from the path, so all
+    S3 streams share one (boto3 clients are thread-safe). Other downloaders may bind to the
+    first path they see (SFTP's host, Azure's account), so they are shared only by the
+    files of one remote, as streaming does. Keyed by process id too: a forked child builds
+    its own rather than use a parent's connections.
+    """
+    fresh = CloudDownloader.get(remote)
+    if isinstance(fresh, S3Downloader):
+        env = "\0".join(os.environ.get(name, "\1") for name in _S3_CLIENT_ENV)
+        key = (os.getpid(), type(fresh), None, hashlib.sha256(env.encode()).hexdigest())
+    else:
+        key = (os.getpid(), type(fresh), remote, "")
+    return _DOWNLOADERS.setdefault(key, fresh)
+
+
 class SkipListStream(Stream):
     """A ``Stream`` that applies its directory's live skip-list generation when listing shards.
 
@@ -299,6 +341,12 @@ class SkipListStream(Stream):
         self.raw_samples = 0
         self.kept_samples = 0
         self._where: tuple[tuple[Any, ...], str, bool] | None = None  # see _local_dir_and_mode
+        self._downloader = shared_downloader(self.remote)  # streaming's, for index and shards
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A stream unpickled in a dataloader worker shares that process's downloader too.
+        self.__dict__.update(state)
+        self._downloader = shared_downloader(self.remote)
 
     @classmethod
     def from_stream(cls, stream: Stream, skiplists: str = REQUIRE_SKIPLISTS) -> SkipListStream:
@@ -352,8 +400,8 @@ class SkipListStream(Stream):
         tmp = f"{local_path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.download"
         timeout = getattr(self, "download_timeout", 60.0)
         attempts = 1 + int(getattr(self, "download_retry", 2))
+        downloader = shared_downloader(self.remote)
         for attempt in range(attempts):
-            downloader = CloudDownloader.get(self.remote)
             try:
                 downloader.download(remote_path, tmp, timeout)
                 break
@@ -363,11 +411,10 @@ class SkipListStream(Stream):
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(local_path)
                     return None, remote_path
+                downloader.clean_up()  # a failed client is rebuilt on the next try
                 if attempt == attempts - 1:
                     raise
                 time.sleep(min(0.5 * 2**attempt, 8.0))
-            finally:
-                downloader.clean_up()
         with open(tmp, "rb") as fh:
             data = fh.read()
         os.replace(tmp, local_path)  # atomic; concurrent ranks write identical mirrors

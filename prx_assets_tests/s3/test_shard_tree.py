@@ -211,3 +211,43 @@ def test_the_loader_refuses_a_remote_directory_without_a_valid_generation(s3_pre
     assert _loader_keys(s3_prefix, tmp_path / "c4") == sorted(
         s.key for s in samples if s.key != "k01"
     )
+
+
+def test_the_loader_builds_one_s3_client_per_process_and_a_new_one_per_endpoint(
+    s3_server, s3_prefix, tmp_path, monkeypatch
+):
+    """Every index, manifest and sidecar of every remote directory goes through one S3
+    client (one was built per file: ~0.2 s each at start-up); a changed endpoint gets its
+    own, and an unpickled stream (a dataloader worker's copy) uses the process's."""
+    import pickle
+
+    from streaming.base.storage.download import S3Downloader
+
+    from prx_assets.loader import dataset
+
+    samples = _samples({A: range(0, 6), B: range(6, 12)})
+    _publish(s3_prefix, samples, {"k03": ["opt_out"]})
+    monkeypatch.setattr(dataset, "_DOWNLOADERS", {})
+    built: list[S3Downloader] = []
+    real = S3Downloader._create_s3_client
+
+    def counting(self, *args, **kwargs):  # noqa: ANN001, ANN202 - a spy: the real client is built
+        built.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(S3Downloader, "_create_s3_client", counting)
+    buckets = discover_streams(s3_prefix, cache_dir=tmp_path / "c")
+    assert len(buckets) == 2
+    loader = ShapeBatchedLoader(buckets, batch_size=1, shuffle=False, num_canonical_nodes=1)
+    keys = sorted(k for batch in loader for k in batch["key"])
+    streams = [s for ds in loader.datasets.values() for s in ds.streams]
+    assert len(streams) == 2
+    assert keys == sorted(s.key for s in samples if s.key != "k03")
+    assert len(built) == 1, f"{len(built)} S3 clients for 2 directories"
+    shared = dataset.shared_downloader(streams[0].remote)
+    assert all(s._downloader is shared for s in streams)
+    copy = pickle.loads(pickle.dumps(streams[0]))
+    assert copy._downloader is shared
+
+    monkeypatch.setenv("S3_ENDPOINT_URL", s3_server.endpoint + "/")  # another endpoint
+    assert dataset.shared_downloader(streams[0].remote) is not shared
