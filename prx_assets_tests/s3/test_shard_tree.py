@@ -217,7 +217,7 @@ def test_the_loader_builds_one_s3_client_per_process_and_a_new_one_per_endpoint(
     s3_server, s3_prefix, tmp_path, monkeypatch
 ):
     """Every index, manifest and sidecar of every remote directory goes through one S3
-    client (one was built per file: ~0.2 s each at start-up); a changed endpoint gets its
+    client (one was built per file, each parsing botocore's service model); a changed endpoint gets its
     own, and an unpickled stream (a dataloader worker's copy) uses the process's."""
     import pickle
 
