@@ -34,6 +34,16 @@ Reading without skip-lists is a deliberate, loud choice: ``skiplists="ignore-UNS
 (``IGNORE_SKIPLISTS_UNSAFE``), which warns (``UnscreenedDataWarning``) on every stream it
 opens and digests differently from any screened sample space.
 
+Skip-lists hold only for the shards they were written for. ``mds_shards`` reruns replace a
+directory whole (renamed into place), so a stream pins the directory it read its index,
+manifest and sidecars from (``DirectoryPin``: device and inode, the same before the first
+read and after the last, else read again). Read in place, every sample read is checked
+against the pin (``PinnedShard``, ``FilteredShard``); copied from a remote that is a plain
+path, every shard download is (``SkipListStream._download_file``). A replaced directory
+raises ``ShardsReplaced``: nothing more is read from it. Object-store versions are immutable
+prefixes (``core/shards/remote.py``), so nothing there is pinned. A failure in streaming's
+download thread, which streaming turns into a short epoch, is raised at the epoch's end.
+
 The manifest and sidecars of remote streams are fetched fresh on every dataset construction
 (they are small and may have changed) with streaming's own downloader for the remote's scheme
 (s3://, gs://, oci://, a local path, ...) and mirrored into the local cache beside
@@ -52,7 +62,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from streaming import Stream, StreamingDataset
@@ -164,18 +174,61 @@ class SmallBucketWarning(UserWarning):
     kept shards than ``num_canonical_nodes`` (see ``small_bucket_problems``)."""
 
 
-class FilteredShard:
-    """A shard reader seen through its skip-list.
+class ShardsReplaced(SkipListStale):
+    """A stream's directory was replaced after its index and skip-lists were read.
 
-    ``samples``/``len``/indexing are in kept space; every other attribute (files, sizes,
-    download and eviction) is the real reader's, so caching works on whole shard files.
-    The kept rows are a Python list: one list lookup is the whole per-sample overhead.
+    ``mds_shards`` rewrites a bucket x batch directory by renaming a complete new one into
+    place (``core/shards/mds.py``). A dataset built before that holds the old index and the
+    old skip-lists, which name samples by position: read against the new shards they would
+    skip the wrong rows and yield excluded ones. So no further sample is read from it.
     """
 
-    def __init__(self, reader: Any, keep: np.ndarray) -> None:
-        self.reader = reader
-        self.keep = [int(i) for i in keep]
-        self.samples = len(self.keep)
+
+class DirectoryPin(NamedTuple):
+    """The identity (device, inode) of the directory a stream's index, manifest and
+    skip-lists were read from; ``check`` refuses once the path names another directory.
+
+    Why the directory: a rerun replaces the whole directory (one rename), and skip-list
+    refreshes only add files inside it, which leave its identity alone. Plain ints, so a
+    stream pickled into a dataloader worker checks against the same directory.
+    """
+
+    path: str
+    dev: int
+    ino: int
+
+    @classmethod
+    def take(cls, path: str) -> DirectoryPin:
+        st = os.stat(path)
+        return cls(path, st.st_dev, st.st_ino)
+
+    def check(self) -> None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            st = None
+        if st is None or (st.st_dev, st.st_ino) != (self.dev, self.ino):
+            raise ShardsReplaced(
+                f"{self.path} was replaced (an mds_shards rerun) after this dataset read its "
+                "index and skip-lists: they no longer describe its shards, so no further "
+                "sample is read from it. Build the dataset again (resuming from a checkpoint "
+                "needs allow_skiplist_change=True if the skip-lists changed)"
+            )
+
+
+class _ShardView:
+    """A shard reader seen through a sample mapping, optionally pinned to its directory.
+
+    Every attribute but the sample count and indexing (files, sizes, download and eviction)
+    is the real reader's, so caching works on whole shard files. With a ``pin``, each
+    sample read is followed by the pin's check: a read from a directory that is no longer
+    the pinned one raises ``ShardsReplaced`` instead of returning (also when the read itself
+    failed on the new files). One ``stat`` per sample.
+    """
+
+    reader: Any
+    pin: DirectoryPin | None
+    samples: int
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -192,15 +245,64 @@ class FilteredShard:
     def __len__(self) -> int:
         return self.samples
 
+    def _read(self, real: int) -> dict[str, Any]:
+        pin = self.pin
+        if pin is None:
+            return self.reader.get_item(real)
+        try:
+            sample = self.reader.get_item(real)
+        except Exception:
+            pin.check()  # a failure on a replaced directory's files is that, not a bad shard
+            raise
+        # After the read: had its open found another directory at the path, the path still
+        # names that one now (a replacement is renamed in, never out again).
+        pin.check()
+        return sample
+
+
+class FilteredShard(_ShardView):
+    """A shard reader seen through its skip-list.
+
+    ``samples``/``len``/indexing are in kept space: index ``i`` is the ``i``-th kept row of
+    the real shard. The kept rows are a Python list: one list lookup (plus the pin's check,
+    for a directory read in place) is the whole per-sample overhead.
+    """
+
+    def __init__(self, reader: Any, keep: np.ndarray, pin: DirectoryPin | None = None) -> None:
+        self.reader = reader
+        self.keep = [int(i) for i in keep]
+        self.samples = len(self.keep)
+        self.pin = pin
+
     def real_index(self, idx: int) -> int:
         return self.keep[idx]
 
     def get_item(self, idx: int) -> dict[str, Any]:
-        return self.reader.get_item(self.keep[idx])
+        return self._read(self.keep[idx])
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
         # List indexing gives negative indices and IndexError for free.
-        return self.reader.get_item(self.keep[idx])
+        return self._read(self.keep[idx])
+
+
+class PinnedShard(_ShardView):
+    """A shard with nothing skipped, read in place from a pinned directory (``_ShardView``)."""
+
+    def __init__(self, reader: Any, pin: DirectoryPin) -> None:
+        self.reader = reader
+        self.samples = int(reader.samples)
+        self.pin = pin
+
+    def real_index(self, idx: int) -> int:
+        return idx
+
+    def get_item(self, idx: int) -> dict[str, Any]:
+        if not -self.samples <= idx < self.samples:
+            raise IndexError(f"sample {idx} of a {self.samples}-sample shard")
+        return self._read(idx % self.samples)
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        return self.get_item(idx)
 
 
 def _shard_name(reader: Any) -> str:
@@ -342,6 +444,7 @@ class SkipListStream(Stream):
         self.raw_samples = 0
         self.kept_samples = 0
         self._where: tuple[tuple[Any, ...], str, bool] | None = None  # see _local_dir_and_mode
+        self._pin: DirectoryPin | None = None  # see _pinned_read
         self._downloader = shared_downloader(self.remote)  # streaming's, for index and shards
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -510,6 +613,54 @@ class SkipListStream(Stream):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(self.local_dir, entry))
 
+    def _pin_path(self) -> str | None:
+        """The directory whose replacement would void what construction read: the local
+        one read in place, or a remote that is a plain path (copied into the cache on
+        demand). None for object-store remotes: ``mds_shards`` publishes there into
+        immutable version prefixes (``core/shards/remote.py``)."""
+        if self._reads_local():
+            return self.local_dir
+        if self.remote is not None and "://" not in self.remote:
+            return os.path.normpath(os.path.join(self.remote, self.split))
+        return None
+
+    def _pinned_read(
+        self, world: World, allow_unsafe_types: bool
+    ) -> tuple[list[Any], str, list[SkipList]]:
+        """Readers, generation and skip-lists, all read from one directory: its identity is
+        the same before the index is read and after the last sidecar (else read again),
+        and is kept as ``_pin`` for the reads that follow."""
+        path = self._pin_path()
+        self._pin = None  # downloads made here are bracketed by the identities below
+        for _ in range(_FETCH_ATTEMPTS):
+            before = DirectoryPin.take(path) if path is not None else None
+            readers, index_raw = self._readers_and_index(world, allow_unsafe_types)
+            generation, skiplists = self._load_skiplists(readers, index_raw)
+            after = DirectoryPin.take(path) if path is not None else None
+            if before == after:
+                self._pin = after
+                return readers, generation, skiplists
+        raise ShardsReplaced(
+            f"{path} was replaced {_FETCH_ATTEMPTS} times while its index and skip-lists "
+            "were read: an mds_shards rerun is rewriting it; build the dataset when it is done"
+        )
+
+    def _download_file(self, from_basename: str, to_basename: str | None = None) -> str:
+        """streaming's download of one file, refused (the copy removed) when the pinned
+        remote directory was replaced before it ended: the copy may be the new version's."""
+        pin = getattr(self, "_pin", None)
+        if pin is None or self._reads_local():
+            return super()._download_file(from_basename, to_basename)
+        pin.check()
+        local = super()._download_file(from_basename, to_basename)
+        try:
+            pin.check()
+        except ShardsReplaced:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(local)
+            raise
+        return local
+
     def get_shards(self, world: World, allow_unsafe_types: bool) -> list[Any]:
         self.dropped_shards = []
         if self.skiplists == IGNORE_SKIPLISTS_UNSAFE:
@@ -519,24 +670,23 @@ class SkipListStream(Stream):
             self.skip_sets, self.generation = None, None
             self.kept_samples = self.raw_samples
             return readers
-        readers, index_raw = self._readers_and_index(world, allow_unsafe_types)
+        readers, self.generation, skiplists = self._pinned_read(world, allow_unsafe_types)
         self.raw_samples = int(sum(r.samples for r in readers))
-        self.generation, skiplists = self._load_skiplists(readers, index_raw)
+        # Read in place, every sample read checks the directory is still the pinned one;
+        # into a cache, each shard download does (``_download_file``).
+        pin = self._pin if self._reads_local() else None
         skip_sets: list[tuple[str, tuple[int, ...]]] = []
         kept_readers: list[Any] = []
         for reader, skiplist in zip(readers, skiplists, strict=True):
             name = _shard_name(reader)
             skip_sets.append((name, skiplist.indices))
-            if not skiplist.indices:
-                kept_readers.append(reader)
-                continue
-            keep = skiplist.keep_indices(reader.samples)
-            if len(keep) == reader.samples:
-                kept_readers.append(reader)
-            elif len(keep):
-                kept_readers.append(FilteredShard(reader, keep))
-            else:
+            keep = skiplist.keep_indices(reader.samples) if skiplist.indices else None
+            if keep is not None and not len(keep):
                 self.dropped_shards.append(name)
+            elif keep is not None and len(keep) < reader.samples:
+                kept_readers.append(FilteredShard(reader, keep, pin))
+            else:
+                kept_readers.append(reader if pin is None else PinnedShard(reader, pin))
         self.skip_sets = skip_sets
         self.kept_samples = int(sum(r.samples for r in kept_readers))
         if not kept_readers:
@@ -721,6 +871,25 @@ class SkipListDataset(StreamingDataset):
                 SmallBucketWarning,
                 stacklevel=3,
             )
+
+    def on_exception(self, future: Any) -> None:
+        """streaming's callback for its download and ready threads; the error is also kept
+        for ``__iter__`` (streaming itself only ends the epoch early, and raises a generic
+        error at the next one)."""
+        error = future.exception()
+        if error is not None:
+            self._background_error = error
+        super().on_exception(future)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """streaming's iteration; an epoch its background threads cut short raises what
+        stopped them (e.g. ``ShardsReplaced``, a failed download) instead of ending as if
+        complete: a short epoch must not pass for a whole one."""
+        self._background_error: BaseException | None = None
+        yield from super().__iter__()
+        error = self._background_error
+        if error is not None:
+            raise error
 
     def _resume(self, world: World, epoch: int) -> tuple[int, int]:
         """streaming's ``_resume``, without keeping its read-only attachment for the process."""
