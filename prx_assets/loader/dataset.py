@@ -62,7 +62,8 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import numpy as np
 from streaming import Stream, StreamingDataset
@@ -184,7 +185,8 @@ class ShardsReplaced(SkipListStale):
     """
 
 
-class DirectoryPin(NamedTuple):
+@dataclass(slots=True)
+class DirectoryPin:
     """The identity (device, inode) of the directory a stream's index, manifest and
     skip-lists were read from; ``check`` refuses once the path names another directory.
 
@@ -206,14 +208,17 @@ class DirectoryPin(NamedTuple):
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
-            st = None
-        if st is None or (st.st_dev, st.st_ino) != (self.dev, self.ino):
-            raise ShardsReplaced(
-                f"{self.path} was replaced (an mds_shards rerun) after this dataset read its "
-                "index and skip-lists: they no longer describe its shards, so no further "
-                "sample is read from it. Build the dataset again (resuming from a checkpoint "
-                "needs allow_skiplist_change=True if the skip-lists changed)"
-            )
+            self.refuse()
+        if st.st_ino != self.ino or st.st_dev != self.dev:
+            self.refuse()
+
+    def refuse(self) -> NoReturn:
+        raise ShardsReplaced(
+            f"{self.path} was replaced (an mds_shards rerun) after this dataset read its "
+            "index and skip-lists: they no longer describe its shards, so no further "
+            "sample is read from it. Build the dataset again (resuming from a checkpoint "
+            "needs allow_skiplist_change=True if the skip-lists changed)"
+        )
 
 
 class _ShardView:
@@ -255,8 +260,14 @@ class _ShardView:
             pin.check()  # a failure on a replaced directory's files is that, not a bad shard
             raise
         # After the read: had its open found another directory at the path, the path still
-        # names that one now (a replacement is renamed in, never out again).
-        pin.check()
+        # names that one now (a replacement is renamed in, never out again). Inlined
+        # ``pin.check()``: this runs once per sample.
+        try:
+            st = os.stat(pin.path)
+        except FileNotFoundError:
+            pin.refuse()
+        if st.st_ino != pin.ino or st.st_dev != pin.dev:
+            pin.refuse()
         return sample
 
 
@@ -297,12 +308,11 @@ class PinnedShard(_ShardView):
         return idx
 
     def get_item(self, idx: int) -> dict[str, Any]:
-        if not -self.samples <= idx < self.samples:
+        if idx < 0 or idx >= self.samples:
             raise IndexError(f"sample {idx} of a {self.samples}-sample shard")
-        return self._read(idx % self.samples)
+        return self._read(idx)
 
-    def __getitem__(self, idx: int) -> dict[str, Any]:
-        return self.get_item(idx)
+    __getitem__ = get_item
 
 
 def _shard_name(reader: Any) -> str:
