@@ -259,15 +259,10 @@ class _ShardView:
         except Exception:
             pin.check()  # a failure on a replaced directory's files is that, not a bad shard
             raise
-        # After the read: had its open found another directory at the path, the path still
-        # names that one now (a replacement is renamed in, never out again). Inlined
-        # ``pin.check()``: this runs once per sample.
-        try:
-            st = os.stat(pin.path)
-        except FileNotFoundError:
-            pin.refuse()
-        if st.st_ino != pin.ino or st.st_dev != pin.dev:
-            pin.refuse()
+        # After the read: had its open found another directory at the path, the path
+        # names that one (or a later one) now, never the pinned one again: a version
+        # renamed away is put back only when nothing replaced it (``mds._recover``).
+        pin.check()
         return sample
 
 
