@@ -38,11 +38,13 @@ Skip-lists hold only for the shards they were written for. ``mds_shards`` reruns
 directory whole (renamed into place), so a stream pins the directory it read its index,
 manifest and sidecars from (``DirectoryPin``: device and inode, the same before the first
 read and after the last, else read again). Read in place, every sample read is checked
-against the pin (``PinnedShard``, ``FilteredShard``); copied from a remote that is a plain
-path, every shard download is (``SkipListStream._download_file``). A replaced directory
-raises ``ShardsReplaced``: nothing more is read from it. Object-store versions are immutable
-prefixes (``core/shards/remote.py``), so nothing there is pinned. A failure in streaming's
-download thread, which streaming turns into a short epoch, is raised at the epoch's end.
+against the pin (``PinnedShard``, ``FilteredShard``). Copied from a remote into the cache,
+every shard download must have the sha256 the loaded index records (``mds_shards`` records
+it) and, from a remote that is a plain path, come from the pinned directory
+(``SkipListStream._download_file``); object-store versions are immutable prefixes besides
+(``core/shards/remote.py``). A replaced directory or a mismatching copy raises
+``ShardsReplaced``, and nothing more is read from it. A failure in streaming's download
+thread, which streaming turns into a short epoch, is raised at the epoch's end.
 
 The manifest and sidecars of remote streams are fetched fresh on every dataset construction
 (they are small and may have changed) with streaming's own downloader for the remote's scheme
@@ -314,6 +316,25 @@ def _shard_name(reader: Any) -> str:
     return reader.raw_data.basename
 
 
+def _recorded_sha256(readers: Sequence[Any]) -> dict[str, str]:
+    """basename -> sha256 of every shard file (raw or compressed) whose index entry records it."""
+    out = {}
+    for reader in readers:
+        for info in (i for pair in reader.file_pairs for i in pair if i is not None):
+            sha = (info.hashes or {}).get("sha256")
+            if sha:
+                out[info.basename] = sha
+    return out
+
+
+def _file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 _FIRST_READ = 1 << 14  # holds any manifest, sidecar or index of a few dozen shards
 
 
@@ -450,6 +471,7 @@ class SkipListStream(Stream):
         self.kept_samples = 0
         self._where: tuple[tuple[Any, ...], str, bool] | None = None  # see _local_dir_and_mode
         self._pin: DirectoryPin | None = None  # see _pinned_read
+        self._shard_sha256: dict[str, str] = {}  # see _download_file
         self._downloader = shared_downloader(self.remote)  # streaming's, for index and shards
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -622,7 +644,8 @@ class SkipListStream(Stream):
         """The directory whose replacement would void what construction read: the local
         one read in place, or a remote that is a plain path (copied into the cache on
         demand). None for object-store remotes: ``mds_shards`` publishes there into
-        immutable version prefixes (``core/shards/remote.py``)."""
+        immutable version prefixes (``core/shards/remote.py``), and every download is
+        checked against the index's sha256 anyway (``_download_file``)."""
         if self._reads_local():
             return self.local_dir
         if self.remote is not None and "://" not in self.remote:
@@ -651,15 +674,27 @@ class SkipListStream(Stream):
         )
 
     def _download_file(self, from_basename: str, to_basename: str | None = None) -> str:
-        """streaming's download of one file, refused (the copy removed) when the pinned
-        remote directory was replaced before it ended: the copy may be the new version's."""
-        pin = getattr(self, "_pin", None)
-        if pin is None or self._reads_local():
+        """streaming's download of one file, refused (the copy removed, never used) when it
+        is not the file the loaded index describes: its sha256 differs from the one the
+        index records (any remote: a rewritten or corrupt object), or a pinned path remote
+        was replaced before the copy ended (also when the index records no sha256)."""
+        if self._reads_local():
             return super()._download_file(from_basename, to_basename)
-        pin.check()
+        pin = getattr(self, "_pin", None)
+        if pin is not None:
+            pin.check()
         local = super()._download_file(from_basename, to_basename)
         try:
-            pin.check()
+            if pin is not None:
+                pin.check()
+            expected = getattr(self, "_shard_sha256", {}).get(from_basename)
+            if expected is not None and _file_sha256(local) != expected:
+                raise ShardsReplaced(
+                    f"{os.path.join(self.remote or '', self.split, from_basename)} is not the "
+                    "file the index this dataset loaded describes (its sha256 differs): the "
+                    "remote directory was rewritten or the copy is corrupt; build the "
+                    "dataset again"
+                )
         except ShardsReplaced:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(local)
@@ -676,6 +711,7 @@ class SkipListStream(Stream):
             self.kept_samples = self.raw_samples
             return readers
         readers, self.generation, skiplists = self._pinned_read(world, allow_unsafe_types)
+        self._shard_sha256 = _recorded_sha256(readers)  # what each download must match
         self.raw_samples = int(sum(r.samples for r in readers))
         # Read in place, every sample read checks the directory is still the pinned one;
         # into a cache, each shard download does (``_download_file``).

@@ -56,10 +56,15 @@ def _samples(plan: dict, caption: str = "c") -> list[MDSSample]:
     ]
 
 
-def _publish(uri: str, samples: list[MDSSample], decisions: dict) -> None:
+def _publish(uri: str, samples: list[MDSSample], decisions: dict, hashes=()) -> None:  # noqa: ANN001
     with RemoteShardTree(uri, BATCH) as tree:
         write_partition_buckets(
-            tree.local_root, BATCH, samples, skips_for=skips_from(decisions), size_limit=3 * 900
+            tree.local_root,
+            BATCH,
+            samples,
+            skips_for=skips_from(decisions),
+            size_limit=3 * 900,
+            hashes=hashes,
         )
         tree.publish_shards()
 
@@ -251,3 +256,38 @@ def test_the_loader_builds_one_s3_client_per_process_and_a_new_one_per_endpoint(
 
     monkeypatch.setenv("S3_ENDPOINT_URL", s3_server.endpoint + "/")  # another endpoint
     assert dataset.shared_downloader(streams[0].remote) is not shared
+
+
+def test_a_shard_object_that_is_not_the_indexed_one_is_never_used(s3_prefix, tmp_path):
+    """Every shard copied from the remote must have the sha256 its loaded index records: an
+    object rewritten in place (a remote that is not immutable, or corruption) is refused
+    and its copy removed from the cache, so the old skip-lists never apply to its rows."""
+    from prx_assets.core.shards.remote import resolve_live
+    from prx_assets.core.shards.runner import SHARD_HASHES
+    from prx_assets.loader import ShardsReplaced, SkipListDataset, SkipListStream
+
+    samples = _samples({A: range(0, 9)})
+    _publish(s3_prefix, samples, {"k04": ["opt_out"]}, hashes=SHARD_HASHES)  # as mds_shards does
+    rel = f"512/16x24/{BATCH}"
+    store = open_store(s3_prefix)
+    live = read_live(store, f"mds/{rel}")
+    index = json.loads(store.get(f"{live.key_prefix}/index.json"))
+    names = [s["raw_data"]["basename"] for s in index["shards"]]
+    assert len(names) >= 2 and all("sha256" in s["raw_data"]["hashes"] for s in index["shards"])
+    cache = tmp_path / "cache"
+    ds = SkipListDataset(
+        streams=[SkipListStream(remote=resolve_live(f"{s3_prefix}/mds", rel), local=str(cache))],
+        batch_size=1,
+        num_canonical_nodes=1,
+        shuffle=False,
+    )
+    # After construction, before any shard is fetched: the first shard's object now holds
+    # the second's rows (the opted-out k04 would move to a position its skip-list keeps).
+    store.put(f"{live.key_prefix}/{names[0]}", store.get(f"{live.key_prefix}/{names[1]}"))
+
+    seen = []
+    with pytest.raises(ShardsReplaced, match="sha256 differs"):
+        for sample in ds:
+            seen.append(sample["key"])
+    assert "k04" not in seen
+    assert not (cache / names[0]).exists()
