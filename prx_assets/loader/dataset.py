@@ -328,11 +328,8 @@ def _recorded_sha256(readers: Sequence[Any]) -> dict[str, str]:
 
 
 def _file_sha256(path: str) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 _FIRST_READ = 1 << 14  # holds any manifest, sidecar or index of a few dozen shards
