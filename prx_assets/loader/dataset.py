@@ -401,9 +401,9 @@ def shared_downloader(remote: str | None) -> CloudDownloader:
     each S3 downloader makes its own client (a new boto3 session, which parses botocore's
     service model again, and an endpoint resolver), so a loader over many directories paid
     that for every index, manifest and sidecar at start-up (8 clients for a 2-directory
-    tree: ``test_the_loader_builds_one_s3_client_per_process...``). An S3 downloader's client comes only
-    from the environment (``_S3_CLIENT_ENV``, part of the key), never from the path, so all
-    S3 streams share one (boto3 clients are thread-safe). Other downloaders may bind to the
+    tree: ``test_the_loader_builds_one_s3_client_per_process...``). An S3 downloader's
+    client comes only from the environment (``_S3_CLIENT_ENV``, part of the key), never
+    from the path, so all S3 streams share one (boto3 clients are thread-safe). Other downloaders may bind to the
     first path they see (SFTP's host, Azure's account), so they are shared only by the
     files of one remote, as streaming does. Keyed by process id too: a forked child builds
     its own rather than use a parent's connections.
@@ -677,14 +677,14 @@ class SkipListStream(Stream):
         was replaced before the copy ended (also when the index records no sha256)."""
         if self._reads_local():
             return super()._download_file(from_basename, to_basename)
-        pin = getattr(self, "_pin", None)
+        pin = self._pin
         if pin is not None:
             pin.check()
         local = super()._download_file(from_basename, to_basename)
         try:
             if pin is not None:
                 pin.check()
-            expected = getattr(self, "_shard_sha256", {}).get(from_basename)
+            expected = self._shard_sha256.get(from_basename)
             if expected is not None and _file_sha256(local) != expected:
                 raise ShardsReplaced(
                     f"{os.path.join(self.remote or '', self.split, from_basename)} is not the "
