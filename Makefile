@@ -18,8 +18,10 @@ BROWSER_PORT ?= 8765
 .PHONY: venv instance sysdeps demo test ui browser lint format bench lock clean-data
 
 # The editable install points at one checkout; a venv shared by several clones (CI keeps
-# one per lock outside the clone) is re-pointed at this one when it differs.
+# one per lock outside the clone) is re-pointed at this one when it differs. It also builds
+# the C extension (core/shards/_planes.c) into the checkout: rebuilt when the source changes.
 EDITABLE := $(VENV)/.prx-editable-$(shell echo $(CURDIR) | sha256sum | cut -c1-12)
+EXTENSIONS := prx_assets/core/shards/_planes.c
 
 venv: $(STAMP) $(EDITABLE)
 
@@ -29,7 +31,8 @@ $(STAMP): requirements.lock pyproject.toml
 	@rm -f $(VENV)/.prx-installed-*
 	@touch $@
 
-$(EDITABLE): $(STAMP)
+$(EDITABLE): $(STAMP) $(EXTENSIONS)
+	@bash .ci/build-deps
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	@rm -f $(VENV)/.prx-editable-*
 	@touch $@

@@ -58,7 +58,7 @@ _PRELOAD = [
     "numpy",
     "PIL.Image",
     "simplejpeg",
-    "pyvips",  # imports libvips without starting a thread (checked): safe to fork from
+    "prx_assets.core.shards._planes",  # the shard stage's JPEG planes (libjpeg-turbo)
     "prx_assets.core.ingest.runner",
     "prx_assets.core.dedup.phash",
     "prx_assets.core.shards.render",

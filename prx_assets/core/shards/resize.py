@@ -1,56 +1,58 @@
 """Resize an image into its bucket shape, and encode the result as deterministic JPEG.
 
 The reference is the naive pipeline: full decode, Lanczos to the cover size, crop
-(``resize_plain``). The shard path (``resize_to_bucket``, default ``resample="lanczos"``)
-gives the trainer the same picture up to a difference smaller than the q92 encode's own loss
-(PSNR against the reference above PSNR of the q92 round trip, on >= 95 % of real photos:
+(``resize_plain``). The shard path (``render_jpeg``, default ``resample="lanczos"``) gives
+the trainer the same picture up to a difference smaller than the q92 encode's own loss (PSNR
+against the reference above PSNR of the q92 round trip, on >= 95 % of real photos:
 ``prx_assets_tests/core/test_resize.py``, benchmarks/bench_resize and bench_pipeline), at a
 fraction of the cost. The filter is literal Lanczos-3; what is skipped is work whose pixels
 the output never uses:
 
-- JPEG sources (baseline or progressive, RGB or greyscale, one frame) are decoded by
-  libjpeg-turbo (``simplejpeg``) at 1/8, 1/4, 1/2 or full size: the smallest of those that
+- JPEG sources (baseline or progressive, one frame, 8-bit YCbCr or greyscale) never become
+  RGB. libjpeg-turbo decodes them to their own planes (``_planes.decode``: no chroma
+  upsampling, no colour conversion) at 1/8, 1/4, 1/2 or full size: the smallest of those that
   still holds ``DETAIL_MARGIN`` (2) x the bucket's cover size (``decode_divisor``), so
-  Lanczos always reduces by >= 2x after a scaled IDCT. Never 5/8..7/8: those scaled
-  IDCTs cost more than the full-size one (3.5 MP, one core: 10.9 / 13.0 / 15.9 ms against
-  8.5 ms; 1/2 is 6.7 ms), so where one of them would be the smallest covering eighth the
-  decode is full size and Lanczos takes the whole reduction. For progressive JPEGs the
-  entropy decode dominates (25.6 ms full, 23.8 ms at 1/2): the same rule, little to win.
-- Lanczos-3 is libvips' (``pyvips``: ``reduceh``/``reducev``, fixed-point SIMD, one thread
-  per process, ``lanczos_vips``), in the stored frame of the JPEG, only the crop box
-  computed (libvips is demand-driven), then the EXIF turn of the small result. Its sampling
-  grid is put on Pillow's (``_padding``), so from a full decode it is within ~56 dB of the
-  naive output; about 5x cheaper than Pillow's Lanczos over the same box. The same bytes
-  with libvips' SIMD on or off (tested), so shards do not depend on the CPU's vector units.
-  ``resample="lanczos-pillow"`` is the previous path (Pillow's Lanczos over the crop box
-  from the smallest covering eighth): the reference, and what upscaled assignments use.
-- Encoding is libjpeg-turbo's (``simplejpeg.encode_jpeg``): baseline, q92, 4:4:4, JFIF
-  header only.
-- Other formats (PNG, WebP, ...), CMYK or multi-frame JPEGs, and any JPEG libjpeg-turbo
-  refuses in strict mode go through Pillow: the policy decode (``decode_rgb``; a JPEG drafted
-  only when >= 2x its cover size), ``Image.reduce`` when still >= 2x (``DETAIL_MARGIN``), then
-  the same Lanczos over the crop box.
+  Lanczos always reduces by >= 2x after a scaled IDCT. Never 5/8..7/8: those scaled IDCTs
+  cost more than the full-size one, so where one of them would be the smallest covering
+  eighth the decode is full size and Lanczos takes the whole reduction.
+- Each plane is resampled straight into the bucket from its own grid (``_planes.resample``:
+  Pillow's Lanczos-3 sampling, 14-bit fixed point, AVX2 where the CPU has it and the same
+  bytes without), only the crop box computed, in the stored frame of the JPEG, then turned
+  by its EXIF orientation. The chroma of a 4:2:0 file goes from its half-size grid to the
+  bucket in one filter, so chroma upsampling and the reduction are one step. Luma is the
+  naive path's sampling (within 2 levels of Pillow's Lanczos on the Y plane); chroma differs
+  from the naive path's (libjpeg's triangle upsampling, then Lanczos in RGB) by less than the
+  q92 loss. A 3.5 MP 4:2:0 photo into the 1024 tier filters half the samples RGB would.
+- The planes are encoded as they are (``_planes.encode``): baseline, q92, 4:4:4, JFIF header
+  only, libjpeg-turbo's accurate DCT; no colour conversion.
+- Other sources (PNG, WebP, ...), CMYK or RGB-coded or multi-frame JPEGs, and any JPEG
+  libjpeg-turbo refuses in strict mode (corrupt data it would only warn about) go through
+  Pillow: the policy decode (``decode_rgb``; a JPEG drafted only when >= 2x its cover size),
+  ``Image.reduce`` when still >= 2x (``DETAIL_MARGIN``), then Pillow's Lanczos over the crop
+  box, encoded from RGB by libjpeg-turbo (``simplejpeg``) with the same settings.
+  ``resample="lanczos-pillow"`` sends JPEGs through Pillow's Lanczos too (from the smallest
+  covering eighth of an RGB decode): the reference the planes are held to.
 
 What ingest recorded about the bytes (format, mode, orientation, frames: ``SourceFacts``) is
 reused rather than re-probed; the JPEG header's own size is still checked against the
 assignment and the pixel limit before any pixel is decoded, and EXIF orientation is applied
-exactly as ``ImageOps.exif_transpose`` does (the partial last block column of a scaled decode
-is kept outside the sampled box whichever way the image is turned).
+exactly as ``ImageOps.exif_transpose`` does.
 
 ``resample="bicubic-aa"`` (the former default) stays available: antialiased bicubic (Keys
 a = -0.5, Pillow's BICUBIC) in torch's vectorised uint8 kernel, after the Pillow decode;
 torch is imported only then. Its generic, AVX2 and AVX512 kernels give bit-identical pixels;
 without AVX2 it is ~10x slower than with.
 
-Determinism: same bytes in, same bytes out (libjpeg-turbo's accurate integer IDCT and fancy
-upsampling, as Pillow uses; libvips' fixed-point Lanczos, SIMD or not; a fixed encoder).
+Determinism: same bytes in, same bytes out (libjpeg-turbo's accurate integer IDCT and DCT;
+fixed-point resampling whose SIMD and portable code agree; a fixed encoder). The planes
+extension is built against the system's libjpeg-turbo (``PLANES_LIBJPEG``, recorded in the
+shards' metadata).
 """
 
 from __future__ import annotations
 
 import io
 import math
-import os
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
@@ -69,20 +71,27 @@ from prx_assets.core.ingest.decode import (
     orientation_of,
     transpose_box,
 )
+from prx_assets.core.shards import _planes
 from prx_assets.core.shards.buckets import Assignment
 
 DETAIL_MARGIN = 2  # fast-path intermediates keep >= 2x the pixels of the resized target
 RESAMPLE = "lanczos"  # the shard path's filter (see module doc)
-# "lanczos": libvips' Lanczos-3 (JPEG sources, downsampling); "lanczos-pillow": Pillow's, the
-# reference it is held to; "bicubic-aa": torch's antialiased bicubic (the former default).
+# "lanczos": Lanczos-3 on the JPEG's own planes (other sources: Pillow's); "lanczos-pillow":
+# Pillow's from an RGB decode, the reference; "bicubic-aa": torch's antialiased bicubic.
 RESAMPLE_CHOICES = ("lanczos", "lanczos-pillow", "bicubic-aa")
 _LANCZOS = ("lanczos", "lanczos-pillow")
+PLANES_LIBJPEG = f"libjpeg-turbo {_planes.LIBJPEG_TURBO_VERSION}"  # what the planes use
+# The resampler's AVX2 code where the CPU has it; False runs its portable code, which gives
+# the same bytes (tests switch it to check exactly that).
+PLANES_SIMD = True
 RESAMPLE_DESCRIPTION = (
-    "literal Lanczos-3 (libvips, one core) over the crop box, from a libjpeg-turbo decode at "
-    "1/8, 1/4, 1/2 or full size (the smallest covering the cover size) for JPEG sources; "
-    "differs from the naive full decode + Lanczos by less than the q92 encode loss"
+    "literal Lanczos-3 over the crop box on the JPEG's own Y, Cb and Cr planes (chroma "
+    "straight from its stored grid), from a libjpeg-turbo raw decode at 1/8, 1/4, 1/2 or full "
+    "size, encoded 4:4:4 from the planes (no colour conversion); other sources: Pillow's "
+    f"Lanczos-3 from RGB; {PLANES_LIBJPEG}; differs from the naive full decode + Lanczos by "
+    "less than the q92 encode loss"
 )
-_SCALED_DECODE_MODES = ("RGB", "L")  # JPEG colour modes libjpeg-turbo turns into RGB itself
+_SCALED_DECODE_MODES = ("RGB", "L")  # JPEG colour modes that decode as planes or to RGB
 JPEG_QUALITY = 92
 # 4:4:4 (no chroma subsampling). Why: bucket images are already at training resolution,
 # so halving chroma would cost real colour detail at the pixels the model sees (coloured
@@ -265,8 +274,7 @@ _POWER_OF_TWO_SCALES = (8, 4, 2, 1)  # DCT scale divisors decoded: 1/8, 1/4, 1/2
 # libjpeg-turbo's 5/8, 6/8 and 7/8 IDCTs are slower than its full-size one (3.5 MP baseline,
 # one core: 11.2 / 13.3 / 16.3 ms against 8.3 ms for 8/8; 1/2 is 5.0 ms): a source whose
 # smallest covering eighth is one of those is decoded at full size instead, and Lanczos
-# takes the extra reduction (libvips: a few ms more, less than the slow IDCT costs).
-_VIPS_PHASE_SEARCH = 256  # right-edge padding tried to put vips' sampling grid on Pillow's
+# takes the extra reduction.
 
 
 def decode_divisor(size: tuple[int, int], cover: tuple[int, int]) -> int:
@@ -288,70 +296,6 @@ def decode_divisor(size: tuple[int, int], cover: tuple[int, int]) -> int:
 def _inverse(method: Image.Transpose | None) -> Image.Transpose | None:
     T = Image.Transpose
     return {T.ROTATE_90: T.ROTATE_270, T.ROTATE_270: T.ROTATE_90}.get(method, method)  # type: ignore[arg-type]
-
-
-@lru_cache(maxsize=1)
-def _vips() -> Any:
-    """pyvips, set up for one core per process: parallelism comes from the worker pool.
-
-    Imported on first use, inside the process (or pool worker) that renders, never in a
-    forkserver before it forks; the operation cache is off (every image is new).
-    """
-    os.environ["VIPS_CONCURRENCY"] = "1"  # read when libvips starts, i.e. at this import
-    import pyvips
-
-    pyvips.concurrency_set(1)
-    pyvips.cache_set_max(0)
-    return pyvips
-
-
-def _padding(extent: int, scale: float) -> int:
-    """Columns (rows) of edge padding that put libvips' output grid on Pillow's.
-
-    libvips' reduce maps output pixel ``i`` to input ``(i + 0.5) / scale + d`` with
-    ``d = (n - rint(n * scale) / scale) / 2`` for an input of ``n`` pixels (it centres the
-    rounding of the output size); Pillow's ``resize`` (and the naive resize) has ``d = 0``.
-    Padding the far edge by ``p`` pixels changes only ``d``: the ``p`` that makes
-    ``(n + p) * scale`` nearest an integer makes ``d`` negligible (below libvips' own 1/64
-    phase steps on the images measured). The padding is read only by the outputs at that
-    edge, like the edge extension it replaces there.
-    """
-    x = (extent + np.arange(_VIPS_PHASE_SEARCH, dtype=np.float64)) * scale
-    misfit = np.abs(x - np.rint(x))
-    # The first padding within float noise of the best (0 when the grid already fits).
-    return int(np.flatnonzero(misfit <= misfit.min() + 1e-9)[0])
-
-
-def lanczos_vips(
-    arr: np.ndarray,
-    valid: tuple[float, float],
-    resize_size: tuple[int, int],
-    box: tuple[int, int, int, int],
-) -> np.ndarray:
-    """Lanczos-3 of ``arr`` (HxWx3 uint8) scaled so that ``valid`` (w, h from the top-left
-    corner) becomes ``resize_size``, cropped to the integer ``box`` of that: libvips'
-    reduceh/reducev on one core, only the box computed (libvips is demand-driven).
-
-    The same sampling as Pillow's ``resize(resize_size)`` then ``crop(box)`` (per-axis
-    scale, pixel centres, grid aligned by ``_padding``); libvips extends edges by copying
-    where Pillow renormalises the kernel, so the outermost output pixels differ slightly.
-    Downsampling only (``scale <= 1`` on both axes).
-    """
-    vips = _vips()
-    h, w, bands = arr.shape
-    sx, sy = resize_size[0] / valid[0], resize_size[1] / valid[1]
-    if sx > 1 or sy > 1:
-        raise ValueError(f"lanczos_vips downsamples only, got scale {sx:.4f} x {sy:.4f}")
-    img = vips.Image.new_from_memory(np.ascontiguousarray(arr).data, w, h, bands, "uchar")
-    px, py = _padding(w, sx), _padding(h, sy)
-    if px or py:
-        img = img.embed(0, 0, w + px, h + py, extend="copy")
-    out = img.resize(sx, vscale=sy, kernel="lanczos3", gap=0.0)
-    left, top, right, bottom = box
-    out = out.crop(left, top, right - left, bottom - top)
-    return np.ndarray(
-        buffer=out.write_to_memory(), dtype=np.uint8, shape=(out.height, out.width, bands)
-    )
 
 
 def _checked_jpeg_header(
@@ -378,34 +322,61 @@ def _checked_jpeg_header(
     return width, height, method, turned
 
 
-def _scaled_jpeg_vips(
-    data: bytes, assignment: Assignment, orientation: int, max_pixels: int
-) -> np.ndarray:
-    """A JPEG decoded at 1/8, 1/4, 1/2 or full size (``decode_divisor``), Lanczos-3 by
-    libvips in the stored (unturned) frame, then turned by its EXIF orientation.
+@dataclass(frozen=True)
+class Planes:
+    """A bucket image as the three 8-bit planes a JPEG stores (Y, Cb, Cr; JFIF's full-range
+    BT.601), each height x width: what the planar path renders and ``_planes.encode`` takes."""
 
-    Raises ``ValueError`` (libjpeg-turbo in strict mode, or a size that disagrees with the
-    assignment) and ``DecodeRejected`` (pixel limit).
+    y: np.ndarray
+    cb: np.ndarray
+    cr: np.ndarray
+
+    @property
+    def size(self) -> tuple[int, int]:
+        h, w = self.y.shape
+        return w, h
+
+    def to_rgb(self) -> Image.Image:
+        """The RGB picture a JPEG decoder shows for these planes (Pillow's YCbCr -> RGB)."""
+        return Image.merge(
+            "YCbCr",
+            [Image.fromarray(np.ascontiguousarray(p), "L") for p in (self.y, self.cb, self.cr)],
+        ).convert("RGB")
+
+
+def _planar_jpeg(data: bytes, assignment: Assignment, orientation: int, max_pixels: int) -> Planes:
+    """A one-frame YCbCr or greyscale JPEG, decoded to its planes at 1/8, 1/4, 1/2 or full
+    size (``decode_divisor``), each plane Lanczos-3 resampled from its own grid into the
+    bucket in the stored (unturned) frame, then turned by its EXIF orientation.
+
+    Raises ``ValueError`` (another colour space, libjpeg-turbo refusing the data in strict
+    mode, or a size that disagrees with the assignment) and ``DecodeRejected`` (pixel limit).
     """
     width, height, method, turned = _checked_jpeg_header(data, assignment, orientation, max_pixels)
     rw, rh = assignment.resize_size
     stored_resize = (rh, rw) if turned else (rw, rh)  # the resize in the stored frame
     f = decode_divisor((width, height), stored_resize)
-    arr = simplejpeg.decode_jpeg(
-        data, colorspace="RGB", min_width=-(-width // f), min_height=-(-height // f)
-    )
-    dh, dw = arr.shape[:2]
+    kind, dw, dh, planes = _planes.decode(data, f, max_pixels)
     if (dw, dh) != (-(-width // f), -(-height // f)):
         raise ValueError(f"{width}x{height} decoded to {dw}x{dh}, not at 1/{f}")
     # The stored-frame crop box: the oriented one turned back (the canvas is resize_size).
     stored_box = transpose_box(assignment.crop_box, (rw, rh), _inverse(method))
     box = tuple(int(round(v)) for v in stored_box)
-    out = lanczos_vips(arr, (width / f, height / f), stored_resize, box)  # type: ignore[arg-type]
-    return np.ascontiguousarray(_turn(out, method))
+    bw, bh = box[2] - box[0], box[3] - box[1]
+    out = []
+    for pixels, pw, ph, valid_w, valid_h in planes:
+        plane = _planes.resample(
+            pixels, pw, ph, valid_w, valid_h, *stored_resize, box, simd=PLANES_SIMD
+        )
+        out.append(_turn(np.frombuffer(plane, np.uint8).reshape(bh, bw), method))
+    if kind == "GRAY":  # what an RGB grey encodes to: the same Y, neutral chroma
+        neutral = np.full_like(out[0], 128)
+        out += [neutral, neutral]
+    return Planes(*(np.ascontiguousarray(p) for p in out))
 
 
 def _turn(arr: np.ndarray, method: Image.Transpose | None) -> np.ndarray:
-    """``Image.transpose(method)`` on an HxWxC array (a view; same pixels as Pillow's)."""
+    """``Image.transpose(method)`` on an HxW or HxWxC array (a view; Pillow's pixels)."""
     T = Image.Transpose
     if method is None:
         return arr
@@ -415,8 +386,8 @@ def _turn(arr: np.ndarray, method: Image.Transpose | None) -> np.ndarray:
         T.ROTATE_180: lambda a: a[::-1, ::-1],
         T.ROTATE_90: lambda a: np.rot90(a, 1),
         T.ROTATE_270: lambda a: np.rot90(a, -1),
-        T.TRANSPOSE: lambda a: a.transpose(1, 0, 2),
-        T.TRANSVERSE: lambda a: a.transpose(1, 0, 2)[::-1, ::-1],
+        T.TRANSPOSE: lambda a: np.swapaxes(a, 0, 1),
+        T.TRANSVERSE: lambda a: np.swapaxes(a, 0, 1)[::-1, ::-1],
     }[method](arr)
 
 
@@ -425,8 +396,8 @@ def _scaled_jpeg(
 ) -> tuple[Image.Image, tuple[float, float, float, float]]:
     """Decode a JPEG at the smallest eighth covering ``resize_size``; the crop box in it.
 
-    The Pillow path (``resample="lanczos-pillow"``, the reference the libvips path is held
-    to, and the fallback for upscales). Returns the oriented RGB image and the float box of
+    The Pillow path (``resample="lanczos-pillow"``, the reference the planes are held to).
+    Returns the oriented RGB image and the float box of
     the crop in its pixels. Raises ``ValueError`` (from libjpeg-turbo in strict mode, or for
     a size that disagrees with the assignment) and ``DecodeRejected`` (pixel limit).
     """
@@ -467,15 +438,16 @@ def resize_to_bucket(
 ) -> Image.Image:
     """Decode ``data`` and return an RGB image of exactly the bucket's (width, height).
 
-    ``resample="lanczos"`` (default): literal Lanczos over the crop box, from the scaled JPEG
-    decode (see the module doc) or, for other sources, from Pillow's decode after draft/reduce
-    at >= 2x. ``"bicubic-aa"``: Pillow decode; when no draft/reduce applied, torch's bicubic
-    to ``resize_size`` then the crop (the reference geometry); after draft/reduce Lanczos over
-    the crop box, since bicubic's softness would add to those prefilters'. ``facts``: what
-    ingest recorded about the bytes (probed from the header when None).
+    ``resample="lanczos"`` (default): literal Lanczos over the crop box, on the JPEG's own
+    planes (see the module doc; shown here as the RGB a decoder makes of them) or, for other
+    sources, from Pillow's decode after draft/reduce at >= 2x. ``"bicubic-aa"``: Pillow
+    decode; when no draft/reduce applied, torch's bicubic to ``resize_size`` then the crop
+    (the reference geometry); after draft/reduce Lanczos over the crop box, since bicubic's
+    softness would add to those prefilters'. ``facts``: what ingest recorded about the bytes
+    (probed from the header when None).
     """
     out = _to_bucket(data, assignment, max_pixels, resample, facts)
-    return out if isinstance(out, Image.Image) else Image.fromarray(out, "RGB")
+    return out.to_rgb() if isinstance(out, Planes) else out
 
 
 def _to_bucket(
@@ -484,9 +456,9 @@ def _to_bucket(
     max_pixels: int,
     resample: str,
     facts: SourceFacts | None,
-) -> Image.Image | np.ndarray:
-    """``resize_to_bucket``'s pixels: an HxWx3 array from the libvips path (no Pillow
-    image made only to be encoded), a Pillow image from the others."""
+) -> Image.Image | Planes:
+    """``resize_to_bucket``'s pixels: the JPEG's planes from the planar path (encoded as
+    they are, never turned into RGB), an RGB Pillow image from the others."""
     if resample not in RESAMPLE_CHOICES:
         raise ValueError(f"resample must be one of {RESAMPLE_CHOICES}, got {resample!r}")
     target = (assignment.shape.width, assignment.shape.height)
@@ -494,14 +466,15 @@ def _to_bucket(
         facts = facts if facts is not None else SourceFacts.probe(data, max_pixels)
         if facts.scaled_decode:
             try:
-                if resample == "lanczos" and not assignment.upscaled:
-                    return _scaled_jpeg_vips(data, assignment, facts.orientation, max_pixels)
+                if resample == "lanczos":
+                    return _planar_jpeg(data, assignment, facts.orientation, max_pixels)
                 img, box = _scaled_jpeg(data, assignment, facts.orientation, max_pixels)
             except AssignmentMismatch:
                 raise
             except ValueError:
                 # libjpeg-turbo's strict mode refuses what Pillow tolerates (e.g. extraneous
-                # bytes before a marker): the policy decode below decides, as at ingest.
+                # bytes before a marker), and the planes take YCbCr and grey only: the
+                # policy decode below decides, as at ingest.
                 pass
             else:
                 return img.resize(target, Image.Resampling.LANCZOS, box=box)
@@ -520,8 +493,17 @@ def render_jpeg(
     resample: str = RESAMPLE,
     facts: SourceFacts | None = None,
 ) -> bytes:
-    """Source bytes to the bucket's training JPEG: ``resize_to_bucket`` then ``encode_jpeg``."""
-    return encode_jpeg(_to_bucket(data, assignment, max_pixels, resample, facts))
+    """Source bytes to the bucket's training JPEG: the planes encoded as they are, or the
+    RGB pixels by ``encode_jpeg`` (the same quality, subsampling and header)."""
+    out = _to_bucket(data, assignment, max_pixels, resample, facts)
+    return encode_planes(out) if isinstance(out, Planes) else encode_jpeg(out)
+
+
+def encode_planes(planes: Planes, quality: int = JPEG_QUALITY) -> bytes:
+    """``encode_jpeg`` for pixels that are already the JPEG's planes: baseline, 4:4:4,
+    standard tables at ``quality``, accurate integer DCT, JFIF header only."""
+    w, h = planes.size
+    return _planes.encode(planes.y, planes.cb, planes.cr, w, h, quality)
 
 
 def encode_jpeg(img: Image.Image | np.ndarray, quality: int = JPEG_QUALITY) -> bytes:

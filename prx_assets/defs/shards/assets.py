@@ -77,10 +77,11 @@ class MDSShardsConfig(Config):
     resample: str = Field(
         default=RESAMPLE,
         description=(
-            "'lanczos' (default: literal Lanczos-3 by libvips over the crop box, from a "
-            "libjpeg-turbo decode at 1/8, 1/4, 1/2 or full size for JPEG sources), "
-            "'lanczos-pillow' (Pillow's Lanczos-3, the reference) or 'bicubic-aa' (torch's "
-            "antialiased bicubic; differs from Lanczos by less than the q92 loss)."
+            "'lanczos' (default: literal Lanczos-3 over the crop box on a JPEG's own Y, Cb and "
+            "Cr planes, from a libjpeg-turbo raw decode at 1/8, 1/4, 1/2 or full size, "
+            "encoded from the planes; Pillow's Lanczos-3 for other sources), "
+            "'lanczos-pillow' (Pillow's Lanczos-3 from RGB, the reference) or 'bicubic-aa' "
+            "(torch's antialiased bicubic; differs from Lanczos by less than the q92 loss)."
         ),
     )
     max_render_failures: int = Field(
@@ -120,7 +121,8 @@ class MDSShardsConfig(Config):
     # their first skip-list generation does, and skip_lists (versioned by the fingerprint)
     # refreshes that; a policy change must not re-render every shard.
     # v3: Lanczos from a DCT-scaled decode, libjpeg-turbo encoder (other bytes than v2).
-    code_version="mds_shards-v3",
+    # v4: JPEG sources resampled and encoded on their own YCbCr planes (other bytes).
+    code_version="mds_shards-v4",
     description=(
         "Every assigned image resized to its bucket, JPEG q92, written as MDS under "
         "<shards_root>/mds/<tier>/<H>x<W>/<batch>/ together with its first skip-list "
