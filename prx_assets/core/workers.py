@@ -32,6 +32,7 @@ may run on (``os.sched_getaffinity``, so a ``taskset``/cgroup-pinned process use
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import threading
@@ -155,12 +156,43 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _serve(owner: int) -> None:
-    """Worker initializer: exit as soon as the process that owns the pool is gone.
+# A worker's heap keeps what it freed, up to this much, instead of handing it back to the
+# kernel after every image (see ``_keep_freed_memory``).
+WORKER_HEAP_KEEP_BYTES = 256 * 1024 * 1024
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
-    Why: a killed run (kill -9, the OOM killer) cannot shut its pool down, and idle workers
-    would otherwise wait on their queue forever, holding the forkserver and their memory.
+
+def _keep_freed_memory(limit: int = WORKER_HEAP_KEEP_BYTES) -> bool:
+    """Let glibc's malloc keep freed memory for reuse (allocations up to ``limit`` from the
+    heap, and up to ``limit`` of free heap kept): True when set.
+
+    Why: a worker's per-image buffers (source bytes, decoded planes, the JPEG) are a few MB
+    each. A fresh process's malloc maps each from the kernel and unmaps it on free, so
+    every image faulted ~12 MB of zeroed pages back in: ~3,200 page faults per 3.5 MP shard
+    render, ~15 % more CPU than the same renders in one long-lived process (measured with
+    ``getrusage``: 305k minor faults for 96 renders on 2 workers, 4 inline). A long-lived
+    process reaches the same steady state by itself; a worker is told. glibc only (elsewhere
+    a no-op); memory held is bounded by ``limit`` per worker beyond its peak in use.
     """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    ok = mallopt(_M_MMAP_THRESHOLD, min(limit, 32 * 1024 * 1024))  # glibc's maximum
+    return bool(ok and mallopt(_M_TRIM_THRESHOLD, limit))
+
+
+def _serve(owner: int) -> None:
+    """Worker initializer: keep freed memory for the next image (``_keep_freed_memory``),
+    and exit as soon as the process that owns the pool is gone.
+
+    Why the watchdog: a killed run (kill -9, the OOM killer) cannot shut its pool down, and
+    idle workers would otherwise wait on their queue forever, holding the forkserver and
+    their memory.
+    """
+    _keep_freed_memory()
 
     def watch() -> None:
         while _running(owner):

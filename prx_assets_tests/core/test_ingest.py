@@ -207,3 +207,60 @@ def test_workers_store_the_blobs_and_the_rows_equal_the_parents_path(tmp_path):
         }
     assert read["parent"] == read["inline"] == read["two"]
     assert {p for p, _, _ in read["two"]} == {n for n in files if n != "broken.jpg"}
+
+
+def test_deferred_reads_refuse_what_the_parent_would_and_change_no_row(tmp_path, monkeypatch):
+    """With a blob sink, the validating process reads each image itself (the parent lists,
+    reads sidecars and ships no image bytes). Files that change between listing and reading
+    get the refusals the parent's own read gives (gone, swapped for a link); the rows of the
+    untouched files equal the eager path's, for 1 and 2 workers."""
+    from prx_assets.core.ingest.sources import iter_candidates
+    from prx_assets.core.lab import MANUAL
+
+    b = tmp_path / "s" / "000"
+    b.mkdir(parents=True)
+
+    def write_batch() -> None:
+        for i in range(4):
+            (b / f"p{i}.jpg").unlink(missing_ok=True)
+            (b / f"p{i}.jpg").write_bytes(_jpeg((60 * i, 90, 200 - 40 * i)))
+            (b / f"p{i}.txt").write_text(f"photo {i}")
+        (b / "elsewhere.bin").unlink(missing_ok=True)
+        (b / "_SUCCESS").write_text("")
+
+    write_batch()
+    ref = resolve_batch(tmp_path, "s.000")
+    listed = {c.path: c for c in iter_candidates(ref, defer_reads=True)}
+    assert sorted(listed) == [f"p{i}.jpg" for i in range(4)]
+    assert all(c.data is None and c.deferred is not None for c in listed.values())
+    assert listed["p2.jpg"].alt_text == "photo 2"  # sidecars are read while listing
+
+    def sabotaged(*args, **kwargs):
+        candidates = list(iter_candidates(*args, **kwargs))  # listed (and stat'ed) first
+        (b / "p1.jpg").unlink()
+        (b / "p3.jpg").rename(b / "elsewhere.bin")
+        (b / "p3.jpg").symlink_to(b / "elsewhere.bin")
+        yield from candidates
+
+    def run(workers: int) -> tuple[list, list]:
+        lab = Lab(tmp_path / f"lab-{workers}-{len(list(tmp_path.iterdir()))}", policy=MANUAL)
+        lab.ensure(IMAGES)
+        it = BatchIngest(ref, workers=workers, blob_sink=lab.local_blobs(IMAGES, "image"))
+        rows = [r for batch in it.image_batches() for r in batch.to_pylist()]
+        rejects = [(r["path"], r["reason"]) for r in it.rejects.to_pylist()]
+        assert it.stats.seen == 4 == it.stats.accepted + it.stats.rejected
+        return sorted((r["path"], r["key"], r["file_size"]) for r in rows), sorted(rejects)
+
+    eager = BatchIngest(ref)  # no blob sink: the parent reads every file
+    eager_rows = sorted(
+        (r["path"], r["key"], r["file_size"])
+        for bt in eager.image_batches()
+        for r in bt.to_pylist()
+    )
+    assert run(1) == run(2) == (eager_rows, [])
+    monkeypatch.setattr(ingest, "iter_candidates", sabotaged)
+    for workers in (1, 2):
+        write_batch()
+        rows, rejects = run(workers)
+        assert rows == [r for r in eager_rows if r[0] in ("p0.jpg", "p2.jpg")]
+        assert rejects == [("p1.jpg", "missing_file"), ("p3.jpg", "symlink")]

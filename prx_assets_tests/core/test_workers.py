@@ -156,3 +156,33 @@ def test_workers_exit_when_the_pool_owner_is_killed(tmp_path) -> None:
     while any(_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if _running(p)], "workers outlived the killed owner"
+
+
+BUFFER_BYTES = 8 << 20  # a few MB, as one image's bytes, planes or JPEG are
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def faults_of_fresh_buffers(n: int) -> int:
+    """Minor page faults of ``n`` rounds of making three zeroed buffers (an image's bytes,
+    planes and output are held together) and dropping them."""
+    import resource
+
+    def one_round() -> None:
+        held = [bytearray(BUFFER_BYTES) for _ in range(3)]
+        del held
+
+    one_round()  # the first round may fault in whatever this process keeps
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(n):
+        one_round()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_workers_keep_freed_memory_for_the_next_item(pool: ProcessPool) -> None:
+    # A fresh process maps every buffer of this size from the kernel and hands it back on
+    # free, so each one faults all its pages in again (the control, in a plain spawned
+    # process); a pool worker is told to keep freed memory, and the next item reuses it.
+    per_buffer = BUFFER_BYTES // PAGE_BYTES
+    with spawn_pool(1) as plain:
+        assert plain.apply(faults_of_fresh_buffers, (10,)) >= 10 * per_buffer
+    assert max(pool.map_ordered(faults_of_fresh_buffers, [10, 10])) < per_buffer

@@ -31,6 +31,8 @@ from prx_assets.core.ingest.sources import (
     DEFAULT_MAX_FILE_BYTES,
     BatchRef,
     Candidate,
+    FileRead,
+    FileRefused,
     iter_candidates,
 )
 from prx_assets.core.ingest.tables import ensure_usage_signals_column
@@ -117,20 +119,38 @@ def check_candidate(item: tuple[bytes, int]) -> Checked:
     return key, (info, thumb, preview)
 
 
-def check_and_store(item: tuple[bytes, int, LocalBlobs]) -> tuple[str, object, bool]:
-    """``check_candidate``, then the accepted file's bytes stored in the lab's blob store
-    by the process that already holds them (picklable). Returns (key, result, stored):
-    stored is False when the file was refused (nothing is stored) or the store failed
-    (the parent then stores it and reports the error if that fails too)."""
-    data, max_pixels, sink = item
+# What a worker returns for one file: its sha256 (None when it could not be read), the check
+# (``Checked``'s result, or a read refusal's (reason, detail)), whether its bytes were stored
+# in the blob store, and how many bytes it held.
+FileChecked = tuple[str | None, object, bool, int]
+
+
+def check_and_store(item: tuple[bytes | FileRead, int, LocalBlobs | None]) -> FileChecked:
+    """Read the file when its read was deferred to this process (``FileRead``), then
+    ``check_candidate``, then store the accepted bytes in the lab's blob store (with a sink)
+    by the process that already holds them (picklable).
+
+    ``stored`` is False when the file was refused (nothing is stored), there is no sink, or
+    the store failed (the parent then stores it, reading it again when it was not sent, and
+    reports the error if that fails too). A file that cannot be read comes back as
+    (None, (reason, detail), False, 0): the same refusal the parent's read would have made.
+    """
+    source, max_pixels, sink = item
+    if isinstance(source, FileRead):
+        try:
+            data = source.read()
+        except FileRefused as exc:
+            return None, (exc.reason, bound_text(exc.detail)), False, 0
+    else:
+        data = source
     key, result = check_candidate((data, max_pixels))
-    if not isinstance(result[0], ImageInfo):
-        return key, result, False
+    if sink is None or not isinstance(result[0], ImageInfo):
+        return key, result, False, len(data)
     try:
         sink.put(data, sha256=key)  # ``key`` is these bytes' sha256, just computed
     except OSError:
-        return key, result, False
-    return key, result, True
+        return key, result, False, len(data)
+    return key, result, True, len(data)
 
 
 def migrate_images_table(lab: Lab) -> list[str]:
@@ -151,14 +171,9 @@ def migrate_images_table(lab: Lab) -> list[str]:
 
 
 def _check_or_skip(
-    item: tuple[bytes, int] | tuple[bytes, int, LocalBlobs] | None,
-) -> tuple[str, object, bool] | None:
-    if item is None:
-        return None
-    if len(item) == 3:
-        return check_and_store(item)  # type: ignore[arg-type]
-    key, result = check_candidate(item)  # type: ignore[arg-type]
-    return key, result, False
+    item: tuple[bytes | FileRead, int, LocalBlobs | None] | None,
+) -> FileChecked | None:
+    return None if item is None else check_and_store(item)
 
 
 class BatchIngest:
@@ -172,7 +187,9 @@ class BatchIngest:
     rows are the same for any worker count. With ``blob_sink`` (``Lab.local_blobs``), each
     accepted file's bytes are stored by the process that validated it (a worker on this
     machine, or here for Ray workers), and the rows carry the references: write them with
-    ``replace_partition(IMAGES, ..., stored_blobs=run.stored_blobs)``.
+    ``replace_partition(IMAGES, ..., stored_blobs=run.stored_blobs)``. Workers on this
+    machine then also read the files of folders and manifests themselves (the same checks
+    and refusals: ``sources.FileRead``), so this process never holds or ships the images.
     """
 
     def __init__(
@@ -220,25 +237,24 @@ class BatchIngest:
             }
         )
 
-    def _checked(self) -> Iterator[tuple[Candidate, Checked | ItemFailed | None]]:
+    def _checked(self) -> Iterator[tuple[Candidate, FileChecked | ItemFailed | None]]:
         """Every candidate in order with its hash and validation (None: no bytes to check)."""
         pending: deque[Candidate] = deque()
 
         pool = make_pool(self.executor, self.workers)
-        # Workers store blobs only where they share this machine's filesystem.
+        # Workers store blobs only where they share this machine's filesystem; there they
+        # read the files themselves too, so the parent neither reads nor ships the images.
         sink = self.blob_sink if pool.same_machine else None
+        defer = sink is not None
 
         def tasks() -> Iterator[tuple | None]:
-            for c in iter_candidates(self.ref, self.max_file_bytes):
+            for c in iter_candidates(self.ref, self.max_file_bytes, defer_reads=defer):
                 pending.append(c)
-                if c.error is not None or c.data is None:
+                source = c.data if c.data is not None else c.deferred
+                if c.error is not None or source is None:
                     yield None
                 else:
-                    yield (
-                        (c.data, self.max_pixels)
-                        if sink is None
-                        else (c.data, self.max_pixels, sink)
-                    )
+                    yield source, self.max_pixels, sink
 
         try:
             for out in pool.map_ordered(_check_or_skip, tasks()):
@@ -246,12 +262,35 @@ class BatchIngest:
         finally:
             pool.close()
 
+    def _key_of(self, c: Candidate) -> str | None:
+        """The sha256 of a candidate's bytes, read here if need be (None: unreadable now)."""
+        try:
+            return hashlib.sha256(c.read()).hexdigest()
+        except FileRefused:
+            return None
+
+    def _store_here(self, c: Candidate, key: str) -> str | None:
+        """Store a checked candidate's bytes from this process (a Ray worker's, or one whose
+        worker could not store them): its blob reference, or why not (``FileRefused``'s
+        detail) when the file can no longer be read as the bytes that were checked."""
+        assert self.blob_sink is not None
+        try:
+            data = c.read()
+        except FileRefused as exc:
+            return f"{exc.reason}: {exc.detail}"
+        ref, _ = self.blob_sink.put(data)
+        if ref != key:
+            if c.data is not None:
+                raise AssertionError(f"blob reference {ref} != key {key} of {c.path!r}")
+            return "the file changed between its check and its store"
+        return None
+
     def _accepted_rows(self) -> Iterator[dict]:
         stats = self.stats
         first_path_of_key: dict[str, str] = {}
         for c, checked in self._checked():
             stats.seen += 1
-            if c.error is not None or c.data is None:
+            if c.error is not None or (c.data is None and c.deferred is None):
                 reason, detail = c.error or ("unreadable", "no bytes")
                 self._reject(c, reason, detail)
                 continue
@@ -259,9 +298,13 @@ class BatchIngest:
                 # The check itself failed (it only raises on a bug or a dead worker): the file
                 # is refused with why, never accepted unvalidated.
                 why = checked.error if checked is not None else "no result"
-                self._reject(c, "validation_failed", why, hashlib.sha256(c.data).hexdigest())
+                self._reject(c, "validation_failed", why, self._key_of(c))
                 continue
-            key, result, stored = checked
+            key, result, stored, nbytes = checked
+            if key is None:  # the deferred read was refused: as if read here
+                reason, detail = result  # type: ignore[misc]
+                self._reject(c, str(reason), str(detail))
+                continue
             if key in first_path_of_key:
                 self._reject(
                     c,
@@ -279,17 +322,21 @@ class BatchIngest:
                 self._reject(c, str(result[0]), str(result[1]), key)
                 continue
             info, thumb, preview = result
-            image: bytes | str = c.data
+            image: bytes | str
             if self.blob_sink is not None:
                 if not stored:  # a Ray worker, or the worker's store failed: stored here
-                    ref, _ = self.blob_sink.put(c.data)
-                    if ref != key:
-                        raise AssertionError(f"blob reference {ref} != key {key} of {c.path!r}")
+                    why = self._store_here(c, key)
+                    if why is not None:
+                        self._reject(c, "unreadable", why, key)
+                        continue
                 image = key  # the blob's reference: the same sha256
+            else:
+                assert c.data is not None  # reads are deferred only with a blob sink
+                image = c.data
             self._seen_paths.add(c.path)
             first_path_of_key[key] = c.path
             stats.accepted += 1
-            stats.bytes_accepted += len(c.data)
+            stats.bytes_accepted += nbytes
             stats.formats[info.format] += 1
             stats.conversions[info.conversion] += 1
             stats.animated += int(info.animated)
@@ -309,7 +356,7 @@ class BatchIngest:
                 "conversion": info.conversion,
                 "orientation": info.orientation,
                 "n_frames": info.n_frames,
-                "file_size": len(c.data),
+                "file_size": nbytes,
                 "image": image,
                 "usage_signals": c.usage_signals,
                 "phash_thumbnail": thumb,

@@ -145,9 +145,34 @@ class FileRefused(Exception):
         self.detail = detail
 
 
+@dataclass(frozen=True)
+class FileRead:
+    """A regular file for the process that validates it to read (a worker on this machine):
+    the same checks and limit as ``read_regular_file``, done there. Picklable.
+
+    Why: ingest's workers then hold each file's bytes without the parent reading and
+    pickling every image to them (the parent's serial share of a partition). ``quoted``:
+    the printable path a refusal's detail starts with (a manifest row names its file).
+    """
+
+    path: bytes
+    max_bytes: int
+    quoted: str | None = None
+
+    def read(self) -> bytes:
+        """The file's bytes, or ``FileRefused`` (missing, a link, not regular, too large...)."""
+        try:
+            return read_regular_file(self.path, self.max_bytes)
+        except FileRefused as exc:
+            if self.quoted is None:
+                raise
+            raise FileRefused(exc.reason, f"{self.quoted} {exc.detail}") from None
+
+
 @dataclass
 class Candidate:
-    """One input file of a batch: bytes to decode, or the reason there are none."""
+    """One input file of a batch: bytes to decode (or, read deferred, the file to read them
+    from), or the reason there are none."""
 
     path: str  # printable (text.printable_name), unique within its batch
     data: bytes | None
@@ -159,6 +184,15 @@ class Candidate:
     error: tuple[str, str] | None = None  # (reason, detail) when unreadable
     size: int | None = None  # bytes on disk / in the header, when known
     usage_signals: str | None = None  # captured HTTP opt-out headers (signals.capture_signals)
+    deferred: FileRead | None = None  # with ``data`` None: read by whoever validates it
+
+    def read(self) -> bytes:
+        """The candidate's bytes: held, or read now (``FileRefused`` when that fails)."""
+        if self.data is not None:
+            return self.data
+        if self.deferred is None:
+            raise FileRefused(UNREADABLE, "no bytes")
+        return self.deferred.read()
 
 
 @dataclass(frozen=True)
@@ -377,6 +411,7 @@ class _Entry:
     refusal: FileRefused | None = None
     size: int | None = None
     read: Callable[[], bytes] | None = None  # bytes, or raises FileRefused
+    deferred: FileRead | None = None  # the same read, for another process to do
 
 
 def _sidecar_fields(
@@ -431,11 +466,15 @@ def _refused(ref: BatchRef, e: _Entry, exc: FileRefused) -> Candidate:
     )
 
 
-def _sample_candidates(ref: BatchRef, entries: list[_Entry]) -> Iterator[Candidate]:
+def _sample_candidates(
+    ref: BatchRef, entries: list[_Entry], defer: bool = False
+) -> Iterator[Candidate]:
     """The candidates of one sample: refused sidecars, then its other files.
 
     Sidecars are not candidates themselves unless refused; a refused or malformed sidecar
     refuses the sample's images (``bad_sidecar``) rather than ingest them without it.
+    Sidecars are always read here; with ``defer``, an image that can be read elsewhere is
+    yielded unread (``Candidate.deferred``).
     """
     entries = sorted(entries, key=lambda e: (e.ext, e.path))
     sidecars: dict[str, tuple[str, bytes]] = {}
@@ -473,6 +512,11 @@ def _sample_candidates(ref: BatchRef, entries: list[_Entry]) -> Iterator[Candida
                     f"its sidecar {', '.join(problems[:3])} was refused, so its metadata "
                     "(URL, id, licence) is unknown",
                 )
+            if defer and e.deferred is not None:
+                yield _with_defaults(
+                    Candidate(e.path, None, size=e.size, deferred=e.deferred, **fields), ref
+                )
+                continue
             assert e.read is not None
             data = e.read()
         except FileRefused as exc:
@@ -515,10 +559,11 @@ def _folder_entry(full: str, rel: str, ext: str, max_file_bytes: int) -> _Entry:
         e.refusal = _too_large(st.st_size, limit, what)
     else:
         e.read = lambda: read_regular_file(full, limit)
+        e.deferred = FileRead(os.fsencode(full), limit)
     return e
 
 
-def _iter_folder(ref: BatchRef, max_file_bytes: int) -> Iterator[Candidate]:
+def _iter_folder(ref: BatchRef, max_file_bytes: int, defer: bool = False) -> Iterator[Candidate]:
     groups: dict[str, list[tuple[str, str, str]]] = {}  # stem -> (full, rel, ext)
     unlisted: list[Candidate] = []
 
@@ -556,7 +601,7 @@ def _iter_folder(ref: BatchRef, max_file_bytes: int) -> Iterator[Candidate]:
     yield from unlisted
     for stem in sorted(groups):
         entries = [_folder_entry(f, r, x, max_file_bytes) for f, r, x in sorted(groups[stem])]
-        yield from _sample_candidates(ref, entries)
+        yield from _sample_candidates(ref, entries, defer)
 
 
 # --------------------------------------------------------------------------- archives
@@ -856,9 +901,15 @@ def _manifest_rows(path: Path) -> Iterator[tuple[bytes | None, dict[str, str]]]:
 
 
 def _manifest_candidate(
-    ref: BatchRef, base: bytes, raw: bytes, fields: dict[str, str], max_file_bytes: int
+    ref: BatchRef,
+    base: bytes,
+    raw: bytes,
+    fields: dict[str, str],
+    max_file_bytes: int,
+    defer: bool = False,
 ) -> Candidate:
-    """One manifest row: the file it names, checked by ``stat`` before it is read."""
+    """One manifest row: the file it names, checked by ``stat`` before it is read (with
+    ``defer``, left for the validating process to read: ``Candidate.deferred``)."""
     shown = _display_path(raw)
     quoted = quote_bounded(shown)
     size: int | None = None
@@ -883,17 +934,18 @@ def _manifest_candidate(
             raise FileRefused(NOT_A_FILE, f"{quoted} is {_file_kind(st.st_mode)}")
         if st.st_size > max_file_bytes:
             raise _too_large(st.st_size, max_file_bytes)
-        try:
-            data = read_regular_file(target, max_file_bytes)
-        except FileRefused as exc:
-            raise FileRefused(exc.reason, f"{quoted} {exc.detail}") from None
+        read = FileRead(target, max_file_bytes, quoted)
+        if defer:
+            c = Candidate(shown, None, size=size, deferred=read, **fields)
+            return _with_defaults(c, ref)
+        data = read.read()
     except FileRefused as exc:
         c = Candidate(shown, None, error=(exc.reason, bound_text(exc.detail)), size=size, **fields)
         return _with_defaults(c, ref)
     return _with_defaults(Candidate(shown, data, size=len(data), **fields), ref)
 
 
-def _iter_manifest(ref: BatchRef, max_file_bytes: int) -> Iterator[Candidate]:
+def _iter_manifest(ref: BatchRef, max_file_bytes: int, defer: bool = False) -> Iterator[Candidate]:
     base = os.fsencode(ref.path.parent.resolve())
     for raw, fields in _manifest_rows(ref.path):
         if raw is None:
@@ -901,16 +953,19 @@ def _iter_manifest(ref: BatchRef, max_file_bytes: int) -> Iterator[Candidate]:
                 Candidate("", None, error=("missing_path", "empty path cell"), **fields), ref
             )
         else:
-            yield _manifest_candidate(ref, base, raw, fields, max_file_bytes)
+            yield _manifest_candidate(ref, base, raw, fields, max_file_bytes, defer)
 
 
 def iter_candidates(
-    ref: BatchRef, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    ref: BatchRef, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, defer_reads: bool = False
 ) -> Iterator[Candidate]:
     """Every input file of a batch, in a deterministic order, readable or not.
 
     ``max_file_bytes``: the per-file limit (and per WebDataset sample), checked before
-    reading; over it a file is refused as ``too_large``.
+    reading; over it a file is refused as ``too_large``. ``defer_reads``: images of folders
+    and manifests come unread, for the process that validates them to read
+    (``Candidate.deferred``, the same checks and refusals); archive members are read here
+    (one sequential stream), and so are sidecars (their metadata is the candidate's).
     """
     if ref.kind in ("archive", "manifest"):
         try:
@@ -920,10 +975,10 @@ def iter_candidates(
         if not stat.S_ISREG(st.st_mode):  # a FIFO named x.tar would block the reader
             raise BatchError(f"{_where(ref.path)} is {_file_kind(st.st_mode)}, not a file")
     if ref.kind == "folder":
-        yield from _iter_folder(ref, max_file_bytes)
+        yield from _iter_folder(ref, max_file_bytes, defer_reads)
     elif ref.kind == "archive":
         yield from _iter_archive(ref, max_file_bytes)
     elif ref.kind == "manifest":
-        yield from _iter_manifest(ref, max_file_bytes)
+        yield from _iter_manifest(ref, max_file_bytes, defer_reads)
     else:
         raise BatchError(f"unknown batch kind {ref.kind!r}")
