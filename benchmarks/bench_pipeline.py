@@ -32,13 +32,18 @@ partition checks; Lance commits; checks; metadata). Reported beside the headline
 per image beyond it, against the naive sum per image (``beyond_fixed``). The headline ratio
 is the whole partition's.
 
-``--workers-check``: the baseline partition again, unpinned (a child process given back every
-CPU the run started with), with ``LabResource.workers`` 1 and 2 alternating, ``--repeats``
-times each (fresh data roots): medians per stage, the speed-up of the three stages with a
-worker pool and of all CPU stages, and whether every shard tree is byte-identical.
+``--workers-check``: baseline partitions of each size in ``--workers-n`` (default the
+``--n`` images, and 384: a partition's fixed cost, which no pool divides, weighs four times
+less there), unpinned (a child process given back every CPU the run started with), with
+``LabResource.workers`` 1 and 2 alternating, ``--repeats`` times each (fresh data roots):
+medians per stage, the speed-up of the three stages with a worker pool and of all CPU
+stages, and whether every shard tree is byte-identical.
 
-    python -m benchmarks.bench_pipeline [--n 96] [--progressive-n 32] [--workers-check]
-        [--repeats 3] [--quick]
+The progressive partition has ``--progressive-n`` images (default: as many as the baseline
+one, so both carry the same fixed cost per image).
+
+    python -m benchmarks.bench_pipeline [--n 96] [--progressive-n N] [--workers-check]
+        [--workers-n 96,384] [--repeats 3] [--quick]
 """
 
 from __future__ import annotations
@@ -427,16 +432,24 @@ def marginal(summary: dict, fixed: dict[str, float]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=96, help="baseline JPEGs in the partition")
-    parser.add_argument("--progressive-n", type=int, default=32)
+    parser.add_argument(
+        "--progressive-n", type=int, default=None, help="progressive JPEGs (default: --n)"
+    )
     parser.add_argument("--workers-check", action="store_true")
+    parser.add_argument(
+        "--workers-n", default=None, help="partition sizes of the workers check (default: --n,384)"
+    )
     parser.add_argument("--workers-check-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="16 + 8 images")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (medians)")
     args = parser.parse_args()
     if args.quick:
         args.n, args.progressive_n, args.repeats = 16, 8, 1
+    if args.progressive_n is None:
+        args.progressive_n = args.n
+    sizes = [int(v) for v in (args.workers_n or f"{args.n},{4 * args.n}").split(",")]
     if args.workers_check_child:
-        print(json.dumps(workers_check(args.n, args.repeats)))
+        print(json.dumps({str(n): workers_check(n, args.repeats) for n in sizes}))
         return
     command = "python -m benchmarks.bench_pipeline " + " ".join(sys.argv[1:])
     result: dict = {"command": command.strip(), "cpu": sorted(os.sched_getaffinity(0))}
@@ -491,18 +504,19 @@ def main() -> None:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         child = subprocess.run(
             [sys.executable, "-m", "benchmarks.bench_pipeline", "--workers-check-child",
-             "--n", str(args.n), "--repeats", str(args.repeats)],
+             "--n", str(args.n), "--repeats", str(args.repeats),
+             "--workers-n", ",".join(map(str, sizes))],
             env=env, capture_output=True, text=True, check=True, cwd=REPO,
         )  # fmt: skip
         result["workers_check"] = json.loads(child.stdout.strip().splitlines()[-1])
-        w = result["workers_check"]
-        print(f"\n== 1 vs 2 workers ({w['images']} baseline JPEGs, unpinned) ==")
-        print(
-            f"  medians of {w['repeats']} alternating runs: per-stage speed-up "
-            f"{w['speedup_per_stage']}, the three per-image stages "
-            f"{w['speedup_per_image_stages']}x, CPU stages {w['speedup_cpu_stages']}x"
-        )
-        print(f"  same shard bytes: {w['same_shard_bytes']}")
+        for w in result["workers_check"].values():
+            print(f"\n== 1 vs 2 workers ({w['images']} baseline JPEGs, unpinned) ==")
+            print(
+                f"  medians of {w['repeats']} alternating runs: per-stage speed-up "
+                f"{w['speedup_per_stage']}, the three per-image stages "
+                f"{w['speedup_per_image_stages']}x, CPU stages {w['speedup_cpu_stages']}x"
+            )
+            print(f"  same shard bytes: {w['same_shard_bytes']}")
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
 
