@@ -261,6 +261,30 @@ static double lanczos3(double x) {
   return (x > -3.0 && x < 3.0) ? sinc(x) * sinc(x / 3.0) : 0.0;
 }
 
+/* lanczos3((x + xmin - center + 0.5) * ss) for x in [0, n): the same arguments as one call
+ * per tap, with the sines of consecutive taps (a fixed step apart) by rotation, so an output
+ * costs four trigonometric calls instead of two per tap (most of a kernel's cost). An
+ * argument within 1e-6 of a zero of the sine is evaluated directly. */
+static void lanczos3_taps(int xmin, double center, double ss, int n, double *w) {
+  double u0 = (xmin - center + 0.5) * ss;
+  double s1 = sin(M_PI * u0), c1 = cos(M_PI * u0), s3 = sin(M_PI * u0 / 3.0),
+         c3 = cos(M_PI * u0 / 3.0);
+  double ds1 = sin(M_PI * ss), dc1 = cos(M_PI * ss), ds3 = sin(M_PI * ss / 3.0),
+         dc3 = cos(M_PI * ss / 3.0);
+  for (int x = 0; x < n; x++) {
+    double u = (x + xmin - center + 0.5) * ss;
+    if (!(u > -3.0 && u < 3.0)) w[x] = 0.0;
+    else if (fabs(u) < 1e-6) w[x] = lanczos3(u);
+    else w[x] = (s1 / (M_PI * u)) * (s3 / (M_PI * u / 3.0));
+    double t = s1 * dc1 + c1 * ds1;
+    c1 = c1 * dc1 - s1 * ds1;
+    s1 = t;
+    t = s3 * dc3 + c3 * ds3;
+    c3 = c3 * dc3 - s3 * ds3;
+    s3 = t;
+  }
+}
+
 typedef struct {
   int count;     /* outputs */
   int ksize;     /* stride of weights */
@@ -310,11 +334,9 @@ static int make_kernel(Kernel *k, int in_size, double extent, int out_size, int 
       xmax = 1;
       w[0] = 1.0;
     } else {
+      lanczos3_taps(xmin, center, ss, xmax, w);
       double total = 0.0;
-      for (int x = 0; x < xmax; x++) {
-        w[x] = lanczos3((x + xmin - center + 0.5) * ss);
-        total += w[x];
-      }
+      for (int x = 0; x < xmax; x++) total += w[x];
       for (int x = 0; x < xmax; x++) w[x] = total != 0.0 ? w[x] / total : 0.0;
     }
     for (int x = 0; x < xmax; x++) {
@@ -328,6 +350,35 @@ static int make_kernel(Kernel *k, int in_size, double extent, int out_size, int 
   }
   free(w);
   return 0;
+}
+
+/* The last row and column kernels made on this thread, by their parameters: a JPEG's two
+ * chroma planes share one geometry, so the second reuses the first's kernels. Per thread,
+ * so a kernel in use while the GIL is released is never replaced by another thread. */
+typedef struct {
+  int valid, in_size, out_size, o0, o1;
+  double extent;
+  Kernel kernel;
+} CachedKernel;
+
+static __thread CachedKernel kernel_cache[2];
+
+static const Kernel *cached_kernel(int slot, int in_size, double extent, int out_size, int o0,
+                                   int o1) {
+  CachedKernel *c = &kernel_cache[slot];
+  if (c->valid && c->in_size == in_size && c->extent == extent && c->out_size == out_size &&
+      c->o0 == o0 && c->o1 == o1)
+    return &c->kernel;
+  if (c->valid) free_kernel(&c->kernel);
+  c->valid = 0;
+  if (make_kernel(&c->kernel, in_size, extent, out_size, o0, o1) != 0) return NULL;
+  c->in_size = in_size;
+  c->extent = extent;
+  c->out_size = out_size;
+  c->o0 = o0;
+  c->o1 = o1;
+  c->valid = 1;
+  return &c->kernel;
 }
 
 static inline uint8_t clip_shift(int32_t v) {
@@ -429,24 +480,29 @@ static inline void transpose16(const uint8_t *in, size_t in_stride, uint8_t *out
 }
 #endif
 
-/* out (cols x rows) = in (rows x cols) transposed. */
+/* out (cols x rows) = in (rows x cols) transposed, in 16x16 blocks taken 64 rows at a time:
+ * four blocks down a column of the input fill whole 64-byte lines of the output before the
+ * next column, so a large plane is not written a quarter line at a time. */
 static void transpose(const uint8_t *in, int rows, int cols, uint8_t *out, int simd) {
-  const int B = 16;
-  for (int r0 = 0; r0 < rows; r0 += B) {
-    int r1 = r0 + B < rows ? r0 + B : rows;
+  const int B = 16, T = 64;
+  for (int rt = 0; rt < rows; rt += T) {
+    int rt1 = rt + T < rows ? rt + T : rows;
     for (int c0 = 0; c0 < cols; c0 += B) {
       int c1 = c0 + B < cols ? c0 + B : cols;
+      for (int r0 = rt; r0 < rt1; r0 += B) {
+        int r1 = r0 + B < rt1 ? r0 + B : rt1;
 #if PRX_X86
-      if (simd && r1 - r0 == B && c1 - c0 == B) {
-        transpose16(in + (size_t)r0 * cols + c0, (size_t)cols, out + (size_t)c0 * rows + r0,
-                    (size_t)rows);
-        continue;
-      }
+        if (simd && r1 - r0 == B && c1 - c0 == B) {
+          transpose16(in + (size_t)r0 * cols + c0, (size_t)cols, out + (size_t)c0 * rows + r0,
+                      (size_t)rows);
+          continue;
+        }
 #else
-      (void)simd;
+        (void)simd;
 #endif
-      for (int r = r0; r < r1; r++)
-        for (int c = c0; c < c1; c++) out[(size_t)c * rows + r] = in[(size_t)r * cols + c];
+        for (int r = r0; r < r1; r++)
+          for (int c = c0; c < c1; c++) out[(size_t)c * rows + r] = in[(size_t)r * cols + c];
+      }
     }
   }
 }
@@ -508,16 +564,24 @@ static PyObject *resample(PyObject *self, PyObject *args, PyObject *kwargs) {
     return NULL;
   }
   int cw = right - left, ch = bottom - top;
-  Kernel rows_k, cols_k;
-  int fail = make_kernel(&rows_k, h, vh, oh, top, bottom);
-  fail |= make_kernel(&cols_k, w, vw, ow, left, right);
-  /* The source rows the box reads, and the row kernel re-based on the first of them. */
+  const Kernel *cols_k = cached_kernel(1, w, vw, ow, left, right);
+  const Kernel *cached_rows = cols_k ? cached_kernel(0, h, vh, oh, top, bottom) : NULL;
+  /* The source rows the box reads, and the row kernel re-based on the first of them (a
+   * shallow copy: the cached one keeps its own indices). */
+  Kernel rows_k;
+  memset(&rows_k, 0, sizeof rows_k);
+  int fail = cached_rows == NULL;
   int r0 = h, r1 = 0;
-  for (int i = 0; !fail && i < rows_k.count; i++) {
-    if (rows_k.first[i] < r0) r0 = rows_k.first[i];
-    if (rows_k.first[i] + rows_k.taps[i] > r1) r1 = rows_k.first[i] + rows_k.taps[i];
+  if (!fail) {
+    rows_k = *cached_rows;
+    rows_k.first = malloc(sizeof(int) * (size_t)rows_k.count);
+    fail = rows_k.first == NULL;
   }
-  for (int i = 0; !fail && i < rows_k.count; i++) rows_k.first[i] -= r0;
+  for (int i = 0; !fail && i < rows_k.count; i++) {
+    if (cached_rows->first[i] < r0) r0 = cached_rows->first[i];
+    if (cached_rows->first[i] + rows_k.taps[i] > r1) r1 = cached_rows->first[i] + rows_k.taps[i];
+  }
+  for (int i = 0; !fail && i < rows_k.count; i++) rows_k.first[i] = cached_rows->first[i] - r0;
   int nr = fail ? 1 : r1 - r0;
   uint8_t *turned = malloc((size_t)w * nr); /* source rows, transposed: w x nr */
   uint8_t *narrow = malloc((size_t)cw * nr); /* columns filtered (transposed): cw x nr */
@@ -527,8 +591,7 @@ static PyObject *resample(PyObject *self, PyObject *args, PyObject *kwargs) {
     free(turned);
     free(narrow);
     free(wide);
-    free_kernel(&rows_k);
-    free_kernel(&cols_k);
+    free(rows_k.first);
     Py_XDECREF(result);
     PyBuffer_Release(&plane);
     return PyErr_NoMemory();
@@ -537,15 +600,14 @@ static PyObject *resample(PyObject *self, PyObject *args, PyObject *kwargs) {
   Py_BEGIN_ALLOW_THREADS
   /* Columns: filtering the transposed rows is filtering along the row, SIMD-friendly. */
   transpose((const uint8_t *)plane.buf + (size_t)r0 * w, nr, w, turned, simd);
-  filter_rows(turned, (size_t)nr, nr, &cols_k, narrow, (size_t)nr, simd);
+  filter_rows(turned, (size_t)nr, nr, cols_k, narrow, (size_t)nr, simd);
   transpose(narrow, cw, nr, wide, simd);
   filter_rows(wide, (size_t)cw, cw, &rows_k, dst, (size_t)cw, simd);
   Py_END_ALLOW_THREADS
   free(turned);
   free(narrow);
   free(wide);
-  free_kernel(&rows_k);
-  free_kernel(&cols_k);
+  free(rows_k.first);
   PyBuffer_Release(&plane);
   return result;
 }
