@@ -33,9 +33,13 @@ def _pillow_ycbcr(data: bytes) -> list[np.ndarray]:
 
 
 def _planes_of(data: bytes, denom: int = 1) -> tuple[str, int, int, list]:
+    """The decoded planes as arrays (their padding cut off), each with its valid extent."""
     kind, w, h, planes = _planes.decode(data, denom, LIMIT)
-    arrays = [np.frombuffer(b, np.uint8).reshape(ph, pw) for b, pw, ph, _, _ in planes]
-    return kind, w, h, list(zip(arrays, [(vw, vh) for *_, vw, vh in planes], strict=True))
+    out = []
+    for b, pw, ph, vw, vh, stride in planes:
+        assert stride >= pw and len(b) >= stride * ph
+        out.append((np.frombuffer(b, np.uint8).reshape(-1, stride)[:ph, :pw], (vw, vh)))
+    return kind, w, h, out
 
 
 @pytest.mark.parametrize("progressive", [False, True])
@@ -126,7 +130,7 @@ def test_random_damage_never_crashes_the_decoder() -> None:
         except ValueError:
             outcomes["refused"] += 1
         else:
-            assert all(len(b) == pw * ph for b, pw, ph, _, _ in planes)
+            assert all(len(b) >= stride * ph for b, pw, ph, _, _, stride in planes)
             outcomes["decoded"] += 1
     assert outcomes["refused"] > 0
 
@@ -161,6 +165,20 @@ def test_resample_is_pillows_lanczos_on_a_plane(
     ours = np.frombuffer(ours, np.uint8).reshape(box[3] - box[1], box[2] - box[0])
     diff = np.abs(ours.astype(int) - _pillow_plane(plane, valid, size, box).astype(int))
     assert diff.max() <= 2 and (diff == 0).mean() > 0.7
+
+
+def test_a_padded_plane_resamples_as_its_packed_copy() -> None:
+    # The decoder hands planes over in whole DCT blocks (rows ``stride`` bytes apart, junk in
+    # the padding): only the plane's own pixels may count.
+    rng = np.random.default_rng(2)
+    packed = rng.integers(0, 256, (37, 53), np.uint8)
+    padded = np.full((40, 64), 255, np.uint8)
+    padded[:37, :53] = packed
+    args = (53, 37, 52.5, 37.0, 30, 21, (1, 0, 29, 21))
+    ours = _planes.resample(padded.tobytes(), *args, stride=64)
+    assert ours == _planes.resample(packed.tobytes(), *args)
+    with pytest.raises(ValueError, match="stride"):
+        _planes.resample(padded.tobytes(), *args, stride=52)
 
 
 def test_simd_and_portable_resampling_give_the_same_bytes() -> None:

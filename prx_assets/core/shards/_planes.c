@@ -84,15 +84,15 @@ static void init_errors(ErrorManager *err) {
 #endif
 
 typedef struct {
-  JSAMPLE *pixels[MAX_COMPONENTS];
+  PyObject *planes[MAX_COMPONENTS]; /* bytes the decoder writes into: no copy afterwards */
   JSAMPROW *rows[MAX_COMPONENTS];
 } DecodeBuffers;
 
+/* Frees the row pointers and drops the planes (call with the GIL held). */
 static void free_buffers(DecodeBuffers *b) {
   for (int i = 0; i < MAX_COMPONENTS; i++) {
-    free(b->pixels[i]);
+    Py_CLEAR(b->planes[i]);
     free(b->rows[i]);
-    b->pixels[i] = NULL;
     b->rows[i] = NULL;
   }
 }
@@ -101,9 +101,11 @@ PyDoc_STRVAR(decode_doc,
 "decode(data, denom, max_pixels) -> (kind, width, height, planes)\n\n"
 "Raw decode of a one-frame 8-bit YCbCr (3 components) or greyscale JPEG at 1/denom\n"
 "(1, 2, 4 or 8). kind is 'YCbCr' or 'GRAY'; width, height the scaled output size; planes\n"
-"a list of (bytes, plane_width, plane_height, valid_width, valid_height): each component\n"
-"at its own resolution, valid_* the extent in plane pixels that stands for the whole\n"
-"scaled image (the last column or row of a subsampled plane may be partial). Raises\n"
+"a list of (bytes, plane_width, plane_height, valid_width, valid_height, stride): each\n"
+"component at its own resolution, in rows of stride bytes (whole DCT blocks, as the\n"
+"decoder wrote them: the padding past plane_width and plane_height is not image), valid_*\n"
+"the extent in plane pixels that stands for the whole scaled image (the last column or row\n"
+"of a subsampled plane may be partial). Raises\n"
 "ValueError for other colour spaces, corrupt or truncated data (libjpeg warnings included)\n"
 "and images over max_pixels (checked on the header).");
 
@@ -167,9 +169,9 @@ static PyObject *decode(PyObject *self, PyObject *args) {
   cinfo.dct_method = JDCT_ISLOW;
   cinfo.scale_num = 1;
   cinfo.scale_denom = (unsigned int)denom;
-  thread = PyEval_SaveThread();
-  gil_released = 1;
-  jpeg_start_decompress(&cinfo);
+  /* The output geometry (what jpeg_start_decompress will use), so the planes can be
+   * allocated as Python bytes here, with the GIL, and decoded into without a copy. */
+  jpeg_calc_output_dimensions(&cinfo);
   /* One iMCU row of output: max_v_samp_factor blocks of min_DCT_scaled_size lines. */
   int imcu_lines = cinfo.max_v_samp_factor * MIN_SCALED(&cinfo);
   size_t imcu_rows = (cinfo.output_height + (unsigned)imcu_lines - 1) / (unsigned)imcu_lines;
@@ -190,23 +192,29 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     stride[i] = (size_t)comp->width_in_blocks * (size_t)COMP_SCALED_W(comp);
     comp_lines[i] = (size_t)comp->v_samp_factor * (size_t)COMP_SCALED_H(comp);
     size_t height = imcu_rows * comp_lines[i];
-    if (stride[i] == 0 || height > SIZE_MAX / stride[i]) {
+    if (stride[i] == 0 || height > (size_t)PY_SSIZE_T_MAX / stride[i]) {
       snprintf(err.message, sizeof err.message, "plane size overflows");
       longjmp(err.jump, 1);
     }
-    buf->pixels[i] = malloc(stride[i] * height);
+    buf->planes[i] = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(stride[i] * height));
     buf->rows[i] = malloc(sizeof(JSAMPROW) * comp_lines[i]);
-    if (!buf->pixels[i] || !buf->rows[i]) {
+    if (!buf->planes[i] || !buf->rows[i]) {
+      PyErr_Clear();
       snprintf(err.message, sizeof err.message, "out of memory");
       longjmp(err.jump, 1);
     }
   }
+  JSAMPLE *pixels[MAX_COMPONENTS];
+  for (int i = 0; i < nc; i++) pixels[i] = (JSAMPLE *)PyBytes_AS_STRING(buf->planes[i]);
+  thread = PyEval_SaveThread();
+  gil_released = 1;
+  jpeg_start_decompress(&cinfo);
   size_t done = 0;
   while (cinfo.output_scanline < cinfo.output_height) {
     JSAMPARRAY planes[MAX_COMPONENTS];
     for (int i = 0; i < nc; i++) {
       for (size_t r = 0; r < comp_lines[i]; r++)
-        buf->rows[i][r] = buf->pixels[i] + (done * comp_lines[i] + r) * stride[i];
+        buf->rows[i][r] = pixels[i] + (done * comp_lines[i] + r) * stride[i];
       planes[i] = buf->rows[i];
     }
     if (jpeg_read_raw_data(&cinfo, planes, (JDIMENSION)imcu_lines) == 0) {
@@ -221,16 +229,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 
   PyObject *planes = PyList_New(nc);
   for (int i = 0; planes && i < nc; i++) {
-    Py_ssize_t pw = plane_w[i], ph = plane_h[i];
-    PyObject *bytes = PyBytes_FromStringAndSize(NULL, pw * ph);
-    if (!bytes) {
-      Py_CLEAR(planes);
-      break;
-    }
-    char *dst = PyBytes_AS_STRING(bytes);
-    for (Py_ssize_t r = 0; r < ph; r++)
-      memcpy(dst + r * pw, buf->pixels[i] + (size_t)r * stride[i], (size_t)pw);
-    PyObject *item = Py_BuildValue("(Nnndd)", bytes, pw, ph, valid_w[i], valid_h[i]);
+    PyObject *item = Py_BuildValue("(Onnddn)", buf->planes[i], plane_w[i], plane_h[i], valid_w[i],
+                                   valid_h[i], (Py_ssize_t)stride[i]);
     if (!item) {
       Py_CLEAR(planes);
       break;
@@ -483,7 +483,8 @@ static inline void transpose16(const uint8_t *in, size_t in_stride, uint8_t *out
 /* out (cols x rows) = in (rows x cols) transposed, in 16x16 blocks taken 64 rows at a time:
  * four blocks down a column of the input fill whole 64-byte lines of the output before the
  * next column, so a large plane is not written a quarter line at a time. */
-static void transpose(const uint8_t *in, int rows, int cols, uint8_t *out, int simd) {
+static void transpose(const uint8_t *in, size_t in_stride, int rows, int cols, uint8_t *out,
+                      int simd) {
   const int B = 16, T = 64;
   for (int rt = 0; rt < rows; rt += T) {
     int rt1 = rt + T < rows ? rt + T : rows;
@@ -493,7 +494,7 @@ static void transpose(const uint8_t *in, int rows, int cols, uint8_t *out, int s
         int r1 = r0 + B < rt1 ? r0 + B : rt1;
 #if PRX_X86
         if (simd && r1 - r0 == B && c1 - c0 == B) {
-          transpose16(in + (size_t)r0 * cols + c0, (size_t)cols, out + (size_t)c0 * rows + r0,
+          transpose16(in + (size_t)r0 * in_stride + c0, in_stride, out + (size_t)c0 * rows + r0,
                       (size_t)rows);
           continue;
         }
@@ -501,7 +502,7 @@ static void transpose(const uint8_t *in, int rows, int cols, uint8_t *out, int s
         (void)simd;
 #endif
         for (int r = r0; r < r1; r++)
-          for (int c = c0; c < c1; c++) out[(size_t)c * rows + r] = in[(size_t)r * cols + c];
+          for (int c = c0; c < c1; c++) out[(size_t)c * rows + r] = in[(size_t)r * in_stride + c];
       }
     }
   }
@@ -534,8 +535,8 @@ static void filter_rows(const uint8_t *in, size_t in_stride, int width, const Ke
 
 PyDoc_STRVAR(resample_doc,
 "resample(plane, width, height, valid_width, valid_height, out_width, out_height, box,\n"
-"         simd=True) -> bytes\n\n"
-"Lanczos-3 of a width x height 8-bit plane scaled so that its valid extent (from the top\n"
+"         simd=True, stride=width) -> bytes\n\n"
+"Lanczos-3 of a width x height 8-bit plane (rows stride bytes apart) scaled so that its valid extent (from the top\n"
 "left corner) becomes out_width x out_height, cropped to box = (left, top, right, bottom)\n"
 "of that canvas: Pillow's resize, step for step (pixel centres, per-axis scale, support\n"
 "widened by the reduction, kernel renormalised at the edges, columns first and rounded to\n"
@@ -544,17 +545,21 @@ PyDoc_STRVAR(resample_doc,
 
 static PyObject *resample(PyObject *self, PyObject *args, PyObject *kwargs) {
   static char *keywords[] = {"plane", "width", "height", "valid_width", "valid_height",
-                             "out_width", "out_height", "box", "simd", NULL};
+                             "out_width", "out_height", "box", "simd", "stride", NULL};
   Py_buffer plane;
   int w, h, ow, oh, left, top, right, bottom, simd = 1;
+  Py_ssize_t stride = -1;
   double vw, vh;
   (void)self;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*iiddii(iiii)|p", keywords, &plane, &w, &h,
-                                   &vw, &vh, &ow, &oh, &left, &top, &right, &bottom, &simd))
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*iiddii(iiii)|pn", keywords, &plane, &w, &h,
+                                   &vw, &vh, &ow, &oh, &left, &top, &right, &bottom, &simd,
+                                   &stride))
     return NULL;
+  if (stride < 0) stride = w;
   const char *bad = NULL;
   if (w < 1 || h < 1 || ow < 1 || oh < 1) bad = "sizes must be positive";
-  else if ((Py_ssize_t)w * h > plane.len) bad = "plane holds fewer than width x height bytes";
+  else if (stride < w) bad = "stride must be at least width";
+  else if (stride * (h - 1) + w > plane.len) bad = "plane holds fewer than width x height bytes";
   else if (!(vw > 0 && vw <= w && vh > 0 && vh <= h)) bad = "valid extent outside the plane";
   else if (!(0 <= left && left < right && right <= ow && 0 <= top && top < bottom && bottom <= oh))
     bad = "box outside the output canvas";
@@ -599,9 +604,9 @@ static PyObject *resample(PyObject *self, PyObject *args, PyObject *kwargs) {
   uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(result);
   Py_BEGIN_ALLOW_THREADS
   /* Columns: filtering the transposed rows is filtering along the row, SIMD-friendly. */
-  transpose((const uint8_t *)plane.buf + (size_t)r0 * w, nr, w, turned, simd);
+  transpose((const uint8_t *)plane.buf + (size_t)r0 * stride, (size_t)stride, nr, w, turned, simd);
   filter_rows(turned, (size_t)nr, nr, cols_k, narrow, (size_t)nr, simd);
-  transpose(narrow, cw, nr, wide, simd);
+  transpose(narrow, (size_t)nr, cw, nr, wide, simd);
   filter_rows(wide, (size_t)cw, cw, &rows_k, dst, (size_t)cw, simd);
   Py_END_ALLOW_THREADS
   free(turned);
@@ -663,6 +668,11 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     return NULL;
   }
   jpeg_create_compress(&cinfo);
+  /* A first buffer that a q92 4:4:4 photo does not outgrow (about a third of a byte per
+   * pixel; libjpeg grows it if need be), instead of libjpeg's 4 KiB doubled a dozen times. */
+  out->size = (unsigned long)w * (unsigned long)h + 65536;
+  out->bytes = malloc(out->size);
+  if (!out->bytes) out->size = 0;
   jpeg_mem_dest(&cinfo, &out->bytes, &out->size);
   cinfo.image_width = (JDIMENSION)w;
   cinfo.image_height = (JDIMENSION)h;

@@ -364,9 +364,9 @@ def _planar_jpeg(data: bytes, assignment: Assignment, orientation: int, max_pixe
     box = tuple(int(round(v)) for v in stored_box)
     bw, bh = box[2] - box[0], box[3] - box[1]
     out = []
-    for pixels, pw, ph, valid_w, valid_h in planes:
+    for pixels, pw, ph, valid_w, valid_h, stride in planes:
         plane = _planes.resample(
-            pixels, pw, ph, valid_w, valid_h, *stored_resize, box, simd=PLANES_SIMD
+            pixels, pw, ph, valid_w, valid_h, *stored_resize, box, simd=PLANES_SIMD, stride=stride
         )
         out.append(_turn(np.frombuffer(plane, np.uint8).reshape(bh, bw), method))
     if kind == "GRAY":  # what an RGB grey encodes to: the same Y, neutral chroma
