@@ -26,6 +26,10 @@ what validating by decoding costs), ``imagehash.phash`` on ``Image.open``, naive
 Lanczos + q92 (open, RGB, Lanczos to the cover size, crop, save q92 4:4:4 with the same bucket
 geometry), and their sum (one image through a naive ingest + pHash + shard path).
 
+Shard kernels: the same photos' decode to planes, Lanczos-3 per plane and encode, each
+timed apart in this process (``shard_kernels_ms_per_image``), to show where a shard image's
+time goes beside the stage's figure.
+
 Fixed cost: a 2-image partition through the same pipeline gives each stage's cost that does
 not grow with the images (Dagster's own step machinery: events, data-version look-ups,
 partition checks; Lance commits; checks; metadata). Reported beside the headline: the CPU
@@ -194,6 +198,37 @@ def run_pipeline(data_root: Path, keys: list[str], workers: int | None = None) -
 
 
 # --------------------------------------------------------------------------- baselines
+
+
+def shard_kernels(images: list[bytes]) -> dict[str, float]:
+    """Milliseconds of CPU per image in each step of a shard render, the way ``mds_shards``
+    renders these photos (the planes path of ``core/shards/resize.py``), in this process:
+    where a shard image's time goes, beside the stage's own figure."""
+    from prx_assets.core.shards import _planes
+    from prx_assets.core.shards.buckets import assign_bucket
+    from prx_assets.core.shards.resize import decode_divisor
+
+    work = []
+    for data in images:
+        w, h = Image.open(io.BytesIO(data)).size
+        a = assign_bucket(w, h)
+        assert a is not None
+        work.append((data, a, decode_divisor((w, h), a.resize_size)))
+    spent = {"decode": 0.0, "resample": 0.0, "encode": 0.0}
+    for data, a, f in work:
+        t0 = time.process_time()
+        _, _, _, planes = _planes.decode(data, f, 1 << 40)
+        t1 = time.process_time()
+        out = [
+            _planes.resample(p, pw, ph, vw, vh, *a.resize_size, a.crop_box, stride=stride)
+            for p, pw, ph, vw, vh, stride in planes
+        ]
+        t2 = time.process_time()
+        _planes.encode(*out, a.shape.width, a.shape.height, 92)
+        t3 = time.process_time()
+        for k, dt in zip(spent, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            spent[k] += dt
+    return {k: round(1000 * v / len(images), 2) for k, v in spent.items()}
 
 
 def naive_times(images: list[bytes]) -> dict[str, dict[str, float]]:
@@ -460,6 +495,7 @@ def main() -> None:
     sets = {"baseline": baseline, "progressive": progressive}
     measured: dict[str, list[tuple[dict, dict]]] = {name: [] for name in sets}
     fixed_runs: list[dict[str, float]] = []
+    kernels: dict[str, list[dict[str, float]]] = {name: [] for name in sets}
     for _ in range(args.repeats):
         # A fresh lab each time: every repeat does the same work on the same bytes.
         with tempfile.TemporaryDirectory() as tmp:
@@ -471,6 +507,7 @@ def main() -> None:
             fixed_runs.append(fixed_costs(root))
             for name, imgs in sets.items():  # naive right after, exposed to the same drift
                 measured[name].append((steps[keys[name]], naive_times(imgs)))
+                kernels[name].append(shard_kernels(imgs))
     fixed = {s: round(float(np.median([f[s] for f in fixed_runs])), 3) for s in CPU_STAGES}
     result["repeats"] = args.repeats
     result["fixed_cost_partition_of_2"] = fixed
@@ -489,8 +526,13 @@ def main() -> None:
             summarise(st, nv, len(imgs), "cpu")["ratios"] for st, nv in measured[name]
         ]
         result[f"{name}_wall"] = summarise(steps, naive, len(imgs), "wall")
+        result[name]["shard_kernels_ms_per_image"] = {
+            k: round(float(np.median([run[k] for run in kernels[name]])), 2)
+            for k in kernels[name][0]
+        }
         _print(f"{name} JPEGs q95, medians of {args.repeats}", result[name])
         _print(f"{name} JPEGs q95, medians of {args.repeats}", result[f"{name}_wall"])
+        print(f"  shard render, ms per image: {result[name]['shard_kernels_ms_per_image']}")
         m = result[name]["beyond_fixed"]
         print(
             f"  beyond the fixed {m['fixed_cpu_stages_seconds']} s per partition: "
