@@ -167,6 +167,27 @@ def test_resample_is_pillows_lanczos_on_a_plane(
     assert diff.max() <= 2 and (diff == 0).mean() > 0.7
 
 
+def test_chroma_is_upsampled_as_libjpeg_does_then_resampled_in_one_kernel() -> None:
+    # A 4:2:0 JPEG's chroma, resampled from its half-size grid with libjpeg's triangle
+    # upsampling folded into the Lanczos, is the chroma of libjpeg's own full-size decode
+    # (Pillow, fancy upsampling) resampled by Pillow: within 2 levels, mostly identical.
+    data = _jpeg(_photo((901, 601), 9), "4:2:0")
+    _, _, _, planes = _planes.decode(data, 1, LIMIT)
+    full = _pillow_ycbcr(data)  # upsampled by libjpeg
+    size, box = (608, 416), (0, 8, 608, 408)
+    for (b, pw, ph, vw, vh, stride), upsampled in zip(planes[1:], full[1:], strict=True):
+        assert (vw, vh) == (450.5, 300.5)
+        ours = _planes.resample(b, pw, ph, vw, vh, *size, box, stride=stride, upsample=(2, 2))
+        ours = np.frombuffer(ours, np.uint8).reshape(400, 608).astype(int)
+        naive = _pillow_plane(upsampled, (901.0, 601.0), size, box).astype(int)
+        assert np.abs(ours - naive).max() <= 2 and (ours == naive).mean() > 0.6
+        direct = _planes.resample(b, pw, ph, vw, vh, *size, box, stride=stride)
+        direct = np.frombuffer(direct, np.uint8).reshape(400, 608).astype(int)
+        assert np.abs(direct - naive).mean() > 2 * np.abs(ours - naive).mean()  # it matters
+    with pytest.raises(ValueError, match="upsample"):
+        _planes.resample(b, pw, ph, vw, vh, *size, box, stride=stride, upsample=(0, 2))
+
+
 def test_a_padded_plane_resamples_as_its_packed_copy() -> None:
     # The decoder hands planes over in whole DCT blocks (rows ``stride`` bytes apart, junk in
     # the padding): only the plane's own pixels may count.

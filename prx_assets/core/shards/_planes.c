@@ -302,22 +302,42 @@ static void free_kernel(Kernel *k) {
 
 /* Pillow's precompute_coeffs (Lanczos, support 3 scaled by the reduction), for outputs
  * [o0, o1) of a resize that maps source extent [0, extent) onto out_size outputs; inputs
- * are clamped to [0, in_size) and the weights of each output renormalised to 1. */
-static int make_kernel(Kernel *k, int in_size, double extent, int out_size, int o0, int o1) {
+ * are clamped to [0, in_size) and the weights of each output renormalised to 1.
+ *
+ * up > 1: the plane is subsampled chroma that a decoder would first upsample by up (2:
+ * libjpeg's "fancy" triangle, 3/4 of the nearest sample and 1/4 of the next, edges
+ * repeated; other factors: each sample repeated), and extent is in plane pixels. The
+ * kernel is then that upsampling and the Lanczos on the upsampled grid (what the naive
+ * decode-to-RGB-then-resize does to chroma), folded into one set of weights on the plane's
+ * own grid: the same picture, without ever making the upsampled plane. */
+static int make_kernel(Kernel *k, int in_size, double extent, int out_size, int o0, int o1,
+                       int up) {
   memset(k, 0, sizeof *k);
-  double scale = extent / out_size;
+  if (up < 1) up = 1;
+  /* The grid the Lanczos runs on: the plane itself, or its upsampled version. */
+  double full_extent = extent * up;
+  int full_in = in_size;
+  if (up > 1) {
+    full_in = (int)ceil(full_extent - 1e-9);
+    if (full_in > in_size * up) full_in = in_size * up;
+    if (full_in < 1) full_in = 1;
+  }
+  double scale = full_extent / out_size;
   double filterscale = scale < 1.0 ? 1.0 : scale;
   double support = 3.0 * filterscale;
   double ss = 1.0 / filterscale;
   int n = o1 - o0;
+  int full_k = (int)ceil(support) * 2 + 1;
   k->count = n;
-  k->ksize = (int)ceil(support) * 2 + 1;
+  k->ksize = up == 1 ? full_k : full_k / up + 3;
   k->first = malloc(sizeof(int) * (size_t)n);
   k->taps = malloc(sizeof(int) * (size_t)n);
   k->weights = calloc((size_t)n * (size_t)k->ksize, sizeof(int16_t));
-  double *w = malloc(sizeof(double) * (size_t)k->ksize);
-  if (!k->first || !k->taps || !k->weights || !w) {
+  double *w = malloc(sizeof(double) * (size_t)full_k);
+  double *folded = calloc((size_t)k->ksize, sizeof(double));
+  if (!k->first || !k->taps || !k->weights || !w || !folded) {
     free(w);
+    free(folded);
     free_kernel(k);
     return -1;
   }
@@ -326,11 +346,11 @@ static int make_kernel(Kernel *k, int in_size, double extent, int out_size, int 
     int xmin = (int)(center - support + 0.5);
     int xmax = (int)(center + support + 0.5);
     if (xmin < 0) xmin = 0;
-    if (xmax > in_size) xmax = in_size;
+    if (xmax > full_in) xmax = full_in;
     xmax -= xmin;
-    if (xmax > k->ksize) xmax = k->ksize;
+    if (xmax > full_k) xmax = full_k;
     if (xmax < 1) { /* an output with no input: the nearest edge pixel */
-      xmin = center < 0 ? 0 : in_size - 1;
+      xmin = center < 0 ? 0 : full_in - 1;
       xmax = 1;
       w[0] = 1.0;
     } else {
@@ -339,16 +359,41 @@ static int make_kernel(Kernel *k, int in_size, double extent, int out_size, int 
       for (int x = 0; x < xmax; x++) total += w[x];
       for (int x = 0; x < xmax; x++) w[x] = total != 0.0 ? w[x] / total : 0.0;
     }
-    for (int x = 0; x < xmax; x++) {
-      double v = w[x] * (1 << PREC);
+    int first = xmin, taps = xmax;
+    const double *weights = w;
+    if (up > 1) { /* fold the upsampling in: weights on the plane's own samples */
+      first = (xmin / up) - 1;
+      if (first < 0) first = 0;
+      int last = (xmin + xmax - 1) / up + 1;
+      if (last > in_size - 1) last = in_size - 1;
+      taps = last - first + 1;
+      for (int t = 0; t < taps; t++) folded[t] = 0.0;
+      for (int x = 0; x < xmax; x++) {
+        int c = (xmin + x) / up;
+        if (c > in_size - 1) c = in_size - 1;
+        if (up == 2) {
+          int next = (xmin + x) % 2 == 0 ? c - 1 : c + 1;
+          if (next < 0) next = 0;
+          if (next > in_size - 1) next = in_size - 1;
+          folded[c - first] += 0.75 * w[x];
+          folded[next - first] += 0.25 * w[x];
+        } else {
+          folded[c - first] += w[x];
+        }
+      }
+      weights = folded;
+    }
+    for (int x = 0; x < taps; x++) {
+      double v = weights[x] * (1 << PREC);
       if (v > 32767.0) v = 32767.0; /* unreachable for Lanczos-3; keeps int16 exact */
       if (v < -32768.0) v = -32768.0;
       k->weights[(size_t)i * k->ksize + x] = (int16_t)lrint(v);
     }
-    k->first[i] = xmin;
-    k->taps[i] = xmax;
+    k->first[i] = first;
+    k->taps[i] = taps;
   }
   free(w);
+  free(folded);
   return 0;
 }
 
@@ -356,7 +401,7 @@ static int make_kernel(Kernel *k, int in_size, double extent, int out_size, int 
  * chroma planes share one geometry, so the second reuses the first's kernels. Per thread,
  * so a kernel in use while the GIL is released is never replaced by another thread. */
 typedef struct {
-  int valid, in_size, out_size, o0, o1;
+  int valid, in_size, out_size, o0, o1, up;
   double extent;
   Kernel kernel;
 } CachedKernel;
@@ -364,14 +409,15 @@ typedef struct {
 static __thread CachedKernel kernel_cache[2];
 
 static const Kernel *cached_kernel(int slot, int in_size, double extent, int out_size, int o0,
-                                   int o1) {
+                                   int o1, int up) {
   CachedKernel *c = &kernel_cache[slot];
   if (c->valid && c->in_size == in_size && c->extent == extent && c->out_size == out_size &&
-      c->o0 == o0 && c->o1 == o1)
+      c->o0 == o0 && c->o1 == o1 && c->up == up)
     return &c->kernel;
   if (c->valid) free_kernel(&c->kernel);
   c->valid = 0;
-  if (make_kernel(&c->kernel, in_size, extent, out_size, o0, o1) != 0) return NULL;
+  if (make_kernel(&c->kernel, in_size, extent, out_size, o0, o1, up) != 0) return NULL;
+  c->up = up;
   c->in_size = in_size;
   c->extent = extent;
   c->out_size = out_size;
@@ -541,24 +587,29 @@ PyDoc_STRVAR(resample_doc,
 "of that canvas: Pillow's resize, step for step (pixel centres, per-axis scale, support\n"
 "widened by the reduction, kernel renormalised at the edges, columns first and rounded to\n"
 "8 bits, then rows), with 14-bit weights. Only the box, and the source rows it reads, are\n"
-"computed. simd=False runs the portable code (the same bytes).");
+"computed. upsample=(x, y): the plane is chroma stored at 1/x by 1/y that a decoder would\n"
+"upsample first (2: libjpeg's triangle, else repetition), valid_* in plane pixels; the\n"
+"upsampling is folded into the kernel (see make_kernel). simd=False runs the portable code\n"
+"(the same bytes).");
 
 static PyObject *resample(PyObject *self, PyObject *args, PyObject *kwargs) {
-  static char *keywords[] = {"plane", "width", "height", "valid_width", "valid_height",
-                             "out_width", "out_height", "box", "simd", "stride", NULL};
+  static char *keywords[] = {"plane",  "width", "height", "valid_width", "valid_height",
+                             "out_width", "out_height", "box", "simd", "stride", "upsample",
+                             NULL};
   Py_buffer plane;
-  int w, h, ow, oh, left, top, right, bottom, simd = 1;
+  int w, h, ow, oh, left, top, right, bottom, simd = 1, up_x = 1, up_y = 1;
   Py_ssize_t stride = -1;
   double vw, vh;
   (void)self;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*iiddii(iiii)|pn", keywords, &plane, &w, &h,
-                                   &vw, &vh, &ow, &oh, &left, &top, &right, &bottom, &simd,
-                                   &stride))
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*iiddii(iiii)|pn(ii)", keywords, &plane, &w,
+                                   &h, &vw, &vh, &ow, &oh, &left, &top, &right, &bottom, &simd,
+                                   &stride, &up_x, &up_y))
     return NULL;
   if (stride < 0) stride = w;
   const char *bad = NULL;
   if (w < 1 || h < 1 || ow < 1 || oh < 1) bad = "sizes must be positive";
   else if (stride < w) bad = "stride must be at least width";
+  else if (up_x < 1 || up_x > 4 || up_y < 1 || up_y > 4) bad = "upsample factors must be 1..4";
   else if (stride * (h - 1) + w > plane.len) bad = "plane holds fewer than width x height bytes";
   else if (!(vw > 0 && vw <= w && vh > 0 && vh <= h)) bad = "valid extent outside the plane";
   else if (!(0 <= left && left < right && right <= ow && 0 <= top && top < bottom && bottom <= oh))
@@ -569,8 +620,8 @@ static PyObject *resample(PyObject *self, PyObject *args, PyObject *kwargs) {
     return NULL;
   }
   int cw = right - left, ch = bottom - top;
-  const Kernel *cols_k = cached_kernel(1, w, vw, ow, left, right);
-  const Kernel *cached_rows = cols_k ? cached_kernel(0, h, vh, oh, top, bottom) : NULL;
+  const Kernel *cols_k = cached_kernel(1, w, vw, ow, left, right, up_x);
+  const Kernel *cached_rows = cols_k ? cached_kernel(0, h, vh, oh, top, bottom, up_y) : NULL;
   /* The source rows the box reads, and the row kernel re-based on the first of them (a
    * shallow copy: the cached one keeps its own indices). */
   Kernel rows_k;
@@ -625,6 +676,22 @@ PyDoc_STRVAR(encode_doc,
 "quality, accurate integer DCT, standard Huffman tables, a JFIF header and nothing else\n"
 "(no EXIF, ICC profile, comment or timestamp: same planes, same bytes).");
 
+typedef struct {
+  unsigned char *bytes;
+  unsigned long size;
+} Buffer;
+
+/* What encode() holds, released on either way out (the GIL held). */
+static void release_encode(struct jpeg_compress_struct *cinfo, Buffer *out, Buffer *pad,
+                           Py_buffer *planes) {
+  jpeg_destroy_compress(cinfo);
+  if (out) free(out->bytes);
+  free(out);
+  if (pad) free(pad->bytes);
+  free(pad);
+  for (int i = 0; i < 3; i++) PyBuffer_Release(&planes[i]);
+}
+
 static PyObject *encode(PyObject *self, PyObject *args) {
   Py_buffer p[3];
   int w, h, quality;
@@ -643,27 +710,19 @@ static PyObject *encode(PyObject *self, PyObject *args) {
   struct jpeg_compress_struct cinfo;
   ErrorManager err;
   /* libjpeg grows the output buffer through these: on the heap, so a longjmp sees them. */
-  struct { unsigned char *bytes; unsigned long size; } *out = calloc(1, sizeof *out),
-                                                       *pad = calloc(1, sizeof *pad);
+  Buffer *out = calloc(1, sizeof *out), *pad = calloc(1, sizeof *pad);
+  memset(&cinfo, 0, sizeof cinfo);
   if (!out || !pad) {
-    free(out);
-    free(pad);
-    for (int i = 0; i < 3; i++) PyBuffer_Release(&p[i]);
+    release_encode(&cinfo, out, pad, p);
     return PyErr_NoMemory();
   }
-  memset(&cinfo, 0, sizeof cinfo);
   cinfo.err = &err.pub;
   init_errors(&err);
   volatile int gil_released = 0;
   PyThreadState *volatile thread = NULL;
   if (setjmp(err.jump)) {
     if (gil_released) PyEval_RestoreThread(thread);
-    jpeg_destroy_compress(&cinfo);
-    free(out->bytes);
-    free(out);
-    free(pad->bytes);
-    free(pad);
-    for (int i = 0; i < 3; i++) PyBuffer_Release(&p[i]);
+    release_encode(&cinfo, out, pad, p);
     PyErr_Format(PyExc_ValueError, "libjpeg: %s", err.message);
     return NULL;
   }
@@ -723,12 +782,7 @@ static PyObject *encode(PyObject *self, PyObject *args) {
   PyEval_RestoreThread(thread);
   gil_released = 0;
   PyObject *result = PyBytes_FromStringAndSize((const char *)out->bytes, (Py_ssize_t)out->size);
-  jpeg_destroy_compress(&cinfo);
-  free(out->bytes);
-  free(out);
-  free(pad->bytes);
-  free(pad);
-  for (int i = 0; i < 3; i++) PyBuffer_Release(&p[i]);
+  release_encode(&cinfo, out, pad, p);
   return result;
 }
 

@@ -364,10 +364,15 @@ def _planar_jpeg(data: bytes, assignment: Assignment, orientation: int, max_pixe
     box = tuple(int(round(v)) for v in stored_box)
     bw, bh = box[2] - box[0], box[3] - box[1]
     out = []
+    luma_w, luma_h = planes[0][3], planes[0][4]
     for pixels, pw, ph, valid_w, valid_h, stride in planes:
+        # Chroma stored at 1/2 (1/4) of the luma's pixels is upsampled as libjpeg would, in
+        # the same kernel as the Lanczos (see _planes.resample).
+        upsample = (round(luma_w / valid_w), round(luma_h / valid_h))
         plane = _planes.resample(
-            pixels, pw, ph, valid_w, valid_h, *stored_resize, box, simd=PLANES_SIMD, stride=stride
-        )
+            pixels, pw, ph, valid_w, valid_h, *stored_resize, box,
+            simd=PLANES_SIMD, stride=stride, upsample=upsample,
+        )  # fmt: skip
         out.append(_turn(np.frombuffer(plane, np.uint8).reshape(bh, bw), method))
     if kind == "GRAY":  # what an RGB grey encodes to: the same Y, neutral chroma
         neutral = np.full_like(out[0], 128)
