@@ -1,13 +1,14 @@
 """Shard rendering as Ray tasks: 1 vs 2 Ray workers on a batch of real photos.
 
-The work is the shard stage's per-image function (``render_item``: decode, bucket resize,
-q92 encode), which ``PRX_EXECUTOR=ray`` sends to the cluster, on the bundled photos upscaled
+The work is the shard stage's per-image function (``render_task``: decode, bucket resize,
+q92 encode; each task carries its bytes, as the stage's tasks for Ray do), which
+``PRX_EXECUTOR=ray`` sends to the cluster, on the bundled photos upscaled
 to camera-like sizes (``prx_assets.demo.photo_batch``). The cluster is real and started
 here (``LocalRayCluster``: ``ray start --head`` on 127.0.0.1, dashboard off, one CPU per
 node): first the head alone (1 worker), then with one worker node joined (2 workers). Each
-configuration is warmed up once (workers started, torch imported), then timed ``--repeat``
+configuration is warmed up once (workers started, modules imported), then timed ``--repeat``
 times; the best time counts. Baseline side by side: the same items in this process
-(``InlinePool``, torch on one thread), timed before and after the Ray runs. Every run's JPEG bytes are checked identical to the
+(``InlinePool``), timed before and after the Ray runs. Every run's JPEG bytes are checked identical to the
 in-process ones.
 
     python -m benchmarks.bench_ray [--images 48] [--long-side 2048] [--repeat 3]
@@ -25,14 +26,13 @@ import os
 import platform
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
 
 from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS
 from prx_assets.core.ray_local import LocalRayCluster
-from prx_assets.core.shards.render import RenderItem, render_item
+from prx_assets.core.shards.render import RenderTask, render_task
 from prx_assets.core.shards.resize import RESAMPLE
 from prx_assets.core.shards.tables import assignment_rows
 from prx_assets.core.workers import InlinePool, WorkerPool
@@ -42,8 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "bench_ray.json"
 
 
-def photo_items(folder: Path, count: int, long_side: int) -> list[RenderItem]:
-    """(assignment row, images row) per photo, as the shard stage hands them to a pool."""
+def photo_items(folder: Path, count: int, long_side: int) -> list[RenderTask]:
+    """One render task per photo, as the shard stage hands them to a Ray pool."""
     from PIL import Image
 
     names = write_photo_batch(folder, count, long_side)
@@ -63,13 +63,16 @@ def photo_items(folder: Path, count: int, long_side: int) -> list[RenderItem]:
         }
     )
     rows = {r["key"]: r for r in assignment_rows(resolution).to_pylist()}
-    return [(rows[k], {"image": b}) for k, b in zip(keys, blobs, strict=True)]
+    return [
+        RenderTask(b, rows[k], None, DEFAULT_MAX_PIXELS, RESAMPLE)
+        for k, b in zip(keys, blobs, strict=True)
+    ]
 
 
-def timed(pool: WorkerPool, items: list[RenderItem], repeat: int) -> tuple[float, list[str]]:
+def timed(pool: WorkerPool, items: list[RenderTask], repeat: int) -> tuple[float, list[str]]:
     """Best wall time over ``repeat`` passes (after one warm-up), and the output digests."""
-    fn = partial(render_item, max_pixels=DEFAULT_MAX_PIXELS, resample=RESAMPLE)
-    list(pool.map_ordered(fn, items))  # warm-up: workers started, torch imported
+    fn = render_task
+    list(pool.map_ordered(fn, items))  # warm-up: workers started, modules imported
     best, digests = float("inf"), []
     for _ in range(repeat):
         start = time.perf_counter()
@@ -96,10 +99,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench-ray-") as tmp:
         items = photo_items(Path(tmp) / "photos", args.images, args.long_side)
-        megapixels = sum(r["source_width"] * r["source_height"] for r, _ in items) / 1e6
-        from prx_assets.core.shards.resize import _torch
-
-        _torch().set_num_threads(1)  # the in-process baseline on one core, like one worker
+        megapixels = sum(t.row["source_width"] * t.row["source_height"] for t in items) / 1e6
         inline_s, reference = timed(InlinePool(), items, args.repeat)
 
         cluster = LocalRayCluster(

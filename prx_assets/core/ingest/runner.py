@@ -271,8 +271,8 @@ class BatchIngest:
 
     def _store_here(self, c: Candidate, key: str) -> str | None:
         """Store a checked candidate's bytes from this process (a Ray worker's, or one whose
-        worker could not store them): its blob reference, or why not (``FileRefused``'s
-        detail) when the file can no longer be read as the bytes that were checked."""
+        worker could not store them): None once stored, or why not when the file can no
+        longer be read as the bytes that were checked."""
         assert self.blob_sink is not None
         try:
             data = c.read()

@@ -6,8 +6,9 @@
  * Why planes: a 4:2:0 JPEG stores chroma at a quarter of the pixels. Decoding to RGB
  * upsamples chroma and converts colour, Lanczos then filters three full-size channels,
  * and the encoder converts back: work on pixels the output never keeps. Here chroma is
- * resampled straight from its stored grid to the bucket's (one Lanczos-3 with the combined
- * scale), luma from its own grid; no colour conversion happens on either side.
+ * resampled from its stored grid to the bucket's in one kernel (libjpeg's triangle
+ * upsampling folded into the Lanczos-3), luma from its own grid; no colour conversion
+ * happens on either side.
  *
  * Determinism: the decoder is libjpeg-turbo's accurate integer IDCT (raw output: no
  * upsampling, no colour conversion); the resampler is fixed-point (14-bit weights, 32-bit
@@ -581,9 +582,10 @@ static void filter_rows(const uint8_t *in, size_t in_stride, int width, const Ke
 
 PyDoc_STRVAR(resample_doc,
 "resample(plane, width, height, valid_width, valid_height, out_width, out_height, box,\n"
-"         simd=True, stride=width) -> bytes\n\n"
-"Lanczos-3 of a width x height 8-bit plane (rows stride bytes apart) scaled so that its valid extent (from the top\n"
-"left corner) becomes out_width x out_height, cropped to box = (left, top, right, bottom)\n"
+"         simd=True, stride=width, upsample=(1, 1)) -> bytes\n\n"
+"Lanczos-3 of a width x height 8-bit plane (rows stride bytes apart) scaled so that its\n"
+"valid extent (from the top left corner) becomes out_width x out_height, cropped to\n"
+"box = (left, top, right, bottom)\n"
 "of that canvas: Pillow's resize, step for step (pixel centres, per-axis scale, support\n"
 "widened by the reduction, kernel renormalised at the edges, columns first and rounded to\n"
 "8 bits, then rows), with 14-bit weights. Only the box, and the source rows it reads, are\n"

@@ -5,7 +5,10 @@ The reference is the naive pipeline: full decode, Lanczos to the cover size, cro
 the trainer the same picture up to a difference smaller than the q92 encode's own loss (PSNR
 against the reference above PSNR of the q92 round trip, on >= 95 % of real photos:
 ``prx_assets_tests/core/test_resize.py``, benchmarks/bench_resize and bench_pipeline), at a
-fraction of the cost. The filter is literal Lanczos-3; what is skipped is work whose pixels
+fraction of the cost. Its planes are the encoder's 8-bit YCbCr input, a rounding the naive
+pipeline meets only inside its encoder, so on very smooth large photos (q92 loss above
+~50 dB) that comparison mostly measures the rounding; there, bench_resize compares the decoded
+shards themselves against an exact Lanczos. The filter is literal Lanczos-3; what is skipped is work whose pixels
 the output never uses:
 
 - JPEG sources (baseline or progressive, one frame, 8-bit YCbCr or greyscale) never become
@@ -18,11 +21,11 @@ the output never uses:
 - Each plane is resampled straight into the bucket from its own grid (``_planes.resample``:
   Pillow's Lanczos-3 sampling, 14-bit fixed point, AVX2 where the CPU has it and the same
   bytes without), only the crop box computed, in the stored frame of the JPEG, then turned
-  by its EXIF orientation. The chroma of a 4:2:0 file goes from its half-size grid to the
-  bucket in one filter, so chroma upsampling and the reduction are one step. Luma is the
-  naive path's sampling (within 2 levels of Pillow's Lanczos on the Y plane); chroma differs
-  from the naive path's (libjpeg's triangle upsampling, then Lanczos in RGB) by less than the
-  q92 loss. A 3.5 MP 4:2:0 photo into the 1024 tier filters half the samples RGB would.
+  by its EXIF orientation. Luma is the naive path's sampling (within 2 levels of Pillow's
+  Lanczos on the Y plane). The chroma of a 4:2:0 (4:2:2) file is resampled from its half-size
+  grid with libjpeg's triangle upsampling folded into the Lanczos kernel: the naive decode's
+  upsampled chroma, resized, without ever making the full-size plane (within 2 levels of it).
+  A 3.5 MP 4:2:0 photo into the 1024 tier filters half the samples RGB would.
 - The planes are encoded as they are (``_planes.encode``): baseline, q92, 4:4:4, JFIF header
   only, libjpeg-turbo's accurate DCT; no colour conversion.
 - Other sources (PNG, WebP, ...), CMYK or RGB-coded or multi-frame JPEGs, and any JPEG
@@ -85,9 +88,10 @@ PLANES_LIBJPEG = f"libjpeg-turbo {_planes.LIBJPEG_TURBO_VERSION}"  # what the pl
 # the same bytes (tests switch it to check exactly that).
 PLANES_SIMD = True
 RESAMPLE_DESCRIPTION = (
-    "literal Lanczos-3 over the crop box on the JPEG's own Y, Cb and Cr planes (chroma "
-    "straight from its stored grid), from a libjpeg-turbo raw decode at 1/8, 1/4, 1/2 or full "
-    "size, encoded 4:4:4 from the planes (no colour conversion); other sources: Pillow's "
+    "literal Lanczos-3 over the crop box on the JPEG's own Y, Cb and Cr planes (subsampled "
+    "chroma with libjpeg's upsampling folded into its kernel), from a libjpeg-turbo raw decode "
+    "at 1/8, 1/4, 1/2 or full size, encoded 4:4:4 from the planes (no colour conversion); "
+    "other sources: Pillow's "
     f"Lanczos-3 from RGB; {PLANES_LIBJPEG}; differs from the naive full decode + Lanczos by "
     "less than the q92 encode loss"
 )
