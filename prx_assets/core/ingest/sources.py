@@ -558,8 +558,8 @@ def _folder_entry(full: str, rel: str, ext: str, max_file_bytes: int) -> _Entry:
         what = "sidecar" if ext in SIDECAR_EXTENSIONS else "file"
         e.refusal = _too_large(st.st_size, limit, what)
     else:
-        e.read = lambda: read_regular_file(full, limit)
         e.deferred = FileRead(os.fsencode(full), limit)
+        e.read = e.deferred.read
     return e
 
 
