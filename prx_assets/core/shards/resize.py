@@ -25,7 +25,7 @@ the output never uses:
   Lanczos on the Y plane). The chroma of a 4:2:0 (4:2:2) file is resampled from its half-size
   grid with libjpeg's triangle upsampling folded into the Lanczos kernel: the naive decode's
   upsampled chroma, resized, without ever making the full-size plane (within 2 levels of it).
-  A 3.5 MP 4:2:0 photo into the 1024 tier filters half the samples RGB would.
+  A 4:2:0 photo's two chroma planes are read from a quarter of the samples RGB would hold.
 - The planes are encoded as they are (``_planes.encode``): baseline, q92, 4:4:4, JFIF header
   only, libjpeg-turbo's accurate DCT; no colour conversion.
 - Other sources (PNG, WebP, ...), CMYK or RGB-coded or multi-frame JPEGs, and any JPEG
