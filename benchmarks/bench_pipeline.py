@@ -206,7 +206,7 @@ def shard_kernels(images: list[bytes]) -> dict[str, float]:
     where a shard image's time goes, beside the stage's own figure."""
     from prx_assets.core.shards import _planes
     from prx_assets.core.shards.buckets import assign_bucket
-    from prx_assets.core.shards.resize import decode_divisor
+    from prx_assets.core.shards.resize import decode_divisor, encode_planes, resample_planes
 
     work = []
     for data in images:
@@ -217,14 +217,11 @@ def shard_kernels(images: list[bytes]) -> dict[str, float]:
     spent = {"decode": 0.0, "resample": 0.0, "encode": 0.0}
     for data, a, f in work:
         t0 = time.process_time()
-        _, _, _, planes = _planes.decode(data, f, 1 << 40)
+        kind, _, _, planes = _planes.decode(data, f, 1 << 40)
         t1 = time.process_time()
-        out = [
-            _planes.resample(p, pw, ph, vw, vh, *a.resize_size, a.crop_box, stride=stride)
-            for p, pw, ph, vw, vh, stride in planes
-        ]
+        out = resample_planes(kind, planes, a.resize_size, a.crop_box)  # no EXIF turn here
         t2 = time.process_time()
-        _planes.encode(*out, a.shape.width, a.shape.height, 92)
+        encode_planes(out)
         t3 = time.process_time()
         for k, dt in zip(spent, (t1 - t0, t2 - t1, t3 - t2), strict=True):
             spent[k] += dt

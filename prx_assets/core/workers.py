@@ -167,12 +167,12 @@ def _keep_freed_memory(limit: int = WORKER_HEAP_KEEP_BYTES) -> bool:
     heap, and up to ``limit`` of free heap kept): True when set.
 
     Why: a worker's per-image buffers (source bytes, decoded planes, the JPEG) are a few MB
-    each. A fresh process's malloc maps each from the kernel and unmaps it on free, so
-    every image faulted ~12 MB of zeroed pages back in: ~3,200 page faults per 3.5 MP shard
-    render, ~15 % more CPU than the same renders in one long-lived process (measured with
-    ``getrusage``: 305k minor faults for 96 renders on 2 workers, 4 inline). A long-lived
-    process reaches the same steady state by itself; a worker is told. glibc only (elsewhere
-    a no-op); memory held is bounded by ``limit`` per worker beyond its peak in use.
+    each. A fresh process's malloc maps such buffers from the kernel and hands them back on
+    free, so every image faulted its buffers' pages in again, zeroed
+    (``prx_assets_tests/core/test_workers.py::test_workers_keep_freed_memory_for_the_next_item``
+    shows it in a plain process). A long-lived process reaches a steady heap by itself; a
+    worker is told. glibc only (elsewhere a no-op); memory held is bounded by ``limit`` per
+    worker beyond its peak in use.
     """
     try:
         libc = ctypes.CDLL(None)

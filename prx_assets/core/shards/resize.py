@@ -366,6 +366,19 @@ def _planar_jpeg(data: bytes, assignment: Assignment, orientation: int, max_pixe
     # The stored-frame crop box: the oriented one turned back (the canvas is resize_size).
     stored_box = transpose_box(assignment.crop_box, (rw, rh), _inverse(method))
     box = tuple(int(round(v)) for v in stored_box)
+    return resample_planes(kind, planes, stored_resize, box, method)  # type: ignore[arg-type]
+
+
+def resample_planes(
+    kind: str,
+    planes: list[tuple],
+    resize_size: tuple[int, int],
+    box: tuple[int, int, int, int],
+    method: Image.Transpose | None = None,
+) -> Planes:
+    """``_planes.decode``'s planes, each Lanczos-3 resampled so the image becomes
+    ``resize_size``, cropped to ``box`` (both in the stored frame), then turned by
+    ``method``; a greyscale JPEG gets neutral chroma."""
     bw, bh = box[2] - box[0], box[3] - box[1]
     out = []
     luma_w, luma_h = planes[0][3], planes[0][4]
@@ -374,7 +387,7 @@ def _planar_jpeg(data: bytes, assignment: Assignment, orientation: int, max_pixe
         # the same kernel as the Lanczos (see _planes.resample).
         upsample = (round(luma_w / valid_w), round(luma_h / valid_h))
         plane = _planes.resample(
-            pixels, pw, ph, valid_w, valid_h, *stored_resize, box,
+            pixels, pw, ph, valid_w, valid_h, *resize_size, box,
             simd=PLANES_SIMD, stride=stride, upsample=upsample,
         )  # fmt: skip
         out.append(_turn(np.frombuffer(plane, np.uint8).reshape(bh, bw), method))
