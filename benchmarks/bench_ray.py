@@ -80,7 +80,7 @@ def timed(pool: WorkerPool, items: list[RenderTask], repeat: int) -> tuple[float
         best = min(best, time.perf_counter() - start)
         if any(isinstance(o, str) for o in out):
             raise RuntimeError(f"render failed: {next(o for o in out if isinstance(o, str))}")
-        digests = [hashlib.sha256(o).hexdigest() for o in out]
+        digests = [hashlib.sha256(o.jpeg).hexdigest() for o in out]
     return best, digests
 
 

@@ -38,6 +38,7 @@ Not for concurrent writers of the same partition (one run per partition at a tim
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -357,6 +358,33 @@ class _InlineUploads:
         return None
 
 
+@functools.cache
+def _bounded_writer_class() -> type:
+    """``MDSWriter`` that refuses a sample too large for a whole shard, as it encodes it.
+
+    Why a subclass: ``MDSWriter.write`` encodes the sample and caches it, and would start a
+    shard for an oversized one; checking before ``write`` meant encoding (copying) every
+    image twice. Built on first use: streaming imports torch (seconds), which listing and
+    cleanup never need.
+    """
+    from streaming import MDSWriter
+
+    class BoundedMDSWriter(MDSWriter):
+        def encode_sample(self, sample: dict[str, Any]) -> bytes:
+            encoded = super().encode_sample(sample)
+            if self.size_limit and (
+                len(encoded) + self.extra_bytes_per_sample + self.extra_bytes_per_shard
+                > self.size_limit
+            ):
+                raise ValueError(
+                    f"sample {sample['key']!r} encodes to {len(encoded)} bytes, more than "
+                    f"the shard size limit {self.size_limit}"
+                )
+            return encoded
+
+    return BoundedMDSWriter
+
+
 def _write_mds(
     out: Path,
     samples: Iterable[MDSSample],
@@ -372,11 +400,8 @@ def _write_mds(
     Samples are encoded one at a time, so only the shard being filled is held in memory.
     ``taken``: keys already written to another bucket of the partition (refused).
     """
-    # Imported here: streaming pulls in torch (seconds), which listing/cleanup never need.
-    from streaming import MDSWriter
-
     extra_names = set(columns) - set(BASE_COLUMNS)
-    writer = MDSWriter(
+    writer = _bounded_writer_class()(
         out=str(out),
         columns=columns,
         compression=None,  # JPEG bytes do not compress; keeps shards readable by mmap
@@ -403,16 +428,7 @@ def _write_mds(
                     f"sample keys must be strictly increasing: {s.key!r} after {keys[-1]!r} "
                     "(duplicate sample key or unsorted stream)"
                 )
-            row = _row(s, extra_names)
-            encoded = writer.encode_sample(row)
-            if len(encoded) + writer.extra_bytes_per_sample + writer.extra_bytes_per_shard > (
-                size_limit
-            ):
-                raise ValueError(
-                    f"sample {row['key']!r} encodes to {len(encoded)} bytes, more than the "
-                    f"shard size limit {size_limit}"
-                )
-            writer.write(row)
+            writer.write(_row(s, extra_names))  # refuses a sample larger than a shard
             keys.append(s.key)
             crashpoint("mds.sample_written")
     except BaseException:

@@ -53,8 +53,22 @@ class RenderTask:
     blobs: LocalBlobs | None = None
 
 
-def render_task(task: RenderTask) -> bytes | str:
-    """The sample's JPEG, or why it cannot be rendered (a module-level function: picklable)."""
+@dataclass(frozen=True)
+class Rendered:
+    """One rendered sample: its JPEG and that JPEG's sha256 (hex).
+
+    Why the digest travels with the bytes: ``shard_samples`` records it for every sample,
+    and hashing there, in the worker that just encoded the JPEG, runs on every core instead
+    of serially in the process that writes the shards.
+    """
+
+    jpeg: bytes
+    sha256: str
+
+
+def render_task(task: RenderTask) -> Rendered | str:
+    """The sample's JPEG and its digest, or why it cannot be rendered (a module-level
+    function: picklable)."""
     try:
         data = task.data
         if data is None and task.ref is not None and task.blobs is not None:
@@ -62,7 +76,8 @@ def render_task(task: RenderTask) -> bytes | str:
         if not data:
             return "image_missing: no bytes for this key in the images table"
         assignment = assignment_from_row(task.row)
-        return render_jpeg(data, assignment, task.max_pixels, task.resample, task.facts)
+        jpeg = render_jpeg(data, assignment, task.max_pixels, task.resample, task.facts)
+        return Rendered(jpeg, hashlib.sha256(jpeg).hexdigest())
     except Exception as exc:  # noqa: BLE001 - one bad image must not sink the batch
         return f"{type(exc).__name__}: {exc}"
 
@@ -228,7 +243,10 @@ class BucketRenderer:
         return {bucket: stream(i, bucket) for i, bucket in enumerate(order)}
 
     def _taken(
-        self, row: dict[str, Any], image: dict[str, Any] | None, out: bytes | str | ItemFailed
+        self,
+        row: dict[str, Any],
+        image: dict[str, Any] | None,
+        out: Rendered | str | ItemFailed,
     ) -> MDSSample | None:
         """The sample for one render result, or None with the failure logged (too many
         failures raise ``RenderFailures``)."""
@@ -246,13 +264,15 @@ class BucketRenderer:
             return None
         return self._sample(row, image, out)
 
-    def _sample(self, row: dict[str, Any], image: dict[str, Any] | None, jpeg: bytes) -> MDSSample:
+    def _sample(
+        self, row: dict[str, Any], image: dict[str, Any] | None, out: Rendered
+    ) -> MDSSample:
         assert image is not None
         cap = self.captions[row["key"]]
-        self.log.jpeg[row["key"]] = (hashlib.sha256(jpeg).hexdigest(), len(jpeg))
+        self.log.jpeg[row["key"]] = (out.sha256, len(out.jpeg))
         return MDSSample(
             key=row["key"],
-            image=jpeg,
+            image=out.jpeg,
             caption=cap.caption,
             orig_width=int(row["source_width"]),
             orig_height=int(row["source_height"]),
