@@ -322,6 +322,7 @@ def workers_check(n: int, repeats: int = 3) -> dict:
     images = make_images(n, progressive=False, seed=1)
     runs: dict[int, list[dict]] = {1: [], 2: []}
     idle: dict[int, list[dict]] = {1: [], 2: []}
+    parent: dict[int, list[dict]] = {1: [], 2: []}
     digests: set[str] = set()
     with tempfile.TemporaryDirectory() as tmp:
         for attempt in range(repeats):
@@ -332,6 +333,7 @@ def workers_check(n: int, repeats: int = 3) -> dict:
                 steps = run_pipeline(root, [key], workers)[key]  # wall: workers are processes
                 runs[workers].append({s: steps[s]["wall"] for s in CPU_STAGES})
                 idle[workers].append({s: steps[s]["idle"] for s in PER_IMAGE_STAGES})
+                parent[workers].append({s: steps[s]["cpu"] for s in PER_IMAGE_STAGES})
                 digests.add(_tree_digest(root / "shards" / "mds"))
                 shutil.rmtree(root)
     median = {
@@ -359,6 +361,13 @@ def workers_check(n: int, repeats: int = 3) -> dict:
         "idle_core_seconds": {
             str(w): {s: round(float(np.median([r[s] for r in rs])), 2) for s in PER_IMAGE_STAGES}
             for w, rs in idle.items()
+        },
+        # CPU seconds of this (the parent) process in each pooled stage, every thread: with
+        # one worker all of the stage's work, with two the share the workers cannot take
+        # (reading and writing Lance, receiving results, writing MDS) on the same cores.
+        "parent_cpu_seconds": {
+            str(w): {s: round(float(np.median([r[s] for r in rs])), 2) for s in PER_IMAGE_STAGES}
+            for w, rs in parent.items()
         },
     }
 
