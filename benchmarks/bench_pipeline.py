@@ -41,7 +41,8 @@ is the whole partition's.
 less there), unpinned (a child process given back every CPU the run started with), with
 ``LabResource.workers`` 1 and 2 alternating, ``--repeats`` times each (fresh data roots):
 medians per stage, the speed-up of the three stages with a worker pool and of all CPU
-stages, and whether every shard tree is byte-identical.
+stages, the parent process's own CPU in those three (what no worker takes off it), and
+whether every shard tree is byte-identical.
 
 The progressive partition has ``--progressive-n`` images (default: as many as the baseline
 one, so both carry the same fixed cost per image).
