@@ -39,6 +39,14 @@ MDS_EXTRA_COLUMNS: dict[str, str] = {
 }
 
 
+# Images in flight per worker. Eight, not four: while the writer closes a bucket (the last
+# shard, fsyncs, the skip-list sidecars) the workers run on through the window instead of
+# waiting for it (what is left: ``bench_pipeline --workers-check``'s ``idle_core_seconds``).
+# Memory: a local task is a blob reference and a result one JPEG; a Ray task carries its
+# source bytes, so up to 8 sources per worker are held.
+WINDOW_PER_WORKER = 8
+
+
 @dataclass(frozen=True)
 class RenderTask:
     """One sample to render: its source bytes (or their blob reference, read by the
@@ -210,8 +218,8 @@ class BucketRenderer:
         left idle: ``bench_pipeline --workers-check``, ``idle_core_seconds``).
         The streams are in ``mds.bucket_order`` and must be consumed in it, each to its
         end (what ``write_partition_streams`` does); one read out of turn raises instead
-        of handing a sample to the wrong bucket. ``window`` (default four per worker)
-        bounds the source bytes in flight.
+        of handing a sample to the wrong bucket. ``window`` (default
+        ``WINDOW_PER_WORKER`` per worker) bounds the source bytes in flight.
         """
         order = bucket_order(buckets)
         rows_of = {b: list(buckets[b]) for b in order}
@@ -222,7 +230,9 @@ class BucketRenderer:
                 yield from self._tasks(rows_of[bucket], meta)
 
         results = self.pool.map_ordered(
-            render_task, tasks(), window=window if window is not None else 4 * self.pool.workers
+            render_task,
+            tasks(),
+            window=window if window is not None else WINDOW_PER_WORKER * self.pool.workers,
         )
         turn = [0]
 
