@@ -7,9 +7,9 @@ against the reference above PSNR of the q92 round trip, on >= 95 % of real photo
 ``prx_assets_tests/core/test_resize.py``, benchmarks/bench_resize and bench_pipeline), at a
 fraction of the cost. Its planes are the encoder's 8-bit YCbCr input, a rounding the naive
 pipeline meets only inside its encoder, so on very smooth large photos (q92 loss above
-~50 dB) that comparison mostly measures the rounding; there, bench_resize compares the decoded
-shards themselves against an exact Lanczos. The filter is literal Lanczos-3; what is skipped is work whose pixels
-the output never uses:
+~50 dB) that comparison mostly measures the rounding; there, bench_resize compares the
+decoded shards themselves against an exact Lanczos. The filter is literal Lanczos-3; what is
+skipped is work whose pixels the output never uses:
 
 - JPEG sources (baseline or progressive, one frame, 8-bit YCbCr or greyscale) never become
   RGB. libjpeg-turbo decodes them to their own planes (``_planes.decode``: no chroma
