@@ -71,12 +71,32 @@ def register_batch(args: argparse.Namespace) -> int:
 
 
 def audit(args: argparse.Namespace) -> int:
-    from prx_assets.core.audit import audit_image
+    """The verdict on the first line (plain text), then the trail; exit 1 when not found."""
+    from prx_assets.core.audit import NoLab, audit_image
+    from prx_assets.core.lab import Lab
+    from prx_assets.core.markdown import bounded, visible
     from prx_assets.defs.resources import LabResource, default_data_root
 
     resource = LabResource(data_root=args.data_root or default_data_root())
-    trail = audit_image(resource.lab(), args.query, landing=resource.landing)
-    print(trail.to_json() if args.json else trail.to_markdown())
+    if "://" not in resource.lab_root and not Path(resource.lab_root).is_dir():
+        print(f"error: no lab at {resource.lab_root} (check --data-root)", file=sys.stderr)
+        return 2
+    try:
+        trail = audit_image(
+            Lab(resource.lab_root),
+            args.query,
+            landing=resource.landing,
+            shards_root=resource.shards_root,
+        )
+    except NoLab as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(trail.to_json())
+    else:
+        print(visible(bounded(trail.verdict)))  # data: controls shown escaped, bounded
+        print()
+        print(trail.to_markdown())
     return 0 if trail.found else 1
 
 

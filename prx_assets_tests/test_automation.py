@@ -462,7 +462,7 @@ def test_opt_out_signals_are_honoured_and_a_source_policy_switch_reruns_skip_lis
     yielded = training_process.submit(_loader_keys, shards_root, SIGNAL_BATCH).result(600)
     assert sorted(yielded) == [keys["free.jpg"]]
     # The audit names the signal; the hostile header is shown as text, never markup.
-    trail = audit_image(lab, keys["broken.jpg"])
+    trail = audit_image(lab, keys["broken.jpg"], shards_root=shards_root)
     assert trail.verdict.startswith("not in training since") and "content-usage" in trail.verdict
     md = trail.to_markdown()
     assert "Train-AI=n" in md and "![x](/graphql?query=mutation)" in md  # shown whole ...

@@ -239,7 +239,7 @@ def test_compliance_report_follows_a_list_through_a_duplicate_copy(platform):
 
     # Lineage: the keeper's audit lists both snapshots with their dates; the browser's
     # snapshot filter finds it in s2 and never finds the skipped copy there.
-    trail = audit_image(lab, keeper_key)
+    trail = audit_image(lab, keeper_key, shards_root=str(root))
     assert [s["snapshot_id"] for s in trail.snapshots if s["batch"] == keeper_batch] == [
         "s1",
         "s2",

@@ -26,6 +26,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m prx_assets.browser", description=__doc__)
     p.add_argument("--data-root", default=os.environ.get("PRX_DATA_ROOT", "data"))
     p.add_argument("--lab", default=None, help="the Lance lab (default: <data-root>/lab)")
+    p.add_argument(
+        "--shards",
+        default=None,
+        help="the shard tree the loader reads, for audit verdicts (default: <data-root>/shards)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8765, help="0: any free port")
     p.add_argument(
@@ -77,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     app = BrowserApp(
-        LabQueries(lab),
+        LabQueries(lab, shards_root=args.shards or str(Path(args.data_root) / "shards")),
         ThumbnailCache(args.thumb_cache_mb * 1024 * 1024),
         allowed_hosts=LOOPBACK_HOSTS | frozenset(args.allow_host),
     )

@@ -378,6 +378,7 @@ class LabQueries:
         nprobes: int = 20,
         refine_factor: int | None = 10,
         use_vector_index: bool = True,
+        shards_root: str | None = None,
     ) -> None:
         if prefilter_max_keys < 1 or max_candidates < 1:
             raise ValueError("prefilter_max_keys and max_candidates must be positive")
@@ -390,6 +391,9 @@ class LabQueries:
         self.nprobes = nprobes
         self.refine_factor = refine_factor
         self.use_vector_index = use_vector_index
+        # The tree the loader reads: audit verdicts come from its live skip-lists (None: the
+        # audit panel refuses rather than answer from the lab alone).
+        self.shards_root = shards_root
         self._lock = threading.Lock()
         self._view: tuple[float, LabView] | None = None
         self._facet_cache: dict[tuple[str, str, int | None], list[Any]] = {}
@@ -807,7 +811,9 @@ class LabQueries:
         """The image's verdict and audit trail (every lab table, with Lance versions)."""
         if not KEY_RE.match(key or ""):
             raise QueryError(f"not an image key (64 lowercase hex digits): {key[:80]!r}")
-        trail = audit_image(self.lab, key)
+        if self.shards_root is None:
+            raise QueryError("no shard tree configured: an audit verdict needs the skip-lists")
+        trail = audit_image(self.lab, key, shards_root=self.shards_root)
         if not trail.found:
             raise NotFound(f"{key} is in no lab table")
         return {

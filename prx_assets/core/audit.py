@@ -41,6 +41,7 @@ import pyarrow as pa
 from prx_assets.core.ingest.sources import ARCHIVE_SUFFIXES, MANIFEST_SUFFIXES, batch_key
 from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
 from prx_assets.core.markdown import md_code
+from prx_assets.core.skiplists.live import LiveGenerations, Unreadable
 from prx_assets.core.tables import LAB_TABLES
 
 # The registry lists the tables in the order a data lead reads a trail in: where an image
@@ -78,6 +79,7 @@ _SKIP_CORE_COLUMNS = {
     "decided_at",
     "first_excluded_at",
     "policy_fingerprint",
+    "reason_since",
 }
 # Tables a copy's verdict reads (also for a duplicate's keeper).
 _VERDICT_TABLES = (
@@ -244,17 +246,26 @@ def _display(v: Any) -> Any:
 # --------------------------------------------------------------------------- look-ups
 
 
+class NoLab(LookupError):
+    """The lab root holds no lab table: nothing can be said of any image there (which is not
+    "never ingested": the path may be wrong)."""
+
+
 class _Snapshot:
-    """Every registered lab table opened once, at one version, for the whole audit.
+    """Every registered lab table opened once, at one version, for the whole audit, and the
+    shard tree's live skip-list generations (what the loader obeys), each read once.
 
     A ``LabView`` pinned when the audit starts: every look-up sees the lab as it was then,
     and ``versions`` are exactly the versions the trail was read at.
     """
 
-    def __init__(self, lab: Lab) -> None:
+    def __init__(self, lab: Lab, shards_root: str) -> None:
         self.view = LabView(lab)
         self.versions = self.view.pin(TABLE_ORDER)
         self.tables = [t for t in TABLE_ORDER if t in self.versions]
+        if not self.tables:
+            raise NoLab(f"no lab at {lab.root} (no lab table there: check --data-root)")
+        self.live = LiveGenerations(shards_root)
 
     def read(self, table: str, flt: str, columns: Sequence[str] | None = None) -> list[dict]:
         schema = self.view.schema(table) if table in self.versions else None
@@ -397,6 +408,7 @@ def _reason_text(
     batch: str,
     key: str,
     keeper: str | None,
+    since: str | None = None,
 ) -> str:
     details: list[str] = []
     if reason == "opt_out":
@@ -422,6 +434,8 @@ def _reason_text(
             continue
         shown = ", ".join(map(str, value)) if isinstance(value, list) else str(value)
         details.append(f"{column} {shown}")
+    if since is not None:
+        details.append(f"since {since}")
     return f"{reason} ({'; '.join(details)})" if details else reason
 
 
@@ -439,28 +453,7 @@ def _copy_verdict(
     placed = _one(rows.get("shard_samples", ()), batch, key)
     skip = _one(rows.get("skip_audit", ()), batch, key)
     if placed is not None:
-        loc = f"{placed['relative_dir']}/{placed['shard']} #{placed['index_in_shard']}"
-        if skip is None:
-            return verdict(
-                UNDECIDED,
-                f"undecided: sharded at {loc}, but no skip decision is recorded "
-                f"(run skip_lists for {batch})",
-            )
-        if _slot(skip) != _slot(placed):
-            return verdict(
-                UNDECIDED,
-                f"undecided: sharded at {loc}, but the recorded skip decision is about an "
-                f"earlier shard layout (rerun skip_lists for {batch})",
-            )
-        if not skip.get("excluded"):
-            return verdict(IN_TRAINING, f"in training: {loc}")
-        reasons = list(skip.get("reasons") or []) or ["unknown"]
-        keeper = None
-        if "duplicate" in reasons and describe_keeper:
-            keeper = _keeper_text(snap, rows, skip, batch, key)
-        texts = [_reason_text(r, skip, rows, batch, key, keeper) for r in reasons]
-        since = _when(skip.get("first_excluded_at") or skip.get("decided_at"))
-        return verdict(EXCLUDED, f"not in training since {since}: {', '.join(texts)}")
+        return _sharded_verdict(snap, rows, placed, skip, batch, key, path, describe_keeper)
     stale = " (a skip decision from an earlier shard layout remains)" if skip else ""
     resolution = _one(rows.get("resolution", ()), batch, key)
     if resolution is None:
@@ -478,6 +471,80 @@ def _copy_verdict(
         else:
             why = f"not written (mds_shards has not run for {batch} since, or rendering failed)"
     return verdict(NEVER_SHARDED, f"never sharded: {why}{stale}")
+
+
+_LAG = (
+    "skip_audit does not record this decision yet: a skip_lists run of {batch} was "
+    "interrupted or is still running (rerun skip_lists for {batch})"
+)
+
+
+def _sharded_verdict(
+    snap: _Snapshot,
+    rows: Mapping[str, Sequence[Mapping[str, Any]]],
+    placed: Mapping[str, Any],
+    skip: Mapping[str, Any] | None,
+    batch: str,
+    key: str,
+    path: str | None,
+    describe_keeper: bool,
+) -> CopyVerdict:
+    """A sharded copy's verdict: in or out as the live skip-list generation says (what the
+    loader obeys), explained by the ``skip_audit`` row when that row records the same
+    decision about the same slot, and said to lag when it does not (a killed or running
+    ``skip_lists`` publishes its generations before it commits the audit)."""
+
+    def verdict(status: str, line: str) -> CopyVerdict:
+        return CopyVerdict(batch, key, path, status, line)
+
+    loc = f"{placed['relative_dir']}/{placed['shard']} #{placed['index_in_shard']}"
+    live = snap.live.slot(placed["relative_dir"], placed["shard"], placed["index_in_shard"])
+    if isinstance(live, Unreadable):
+        return verdict(
+            UNDECIDED,
+            f"undecided: sharded at {loc}, but the loader refuses that directory ("
+            f"{live.reason}), so nothing of it trains until skip_lists (or mds_shards, if "
+            f"the directory is gone) is rerun for {batch}",
+        )
+    if placed.get("dir_digest") and placed["dir_digest"] != live.index_sha256:
+        # Our writer records every shard's sha256 in the index, so the directory digest
+        # shard_samples holds is the index's: another index means another directory.
+        return verdict(
+            UNDECIDED,
+            f"undecided: shard_samples places it at {loc}, but that directory is not the one "
+            f"it recorded (mds_shards for {batch} was interrupted or is rewriting it; rerun "
+            "mds_shards, then skip_lists)",
+        )
+    recorded = skip if skip is not None and _slot(skip) == _slot(placed) else None
+    agrees = (
+        recorded is not None
+        and bool(recorded.get("excluded")) == live.skipped
+        and sorted(recorded.get("reasons") or []) == sorted(live.reasons)
+    )
+    lag = _LAG.format(batch=batch)
+    if not live.skipped:
+        return verdict(IN_TRAINING, f"in training: {loc}" + ("" if agrees else f" ({lag})"))
+    if not agrees:
+        return verdict(
+            EXCLUDED,
+            f"not in training: {', '.join(live.reasons) or 'unknown'} (per the live skip-list "
+            f"generation {live.generation[:12]} of {placed['relative_dir']}; {lag})",
+        )
+    assert recorded is not None
+    reasons = list(recorded.get("reasons") or [])
+    keeper = None
+    if "duplicate" in reasons and describe_keeper:
+        keeper = _keeper_text(snap, rows, recorded, batch, key)
+    head = _when(recorded.get("first_excluded_at") or recorded.get("decided_at"))
+    stamps = recorded.get("reason_since") or []
+    since = dict(zip(reasons, stamps, strict=True)) if len(stamps) == len(reasons) else {}
+    texts = []
+    for r in reasons:
+        own = _when(since[r]) if since.get(r) is not None else None
+        texts.append(
+            _reason_text(r, recorded, rows, batch, key, keeper, own if own != head else None)
+        )
+    return verdict(EXCLUDED, f"not in training since {head}: {', '.join(texts)}")
 
 
 def _keeper_text(
@@ -520,9 +587,15 @@ def _verdicts(snap: _Snapshot, trail: AuditTrail) -> list[CopyVerdict]:
     return sorted(copies, key=lambda c: (_RANK[c.status], c.batch, c.key or "", c.path or ""))
 
 
-def audit_image(lab: Lab, query: str, landing: Path | str | None = None) -> AuditTrail:
-    """The trail of the image(s) ``query`` names, with one verdict per copy."""
-    snap = _Snapshot(lab)
+def audit_image(
+    lab: Lab, query: str, landing: Path | str | None = None, *, shards_root: str
+) -> AuditTrail:
+    """The trail of the image(s) ``query`` names, with one verdict per copy.
+
+    ``shards_root`` is the shard tree the loader reads: a sharded copy's verdict is what its
+    directory's live skip-list generation says. ``NoLab`` when no lab table exists.
+    """
+    snap = _Snapshot(lab, str(shards_root))
     matches = _resolve(snap, query, Path(landing) if landing is not None else None)
     keys = sorted(matches.keys)
     trail = AuditTrail(query=query, keys=keys[:MAX_KEYS], matched_by=matches.matched_by)

@@ -451,8 +451,10 @@ def test_bad_requests_get_specific_errors(indexed_lab):
     assert q.search("black' OR 1=1 --", limit=5, match="any").hits
 
 
-def test_audit_lists_every_table_for_a_key(indexed_lab):
-    q = LabQueries(indexed_lab)
+def test_audit_lists_every_table_for_a_key(indexed_lab, tmp_path):
+    with pytest.raises(QueryError, match="no shard tree configured"):
+        LabQueries(indexed_lab).audit("0" * 64)  # no verdict without the skip-lists
+    q = LabQueries(indexed_lab, shards_root=str(tmp_path / "shards"))
     key = sorted(captions_with(indexed_lab, "galaxies"))[0]
     trail = q.audit(key)
     assert trail["keys"] == [key]

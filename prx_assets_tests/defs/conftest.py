@@ -50,6 +50,11 @@ class World:
 
         return LabResource(data_root=str(self.data_root)).lab()
 
+    @property
+    def shards_root(self) -> str:
+        """The shard tree the loader (and so the audit's verdicts) reads."""
+        return str(self.data_root / "shards")
+
     def instance(self):
         """The world's own Dagster instance (not the process's DAGSTER_HOME); dispose it."""
         from dagster import DagsterInstance

@@ -69,7 +69,11 @@ def test_verdicts_agree_with_what_the_loader_yields(audit_world: World, tmp_path
     assert yielded and len(yielded) < len(placed)  # some samples are skipped
     statuses = set()
     for row in placed:
-        verdict = _copy(audit_image(lab, row["key"]), row["batch"], row["key"])
+        verdict = _copy(
+            audit_image(lab, row["key"], shards_root=audit_world.shards_root),
+            row["batch"],
+            row["key"],
+        )
         statuses.add(verdict.status)
         skip = decided[(row["batch"], row["key"])]
         if verdict.status == IN_TRAINING:
@@ -88,7 +92,9 @@ def test_verdicts_agree_with_what_the_loader_yields(audit_world: World, tmp_path
     # Accepted but never sharded: under the size cutoff.
     small = lab.read("resolution", ["key", "batch", "ineligible_reason"], "eligible = false")
     row = small.to_pylist()[0]
-    verdict = _copy(audit_image(lab, row["key"]), row["batch"], row["key"])
+    verdict = _copy(
+        audit_image(lab, row["key"], shards_root=audit_world.shards_root), row["batch"], row["key"]
+    )
     assert verdict.status == NEVER_SHARDED
     assert verdict.line == f"never sharded: ineligible ({row['ineligible_reason']})"
 
@@ -96,7 +102,7 @@ def test_verdicts_agree_with_what_the_loader_yields(audit_world: World, tmp_path
 def test_a_duplicate_says_whether_its_keeper_trains(audit_world: World):
     w = audit_world
     lab = w.lab()
-    keeper = audit_image(lab, w.keeper)
+    keeper = audit_image(lab, w.keeper, shards_root=audit_world.shards_root)
     kept = _copy(keeper, w.keeper_batch, w.keeper)
     # The keeper is opted out by key: not in training, since when, and by which list.
     assert kept.status == EXCLUDED
@@ -105,7 +111,11 @@ def test_a_duplicate_says_whether_its_keeper_trains(audit_world: World):
 
     # An opt-out of one copy excludes every copy of the picture: the duplicate is out by
     # the same list, through the keeper (opt_out_via names the copy the list matched).
-    dup = _copy(audit_image(lab, w.duplicate), w.duplicate_batch, w.duplicate)
+    dup = _copy(
+        audit_image(lab, w.duplicate, shards_root=audit_world.shards_root),
+        w.duplicate_batch,
+        w.duplicate,
+    )
     assert dup.status == EXCLUDED
     assert f"opt_out (list {w.list_id}; opt_out_via {w.keeper}" in dup.line
 
@@ -121,7 +131,11 @@ def test_a_duplicate_says_whether_its_keeper_trains(audit_world: World):
     other = others[0]
     keeper_slot = decided[other["keeper_key"]]
     assert not keeper_slot["excluded"]
-    line = _copy(audit_image(lab, other["key"]), other["batch"], other["key"]).line
+    line = _copy(
+        audit_image(lab, other["key"], shards_root=audit_world.shards_root),
+        other["batch"],
+        other["key"],
+    ).line
     slot = f"{keeper_slot['relative_dir']}/{keeper_slot['shard']} #{keeper_slot['index_in_shard']}"
     assert f"keeper {other['keeper_key']} of {keeper_slot['batch']} in training: {slot}" in line
 
@@ -143,7 +157,7 @@ def test_every_identifier_form_the_readme_lists(audit_world: World):
         "path in batch": f"{HOSTILE_IMAGE_NAME}.jpg",
     }
     for form, query in forms.items():
-        trail = audit_image(lab, query, landing=w.landing)
+        trail = audit_image(lab, query, landing=w.landing, shards_root=audit_world.shards_root)
         assert trail.keys == [key], form
         assert trail.copies[0].batch == HOSTILE_BATCH, form
 
@@ -162,9 +176,16 @@ def test_every_identifier_form_the_readme_lists(audit_world: World):
         "images", ["key", "source", "source_id", "path"], "batch = 'internal-studio.002'"
     )
     row = next(r for r in studio.to_pylist() if r["source_id"])
-    by_id = audit_image(lab, f"{row['source']}:{row['source_id']}")
+    by_id = audit_image(
+        lab, f"{row['source']}:{row['source_id']}", shards_root=audit_world.shards_root
+    )
     assert row["key"] in by_id.keys and "source:id" in by_id.matched_by
-    by_path = audit_image(lab, f"internal-studio/{row['path']}", landing=w.landing)
+    by_path = audit_image(
+        lab,
+        f"internal-studio/{row['path']}",
+        landing=w.landing,
+        shards_root=audit_world.shards_root,
+    )
     assert row["key"] in by_path.keys
 
 
@@ -183,7 +204,7 @@ def test_rejected_files_are_found_by_landing_path(audit_world: World, batch, ent
     assert rejects
     for reject in rejects:
         for query in (f"{entry}/{reject['path']}", str(w.landing / entry / reject["path"])):
-            trail = audit_image(lab, query, landing=w.landing)
+            trail = audit_image(lab, query, landing=w.landing, shards_root=audit_world.shards_root)
             assert trail.found, query
             verdict = next(c for c in trail.copies if c.status == REJECTED)
             assert verdict.path == reject["path"] and verdict.batch == batch
@@ -203,14 +224,18 @@ def test_audit_command_and_job(audit_world: World, capsys):
     query = f"{image['source']}:{HOSTILE_ID}"
     assert cli_main(["audit", query, "--data-root", root]) == 0
     out = capsys.readouterr().out
-    trail = audit_image(w.lab(), query)
+    trail = audit_image(w.lab(), query, shards_root=audit_world.shards_root)
     lines = out.splitlines()
-    assert lines[0].startswith("# Audit trail for")
-    assert lines[2] == f"**Verdict:** `{trail.verdict}`"
+    assert lines[0] == trail.verdict  # the verdict first, as plain text (README)
+    assert lines[2].startswith("# Audit trail for")
+    assert lines[4] == f"**Verdict:** `{trail.verdict}`"
 
     assert cli_main(["audit", w.duplicate, "--data-root", root, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["verdict"] == audit_image(w.lab(), w.duplicate).verdict
+    assert (
+        data["verdict"]
+        == audit_image(w.lab(), w.duplicate, shards_root=audit_world.shards_root).verdict
+    )
     assert data["status"] == EXCLUDED and data["keys"] == [w.duplicate]
     assert {c["batch"] for c in data["copies"]} == {w.duplicate_batch}
     assert data["images"][0]["key"] == w.duplicate and "image" not in data["images"][0]
@@ -220,6 +245,14 @@ def test_audit_command_and_job(audit_world: World, capsys):
     assert json.loads(capsys.readouterr().out)["verdict"].startswith("rejected at ingest: ")
     assert cli_main(["audit", "0" * 64, "--data-root", root]) == 1
     assert "not found" in capsys.readouterr().out
+    # A data root without a lab is said to be one, not "not found" (exit 2, nothing created).
+    missing = w.root / "no-such-root"
+    assert cli_main(["audit", "0" * 64, "--data-root", str(missing)]) == 2
+    assert f"no lab at {missing / 'lab'}" in capsys.readouterr().err
+    assert not missing.exists()
+    (missing / "lab").mkdir(parents=True)  # a directory, but no lab table in it
+    assert cli_main(["audit", "0" * 64, "--data-root", str(missing)]) == 2
+    assert f"no lab at {missing / 'lab'}" in capsys.readouterr().err
 
     instance = w.instance()
     try:
@@ -240,7 +273,7 @@ def test_audit_command_and_job(audit_world: World, capsys):
 
 def test_the_trail_reads_every_registered_table_at_the_version_it_reports(audit_world: World):
     lab = audit_world.lab()
-    trail = audit_image(lab, audit_world.duplicate)
+    trail = audit_image(lab, audit_world.duplicate, shards_root=audit_world.shards_root)
     view = lab.view()
     with_keys = {
         spec.name

@@ -296,25 +296,13 @@ class RemoteShardTree:
         store = self._store()
         self.pulled = {}
         for live in self.live_dirs():
-            dest = Path(self.local_root) / live.relative_dir
-            dest.mkdir(parents=True, exist_ok=True)
-            index = store.get(f"{live.key_prefix}/{INDEX_BASENAME}")
-            if index is None or hashlib.sha256(index).hexdigest() != live.index_sha256:
-                raise StorageError(f"{live.uri}: index.json is missing or not the pointer's")
-            (dest / INDEX_BASENAME).write_bytes(index)
-            shards = json.loads(index)["shards"]
+            dest = mirror_generation(live, store, Path(self.local_root) / live.relative_dir)
+            shards = json.loads((dest / INDEX_BASENAME).read_bytes())["shards"]
             if not all("sha256" in (s["raw_data"].get("hashes") or {}) for s in shards):
                 for s in shards:
                     name = s["raw_data"]["basename"]
                     if not store.download(f"{live.key_prefix}/{name}", dest / name):
                         raise StorageError(f"{live.uri}/{name} is missing")
-            manifest = store.get(f"{live.key_prefix}/{MANIFEST_BASENAME}")
-            if manifest is not None:
-                (dest / MANIFEST_BASENAME).write_bytes(manifest)
-                for sidecar in parse_manifest(manifest, live.uri).sidecars:
-                    data = store.get(f"{live.key_prefix}/{sidecar}")
-                    if data is not None:
-                        (dest / sidecar).write_bytes(data)
             self.pulled[live.relative_dir] = live
         return self.pulled
 
@@ -356,6 +344,26 @@ class RemoteShardTree:
                 if k.endswith(SIDECAR_SUFFIX) and k.rsplit("/", 1)[-1] not in keep
             ]
             self._delete(store, stale)
+
+
+def mirror_generation(live: LiveDir, store: ObjectStore, dest: str | os.PathLike[str]) -> Path:
+    """Copy one live version's index and live skip-list generation (no shards) into ``dest``:
+    what ``load_generation`` verifies. The index must be the one the pointer names; a
+    sidecar the manifest names but the store lacks is left absent (the check then fails)."""
+    out = Path(dest)
+    out.mkdir(parents=True, exist_ok=True)
+    index = store.get(f"{live.key_prefix}/{INDEX_BASENAME}")
+    if index is None or hashlib.sha256(index).hexdigest() != live.index_sha256:
+        raise StorageError(f"{live.uri}: {INDEX_BASENAME} is missing or not the pointer's")
+    (out / INDEX_BASENAME).write_bytes(index)
+    manifest = store.get(f"{live.key_prefix}/{MANIFEST_BASENAME}")
+    if manifest is not None:
+        (out / MANIFEST_BASENAME).write_bytes(manifest)
+        for sidecar in parse_manifest(manifest, live.uri).sidecars:
+            data = store.get(f"{live.key_prefix}/{sidecar}")
+            if data is not None:
+                (out / sidecar).write_bytes(data)
+    return out
 
 
 def mirror_version(live: LiveDir, store: ObjectStore, dest: str | os.PathLike[str]) -> Path:

@@ -47,7 +47,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 
@@ -427,6 +427,14 @@ def decide(
     return PartitionDecisions(decisions, policy, others)
 
 
+class PreviousDecision(NamedTuple):
+    """A sample's ``skip_audit`` row before this run: what the new row's times carry over."""
+
+    excluded: bool
+    first_excluded_at: datetime | None
+    reason_since: Mapping[str, datetime] = {}  # reason -> when it began (empty: unknown)
+
+
 def first_excluded(
     excluded: bool, previous: tuple[bool, datetime | None] | None, decided_at: datetime
 ) -> datetime | None:
@@ -438,13 +446,25 @@ def first_excluded(
     return decided_at
 
 
+def reason_since(
+    reasons: Sequence[str], previous: tuple | None, decided_at: datetime
+) -> list[datetime]:
+    """When each reason began: carried over from the previous row while the sample stayed
+    excluded for that reason, else now. A time is never earlier than the reason it names."""
+    before: Mapping[str, datetime] = {}
+    if previous is not None and previous[0] and len(previous) > 2:
+        before = previous[2] or {}
+    return [before.get(r, decided_at) for r in reasons]
+
+
 def audit_rows(
     batch: str,
     decisions: PartitionDecisions,
-    previous: Mapping[str, tuple[bool, datetime | None]],
+    previous: Mapping[str, tuple],
     decided_at: datetime,
 ) -> pa.Table:
-    """``skip_audit`` rows; ``previous`` maps key -> (excluded, first_excluded_at) before."""
+    """``skip_audit`` rows; ``previous`` maps key -> ``PreviousDecision`` (or its first two
+    fields: excluded, first_excluded_at) before this run."""
     fp = decisions.policy.fingerprint()
     cols: dict[str, list[Any]] = {f.name: [] for f in SKIP_AUDIT.schema}
     for d in sorted(decisions.decisions, key=lambda d: d.sample.key):
@@ -471,6 +491,7 @@ def audit_rows(
             "pending_on": list(d.pending_on),
             "reserved_via": list(d.reserved_via),
             "reserved_signals": list(d.reserved_signals),
+            "reason_since": reason_since(d.reasons, previous.get(s.key), decided_at),
         }
         for name, value in values.items():
             cols[name].append(value)
@@ -478,7 +499,7 @@ def audit_rows(
 
 
 def exclusion_changes(
-    decisions: PartitionDecisions, previous: Mapping[str, tuple[bool, datetime | None]]
+    decisions: PartitionDecisions, previous: Mapping[str, tuple]
 ) -> tuple[int, int]:
     """(newly excluded, no longer excluded) against the previous audit of the partition."""
     newly = gone = 0

@@ -52,6 +52,7 @@ from prx_assets.core.skiplists.decisions import (
 )
 from prx_assets.core.skiplists.policy import (
     PartitionDecisions,
+    PreviousDecision,
     SampleRef,
     SkipPolicy,
     SkipPolicyError,
@@ -303,9 +304,23 @@ class PartitionSkipLists:
                 raise RewrittenDuringRun(f"{path} was rewritten while skip_lists ran: rerun it")
         return out
 
-    def _previous(self) -> dict[str, tuple[bool, datetime | None]]:
-        """key -> (excluded, first_excluded_at) of the partition's audit before this run."""
+    def _previous(self) -> dict[str, PreviousDecision]:
+        """key -> the partition's audit row before this run (what the new times carry over).
+
+        A row from before per-reason times has none: each of its reasons is dated by its
+        ``decided_at``, the earliest moment it is known to have applied (never earlier).
+        """
         rows = self.lab.read_batch(
-            SKIP_AUDIT.name, self.batch, ["key", "excluded", "first_excluded_at"]
+            SKIP_AUDIT.name,
+            self.batch,
+            ["key", "excluded", "first_excluded_at", "reasons", "reason_since", "decided_at"],
         )
-        return {r["key"]: (bool(r["excluded"]), r["first_excluded_at"]) for r in rows.to_pylist()}
+        out = {}
+        for r in rows.to_pylist():
+            reasons = r["reasons"] or []
+            since = r["reason_since"] or []
+            if len(since) != len(reasons):
+                since = [r["decided_at"]] * len(reasons)
+            known = {k: t for k, t in zip(reasons, since, strict=True) if t is not None}
+            out[r["key"]] = PreviousDecision(bool(r["excluded"]), r["first_excluded_at"], known)
+        return out

@@ -77,6 +77,10 @@ SKIP_AUDIT = TableSpec(
             # Added by policy v3 (appended likewise): machine-readable opt-out signals.
             pa.field("reserved_via", pa.list_(pa.string())),  # keys whose signal reserves
             pa.field("reserved_signals", pa.list_(pa.string())),  # "<key>: <signal>: <said>"
+            # Added for per-reason times (appended likewise): when each of ``reasons`` began to apply,
+            # in the same order (a later opt-out of a copy already out as a duplicate has
+            # its own, later time; ``first_excluded_at`` is the earliest of them).
+            pa.field("reason_since", pa.list_(pa.timestamp("us", tz="UTC"))),
         ]
     ),
     identity=("batch", "key"),

@@ -21,7 +21,7 @@ class AuditConfig(Config):
     )
 )
 def audit_one_image(context: OpExecutionContext, config: AuditConfig, lab: LabResource):
-    trail = audit_image(lab.lab(), config.query, landing=lab.landing)
+    trail = audit_image(lab.lab(), config.query, landing=lab.landing, shards_root=lab.shards_root)
     context.log.info(f"{bounded(config.query, 200)!r}: {bounded(trail.verdict, 400)}")
     return Output(
         trail.keys,
