@@ -673,7 +673,9 @@ class PipelineStates:
     mds_new: Path  # after mds_shards under B
     skip_old: Path  # mds_new plus an opt-out list (decisions C)
     skip_new: Path  # after skip_lists under C
-    never: set[str]  # excluded under A, B and C
+    relax_old: Path  # skip_new with the list withdrawn (decisions D: the policy relaxes)
+    relax_new: Path  # after skip_lists under D
+    never: set[str]  # excluded under A, B, C and D
 
 
 def _caption_rows(keys: list[str], version: str) -> pa.Table:
@@ -742,8 +744,15 @@ def pipeline_states(workdir: Path, demo_source) -> PipelineStates:
     skip_old = _snapshot(root, workdir / "skip-old")
     _materialize_here(root, build_skiplist_assets())
     skip_new = _snapshot(root, workdir / "skip-new")
+    # D: the list withdrawn; the two images it named train again.
+    lab.replace_rows(OPT_OUTS, "list_id", "kill.txt@1", opt_out_rows("kill.txt@1", {}, when))
+    relax_old = _snapshot(root, workdir / "relax-old")
+    _materialize_here(root, build_skiplist_assets())
+    relax_new = _snapshot(root, workdir / "relax-new")
     shutil.rmtree(root / "landing")
-    return PipelineStates(mds_old, mds_new, skip_old, skip_new, {uncaptioned, text, dup})
+    return PipelineStates(
+        mds_old, mds_new, skip_old, skip_new, relax_old, relax_new, {uncaptioned, text, dup}
+    )
 
 
 def test_kill_materialize_mds_shards(forkserver, pipeline_states: PipelineStates, workdir: Path):
@@ -783,17 +792,44 @@ def test_kill_materialize_mds_shards(forkserver, pipeline_states: PipelineStates
     assert_enough_kills(trials, at_least=len(crashes))
 
 
-def test_kill_materialize_skip_lists(forkserver, pipeline_states: PipelineStates, workdir: Path):
+def check_audit_agrees(data_root: Path) -> None:
+    """Every sharded sample's audit verdict says "in training" exactly when the loader
+    yields it (the visible generations keep it; ``check_readers`` proved the loader agrees)."""
+    from prx_assets.core.audit import IN_TRAINING, audit_image
+    from prx_assets.core.lab import Lab
+
+    shards = data_root / "shards"
+    trained: set[str] = set()
+    for rel in visible_dirs(shards):
+        trained.update(kept_keys(shards / rel, load_generation(shards / rel)))
+    lab = Lab(data_root / "lab")
+    for row in _lab_rows(data_root, "shard_samples"):
+        trail = audit_image(lab, row["key"], shards_root=str(shards))
+        (copy,) = [c for c in trail.copies if c.batch == DEMO_BATCH]
+        assert (copy.status == IN_TRAINING) == (row["key"] in trained), copy.line
+
+
+@pytest.mark.parametrize("direction", ["tighten", "relax"])
+def test_kill_materialize_skip_lists(
+    forkserver, pipeline_states: PipelineStates, workdir: Path, direction: str
+):
+    """A list arrives (tighten) or is withdrawn (relax); after every kill the loader sees
+    each directory old or new, and the audit agrees with it sample by sample."""
     from prx_assets.defs.skiplists.assets import build_skiplist_assets
 
     s = pipeline_states
-    root = workdir / "trial-pipeline-skip"
-    old, new = versions(s.skip_old / "shards"), versions(s.skip_new / "shards")
+    before, after = (
+        (s.skip_old, s.skip_new) if direction == "tighten" else (s.relax_old, s.relax_new)
+    )
+    root = workdir / f"trial-pipeline-skip-{direction}"
+    old, new = versions(before / "shards"), versions(after / "shards")
     changed = [r for r in old if old[r].manifest != new[r].manifest]
     assert len(changed) == 2
-    reference = tree_files(s.skip_new / "shards")
-    stamps = ("decided_at", "first_excluded_at")  # wall-clock by design
-    audits = [_lab_rows(p, "skip_audit", stamps) for p in (s.skip_old, s.skip_new)]
+    kept = [sum(len(v.kept) for v in x.values()) for x in (old, new)]
+    assert (kept[1] < kept[0]) == (direction == "tighten") and kept[0] != kept[1]
+    reference = tree_files(after / "shards")
+    stamps = ("decided_at", "first_excluded_at", "reason_since")  # wall-clock by design
+    audits = [_lab_rows(p, "skip_audit", stamps) for p in (before, after)]
     assert audits[0] != audits[1]
     crashes = [
         "skiplists.sidecar_written:1",  # a new generation half staged
@@ -804,7 +840,7 @@ def test_kill_materialize_skip_lists(forkserver, pipeline_states: PipelineStates
     ]
     trials = []
     for crash_at in crashes:
-        _restore(s.skip_old, root)
+        _restore(before, root)
         kwargs = {
             "asset": "skip_lists",
             "data_root": str(root),
@@ -815,7 +851,9 @@ def test_kill_materialize_skip_lists(forkserver, pipeline_states: PipelineStates
         trials.append(run_trial(forkserver, "materialize_asset", kwargs, crash_at))
         check_readers(forkserver, root / "shards", old, new, s.never)
         assert _lab_rows(root, "skip_audit", stamps) in audits  # the old or the new audit
+        check_audit_agrees(root)
         _materialize_here(root, build_skiplist_assets())  # the rerun
         assert tree_files(root / "shards") == reference, f"rerun after {crash_at} differs"
         assert _lab_rows(root, "skip_audit", stamps) == audits[1]
+        check_audit_agrees(root)
     assert_enough_kills(trials, at_least=len(crashes))
