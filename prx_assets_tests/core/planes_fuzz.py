@@ -317,11 +317,9 @@ def dc_jpeg(
 
     if nc == 1:  # non-interleaved: one block per MCU, over the component's own blocks
         hs, vs = sampling[0]
-        mcus = [
-            [(0, by, bx)]
-            for by in range(-(-(-(-h * vs // vmax)) // 8))
-            for bx in range(-(-(-(-w * hs // hmax)) // 8))
-        ]
+        rows = math.ceil(math.ceil(h * vs / vmax) / 8)
+        cols = math.ceil(math.ceil(w * hs / hmax) / 8)
+        mcus = [[(0, by, bx)] for by in range(rows) for bx in range(cols)]
     else:
         mcus = []
         for my in range(-(-h // (8 * vmax))):
@@ -676,7 +674,9 @@ def run_child(module_path: str, n: int, seed: int, start: int, stop: int, progre
 # ------------------------------------------------------------------ the parent
 
 
-def run_sanitized(module_path: Path, code: str, timeout: float = 600.0) -> subprocess.CompletedProcess:
+def run_sanitized(
+    module_path: Path, code: str, timeout: float = 600.0
+) -> subprocess.CompletedProcess:
     """``code`` run in a sanitized child with the sanitized module bound to ``planes``
     (and installed as ``prx_assets.core.shards._planes``, what resize.py imports)."""
     prelude = (
@@ -707,7 +707,9 @@ class FuzzRun:
     @property
     def sanitizer_reports(self) -> list[str]:
         """The sanitizer report lines in the child's stderr (none on a clean run)."""
-        return [line for line in self.stderr.splitlines() if any(m in line for m in SANITIZER_MARKS)]
+        return [
+            line for line in self.stderr.splitlines() if any(m in line for m in SANITIZER_MARKS)
+        ]
 
     def explain(self) -> str:
         """What went wrong, for an assertion message."""
