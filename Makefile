@@ -15,7 +15,7 @@ STAMP := $(VENV)/.prx-installed-$(LOCK_HASH)
 UI_PORT ?= 3000
 BROWSER_PORT ?= 8765
 
-.PHONY: venv instance sysdeps demo test ui browser lint format bench lock clean-data
+.PHONY: venv instance sysdeps demo test ui browser lint format bench fuzz lock clean-data
 
 # The editable install points at one checkout; a venv shared by several clones (CI keeps
 # one per lock outside the clone) is re-pointed at this one when it differs. It also builds
@@ -75,6 +75,12 @@ format: venv
 ## All benchmarks, each printing a ratio against a baseline run in the same process.
 bench: venv
 	$(PY) -m benchmarks.run_all
+
+## The JPEG planes extension fuzzed under AddressSanitizer and UBSan (50,000 cases; the
+## tests run 4,000). Needs gcc's libasan (.ci/build-deps installs gcc).
+fuzz: venv
+	@bash .ci/build-deps
+	$(PY) -m benchmarks.fuzz_planes --cases $(or $(FUZZ_CASES),50000)
 
 ## Re-resolve the transitive pins (only when a direct pin in pyproject.toml changes).
 lock:

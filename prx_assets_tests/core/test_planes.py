@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import simplejpeg
 from PIL import Image, JpegImagePlugin
 
 from prx_assets.core.shards import _planes
@@ -255,3 +256,23 @@ def test_encode_refuses_short_planes_and_bad_quality() -> None:
         _planes.encode(p, p, p[:4], 8, 8, 92)
     with pytest.raises(ValueError, match="quality"):
         _planes.encode(p, p, p, 8, 8, 0)
+
+
+@pytest.mark.parametrize(("subsampling", "upsample"), [("411", (4, 1)), ("440", (1, 2))])
+def test_411_and_440_chroma_is_libjpegs_upsampling_then_lanczos(
+    subsampling: str, upsample: tuple[int, int]
+) -> None:
+    # 4:1:1 chroma (a quarter of the columns) is upsampled by repetition, as libjpeg does it,
+    # folded into the kernel: within 2 levels of libjpeg's own full-size chroma resampled by
+    # Pillow. (That a 4x kernel stays inside its weights is the sanitizer test's:
+    # test_planes_fuzz.py.)
+    data = simplejpeg.encode_jpeg(np.asarray(_photo((901, 601), 10)), 95, "RGB", subsampling)
+    _, _, _, planes = _planes.decode(data, 1, LIMIT)
+    full = _pillow_ycbcr(data)
+    size, box = (608, 416), (0, 8, 608, 408)
+    for (b, pw, ph, vw, vh, stride), upsampled in zip(planes[1:], full[1:], strict=True):
+        assert (round(901 / vw), round(601 / vh)) == upsample
+        ours = _planes.resample(b, pw, ph, vw, vh, *size, box, stride=stride, upsample=upsample)
+        ours = np.frombuffer(ours, np.uint8).reshape(400, 608).astype(int)
+        naive = _pillow_plane(upsampled, (901.0, 601.0), size, box).astype(int)
+        assert np.abs(ours - naive).max() <= 2 and (ours == naive).mean() > 0.6

@@ -330,7 +330,12 @@ static int make_kernel(Kernel *k, int in_size, double extent, int out_size, int 
   int n = o1 - o0;
   int full_k = (int)ceil(support) * 2 + 1;
   k->count = n;
-  k->ksize = up == 1 ? full_k : full_k / up + 3;
+  /* Folded, an output reads plane samples first..last, first = xmin / up - 1 and last =
+   * (xmin + xmax - 1) / up + 1 (both clamped inwards) with xmax <= full_k, so at most
+   * (xmax - 1) / up + 4 of them: floor((a + m) / up) - floor(a / up) <= floor(m / up) + 1.
+   * (full_k / up + 3, the bound before, holds for up == 2 only: full_k is odd. A 4:1:1 JPEG's
+   * chroma, up == 4, wrote past the weights.) */
+  k->ksize = up == 1 ? full_k : (full_k - 1) / up + 4;
   k->first = malloc(sizeof(int) * (size_t)n);
   k->taps = malloc(sizeof(int) * (size_t)n);
   k->weights = calloc((size_t)n * (size_t)k->ksize, sizeof(int16_t));
