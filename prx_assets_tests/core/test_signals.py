@@ -161,6 +161,10 @@ def test_content_usage_follows_the_current_aipref_vocabulary():
     assert reservations(stored, SourceRule()) == (
         "content-usage: train-ai=n over train-genai=y" + VOCAB,
     )
+    # skip_audit.reserved_signals names the revision it was read under.
+    out = resolve_cluster([_copy("web.000", "k", 1, stored)], SkipPolicy())[("web.000", "k")]
+    assert R_RESERVED in out.reasons
+    assert out.reserved_signals == ("k: content-usage: train-ai=n over train-genai=y" + VOCAB,)
 
 
 def test_content_usage_vocabulary_is_in_the_skip_policy_fingerprint():

@@ -76,7 +76,9 @@ SKIP_AUDIT = TableSpec(
             pa.field("pending_on", pa.list_(pa.string())),  # what a "pending" sample awaits
             # Added by policy v3 (appended likewise): machine-readable opt-out signals.
             pa.field("reserved_via", pa.list_(pa.string())),  # keys whose signal reserves
-            pa.field("reserved_signals", pa.list_(pa.string())),  # "<key>: <signal>: <said>"
+            # "<key>: <signal>: <said>"; a Content-Usage entry ends with the aipref vocabulary
+            # revision it was read under, e.g. "(draft-ietf-aipref-vocab-07)".
+            pa.field("reserved_signals", pa.list_(pa.string())),
         ]
     ),
     identity=("batch", "key"),
