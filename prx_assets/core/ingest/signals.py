@@ -429,7 +429,8 @@ def parse_content_usage(value: str) -> Verdict:
         conflict = f" over {', '.join(said['y'])}" if said["y"] else ""
         return Verdict(CONTENT_USAGE, True, detail=f"{', '.join(said['n'])}{conflict} {vocab}")
     if bad:
-        return Verdict(CONTENT_USAGE, True, True, f"malformed ({'; '.join(bad)}) {vocab}")
+        more = f"; {len(bad) - 3} more" if len(bad) > 3 else ""  # bounded for skip_audit
+        return Verdict(CONTENT_USAGE, True, True, f"malformed ({'; '.join(bad[:3])}{more}) {vocab}")
     if said["y"]:
         return Verdict(CONTENT_USAGE, False, detail=f"{', '.join(said['y'])} {vocab}")
     return Verdict(CONTENT_USAGE, False)
@@ -488,7 +489,7 @@ def parse_sf_dictionary(text: str) -> dict[str, list[http_sfv.Item | http_sfv.In
         members.parse(data)
     except ValueError as exc:
         why = exc.__cause__ if exc.__cause__ is not None else exc
-        raise SFParseError(str(why) or type(why).__name__) from None
+        raise SFParseError((str(why) or type(why).__name__)[:120]) from None  # a key can be long
     if _SFV_GAPS.search(text) and any(
         isinstance(v, Decimal | bytes) for v in _bare_values(members.every)
     ):
