@@ -1,10 +1,14 @@
-"""Machine-readable opt-out signals: HTTP response headers captured at download time.
+r"""Machine-readable opt-out signals: HTTP response headers captured at download time.
 
 Pure functions, no I/O. Ingest records the raw headers a manifest row or a sidecar carries
 (:func:`capture_signals`: bounded, sanitised, canonical JSON in ``images.usage_signals``); the
 skip policy interprets them (:func:`reservations`) under the per-source :class:`UsagePolicy`.
 Why split: the interpretation (grammar, which signals a source honours) can change without
 re-reading a landing file; switching a source's policy reruns ``skip_lists`` only.
+
+Every value is normalised before it is read (:func:`normalise_value`: Unicode NFKC, format
+characters such as U+200B removed), so ``no\u200bai`` and full-width ``ｎｏａｉ`` read as
+``noai``; what is still not ASCII after that (a homoglyph, an undecodable byte) is malformed.
 
 The signals and their grammar:
 
@@ -15,29 +19,41 @@ The signals and their grammar:
   <date>``) are no scopes. ``noai`` or ``noimageai`` reserve the image when unscoped, or
   scoped to an agent the source honours (:attr:`SourceRule.user_agents`; ``None``: every
   agent, because who downloaded a file is not recorded and a reservation addressed to any
-  crawler is a reservation of the work).
+  crawler is a reservation of the work). A value with a character outside the robots
+  grammar (JSON, markup, ``;``, ``=``) is malformed.
 - TDMRep ``tdm-reservation`` (W3C TDMRep): ``1`` = text-and-data-mining rights reserved,
   ``0`` = not reserved; anything else is malformed. ``tdm-policy`` (a URL to the licence
   offer) is recorded and shown, not fetched: an offer is not a licence, so ``1`` with a
   policy is still reserved.
-- IETF aipref ``Content-Usage``: an RFC 9651 structured-field Dictionary of usage
-  categories to ``y``/``n``. Unknown keys are ignored; the most specific category that
-  covers training a generative image model decides (``train-genai``, else ``train-ai``,
-  else ``bots``, i.e. automated processing); ``n`` reserves. A header that does not parse
-  as a Dictionary, or a known key whose value is not the token ``y``/``n``, is malformed.
+- IETF aipref ``Content-Usage`` (draft-ietf-aipref-attach-05 section 4): an RFC 9651
+  structured-field Dictionary of usage-category labels to the tokens ``y``/``n``, parsed by
+  ``http-sfv`` (:func:`parse_sf_dictionary`). Labels follow :data:`CONTENT_USAGE_VOCABULARY`
+  (:data:`CONTENT_USAGE_CATEGORIES`: which labels cover the training this platform does).
+  The draft has no hierarchy any more, so there is no "most specific wins": every label
+  that covers our training is read, every value of a repeated one (RFC 9651 keeps only the
+  last), and any ``n`` among them reserves (the draft's own rule for combining statements:
+  disallow wins). A field that does not parse, or a covering label whose value is not the
+  token ``y``/``n``, is malformed; the draft calls both "unknown", we fail closed. Labels
+  that do not cover our training (``search``) and unknown labels are ignored.
 
-Fail closed: a malformed signal (unparseable, holding control characters, or cut at the
-size bound so its end is unknown) reserves the image, unless the source's rule says
-``malformed: "ignore"``; the audit names it as malformed either way.
+Fail closed: a malformed signal (unparseable, holding control characters or bytes that are
+not UTF-8, a nested JSON value instead of header text, or cut at the size bound so its end
+is unknown) reserves the image, unless the source's rule says ``malformed: "ignore"``; the
+audit names it as malformed either way.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal
+from types import MappingProxyType
 from typing import Any
+
+import http_sfv
 
 from prx_assets.core.text import clean_text, more_characters, quote_bounded
 
@@ -59,8 +75,73 @@ AI_DIRECTIVES = frozenset({"noai", "noimageai"})
 VALUED_ROBOTS_DIRECTIVES = frozenset(
     {"max-snippet", "max-image-preview", "max-video-preview", "unavailable_after"}
 )
-# aipref categories covering generative image-model training, most specific first.
-CONTENT_USAGE_CATEGORIES: tuple[str, ...] = ("train-genai", "train-ai", "bots")
+# Every character a robots directive list uses (names, agents, numbers, RFC 850 and
+# ISO 8601 dates); anything else is not the robots grammar.
+_ROBOTS_CHARS = re.compile(r"[A-Za-z0-9 \t_.\-/:+*,()]*")
+
+
+@dataclass(frozen=True)
+class UsageCategory:
+    """One aipref usage-category label: whether it covers the training this platform does
+    (training a model that generates images), and the draft revision that defines it."""
+
+    covers_training: bool
+    defined_in: str
+    why: str
+
+
+# The aipref vocabulary revision this module follows: the working group's editor's copy
+# (github ietf-wg-aipref/drafts, tag draft-ietf-aipref-vocab-07, commit 7ca0afc, 2026-08-19).
+CONTENT_USAGE_VOCABULARY = "draft-ietf-aipref-vocab-07"
+# Label -> category. The current draft defines train-ai and search only (no hierarchy: the
+# "more general category applies" rule was removed in -07). Labels of earlier revisions are
+# kept: servers configured against them still send them, and the current draft's "ignore
+# unknown labels" would turn such an ``n`` into a yes; where the earlier definition covered
+# this training, its ``n`` reserves (fail closed); its ``y`` allows only where no covering
+# label says ``n``.
+CONTENT_USAGE_CATEGORIES: Mapping[str, UsageCategory] = MappingProxyType(
+    {
+        "train-ai": UsageCategory(
+            True,
+            "draft-ietf-aipref-vocab-07 section 3.1 (and -02 to -06)",
+            "AI Model Training: modifying the learned parameters of a model that generates "
+            "synthetic content",
+        ),
+        "search": UsageCategory(
+            False,
+            "draft-ietf-aipref-vocab-07 section 3.2",
+            "Search: covers training only of models used exclusively by a search application",
+        ),
+        "train-genai": UsageCategory(
+            True, "draft-ietf-aipref-vocab-02, -03", "Generative AI Training"
+        ),
+        "bots": UsageCategory(
+            True, "draft-ietf-aipref-vocab-03, -04", "Automated Processing: every other category"
+        ),
+        "all": UsageCategory(
+            True, "draft-ietf-aipref-vocab-02", "Automated Processing: every other category"
+        ),
+        "tdm": UsageCategory(
+            True, "draft-ietf-aipref-vocab-01", "Text and Data Mining: every other category"
+        ),
+        "ai": UsageCategory(True, "draft-ietf-aipref-vocab-01", "AI Training"),
+        "genai": UsageCategory(True, "draft-ietf-aipref-vocab-01", "Generative AI Training"),
+        "ai-use": UsageCategory(
+            False, "draft-ietf-aipref-vocab-02", "AI Use: an asset as input at inference"
+        ),
+        "ai-output": UsageCategory(
+            False, "draft-ietf-aipref-vocab-04", "AI Output: an asset used to generate outputs"
+        ),
+        "inference": UsageCategory(
+            False, "draft-ietf-aipref-vocab-01", "AI Inference: an asset as input at inference"
+        ),
+    }
+)
+COVERING_LABELS: tuple[str, ...] = tuple(
+    k for k, c in CONTENT_USAGE_CATEGORIES.items() if c.covers_training
+)
+# Bumped when the reading of stored signals changes, so the skip policy's fingerprint does.
+INTERPRETATION_VERSION = 2  # 2: aipref vocab-07, NFKC normalisation, http-sfv
 MALFORMED_RESERVES = "reserved"
 MALFORMED_IGNORED = "ignore"
 _CTL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
@@ -82,16 +163,31 @@ def header_name(field_name: str) -> str | None:
     return name if name in CAPTURED_HEADERS else None
 
 
-def _as_text(value: Any) -> str:
-    """A header value as text: repeated header lines (a list) combined with ``, ``
-    (RFC 9110 5.3); anything else JSON, so a wrong type reads as malformed, not absent."""
+def _as_text(value: Any) -> tuple[str, str | None]:
+    r"""(a header value as text, defect or None).
+
+    Repeated header lines (a list) are combined with ``, `` (RFC 9110 5.3); an integer (a
+    parquet column of ``tdm-reservation``) is its digits. Bytes that are not UTF-8 are kept
+    visible as ``\\xNN`` and any other type (a nested JSON object or list, a bool, a float)
+    as JSON, each with a defect: such a value is malformed, never absent, and never read as
+    the text it happens to contain."""
     if isinstance(value, str):
-        return value
+        return value, None
     if isinstance(value, bytes | bytearray):
-        return bytes(value).decode("utf-8", "replace")
-    if isinstance(value, list | tuple) and all(isinstance(v, str | bytes) for v in value):
-        return ", ".join(_as_text(v) for v in value)
-    return json.dumps(value, sort_keys=True, default=str)
+        try:
+            return bytes(value).decode("utf-8"), None
+        except UnicodeDecodeError:
+            return bytes(value).decode("utf-8", "backslashreplace"), "bytes that are not UTF-8"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value), None
+    if isinstance(value, list | tuple) and all(
+        isinstance(v, str | bytes | bytearray) for v in value
+    ):
+        parts = [_as_text(v) for v in value]
+        defect = next((d for _, d in parts if d), None)
+        return ", ".join(text for text, _ in parts), defect
+    kind = "JSON object" if isinstance(value, Mapping) else type(value).__name__
+    return json.dumps(value, sort_keys=True, default=str), f"a {kind}, not header text"
 
 
 def capture_signals(fields: Mapping[str, Any]) -> str | None:
@@ -102,8 +198,9 @@ def capture_signals(fields: Mapping[str, Any]) -> str | None:
     text) are both read; a header given twice is combined; an empty value is no header (a
     CSV cell cannot be null). The stored form is
     ``{"headers": {name: value}, "defects": {name: why}}``: each value bounded to
-    :data:`MAX_SIGNAL_CHARS` (the rest counted) with control characters as ``\\xNN``; a cut
-    or a control character is a *defect*, which makes the signal malformed.
+    :data:`MAX_SIGNAL_CHARS` (the rest counted) with control characters as ``\\xNN``; a cut,
+    a control character, bytes that are not UTF-8 or a value that is not header text (a
+    nested JSON object) is a *defect*, which makes the signal malformed.
     """
     found: dict[str, list[str]] = {}
     defects: dict[str, str] = {}
@@ -113,10 +210,7 @@ def capture_signals(fields: Mapping[str, Any]) -> str | None:
         if key.strip().lower() in HEADER_MAP_FIELDS:
             _read_header_map(value, found, defects)
             continue
-        name = header_name(key)
-        text = _as_text(value) if name is not None else ""
-        if text.strip(" \t"):  # an empty cell (CSV has no null) is no header
-            found.setdefault(name, []).append(text)
+        _found(header_name(key), value, found, defects)
     if not found and not defects:
         return None
     headers: dict[str, str] = {}
@@ -126,14 +220,30 @@ def capture_signals(fields: Mapping[str, Any]) -> str | None:
         text, defect = sanitise_header(", ".join(found[name]))
         headers[name] = text
         if defect:
-            defects[name] = defect
+            defects.setdefault(name, defect)
     record = {"headers": headers, "defects": dict(sorted(defects.items()))}
     return json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
+def _found(
+    name: str | None, value: Any, found: dict[str, list[str]], defects: dict[str, str]
+) -> None:
+    """Record one captured header value (and its defect); empty text is no header."""
+    if name is None or value is None:
+        return
+    text, defect = _as_text(value)
+    if defect:
+        defects.setdefault(name, defect)
+    if text.strip(" \t") or defect:  # an empty cell (CSV has no null) is no header
+        found.setdefault(name, []).append(text)
+
+
 def _read_header_map(value: Any, found: dict[str, list[str]], defects: dict[str, str]) -> None:
     if isinstance(value, str | bytes | bytearray):
-        text = _as_text(value)
+        text, defect = _as_text(value)
+        if defect:
+            defects["headers"] = f"header map holds {defect}"
+            return
         if not text.strip():
             return
         if len(text) > MAX_HEADER_MAP_CHARS:
@@ -148,10 +258,7 @@ def _read_header_map(value: Any, found: dict[str, list[str]], defects: dict[str,
         defects["headers"] = f"header map is a {type(value).__name__}, not an object"
         return
     for key, item in value.items():
-        name = header_name(str(key))
-        text = _as_text(item) if name is not None and item is not None else ""
-        if text.strip(" \t"):
-            found.setdefault(name, []).append(text)
+        _found(header_name(str(key)), item, found, defects)
 
 
 def sanitise_header(value: str) -> tuple[str, str | None]:
@@ -196,6 +303,30 @@ def load_signals(stored: str | None) -> tuple[dict[str, str], dict[str, str]]:
 
 
 # --------------------------------------------------------------------------- verdicts
+
+
+def _strip_format(text: str) -> str:
+    return "".join(c for c in text if unicodedata.category(c) != "Cf")
+
+
+def normalise_value(value: str) -> str:
+    """A header value as it is matched: NFKC (full-width ``ｎｏａｉ`` -> ``noai``), without
+    format characters (Unicode Cf: zero-width space and joiners, BOM, bidi controls).
+
+    Why: a signal is what a server meant, and these are invisible or look identical to a
+    reader; matching the raw bytes lets them hide a reservation. What is still not ASCII
+    afterwards is no signal grammar (:func:`_not_ascii`)."""
+    if value.isascii():
+        return value
+    return _strip_format(unicodedata.normalize("NFKC", _strip_format(value)))
+
+
+def _not_ascii(text: str) -> str | None:
+    """Why a normalised value is malformed (its first non-ASCII character), or None."""
+    for c in text:
+        if not c.isascii():
+            return f"U+{ord(c):04X} is not ASCII after NFKC normalisation"
+    return None
 
 
 @dataclass(frozen=True)
@@ -258,6 +389,10 @@ def parse_x_robots_tag(
     if hits:
         s, d = hits[0]
         return Verdict(X_ROBOTS_TAG, True, detail=f"{s}: {d}" if s else d), pairs
+    if not _ROBOTS_CHARS.fullmatch(value):
+        bad = next(c for c in value if not _ROBOTS_CHARS.fullmatch(c))
+        why = _not_ascii(bad) or f"{bad!r} is not in the robots grammar"
+        return Verdict(X_ROBOTS_TAG, True, True, f"malformed ({why})"), pairs
     return Verdict(X_ROBOTS_TAG, False), pairs
 
 
@@ -273,23 +408,47 @@ def parse_tdm_reservation(value: str) -> Verdict:
 
 
 def parse_content_usage(value: str) -> Verdict:
-    """The verdict of an aipref ``Content-Usage`` Dictionary (module docstring)."""
+    """The verdict of an aipref ``Content-Usage`` Dictionary (module docstring): any
+    covering label saying ``n`` reserves; else a covering label that is not ``y``/``n`` is
+    malformed; else a ``y`` allows. The detail names :data:`CONTENT_USAGE_VOCABULARY`."""
+    vocab = f"({CONTENT_USAGE_VOCABULARY})"
     try:
         members = parse_sf_dictionary(value)
     except SFParseError as exc:
-        return Verdict(CONTENT_USAGE, True, True, f"malformed ({exc})")
-    for category in CONTENT_USAGE_CATEGORIES:
-        if category not in members:
-            continue
-        item = members[category]
-        if not isinstance(item, Token) or item not in ("y", "n"):
-            return Verdict(
-                CONTENT_USAGE, True, True, f"malformed ({category} is {item!r}, not y or n)"
-            )
-        if item == "n":
-            return Verdict(CONTENT_USAGE, True, detail=f"{category}=n")
-        return Verdict(CONTENT_USAGE, False, detail=f"{category}=y")
+        return Verdict(CONTENT_USAGE, True, True, f"malformed ({exc}) {vocab}")
+    said: dict[str, list[str]] = {"y": [], "n": []}
+    bad: list[str] = []
+    for label in COVERING_LABELS:
+        for member in members.get(label, ()):
+            preference = _preference(member)
+            if preference is None:
+                bad.append(f"{label} is {_shown(member)}, not y or n")
+            elif f"{label}={preference}" not in said[preference]:
+                said[preference].append(f"{label}={preference}")
+    if said["n"]:
+        conflict = f" over {', '.join(said['y'])}" if said["y"] else ""
+        return Verdict(CONTENT_USAGE, True, detail=f"{', '.join(said['n'])}{conflict} {vocab}")
+    if bad:
+        more = f"; {len(bad) - 3} more" if len(bad) > 3 else ""  # bounded for skip_audit
+        return Verdict(CONTENT_USAGE, True, True, f"malformed ({'; '.join(bad[:3])}{more}) {vocab}")
+    if said["y"]:
+        return Verdict(CONTENT_USAGE, False, detail=f"{', '.join(said['y'])} {vocab}")
     return Verdict(CONTENT_USAGE, False)
+
+
+def _preference(member: http_sfv.Item | http_sfv.InnerList) -> str | None:
+    """``y``/``n`` for the Token ``y``/``n`` (parameters ignored, as the draft says)."""
+    if isinstance(member, http_sfv.Item) and isinstance(member.value, http_sfv.Token):
+        return str(member.value) if member.value in ("y", "n") else None
+    return None
+
+
+def _shown(member: http_sfv.Item | http_sfv.InnerList) -> str:
+    try:
+        text = str(member)
+    except ValueError:  # an empty inner list's serialisation is fine; anything else odd
+        text = type(member).__name__
+    return quote_bounded(text, 40)
 
 
 # --------------------------------------------------------------------------- RFC 9651
@@ -299,158 +458,60 @@ class SFParseError(ValueError):
     """A structured field that does not parse (RFC 9651: the whole field is invalid)."""
 
 
-class Token(str):
-    """An sf-token (distinct from an sf-string, which aipref does not accept for y/n)."""
+class _Members(http_sfv.Dictionary):
+    """http-sfv's Dictionary, also keeping every value a repeated key had: RFC 9651 keeps
+    only the last, so ``train-ai=n, train-ai=y`` (two conflicting header lines combined)
+    would read as a plain ``y``. http-sfv's parser stores each member through
+    ``__setitem__`` (http-sfv 0.9.9; the conformance test pins that this still holds)."""
 
-    __slots__ = ()
+    def __init__(self) -> None:
+        super().__init__()
+        self.every: dict[str, list[http_sfv.Item | http_sfv.InnerList]] = {}
 
-
-_KEY_FIRST = set("abcdefghijklmnopqrstuvwxyz*")
-_KEY_CHARS = _KEY_FIRST | set("0123456789_-.")
-_TCHAR = set("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-_TOKEN_CHARS = _TCHAR | set(":/")
-_B64 = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=")
-
-
-class _SF:
-    def __init__(self, text: str) -> None:
-        self.s = text
-        self.i = 0
-
-    def peek(self) -> str:
-        return self.s[self.i] if self.i < len(self.s) else ""
-
-    def fail(self, what: str) -> SFParseError:
-        return SFParseError(f"{what} at character {self.i}")
-
-    def skip(self, chars: str) -> None:
-        while self.peek() and self.peek() in chars:
-            self.i += 1
-
-    def key(self) -> str:
-        if self.peek() not in _KEY_FIRST or not self.peek():
-            raise self.fail("expected a lower-case key")
-        start = self.i
-        while self.peek() and self.peek() in _KEY_CHARS:
-            self.i += 1
-        return self.s[start : self.i]
-
-    def bare_item(self) -> Any:
-        c = self.peek()
-        if c == "-" or c.isdigit():
-            return self.number()
-        if c == '"':
-            return self.string()
-        if c == ":":
-            return self.byte_sequence()
-        if c == "?":
-            self.i += 1
-            if self.peek() not in ("0", "1") or not self.peek():
-                raise self.fail("expected ?0 or ?1")
-            self.i += 1
-            return self.s[self.i - 1] == "1"
-        if c == "@":
-            self.i += 1
-            return ("date", self.number())
-        if c == "%":
-            self.i += 1
-            return ("display", self.string())
-        if c and (c.isalpha() and c.isascii() or c == "*"):
-            start = self.i
-            while self.peek() and self.peek() in _TOKEN_CHARS:
-                self.i += 1
-            return Token(self.s[start : self.i])
-        raise self.fail("expected an item")
-
-    def number(self) -> int | float:
-        m = re.compile(r"-?\d{1,15}(\.\d{1,3})?").match(self.s, self.i)
-        if m is None or (m.group(1) and len(m.group().lstrip("-").split(".")[0]) > 12):
-            raise self.fail("bad number")
-        self.i = m.end()
-        return float(m.group()) if m.group(1) else int(m.group())
-
-    def string(self) -> str:
-        self.i += 1
-        out = []
-        while True:
-            c = self.peek()
-            if not c:
-                raise self.fail("unterminated string")
-            self.i += 1
-            if c == "\\":
-                nxt = self.peek()
-                if nxt not in ('"', "\\") or not nxt:
-                    raise self.fail("bad escape")
-                out.append(nxt)
-                self.i += 1
-            elif c == '"':
-                return "".join(out)
-            elif not (" " <= c <= "~"):
-                raise self.fail("non-ASCII or control character in a string")
-            else:
-                out.append(c)
-
-    def byte_sequence(self) -> tuple[str, str]:
-        end = self.s.find(":", self.i + 1)
-        if end < 0 or not set(self.s[self.i + 1 : end]) <= _B64:
-            raise self.fail("bad byte sequence")
-        raw = self.s[self.i + 1 : end]
-        self.i = end + 1
-        return ("bytes", raw)
-
-    def parameters(self) -> None:
-        while self.peek() == ";":
-            self.i += 1
-            self.skip(" ")
-            self.key()
-            if self.peek() == "=":
-                self.i += 1
-                self.bare_item()
-
-    def member(self) -> Any:
-        if self.peek() == "(":
-            self.i += 1
-            items = []
-            while True:
-                self.skip(" ")
-                if self.peek() == ")":
-                    self.i += 1
-                    self.parameters()
-                    return tuple(items)
-                items.append(self.bare_item())
-                self.parameters()
-                if self.peek() not in (" ", ")"):
-                    raise self.fail("bad inner list")
-        item = self.bare_item()
-        self.parameters()
-        return item
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.every.setdefault(key, []).append(self.data[key])
 
 
-def parse_sf_dictionary(text: str) -> dict[str, Any]:
-    """An RFC 9651 Dictionary: key -> bare item (a Token for tokens; True for a bare key;
-    a tuple for an inner list). Parameters are validated and dropped; a duplicated key keeps
-    its last value. Raises :class:`SFParseError` for anything the RFC rejects."""
-    p = _SF(text.strip(" "))
-    out: dict[str, Any] = {}
-    if not p.s:
-        return out
-    while True:
-        key = p.key()
-        if p.peek() == "=":
-            p.i += 1
-            out[key] = p.member()
-        else:
-            p.parameters()
-            out[key] = True
-        p.skip(" \t")
-        if not p.peek():
-            return out
-        if p.peek() != ",":
-            raise p.fail("expected ','")
-        p.i += 1
-        p.skip(" \t")
-        if not p.peek():
-            raise p.fail("trailing ','")
+def parse_sf_dictionary(text: str) -> dict[str, list[http_sfv.Item | http_sfv.InnerList]]:
+    """An RFC 9651 Dictionary, parsed by ``http-sfv``: key -> every member given for it, in
+    order (the last is RFC 9651's value), keys in first-seen order. Raises
+    :class:`SFParseError` for anything the parser rejects, and for non-ASCII text (the
+    field is bytes; a header is matched after :func:`normalise_value`)."""
+    try:
+        data = text.encode("ascii")
+    except UnicodeEncodeError as exc:
+        raise SFParseError(f"U+{ord(text[exc.start]):04X} is not ASCII") from None
+    if not data.lstrip(b" "):
+        return {}  # RFC 9651 4.2.2: an empty Dictionary (http-sfv 0.9.9 rejects it)
+    members = _Members()
+    try:
+        members.parse(data)
+    except ValueError as exc:
+        why = exc.__cause__ if exc.__cause__ is not None else exc
+        raise SFParseError((str(why) or type(why).__name__)[:120]) from None  # a key can be long
+    if _SFV_GAPS.search(text) and any(
+        isinstance(v, Decimal | bytes) for v in _bare_values(members.every)
+    ):
+        raise SFParseError("a decimal or byte sequence that RFC 9651 rejects")
+    return members.every
+
+
+# Text RFC 9651 rejects that http-sfv 0.9.9 accepts (a decimal with no fractional digit,
+# "1."; "=" inside a byte sequence's base64): found by the conformance cases. Refused only
+# when the field holds such a value, so a token or string with these characters is not.
+_SFV_GAPS = re.compile(r"[0-9]\.(?![0-9])|:[A-Za-z0-9+/]*=+[A-Za-z0-9+/]")
+
+
+def _bare_values(members: Mapping[str, list[http_sfv.Item | http_sfv.InnerList]]) -> Iterable[Any]:
+    """Every bare value of a parsed Dictionary: members, inner-list items, parameters."""
+    for every in members.values():
+        for member in every:
+            items = list(member) if isinstance(member, http_sfv.InnerList) else [member]
+            yield from member.params.values()
+            for item in items:
+                yield item.value
+                yield from item.params.values()
 
 
 # --------------------------------------------------------------------------- policy
@@ -560,6 +621,13 @@ class UsagePolicy:
         return {
             "default": self.default.as_dict(),
             "sources": {k: r.as_dict() for k, r in self.sources},
+            # How signals are read: part of the skip policy's fingerprint, so a change in
+            # the vocabulary or the reading reruns skip_lists (skip_policy_sensor).
+            "interpretation": {
+                "version": INTERPRETATION_VERSION,
+                "content_usage_vocabulary": CONTENT_USAGE_VOCABULARY,
+                "content_usage_covering": sorted(COVERING_LABELS),
+            },
         }
 
 
@@ -571,8 +639,11 @@ def verdicts(stored: str | None, rule: SourceRule) -> list[Verdict]:
         if name in defects:
             out.append(Verdict(name, True, True, f"malformed ({defects[name]})"))
         elif name in headers:
-            value = headers[name]
-            if name == X_ROBOTS_TAG:
+            value = normalise_value(headers[name])
+            why = _not_ascii(value)
+            if why is not None:
+                out.append(Verdict(name, True, True, f"malformed ({why})"))
+            elif name == X_ROBOTS_TAG:
                 out.append(parse_x_robots_tag(value, rule.user_agents)[0])
             elif name == TDM_RESERVATION:
                 v = parse_tdm_reservation(value)
@@ -583,6 +654,9 @@ def verdicts(stored: str | None, rule: SourceRule) -> list[Verdict]:
                 out.append(v)
             else:
                 out.append(parse_content_usage(value))
+            if value != headers[name] and not out[-1].malformed and out[-1].reserved:
+                v = out[-1]  # say so: the raw value shown next to it reads differently
+                out[-1] = Verdict(v.signal, True, detail=f"{v.detail} (after NFKC normalisation)")
     if "headers" in defects:  # a header map that could not be read may hold any signal
         out.append(Verdict("headers", True, True, f"malformed ({defects['headers']})"))
     return out

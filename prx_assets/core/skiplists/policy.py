@@ -19,8 +19,9 @@ Rules, in order (reason codes from ``skiplists.REASON_CODES``):
    Every copy is excluded, with the list ids and the keys of the copies named
    (``opt_out_via``); no copy is the training copy.
    ``reserved``: a machine-readable opt-out signal captured at ingest (``X-Robots-Tag:
-   noai``, ``tdm-reservation: 1``, ``Content-Usage: train-ai=n``, or a malformed one: see
-   :mod:`prx_assets.core.ingest.signals`) that the copy's source honours
+   noai``, ``tdm-reservation: 1``, ``Content-Usage: train-ai=n`` under the aipref vocabulary
+   revision :data:`~prx_assets.core.ingest.signals.CONTENT_USAGE_VOCABULARY`, or a malformed
+   one: see :mod:`prx_assets.core.ingest.signals`) that the copy's source honours
    (:class:`~prx_assets.core.ingest.signals.UsagePolicy`) reserves *any* copy: like an
    opt-out, it excludes every copy of the work (``reserved_via``: the copies whose signal
    did it; ``reserved_signals``: which signal said what).

@@ -76,10 +76,12 @@ SKIP_AUDIT = TableSpec(
             pa.field("pending_on", pa.list_(pa.string())),  # what a "pending" sample awaits
             # Added by policy v3 (appended likewise): machine-readable opt-out signals.
             pa.field("reserved_via", pa.list_(pa.string())),  # keys whose signal reserves
-            pa.field("reserved_signals", pa.list_(pa.string())),  # "<key>: <signal>: <said>"
-            # Added for per-reason times (appended likewise): when each of ``reasons`` began to apply,
-            # in the same order (a later opt-out of a copy already out as a duplicate has
-            # its own, later time; ``first_excluded_at`` is the earliest of them).
+            # "<key>: <signal>: <said>"; a Content-Usage entry ends with the aipref vocabulary
+            # revision it was read under, e.g. "(draft-ietf-aipref-vocab-07)".
+            pa.field("reserved_signals", pa.list_(pa.string())),
+            # Added for per-reason times (appended likewise): when each of ``reasons`` began
+            # to apply, in the same order (a later opt-out of a copy already out as a
+            # duplicate has its own, later time; ``first_excluded_at`` is the earliest).
             pa.field("reason_since", pa.list_(pa.timestamp("us", tz="UTC"))),
         ]
     ),
