@@ -109,6 +109,9 @@ def snapshot(args: argparse.Namespace) -> int:
     from prx_assets.defs.resources import LabResource, default_data_root
 
     resource = LabResource(data_root=args.data_root or default_data_root())
+    missing = _no_lab(resource)
+    if missing:
+        return missing
     lab = resource.lab()
     try:
         if args.action == "create":
@@ -143,23 +146,51 @@ def snapshot(args: argparse.Namespace) -> int:
     return 0
 
 
+# ``prx-assets compliance`` exit status per verdict: 0 only when the list is applied and holding.
+COMPLIANCE_EXIT = {"PASS": 0, "FAIL": 1, "PENDING": 3, "NOT APPLIED": 4}
+
+
 def compliance(args: argparse.Namespace) -> int:
-    """One opt-out list's reach into training snapshots; exit 1 when a later one holds it."""
+    """One opt-out list's verdict (first line: the word and why), its images and the snapshots
+    holding them. Exit 0 only on PASS (applied and holding); 1 FAIL (a live snapshot made
+    after it arrived holds one of its images), 3 PENDING (skip_lists has not applied it
+    everywhere yet), 4 NOT APPLIED (rejected, or never taken in), 2 no lab."""
     import json
 
-    from prx_assets.core.snapshots.compliance import ComplianceError, compliance_report
+    from prx_assets.core.snapshots.compliance import (
+        NOT_APPLIED,
+        ComplianceError,
+        compliance_report,
+    )
     from prx_assets.defs.resources import LabResource, default_data_root
 
     resource = LabResource(data_root=args.data_root or default_data_root())
+    missing = _no_lab(resource)
+    if missing:
+        return missing
     try:
-        report = compliance_report(resource.lab(), args.list)
+        report = compliance_report(resource.lab(), resource.shards_root, args.list)
     except ComplianceError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        print(f"{NOT_APPLIED}: {exc}: intake has not taken it in (no opt_out_lists row)")
+        return COMPLIANCE_EXIT[NOT_APPLIED]
     print(
         json.dumps(report.as_dict(), indent=1, default=str) if args.json else report.to_markdown()
     )
-    return 0 if report.passed else 1
+    return COMPLIANCE_EXIT[report.verdict]
+
+
+def _no_lab(resource) -> int:  # noqa: ANN001 - a LabResource (Dagster import kept lazy)
+    """2 after saying "no lab at <path>" when the data root holds no lab; else 0.
+
+    Checked before ``resource.lab()``, which would create an empty lab there and then answer
+    "nothing" (an empty listing, "not found") as if the lab existed."""
+    from prx_assets.core.lab import no_lab_at
+
+    reason = no_lab_at(resource.lab_root)
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def demo(args: argparse.Namespace) -> int:

@@ -227,15 +227,22 @@ def test_compliance_report_follows_a_list_through_a_duplicate_copy(platform):
     intake = [r for r in requests if r.job_name == "opt_out_intake"] or requests[:1]
     for r in intake:
         assert execute_run_request(defs, platform.instance, r, None)
+    # Taken in, not applied yet: no snapshot holds it after arrival, yet it is no PASS.
+    report = compliance_report(lab, root, "takedown.txt")
+    assert report.verdict == "PENDING" and not report.passed
+    assert keeper_batch in report.pending_batches
+    keeper = {(i.batch, i.key): i for i in report.images}[(keeper_batch, keeper_key)]
+    assert keeper.placement and "before the list arrived" in keeper.not_held
+    assert report.to_markdown().startswith("**PENDING**: ") and keeper_batch in report.reason
     # A snapshot now still trains on the keeper: the list reaches it only through its copy.
     create_snapshot(lab, root, "s2")
-    report = compliance_report(lab, "takedown.txt")
+    report = compliance_report(lab, root, "takedown.txt")
     reached = {(i.batch, i.key): i for i in report.images}
     assert reached[(copy_batch, copy_key)].via == "direct"
     keeper = reached[(keeper_batch, keeper_key)]
     assert keeper.via == f"duplicate of {copy_key}"
     assert keeper.contained_in == ["s1", "s2"] and keeper.violations == ["s2"]
-    assert not report.passed and "FAIL" in report.to_markdown()
+    assert report.verdict == "FAIL" and report.to_markdown().startswith("**FAIL**")
 
     # Lineage: the keeper's audit lists both snapshots with their dates; the browser's
     # snapshot filter finds it in s2 and never finds the skipped copy there.
@@ -255,12 +262,29 @@ def test_compliance_report_follows_a_list_through_a_duplicate_copy(platform):
 
     platform.settle()  # the list's skip_lists runs
     create_snapshot(lab, root, "s3")
-    report = compliance_report(lab, "takedown.txt")
+    report = compliance_report(lab, root, "takedown.txt")
     keeper = {(i.batch, i.key): i for i in report.images}[(keeper_batch, keeper_key)]
     assert keeper.first_excluding == "s3" and keeper.violations == ["s2"]
-    assert not report.passed
+    assert keeper.not_held is None and report.verdict == "FAIL"
     retire_snapshot(lab, root, "s2")  # the remedy: the violating snapshot can't be trained on
-    assert compliance_report(lab, "takedown.txt").passed
+    report = compliance_report(lab, root, "takedown.txt")
+    assert report.verdict == "PASS" and report.passed and not report.pending_batches
+
+    # Holding is read from the live generation, not from the audit: a generation published
+    # by hand that keeps the keeper again (an older one restored) is no PASS.
+    rel, shard_index = keeper.placement.rsplit("/", 1)
+    shard, index = shard_index.split("#")
+    target = Path(root) / rel
+    live = load_generation(target).skiplists[shard].as_mapping()
+    update_skiplists(target, {shard: {i: r for i, r in live.items() if i != int(index)}})
+    report = compliance_report(lab, root, "takedown.txt")
+    assert report.verdict == "PENDING" and report.pending_batches == [keeper_batch]
+    keeper = {(i.batch, i.key): i for i in report.images}[(keeper_batch, keeper_key)]
+    assert f"does not skip {shard} #{index}" in keeper.not_held
+    (target / "skiplists.json").unlink()  # unscreened: unreadable, never a pass
+    report = compliance_report(lab, root, "takedown.txt")
+    keeper = {(i.batch, i.key): i for i in report.images}[(keeper_batch, keeper_key)]
+    assert report.verdict == "PENDING" and "unreadable" in keeper.not_held
 
 
 def test_cleanup_keeps_pinned_lance_versions_until_retired(platform):
@@ -329,6 +353,10 @@ def test_the_asset_its_compliance_check_the_jobs_and_the_cli(platform, capsys):
     (_copy_batch, copy_key), (keeper_batch, keeper_key) = _duplicate_pair(lab, _members(lab, "d1"))
     _opt_out(platform, "takedown.txt", [copy_key])
     _intake_only(platform)
+    # Taken in, its skip_lists runs not done: PENDING, naming the batch to rerun (exit 3).
+    assert main(["compliance", "takedown.txt", "--data-root", platform.data_root]) == 3
+    first_line = capsys.readouterr().out.splitlines()[0]
+    assert first_line.startswith("**PENDING**: ") and keeper_batch in first_line
     second = snapshot("d2")
     [check] = second.get_asset_check_evaluations()
     assert not check.passed and check.metadata["violations"].value >= 1
@@ -362,6 +390,38 @@ def test_the_asset_its_compliance_check_the_jobs_and_the_cli(platform, capsys):
     assert run.success
     assert existing_status(lab, "d2") == "retired"
     assert main(["compliance", "takedown.txt", "--data-root", platform.data_root]) == 0
+    assert capsys.readouterr().out.startswith("**PASS**: ")
+
+    # A rejected list was never applied: NOT APPLIED with intake's reason, and the check fails.
+    _opt_out(platform, "bad.csv", ["key", "not-a-key"])
+    _intake_only(platform)
+    assert main(["compliance", "bad.csv", "--data-root", platform.data_root]) == 4
+    first_line = capsys.readouterr().out.splitlines()[0]
+    assert first_line.startswith("**NOT APPLIED**: ") and "bad_identifier" in first_line
+    assert main(["compliance", "never-sent.txt", "--data-root", platform.data_root]) == 4
+    assert capsys.readouterr().out.startswith("NOT APPLIED: ")
+    fourth = snapshot("d4")
+    assert fourth.success
+    [check] = fourth.get_asset_check_evaluations()
+    assert not check.passed and check.metadata["verdicts"].value == {"NOT APPLIED": 1, "PASS": 1}
+    assert "bad_identifier" in check.metadata["not_passing"].value
+
+
+def test_commands_on_a_data_root_without_a_lab_say_so(tmp_path, capsys):
+    from prx_assets.browser.queries import LabQueries, NotFound
+    from prx_assets.cli import main
+
+    missing = str(tmp_path / "nowhere")
+    for argv in (["snapshot", "list"], ["compliance", "x.txt"]):
+        assert main([*argv, "--data-root", missing]) == 2
+        assert f"no lab at {missing}/lab" in capsys.readouterr().err
+    assert not os.path.exists(missing)  # and nothing was created there
+    empty = tmp_path / "empty"
+    (empty / "lab").mkdir(parents=True)
+    assert main(["snapshot", "list", "--data-root", str(empty)]) == 2
+    assert "holds no lab table" in capsys.readouterr().err
+    with pytest.raises(NotFound, match="no lab at"):
+        LabQueries(Lab(str(empty / "lab"))).audit("a" * 64)
 
 
 def existing_status(lab: Lab, snapshot_id: str) -> str:

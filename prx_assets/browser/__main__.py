@@ -19,7 +19,7 @@ from pathlib import Path
 from prx_assets.browser.app import LOOPBACK_HOSTS, BrowserApp, make_server
 from prx_assets.browser.queries import LabQueries, index_report
 from prx_assets.browser.thumbs import ThumbnailCache
-from prx_assets.core.lab import Lab
+from prx_assets.core.lab import Lab, no_lab_at
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,8 +64,9 @@ def stop_on_sigterm(server) -> None:  # noqa: ANN001 - any socketserver.BaseServ
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     lab_root = args.lab or str(Path(args.data_root) / "lab")
-    if "://" not in lab_root and not Path(lab_root).is_dir():
-        print(f"error: no lab at {lab_root} (run `make demo` or pass --data-root)", file=sys.stderr)
+    missing = no_lab_at(lab_root)
+    if missing:  # checked before Lab(), which would create an empty lab there
+        print(f"error: {missing} (run `make demo` or pass --data-root)", file=sys.stderr)
         return 2
     lab = Lab(lab_root)
     missing = sorted(k for k, v in index_report(lab.view()).items() if v == "missing")

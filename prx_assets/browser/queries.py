@@ -37,7 +37,15 @@ import pyarrow as pa
 from prx_assets.core import tables as lab_tables
 from prx_assets.core.audit import audit_image
 from prx_assets.core.captions.models.base import LABELS
-from prx_assets.core.lab import Lab, LabView, TableSpec, full_text_query, in_list, sql_literal
+from prx_assets.core.lab import (
+    Lab,
+    LabView,
+    TableSpec,
+    full_text_query,
+    in_list,
+    no_lab_at,
+    sql_literal,
+)
 from prx_assets.core.skiplists.sidecars import REASON_CODES
 from prx_assets.core.snapshots.pins import SNAPSHOT_ID_RE
 
@@ -815,7 +823,9 @@ class LabQueries:
             raise QueryError("no shard tree configured: an audit verdict needs the skip-lists")
         trail = audit_image(self.lab, key, shards_root=self.shards_root)
         if not trail.found:
-            raise NotFound(f"{key} is in no lab table")
+            # A lab with no table at all (its directory emptied or replaced since start) is
+            # no lab: "in no lab table" would read as "never ingested" in an audit.
+            raise NotFound(no_lab_at(self.lab.root) or f"{key} is in no lab table")
         return {
             "query": trail.query,
             "verdict": trail.verdict,

@@ -18,7 +18,7 @@ from prx_assets.core.lab.maintenance import (
     MaintenancePolicy,
 )
 from prx_assets.core.lab.spec import TableSpec, in_list, sql_literal
-from prx_assets.core.lab.store import Lab
+from prx_assets.core.lab.store import Lab, no_lab_at
 from prx_assets.core.lab.view import LabView, full_text_query
 
 __all__ = [
@@ -35,5 +35,6 @@ __all__ = [
     "TableSpec",
     "full_text_query",
     "in_list",
+    "no_lab_at",
     "sql_literal",
 ]

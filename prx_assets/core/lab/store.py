@@ -686,3 +686,23 @@ class Lab(VersionPins):
             return sweep_blobs(
                 self.uri(spec.name), self.blobs, spec.name, spec.blobs, min_age, **kwargs
             ).as_dict()
+
+
+def no_lab_at(root: str | Path) -> str | None:
+    """Why ``root`` is not a lab, as "no lab at <root> (...)"; None when it is one.
+
+    A local lab is a directory holding at least one Lance table (``<name>.lance``). Read-only
+    commands check this before ``Lab(root)``, which creates the directory: a mistyped data
+    root must say so, not read as a lab where nothing was ever ingested or decided (in a
+    legal audit, "not found" would read as "never ingested"). An object-store URI cannot be
+    listed cheaply here: it is taken as given (None), and reads of it fail on their own.
+    """
+    text = str(root)
+    if "://" in text:
+        return None
+    path = Path(text)
+    if not path.is_dir():
+        return f"no lab at {text} (no such directory; wrong --data-root?)"
+    if not any(p.name.endswith(".lance") for p in path.iterdir()):
+        return f"no lab at {text} (the directory holds no lab table; wrong --data-root?)"
+    return None

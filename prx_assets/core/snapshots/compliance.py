@@ -1,28 +1,47 @@
-"""Opt-out compliance: from one opt-out list to every training snapshot that held its images.
+"""Opt-out compliance: is one opt-out list applied and holding, and which snapshots held its images.
 
 For a list (``opt_out_lists``): when it arrived, the images it matched directly (``opt_outs``
 rows with a match) and through duplicate clusters (every other copy in the same
 ``phash_clusters`` cluster, and every ``skip_audit`` row excluded because of the list), which
 snapshots contained each of them (``snapshot_samples``), and the first snapshot made after
-the list arrived that excludes it. A snapshot made after the list arrived that still holds
-one of those images is a *violation*: the asset check and ``prx-assets compliance`` fail on
-it, until that snapshot is retired (a retired snapshot can no longer be trained on).
-Snapshots made before the list arrived holding its images are history, reported, not
-violations (they are why the report exists: "which runs used this image?").
+the list arrived that excludes it.
+
+Each report ends in one verdict; only ``PASS`` means "applied and holding":
+
+- ``NOT APPLIED``: the list was rejected at intake (its recorded reason), so nothing of it
+  was applied (a list never taken in has no row at all: ``find_list`` raises).
+- ``FAIL``: a live snapshot made after the list arrived still holds one of its images (a
+  *violation*), until that snapshot is retired (a retired one can no longer be trained on).
+- ``PENDING``: accepted, but some image it reaches that is sharded (a ``shard_samples``
+  row) is not yet provably out of training: its batch's ``skip_lists`` has not decided it
+  since the list arrived, the decision does not exclude it for this list, or the live
+  skip-list generation of its directory (what the loader reads, ``load_generation``) does
+  not skip its index or cannot be read. The report names the batches whose ``skip_lists``
+  must run.
+- ``PASS``: accepted, every reached sharded image is excluded for this list by a decision
+  made after the list arrived and skipped by its directory's live generation, and no live
+  snapshot made after arrival holds any. A reached image that is not sharded has nothing to
+  hold. Snapshots made before the list arrived holding its images are history, reported,
+  not violations (they are why the report exists: "which runs used this image?").
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from prx_assets.core.lab import Lab, in_list, sql_literal
 from prx_assets.core.markdown import md_code, md_table
+from prx_assets.core.shards.mds import partition_dir, relative_partition_dir
+from prx_assets.core.skiplists.sidecars import Generation, SkipListError, load_generation
 from prx_assets.core.snapshots.runner import list_snapshots
 from prx_assets.core.snapshots.tables import SNAPSHOT_SAMPLES
 
 MAX_LISTED = 50
+PASS, FAIL, PENDING, NOT_APPLIED = "PASS", "FAIL", "PENDING", "NOT APPLIED"
+ACCEPTED = "accepted"
 
 
 class ComplianceError(LookupError):
@@ -39,62 +58,150 @@ class ImageCompliance:
     contained_in: list[str] = field(default_factory=list)  # snapshot ids, oldest first
     first_excluding: str | None = None  # first snapshot after arrival without it
     violations: list[str] = field(default_factory=list)  # made after arrival, still holding it
+    # Where it is sharded ("<relative_dir>/<shard>#<index>"); None: not sharded, nothing to hold.
+    placement: str | None = None
+    # Why the list is not (yet) applied and holding for it; None: held, or not sharded.
+    not_held: str | None = None
 
 
 @dataclass
 class ComplianceReport:
-    """Everything one list reaches; ``passed`` is False when a later snapshot holds any."""
+    """Everything one list reaches, and its verdict (``PASS`` only when applied and holding)."""
 
     list_id: str
-    status: str
+    status: str  # the list's intake status: accepted | rejected
     received_at: datetime
     images: list[ImageCompliance]
     snapshots_after: list[str]
+    list_reason: str | None = None  # intake's reason when rejected
+
+    @property
+    def verdict(self) -> str:
+        """``NOT APPLIED``, ``FAIL``, ``PENDING`` or ``PASS`` (module docstring)."""
+        if self.status != ACCEPTED:
+            return NOT_APPLIED
+        if self.violations:
+            return FAIL
+        if self.pending:
+            return PENDING
+        return PASS
 
     @property
     def passed(self) -> bool:
-        return not any(i.violations for i in self.images)
+        return self.verdict == PASS
 
     @property
     def violations(self) -> list[ImageCompliance]:
         return [i for i in self.images if i.violations]
 
+    @property
+    def pending(self) -> list[ImageCompliance]:
+        """Reached sharded images not (yet) excluded by their live skip-lists."""
+        return [i for i in self.images if i.not_held]
+
+    @property
+    def pending_batches(self) -> list[str]:
+        """The batches whose ``skip_lists`` must (re)run for the list to hold."""
+        return sorted({i.batch for i in self.pending})
+
+    @property
+    def reason(self) -> str:
+        """One line saying why the verdict is what it is (raw text: escape for the medium)."""
+        sharded = sum(i.placement is not None for i in self.images)
+        batches = self.pending_batches
+        rerun = (
+            f"; skip_lists has not applied it to {len(self.pending)} sharded image(s): "
+            f"rerun skip_lists for batch(es) {', '.join(batches[:MAX_LISTED])}"
+            + (f" (+{len(batches) - MAX_LISTED} more)" if len(batches) > MAX_LISTED else "")
+            if batches
+            else ""
+        )
+        verdict = self.verdict
+        if verdict == NOT_APPLIED:
+            return (
+                f"the list was {self.status} at intake ({self.list_reason or 'no reason recorded'})"
+                "; nothing of it was applied"
+            )
+        if verdict == FAIL:
+            held = sorted({s for i in self.violations for s in i.violations})
+            return (
+                f"{len(self.violations)} image(s) still in live snapshot(s) made after the list "
+                f"arrived: {', '.join(held[:MAX_LISTED])} (retire them){rerun}"
+            )
+        if verdict == PENDING:
+            first = self.pending[0]
+            return (
+                rerun.lstrip("; ") + f" (first: {first.batch} {first.key[:16]}: {first.not_held})"
+            )
+        return (
+            f"every sharded image it reaches ({sharded} of {len(self.images)}) is excluded for it "
+            "by its live skip-lists, and no live snapshot made after it arrived holds one"
+        )
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "list_id": self.list_id,
             "status": self.status,
+            "list_reason": self.list_reason,
+            "verdict": self.verdict,
+            "reason": self.reason,
             "received_at": self.received_at.isoformat(),
             "passed": self.passed,
+            "pending_batches": self.pending_batches,
             "snapshots_after_arrival": self.snapshots_after,
             "images": [i.__dict__ for i in self.images],
         }
+
+    def headline(self) -> str:
+        """The verdict and its reason, as one Markdown line (data in code spans)."""
+        return f"**{self.verdict}**: {md_code(self.reason, limit=2000)}"
 
     def to_markdown(self, limit: int = MAX_LISTED) -> str:
         head = (
             f"Opt-out list {md_code(self.list_id)} ({md_code(self.status)}) arrived "
             f"{md_code(self.received_at.isoformat())}: {len(self.images)} image(s) reached "
-            f"({sum(i.via == 'direct' for i in self.images)} directly), "
-            f"{len(self.violations)} still in a snapshot made after it arrived — "
-            f"**{'PASS' if self.passed else 'FAIL'}**."
+            f"({sum(i.via == 'direct' for i in self.images)} directly, "
+            f"{sum(i.placement is not None for i in self.images)} sharded), "
+            f"{len(self.pending)} not yet excluded by their live skip-lists, "
+            f"{len(self.violations)} still in a snapshot made after it arrived."
         )
         table = md_table(
-            ["batch", "key", "via", "contained in", "first excluding", "violations"],
+            [
+                "batch",
+                "key",
+                "via",
+                "sharded at",
+                "held",
+                "contained in",
+                "first excluding",
+                "violations",
+            ],
             [
                 (
                     i.batch,
                     i.key,
                     i.via,
+                    i.placement or "not sharded",
+                    ("NO: " + i.not_held) if i.not_held else "yes",
                     " ".join(i.contained_in) or "none",
                     i.first_excluding or "none yet",
                     " ".join(i.violations) or "none",
                 )
-                for i in sorted(self.images, key=lambda i: (not i.violations, i.batch, i.key))[
-                    :limit
-                ]
+                for i in sorted(
+                    self.images,
+                    key=lambda i: (not i.violations, not i.not_held, i.batch, i.key),
+                )[:limit]
             ],
         )
         more = len(self.images) - limit
-        return head + "\n\n" + table + (f"\n\n(+{more} more images)" if more > 0 else "")
+        return (
+            self.headline()
+            + "\n\n"
+            + head
+            + "\n\n"
+            + table
+            + (f"\n\n(+{more} more images)" if more > 0 else "")
+        )
 
 
 def find_list(lab: Lab, name: str) -> dict[str, Any]:
@@ -153,11 +260,129 @@ def _reached(lab: Lab, list_id: str) -> dict[tuple[str, str], str]:
     return out
 
 
-def compliance_report(lab: Lab, name: str) -> ComplianceReport:
-    """The report for the list ``name`` (id, file name or path)."""
+def _generation(
+    shards_root: str, tier: int, shape: str, batch: str, cache: dict
+) -> Generation | str:
+    """The live generation of one directory (what the loader reads), or why it cannot be read.
+
+    The directory is built from the row's parts by the one layout rule (never a stored path
+    string), so a hostile ``relative_dir`` cannot point the read elsewhere."""
+    k = (tier, shape, batch)
+    if k not in cache:
+        if "://" in shards_root:
+            cache[k] = (
+                "the shard tree is on object storage: its live skip-lists are not read here, "
+                "so holding cannot be shown"
+            )
+        else:
+            try:
+                cache[k] = load_generation(partition_dir(shards_root, tier, shape, batch))
+            except (SkipListError, OSError, ValueError) as exc:
+                cache[k] = f"live skip-lists unreadable: {str(exc)[:300]}"
+    return cache[k]
+
+
+def _holding(
+    lab: Lab,
+    shards_root: str,
+    list_id: str,
+    received: datetime,
+    reached: dict[tuple[str, str], str],
+) -> dict[tuple[str, str], tuple[str, str | None]]:
+    """(batch, key) -> (placement, why not held or None) for each reached *sharded* image.
+
+    Held means: the batch's ``skip_audit`` row was decided after the list arrived, excludes
+    the image for this list, for the placement it has now, and the directory's live
+    generation skips that index. Anything missing or unreadable is "not held" (fail closed).
+    """
+    keys = sorted({k for _, k in reached})
+    if not keys or not lab.exists("shard_samples"):
+        return {}
+    cols = ["batch", "key", "tier", "shape", "relative_dir", "shard", "index_in_shard"]
+    placed = {
+        (r["batch"], r["key"]): r
+        for r in lab.read("shard_samples", cols, in_list("key", keys)).to_pylist()
+        if (r["batch"], r["key"]) in reached
+    }
+    if not placed:
+        return {}
+    audit: dict[tuple[str, str], dict[str, Any]] = {}
+    if lab.exists("skip_audit"):
+        rows = lab.read(
+            "skip_audit",
+            [
+                "batch",
+                "key",
+                "relative_dir",
+                "shard",
+                "index_in_shard",
+                "excluded",
+                "opt_out_list_ids",
+                "decided_at",
+            ],
+            in_list("key", sorted({k for _, k in placed})),
+        )
+        audit = {(r["batch"], r["key"]): r for r in rows.to_pylist()}
+    generations: dict[tuple[int, str, str], Generation | str] = {}
+    out: dict[tuple[str, str], tuple[str, str | None]] = {}
+    for ref, p in sorted(placed.items()):
+        where = f"{p['relative_dir']}/{p['shard']}#{p['index_in_shard']}"
+        out[ref] = (
+            where,
+            _not_held(shards_root, list_id, received, p, audit.get(ref), generations),
+        )
+    return out
+
+
+def _not_held(
+    shards_root: str,
+    list_id: str,
+    received: datetime,
+    placed: dict[str, Any],
+    decided: dict[str, Any] | None,
+    generations: dict,
+) -> str | None:
+    """Why one sharded image is not (yet) excluded for the list in training; None: it is."""
+    batch, shard, index = placed["batch"], placed["shard"], placed["index_in_shard"]
+    if decided is None:
+        return "no skip_lists decision for it yet"
+    at = decided["decided_at"]
+    if at is None or at <= received:
+        return f"skip_lists last decided it {at.isoformat() if at else 'at an unknown time'}, before the list arrived"
+    if not decided["excluded"] or list_id not in (decided["opt_out_list_ids"] or []):
+        return "its skip_lists decision since the list arrived does not exclude it for this list"
+    if (decided["relative_dir"], decided["shard"], decided["index_in_shard"]) != (
+        placed["relative_dir"],
+        shard,
+        index,
+    ):
+        return "its skip_lists decision was for another placement (shards rewritten since)"
+    try:
+        if placed["relative_dir"] != relative_partition_dir(placed["tier"], placed["shape"], batch):
+            return "its shard_samples row names a directory the layout does not give it"
+    except (TypeError, ValueError) as exc:
+        return f"its shard_samples row is not a valid placement: {str(exc)[:200]}"
+    gen = _generation(shards_root, placed["tier"], placed["shape"], batch, generations)
+    if isinstance(gen, str):
+        return gen
+    skips = gen.skiplists.get(shard)
+    if skips is None:
+        return f"the live skip-list generation of its directory has no shard {shard}"
+    if index not in skips.indices:
+        return (
+            f"the live skip-list generation of its directory ({gen.generation[:12]}) does not "
+            f"skip {shard} #{index}"
+        )
+    return None
+
+
+def compliance_report(lab: Lab, shards_root: str | os.PathLike[str], name: str) -> ComplianceReport:
+    """The report for the list ``name`` (id, file name or path); ``shards_root``: the shard
+    tree whose live skip-lists must hold the list (the data root's ``shards``)."""
     row = find_list(lab, name)
     list_id, received = row["list_id"], row["received_at"]
-    reached = _reached(lab, list_id) if row["status"] == "accepted" else {}
+    reached = _reached(lab, list_id) if row["status"] == ACCEPTED else {}
+    holding = _holding(lab, os.fspath(shards_root), list_id, received, reached)
     snapshots = list_snapshots(lab)
     created = {s["snapshot_id"]: s["created_at"] for s in snapshots}
     after = [s["snapshot_id"] for s in snapshots if s["created_at"] > received]
@@ -178,6 +403,7 @@ def compliance_report(lab: Lab, name: str) -> ComplianceReport:
     images = []
     for (batch, key), via in sorted(reached.items()):
         inside = held.get((batch, key), set())
+        placement, not_held = holding.get((batch, key), (None, None))
         images.append(
             ImageCompliance(
                 batch=batch,
@@ -186,14 +412,22 @@ def compliance_report(lab: Lab, name: str) -> ComplianceReport:
                 contained_in=sorted(inside, key=lambda s: (created[s], s)),
                 first_excluding=next((s for s in after if s not in inside), None),
                 violations=[s for s in after if s in inside and s in live_after],
+                placement=placement,
+                not_held=not_held,
             )
         )
-    return ComplianceReport(list_id, row["status"], received, images, after)
+    return ComplianceReport(
+        list_id, row["status"], received, images, after, list_reason=row.get("reason")
+    )
 
 
-def all_reports(lab: Lab) -> list[ComplianceReport]:
-    """One report per accepted list (what the asset check evaluates)."""
+def all_reports(lab: Lab, shards_root: str | os.PathLike[str]) -> list[ComplianceReport]:
+    """One report per recorded list, rejected ones included (what the asset check evaluates:
+    a rejected list is a legal request not applied, never a pass)."""
     if not lab.exists("opt_out_lists"):
         return []
-    rows = lab.read("opt_out_lists", ["list_id"], "status = 'accepted'")
-    return [compliance_report(lab, lid) for lid in sorted(rows.column("list_id").to_pylist())]
+    rows = lab.read("opt_out_lists", ["list_id"])
+    return [
+        compliance_report(lab, shards_root, lid)
+        for lid in sorted(rows.column("list_id").to_pylist())
+    ]

@@ -84,18 +84,21 @@ def training_snapshots(
 @asset_check(
     asset=training_snapshots,
     description=(
-        "ERROR when a snapshot made after an opt-out list arrived still holds an image the list "
-        "matches, directly or through a duplicate copy."
+        "ERROR unless every recorded opt-out list is applied and holding (PASS): a rejected "
+        "list (NOT APPLIED), an accepted one whose skip_lists has not yet excluded every "
+        "sharded copy in the live skip-lists (PENDING), or a snapshot made after it arrived "
+        "still holding one of its images (FAIL) fails it."
     ),
 )
 def opt_out_compliance(lab: LabResource) -> AssetCheckResult:
-    reports = all_reports(lab.lab())
+    reports = all_reports(lab.lab(), lab.shards_root)
     failing = [r for r in reports if not r.passed]
     rows = [
         (r.list_id, i.batch, i.key, i.via, " ".join(i.violations))
         for r in failing
         for i in r.violations
     ]
+    pending = sorted({b for r in failing for b in r.pending_batches})
     return AssetCheckResult(
         passed=not failing,
         severity=AssetCheckSeverity.ERROR,
@@ -103,6 +106,26 @@ def opt_out_compliance(lab: LabResource) -> AssetCheckResult:
             "lists": len(reports),
             "failing_lists": len(failing),
             "violations": len(rows),
+            "verdicts": MetadataValue.json(
+                {
+                    v: sum(r.verdict == v for r in reports)
+                    for v in sorted({r.verdict for r in reports})
+                }
+            ),
+            "not_passing": MetadataValue.md(
+                md_table(
+                    ["list", "verdict", "reason"],
+                    [(r.list_id, r.verdict, r.reason) for r in failing[:MAX_LISTED]],
+                )
+                if failing
+                else "none"
+            ),
+            "batches_to_rerun": MetadataValue.md(
+                ", ".join(md_code(b, limit=120) for b in pending[:MAX_LISTED])
+                + (f" (+{len(pending) - MAX_LISTED} more)" if len(pending) > MAX_LISTED else "")
+                if pending
+                else "none"
+            ),
             "first_violations": MetadataValue.md(
                 md_table(["list", "batch", "key", "via", "snapshots"], rows[:MAX_LISTED])
                 if rows
