@@ -78,9 +78,9 @@ def audit(args: argparse.Namespace) -> int:
     from prx_assets.defs.resources import LabResource, default_data_root
 
     resource = LabResource(data_root=args.data_root or default_data_root())
-    if "://" not in resource.lab_root and not Path(resource.lab_root).is_dir():
-        print(f"error: no lab at {resource.lab_root} (check --data-root)", file=sys.stderr)
-        return 2
+    missing = _no_lab(resource)
+    if missing:
+        return missing
     try:
         trail = audit_image(
             Lab(resource.lab_root),

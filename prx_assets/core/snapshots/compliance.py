@@ -34,8 +34,8 @@ from typing import Any
 
 from prx_assets.core.lab import Lab, in_list, sql_literal
 from prx_assets.core.markdown import md_code, md_table
-from prx_assets.core.shards.mds import partition_dir, relative_partition_dir
-from prx_assets.core.skiplists.sidecars import Generation, SkipListError, load_generation
+from prx_assets.core.shards.mds import relative_partition_dir
+from prx_assets.core.skiplists.live import LiveGenerations, Unreadable
 from prx_assets.core.snapshots.runner import list_snapshots
 from prx_assets.core.snapshots.tables import SNAPSHOT_SAMPLES
 
@@ -260,28 +260,6 @@ def _reached(lab: Lab, list_id: str) -> dict[tuple[str, str], str]:
     return out
 
 
-def _generation(
-    shards_root: str, tier: int, shape: str, batch: str, cache: dict
-) -> Generation | str:
-    """The live generation of one directory (what the loader reads), or why it cannot be read.
-
-    The directory is built from the row's parts by the one layout rule (never a stored path
-    string), so a hostile ``relative_dir`` cannot point the read elsewhere."""
-    k = (tier, shape, batch)
-    if k not in cache:
-        if "://" in shards_root:
-            cache[k] = (
-                "the shard tree is on object storage: its live skip-lists are not read here, "
-                "so holding cannot be shown"
-            )
-        else:
-            try:
-                cache[k] = load_generation(partition_dir(shards_root, tier, shape, batch))
-            except (SkipListError, OSError, ValueError) as exc:
-                cache[k] = f"live skip-lists unreadable: {str(exc)[:300]}"
-    return cache[k]
-
-
 def _holding(
     lab: Lab,
     shards_root: str,
@@ -323,7 +301,7 @@ def _holding(
             in_list("key", sorted({k for _, k in placed})),
         )
         audit = {(r["batch"], r["key"]): r for r in rows.to_pylist()}
-    generations: dict[tuple[int, str, str], Generation | str] = {}
+    generations = LiveGenerations(str(shards_root))  # each directory read once, local or s3
     out: dict[tuple[str, str], tuple[str, str | None]] = {}
     for ref, p in sorted(placed.items()):
         where = f"{p['relative_dir']}/{p['shard']}#{p['index_in_shard']}"
@@ -340,7 +318,7 @@ def _not_held(
     received: datetime,
     placed: dict[str, Any],
     decided: dict[str, Any] | None,
-    generations: dict,
+    generations: LiveGenerations,
 ) -> str | None:
     """Why one sharded image is not (yet) excluded for the list in training; None: it is."""
     batch, shard, index = placed["batch"], placed["shard"], placed["index_in_shard"]
@@ -362,15 +340,14 @@ def _not_held(
             return "its shard_samples row names a directory the layout does not give it"
     except (TypeError, ValueError) as exc:
         return f"its shard_samples row is not a valid placement: {str(exc)[:200]}"
-    gen = _generation(shards_root, placed["tier"], placed["shape"], batch, generations)
-    if isinstance(gen, str):
-        return gen
-    skips = gen.skiplists.get(shard)
-    if skips is None:
-        return f"the live skip-list generation of its directory has no shard {shard}"
-    if index not in skips.indices:
+    # The directory comes from the row's parts by the one layout rule (checked above), never
+    # from a stored path string alone, so a hostile ``relative_dir`` cannot point elsewhere.
+    live = generations.slot(placed["relative_dir"], shard, index)
+    if isinstance(live, Unreadable):
+        return f"live skip-lists unreadable: {live.reason[:300]}"
+    if not live.skipped:
         return (
-            f"the live skip-list generation of its directory ({gen.generation[:12]}) does not "
+            f"the live skip-list generation of its directory ({live.generation[:12]}) does not "
             f"skip {shard} #{index}"
         )
     return None
