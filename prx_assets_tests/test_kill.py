@@ -803,10 +803,20 @@ def check_audit_agrees(data_root: Path) -> None:
     for rel in visible_dirs(shards):
         trained.update(kept_keys(shards / rel, load_generation(shards / rel)))
     lab = Lab(data_root / "lab")
-    for row in _lab_rows(data_root, "shard_samples"):
+    placed = _lab_rows(data_root, "shard_samples")
+    for row in placed:
         trail = audit_image(lab, row["key"], shards_root=str(shards))
         (copy,) = [c for c in trail.copies if c.batch == DEMO_BATCH]
         assert (copy.status == IN_TRAINING) == (row["key"] in trained), copy.line
+    # The curation browser's cards say the same ("skipped" exactly when not trained).
+    from prx_assets.browser.queries import Filters, LabQueries
+
+    browser = LabQueries(lab, refresh_s=0, shards_root=str(shards))
+    hits = browser.browse(Filters(batches=(DEMO_BATCH,)), limit=200).hits
+    cards = {h["key"]: h for h in hits if h["key"] in {r["key"] for r in placed}}
+    assert len(cards) == len(placed)
+    for key, card in cards.items():
+        assert (not card["excluded"]) == (key in trained), card
 
 
 @pytest.mark.parametrize("direction", ["tighten", "relax"])

@@ -421,7 +421,7 @@ def test_commands_on_a_data_root_without_a_lab_say_so(tmp_path, capsys):
     assert main(["snapshot", "list", "--data-root", str(empty)]) == 2
     assert "holds no lab table" in capsys.readouterr().err
     with pytest.raises(NotFound, match="no lab at"):
-        LabQueries(Lab(str(empty / "lab"))).audit("a" * 64)
+        LabQueries(Lab(str(empty / "lab")), shards_root=str(empty / "shards")).audit("a" * 64)
 
 
 def existing_status(lab: Lab, snapshot_id: str) -> str:

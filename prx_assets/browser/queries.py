@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 from prx_assets.core import tables as lab_tables
-from prx_assets.core.audit import audit_image
+from prx_assets.core.audit import NoLab, audit_image
 from prx_assets.core.captions.models.base import LABELS
 from prx_assets.core.lab import (
     Lab,
@@ -46,6 +46,7 @@ from prx_assets.core.lab import (
     no_lab_at,
     sql_literal,
 )
+from prx_assets.core.skiplists.live import LiveGenerations, Unreadable
 from prx_assets.core.skiplists.sidecars import REASON_CODES
 from prx_assets.core.snapshots.pins import SNAPSHOT_ID_RE
 
@@ -772,7 +773,7 @@ class LabQueries:
             CLASSES: ["key", "label", "p_visual", "p_text", "p_nsfw"],
             RESOLUTION: ["key", "megapixels", "eligible", "max_tier"],
             BUCKETS: ["key", "tier", "shape"],
-            SKIP_AUDIT: ["key", "excluded", "reasons"],
+            SKIP_AUDIT: ["key", "excluded", "reasons", "relative_dir", "shard", "index_in_shard"],
         }
         view = self.view()
         jobs = []
@@ -792,9 +793,12 @@ class LabQueries:
                 slot = merged[row.pop("key")]
                 for k, v in row.items():
                     slot.setdefault(k, _jsonable(v))
+        live = LiveGenerations(self.shards_root) if self.shards_root is not None else None
         out = []
         for hit in hits:
             info = merged[hit["key"]]
+            if "relative_dir" in info:
+                _skip_as_trained(info, live)
             out.append({**info, **{k: v for k, v in hit.items() if v is not None}})
         return out
 
@@ -821,7 +825,10 @@ class LabQueries:
             raise QueryError(f"not an image key (64 lowercase hex digits): {key[:80]!r}")
         if self.shards_root is None:
             raise QueryError("no shard tree configured: an audit verdict needs the skip-lists")
-        trail = audit_image(self.lab, key, shards_root=self.shards_root)
+        try:
+            trail = audit_image(self.lab, key, shards_root=self.shards_root)
+        except NoLab as exc:
+            raise NotFound(str(exc)) from None
         if not trail.found:
             # A lab with no table at all (its directory emptied or replaced since start) is
             # no lab: "in no lab table" would read as "never ingested" in an audit.
@@ -839,6 +846,31 @@ class LabQueries:
             },
             "markdown": trail.to_markdown(),
         }
+
+
+def _skip_as_trained(info: dict[str, Any], live: LiveGenerations | None) -> None:
+    """A card's skip state as the loader sees it: the live skip-list generation of the slot
+    ``skip_audit`` recorded, not the recorded row alone (a killed or running ``skip_lists``
+    flips generations before it commits the audit). ``skip_lags`` marks a card whose recorded
+    row says otherwise; a slot whose generation cannot be read is skipped (the loader refuses
+    its directory), and so is every card when no shard tree is configured (unverified)."""
+    where = (info.pop("relative_dir"), info.pop("shard", None), info.pop("index_in_shard", None))
+    if live is None:
+        info.update(excluded=True, reasons=["unverified: no shard tree configured"])
+        return
+    if where[1] is None or where[2] is None:
+        return
+    slot = live.slot(where[0], where[1], int(where[2]))
+    if isinstance(slot, Unreadable):
+        decided = (True, [f"directory refused: {slot.reason[:200]}"])
+    else:
+        decided = (slot.skipped, list(slot.reasons))
+    if (bool(info.get("excluded")), sorted(info.get("reasons") or [])) != (
+        decided[0],
+        sorted(decided[1]),
+    ):
+        info["skip_lags"] = True
+    info["excluded"], info["reasons"] = decided
 
 
 def _check_limit(limit: int) -> int:

@@ -13,6 +13,7 @@ from prx_assets.core.dedup import decisions as D
 from prx_assets.core.skiplists.policy import (
     Copy,
     CopyStatus,
+    PreviousDecision,
     SampleRef,
     SkipPolicy,
     SkipPolicyError,
@@ -21,6 +22,7 @@ from prx_assets.core.skiplists.policy import (
     decide,
     exclusion_changes,
     first_excluded,
+    reason_since,
     resolve_cluster,
     samples_from_rows,
 )
@@ -462,6 +464,30 @@ def test_first_excluded_is_carried_while_excluded():
     assert first_excluded(True, (False, None), t1) == t1  # was kept
     assert first_excluded(True, (True, T0), t1) == T0  # still excluded: since T0
     assert first_excluded(True, (True, None), t1) == t1  # legacy row without a date
+
+
+def test_each_reason_carries_its_own_time():
+    """A copy already out as a duplicate, opted out later: the opt-out's time is its own,
+    never the duplicate's (the audit's "since" must not predate the reason it names)."""
+    samples = [_sample("c", index=0)]
+    keeper = cp("k", 99, "other", cluster="k")
+    as_duplicate = decide("b", samples, [cp("c", 10, cluster="k"), keeper], DEFAULT)
+    (first,) = audit_rows("b", as_duplicate, {}, T0).to_pylist()
+    assert first["reasons"] == ["duplicate"] and first["reason_since"] == [T0]
+    t1 = T0 + timedelta(days=2)
+    opted = decide("b", samples, [cp("c", 10, cluster="k", lists=("l1",)), keeper], DEFAULT)
+    previous = {"c": PreviousDecision(True, T0, {"duplicate": T0})}
+    (row,) = audit_rows("b", opted, previous, t1).to_pylist()
+    since = dict(zip(row["reasons"], row["reason_since"], strict=True))
+    assert since == {"opt_out": t1}  # the opt-out began now, whatever came before it
+    assert row["first_excluded_at"] == T0  # out of training since T0, for another reason
+    both = PreviousDecision(True, T0, {"duplicate": T0, "opt_out": t1})
+    again = audit_rows("b", opted, {"c": both}, t1 + timedelta(days=1)).to_pylist()[0]
+    assert again["reason_since"] == [t1]  # carried while it still applies
+    # Kept in between: every reason starts again.
+    assert reason_since(["opt_out"], PreviousDecision(False, None, {}), t1) == [t1]
+    # A row without per-reason times (older table): no carried time, the reason is "now".
+    assert reason_since(["duplicate"], (True, T0), t1) == [t1]
 
 
 def test_audit_rows_and_changes():

@@ -115,6 +115,7 @@ function card(hit, reference) {
   if (hit.label) badges.append(el("span", { class: "badge", text: hit.label }));
   if (hit.tier != null) badges.append(el("span", { class: "badge", text: `tier ${hit.tier} ${hit.shape || ""}` }));
   if (hit.excluded) badges.append(el("span", { class: "badge excluded", text: `skipped: ${(hit.reasons || []).join(", ")}` }));
+  if (hit.skip_lags) badges.append(el("span", { class: "badge", text: "skip_audit lags the live skip-lists: rerun skip_lists" }));
   const size = hit.width && hit.height ? `${hit.width}×${hit.height}` : "";
   const score = hit.score != null ? `score ${hit.score.toFixed(2)}`
     : hit.distance != null ? `distance ${hit.distance.toFixed(3)}` : "";
