@@ -43,7 +43,7 @@ import pytest
 from PIL import Image
 
 from prx_assets.core.crashpoints import CRASHPOINTS, parse_spec
-from prx_assets.core.shards.mds import MDSSample
+from prx_assets.core.shards.mds import MDSSample, recover_partition
 from prx_assets.core.skiplists.sidecars import (
     INDEX_BASENAME,
     MANIFEST_BASENAME,
@@ -210,6 +210,17 @@ def kept_keys(d: Path, generation: Any) -> tuple[str, ...]:
     return tuple(kept)
 
 
+def moved_away_dirs(shards_root: Path) -> list[str]:
+    """``mds/<tier>/<H>x<W>/<batch>`` of directories a write renamed to ``.<batch>.old``
+    and did not put back (no ``<batch>`` beside it)."""
+    out = []
+    for p in shards_root.glob("mds/*/*/.*.old"):
+        batch = p.name[1 : -len(".old")]
+        if not (p.parent / batch).exists():
+            out.append(str((p.parent / batch).relative_to(shards_root)))
+    return sorted(out)
+
+
 def check_readers(
     ctx,  # noqa: ANN001 - the forkserver context
     shards_root: Path,
@@ -219,8 +230,28 @@ def check_readers(
 ) -> dict[str, bool]:
     """After a kill: old-or-new per directory, each complete; the loader agrees exactly.
 
+    Never fewer directories silently: while a directory is moved away and not back, the
+    loader refuses, naming it; then the sweep every write starts with
+    (``recover_partition``) puts it back or finishes its replacement, and the loader reads
+    old-or-new again. Otherwise every directory both versions have is visible, and one only
+    the old version has is gone only once every directory of the new version is in place.
+
     Returns, per visible directory, whether it is on its new version.
     """
+    moved = moved_away_dirs(shards_root)
+    if moved:
+        with pytest.raises(AssertionError) as refused:
+            default_loader_keys(ctx, shards_root)
+        assert "DirectoryMovedAway" in str(refused.value), refused.value
+        for rel in moved:
+            assert repr(rel) in str(refused.value)
+        for batch in sorted({rel.rsplit("/", 1)[1] for rel in moved}):
+            recover_partition(shards_root, batch)  # what the next write does first
+        assert moved_away_dirs(shards_root) == []
+    visible = set(visible_dirs(shards_root))
+    assert set(old) & set(new) <= visible, f"{sorted(set(old) & set(new) - visible)} vanished"
+    if set(old) - set(new) - visible:  # a directory the new version drops is gone ...
+        assert set(new) <= visible  # ... only after every new one is in place
     expected: Counter[str] = Counter()
     on_new = {}
     for rel in visible_dirs(shards_root):
