@@ -31,6 +31,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -850,3 +851,53 @@ def test_kill_materialize_skip_lists(forkserver, pipeline_states: PipelineStates
         assert tree_files(root / "shards") == reference, f"rerun after {crash_at} differs"
         assert _lab_rows(root, "skip_audit", stamps) == audits[1]
     assert_enough_kills(trials, at_least=len(crashes))
+
+
+# -- snapshot create ---------------------------------------------------------------------------
+
+SNAPSHOT_CRASHES = ["snapshots.pinned:2", "snapshots.file_written:1", "snapshots.recorded:1"]
+
+
+def test_kill_snapshot_create(pipeline_states: PipelineStates, workdir: Path):
+    """A snapshot the loader can open is always one ``snapshot list`` (the lab row, which
+    compliance and retirement read too) shows: a kill before the row leaves one that
+    neither sees, a kill after it one that is listed but that the loader still refuses,
+    naming the rerun; the rerun completes it to what an unkilled run makes."""
+    from prx_assets.core.lab import Lab
+    from prx_assets.core.snapshots.manifest import SnapshotError
+    from prx_assets.core.snapshots.runner import create_snapshot, list_snapshots
+    from prx_assets.loader.discover import discover_streams
+
+    root = workdir / "trial-snapshot"
+    _restore(pipeline_states.skip_new, root)
+    lab, shards = Lab(root / "lab"), root / "shards"
+    reference = create_snapshot(lab, shards, "reference").manifest
+    frozen = [d.as_dict() for d in reference.directories]
+    trials = []
+    # Its own server: the materialisations behind pipeline_states started the worker pool's
+    # (core/workers.py), whose children would import every writer afresh (seconds each).
+    with forkserver_preloading(["prx_assets_tests.kill_jobs"]) as ctx:
+        for i, crash_at in enumerate(SNAPSHOT_CRASHES):
+            name = f"killed-{i}"
+            kwargs = {"lab_root": str(root / "lab"), "shards_root": str(shards), "name": name}
+            trials.append(run_trial(ctx, "make_snapshot", kwargs, crash_at))
+            listed = name in {r["snapshot_id"] for r in list_snapshots(lab)}
+            try:
+                discover_streams(shards, snapshot=name)
+                refusal = None
+            except SnapshotError as exc:
+                refusal = str(exc)
+            assert refusal is not None or listed, f"{crash_at}: the loader opens an unlisted one"
+            assert listed == (crash_at == "snapshots.recorded:1"), crash_at
+            if crash_at != "snapshots.pinned:2":  # its manifest is staged, not published
+                assert refusal and f"rerun `snapshot create {name}`" in refusal, refusal
+            out = create_snapshot(lab, shards, name)  # the rerun
+            assert out.created == (crash_at == "snapshots.pinned:2")
+            assert [d.as_dict() for d in out.manifest.directories] == frozen
+            assert name in {r["snapshot_id"] for r in list_snapshots(lab)}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # fully skipped directories are left out
+                streams = discover_streams(shards, snapshot=name)
+            assert sum(b.counts.kept_samples for b in streams) == reference.kept_samples
+            assert hidden_entries(shards / "snapshots") == []
+    assert_enough_kills(trials, at_least=len(SNAPSHOT_CRASHES))
