@@ -20,6 +20,10 @@ lists what there is (a typo must not silently train on nothing, or on everything
 
 Local partitions are counted through their skip-lists, so an unscreened directory stops
 discovery (``SkipListMissing``) unless ``skiplists="ignore-UNSAFE"`` is passed on purpose.
+A directory a write moved away and did not put back (``.<batch>.old`` without ``<batch>``:
+a write killed between its two renames) stops it too (``DirectoryMovedAway``, naming the
+directory), when the filters select it: the lab still lists it, and reading only what is
+there would train on less without a word. The next write of the batch restores it.
 
 Cost: discovery lists each bucket directory once and reads one small file per partition,
 its skip-list manifest (``skiplists.json``, version 2 states each shard's sample and skip
