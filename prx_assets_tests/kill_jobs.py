@@ -28,6 +28,7 @@ from prx_assets.core.ingest.sources import resolve_batch
 from prx_assets.core.lab import Lab
 from prx_assets.core.shards.mds import MDSSample, Placement, write_partition_buckets
 from prx_assets.core.skiplists.sidecars import publish_partition_skiplists
+from prx_assets.core.snapshots.runner import create_snapshot
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
@@ -95,6 +96,11 @@ def materialize_asset(
             raise RuntimeError(f"{asset} failed for {batch}")
 
 
+def make_snapshot(lab_root: str, shards_root: str, name: str) -> None:
+    """``snapshot create``: pins, ``snapshot_samples``, staged manifest, row, published."""
+    create_snapshot(Lab(lab_root), shards_root, name)
+
+
 def _construct(buckets: list) -> ShapeBatchedLoader:
     """The default loader; streaming registers its shared-memory prefix by "first free
     number", which races with any other process on the machine doing the same (the loser
@@ -149,6 +155,7 @@ JOBS = {
     "ingest_batch": ingest_batch,
     "materialize_asset": materialize_asset,
     "loader_keys": loader_keys,
+    "make_snapshot": make_snapshot,
 }
 
 

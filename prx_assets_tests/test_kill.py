@@ -31,6 +31,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ import pytest
 from PIL import Image
 
 from prx_assets.core.crashpoints import CRASHPOINTS, parse_spec
-from prx_assets.core.shards.mds import MDSSample
+from prx_assets.core.shards.mds import MDSSample, recover_partition
 from prx_assets.core.skiplists.sidecars import (
     INDEX_BASENAME,
     MANIFEST_BASENAME,
@@ -210,6 +211,17 @@ def kept_keys(d: Path, generation: Any) -> tuple[str, ...]:
     return tuple(kept)
 
 
+def moved_away_dirs(shards_root: Path) -> list[str]:
+    """``mds/<tier>/<H>x<W>/<batch>`` of directories a write renamed to ``.<batch>.old``
+    and did not put back (no ``<batch>`` beside it)."""
+    out = []
+    for p in shards_root.glob("mds/*/*/.*.old"):
+        batch = p.name[1 : -len(".old")]
+        if not (p.parent / batch).exists():
+            out.append(str((p.parent / batch).relative_to(shards_root)))
+    return sorted(out)
+
+
 def check_readers(
     ctx,  # noqa: ANN001 - the forkserver context
     shards_root: Path,
@@ -219,8 +231,28 @@ def check_readers(
 ) -> dict[str, bool]:
     """After a kill: old-or-new per directory, each complete; the loader agrees exactly.
 
+    Never fewer directories silently: while a directory is moved away and not back, the
+    loader refuses, naming it; then the sweep every write starts with
+    (``recover_partition``) puts it back or finishes its replacement, and the loader reads
+    old-or-new again. Otherwise every directory both versions have is visible, and one only
+    the old version has is gone only once every directory of the new version is in place.
+
     Returns, per visible directory, whether it is on its new version.
     """
+    moved = moved_away_dirs(shards_root)
+    if moved:
+        with pytest.raises(AssertionError) as refused:
+            default_loader_keys(ctx, shards_root)
+        assert "DirectoryMovedAway" in str(refused.value), refused.value
+        for rel in moved:
+            assert repr(rel) in str(refused.value)
+        for batch in sorted({rel.rsplit("/", 1)[1] for rel in moved}):
+            recover_partition(shards_root, batch)  # what the next write does first
+        assert moved_away_dirs(shards_root) == []
+    visible = set(visible_dirs(shards_root))
+    assert set(old) & set(new) <= visible, f"{sorted(set(old) & set(new) - visible)} vanished"
+    if set(old) - set(new) - visible:  # a directory the new version drops is gone ...
+        assert set(new) <= visible  # ... only after every new one is in place
     expected: Counter[str] = Counter()
     on_new = {}
     for rel in visible_dirs(shards_root):
@@ -867,3 +899,53 @@ def test_kill_materialize_skip_lists(
         assert _lab_rows(root, "skip_audit", stamps) == audits[1]
         check_audit_agrees(root)
     assert_enough_kills(trials, at_least=len(crashes))
+
+
+# -- snapshot create ---------------------------------------------------------------------------
+
+SNAPSHOT_CRASHES = ["snapshots.pinned:2", "snapshots.file_written:1", "snapshots.recorded:1"]
+
+
+def test_kill_snapshot_create(pipeline_states: PipelineStates, workdir: Path):
+    """A snapshot the loader can open is always one ``snapshot list`` (the lab row, which
+    compliance and retirement read too) shows: a kill before the row leaves one that
+    neither sees, a kill after it one that is listed but that the loader still refuses,
+    naming the rerun; the rerun completes it to what an unkilled run makes."""
+    from prx_assets.core.lab import Lab
+    from prx_assets.core.snapshots.manifest import SnapshotError
+    from prx_assets.core.snapshots.runner import create_snapshot, list_snapshots
+    from prx_assets.loader.discover import discover_streams
+
+    root = workdir / "trial-snapshot"
+    _restore(pipeline_states.skip_new, root)
+    lab, shards = Lab(root / "lab"), root / "shards"
+    reference = create_snapshot(lab, shards, "reference").manifest
+    frozen = [d.as_dict() for d in reference.directories]
+    trials = []
+    # Its own server: the materialisations behind pipeline_states started the worker pool's
+    # (core/workers.py), whose children would import every writer afresh (seconds each).
+    with forkserver_preloading(["prx_assets_tests.kill_jobs"]) as ctx:
+        for i, crash_at in enumerate(SNAPSHOT_CRASHES):
+            name = f"killed-{i}"
+            kwargs = {"lab_root": str(root / "lab"), "shards_root": str(shards), "name": name}
+            trials.append(run_trial(ctx, "make_snapshot", kwargs, crash_at))
+            listed = name in {r["snapshot_id"] for r in list_snapshots(lab)}
+            try:
+                discover_streams(shards, snapshot=name)
+                refusal = None
+            except SnapshotError as exc:
+                refusal = str(exc)
+            assert refusal is not None or listed, f"{crash_at}: the loader opens an unlisted one"
+            assert listed == (crash_at == "snapshots.recorded:1"), crash_at
+            if crash_at != "snapshots.pinned:2":  # its manifest is staged, not published
+                assert refusal and f"rerun `snapshot create {name}`" in refusal, refusal
+            out = create_snapshot(lab, shards, name)  # the rerun
+            assert out.created == (crash_at == "snapshots.pinned:2")
+            assert [d.as_dict() for d in out.manifest.directories] == frozen
+            assert name in {r["snapshot_id"] for r in list_snapshots(lab)}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # fully skipped directories are left out
+                streams = discover_streams(shards, snapshot=name)
+            assert sum(b.counts.kept_samples for b in streams) == reference.kept_samples
+            assert hidden_entries(shards / "snapshots") == []
+    assert_enough_kills(trials, at_least=len(SNAPSHOT_CRASHES))

@@ -448,8 +448,12 @@ def test_a_killed_snapshot_is_never_half_made_and_its_rerun_completes_it(platfor
     finally:
         del os.environ["PRX_CRASH_AT"]
     assert child.exitcode == -signal.SIGKILL
-    # Not committed: no row, so nothing lists it, trains on it or counts it in compliance.
+    # Not committed: no row, so nothing lists it, trains on it or counts it in compliance;
+    # the loader refuses it too (its manifest, if written, is only staged).
     assert lab.read("training_snapshots", None, "snapshot_id = 'k1'").num_rows == 0
+    refusal = "rerun `snapshot create k1`" if "file_written" in crash_at else "no training snap"
+    with pytest.raises(SnapshotError, match=refusal):
+        discover_streams(root, snapshot="k1")
     out = create_snapshot(lab, root, "k1")
     assert out.created == (crash_at.startswith("snapshots.pinned"))
     reference = create_snapshot(lab, root, "k2").manifest

@@ -28,7 +28,8 @@ Points (the writer, then the step just completed):
 - ``lab.fragments_written``: a partition's new fragments are complete, not committed;
 - ``lab.committed``: the partition's replacement is committed, indexes not yet refreshed;
 - ``snapshots.pinned``: one directory of a training snapshot pinned (nothing committed);
-- ``snapshots.file_written``: a snapshot's manifest file is written, its lab row not yet.
+- ``snapshots.file_written``: a snapshot's manifest file is staged, its lab row not yet;
+- ``snapshots.recorded``: its lab row is committed, its manifest not yet published.
 - ``storage.object_uploaded``: one object of a shard directory or generation is uploaded;
 - ``storage.shards_uploaded``: a remote version prefix is complete, its pointer not yet put;
 - ``storage.pointer_published``: a directory's pointer names its new version;
@@ -62,6 +63,7 @@ CRASHPOINTS: tuple[str, ...] = (
     "lab.committed",
     "snapshots.pinned",
     "snapshots.file_written",
+    "snapshots.recorded",
     "storage.object_uploaded",
     "storage.shards_uploaded",
     "storage.pointer_published",

@@ -20,6 +20,10 @@ lists what there is (a typo must not silently train on nothing, or on everything
 
 Local partitions are counted through their skip-lists, so an unscreened directory stops
 discovery (``SkipListMissing``) unless ``skiplists="ignore-UNSAFE"`` is passed on purpose.
+A directory a write moved away and did not put back (``.<batch>.old`` without ``<batch>``:
+a write killed between its two renames) stops it too (``DirectoryMovedAway``, naming the
+directory), when the filters select it: the lab still lists it, and reading only what is
+there would train on less without a word. The next write of the batch restores it.
 
 Cost: discovery lists each bucket directory once and reads one small file per partition,
 its skip-list manifest (``skiplists.json``, version 2 states each shard's sample and skip
@@ -43,6 +47,13 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prx_assets.core.shards.mds import (
+    MDS_DIRNAME,
+    SUPERSEDED_SUFFIX,
+    DirectoryMovedAway,
+    moved_away_batches,
+    moved_away_message,
+)
 from prx_assets.core.skiplists.sidecars import (
     INDEX_BASENAME,
     MANIFEST_BASENAME,
@@ -139,19 +150,46 @@ def _subdirs(path: str) -> list[str]:
         return sorted(e.name for e in entries if not e.name.startswith(".") and e.is_dir())
 
 
-def _scan(mds_root: Path) -> list[str]:
-    """``<tier>/<H>x<W>/<batch>`` of every visible batch directory: one listing per bucket.
+def _bucket_entries(path: str) -> tuple[list[str], list[str]]:
+    """(visible subdirectories, every entry name) of one bucket directory, one listing."""
+    with os.scandir(path) as entries:
+        names, dirs = [], []
+        for e in entries:
+            names.append(e.name)
+            if not e.name.startswith(".") and e.is_dir():
+                dirs.append(e.name)
+    return sorted(dirs), names
+
+
+def _scan(mds_root: Path) -> tuple[list[str], list[str]]:
+    """``<tier>/<H>x<W>/<batch>`` of every visible batch directory, and of every directory a
+    write moved away and did not put back (``.<batch>.old`` without ``<batch>``, see
+    ``mds.moved_away_batches``): one listing per bucket.
 
     Whether a directory is a partition (has ``index.json``) is settled when it is counted,
     by the one file read there (``_local_counts``), not by a stat per directory here.
     """
-    found = []
+    found, moved = [], []
     root = os.fspath(mds_root)
     for tier in _subdirs(root):
         for shape in _subdirs(os.path.join(root, tier)):
             parse_shape(shape)
-            found += [f"{tier}/{shape}/{b}" for b in _subdirs(os.path.join(root, tier, shape))]
-    return found
+            batches, names = _bucket_entries(os.path.join(root, tier, shape))
+            found += [f"{tier}/{shape}/{b}" for b in batches]
+            moved += [f"{tier}/{shape}/{b}" for b in moved_away_batches(names)]
+    return found, moved
+
+
+def _moved_away(mds_root: str, relpath: str) -> bool:
+    """Whether an explicitly named local partition is moved away (see ``_scan``)."""
+    parts = relpath.strip("/").split("/")
+    if len(parts) != 3:
+        return False  # refused as malformed where it is read
+    bucket = os.path.join(mds_root, parts[0], parts[1])
+    batch = parts[2]
+    return not os.path.isdir(os.path.join(bucket, batch)) and os.path.lexists(
+        os.path.join(bucket, f".{batch}{SUPERSEDED_SUFFIX}")
+    )
 
 
 def _local_counts(
@@ -248,19 +286,27 @@ def discover_streams(
     if is_url:
         mds_root_str = root_str.rstrip("/") + "/mds"
         relpaths = remote_partitions(root_str, partitions)
+        moved: list[str] = []  # a remote directory flips in one PUT (core/shards/remote.py)
     else:
         base = Path(root_str)
         mds_root = base / "mds" if (base / "mds").is_dir() else base
         if not mds_root.is_dir():
             raise FileNotFoundError(f"no MDS root at {mds_root}")
         mds_root_str = str(mds_root)
-        relpaths = list(partitions) if partitions is not None else _scan(mds_root)
+        if partitions is not None:
+            relpaths, moved = (
+                list(partitions),
+                [p for p in partitions if _moved_away(mds_root_str, p)],
+            )
+        else:
+            relpaths, moved = _scan(mds_root)
 
     tier_set = None if tiers is None else {str(t) for t in tiers}
     shape_set = _shape_filter(shapes)
     batch_set = None if batches is None else {str(b) for b in batches}
     cache_tag = source or hashlib.blake2s(root_str.encode(), digest_size=4).hexdigest()
 
+    _refuse_moved_away(mds_root_str, moved, tier_set, shape_set, batch_set)
     out: list[BucketStream] = []
     matched = 0
     for relpath in relpaths:
@@ -318,6 +364,28 @@ def discover_streams(
         raise ValueError(_nothing_matched(mds_root_str, relpaths, tiers, shapes, batches))
     out.sort(key=lambda b: (_natural(b.tier), b.height, b.width, _natural(b.batch), b.source or ""))
     return out
+
+
+def _refuse_moved_away(
+    mds_root: str,
+    moved: Sequence[str],
+    tier_set: set[str] | None,
+    shape_set: set[tuple[int, int]] | None,
+    batch_set: set[str] | None,
+) -> None:
+    """``DirectoryMovedAway`` when a partition the filters select is moved away."""
+    hit = []
+    for relpath in moved:
+        tier, shape_name, batch = relpath.strip("/").split("/")
+        if tier_set is not None and tier not in tier_set:
+            continue
+        if shape_set is not None and parse_shape(shape_name) not in shape_set:
+            continue
+        if batch_set is not None and batch not in batch_set:
+            continue
+        hit.append(f"{MDS_DIRNAME}/{relpath.strip('/')}")
+    if hit:
+        raise DirectoryMovedAway(moved_away_message(mds_root, sorted(hit)))
 
 
 def _nothing_matched(

@@ -13,7 +13,9 @@ that the platform has since corrected would silently bring excluded images back.
 reproduce run A): the pinned generation is rebuilt from the snapshot and read from the
 sidecars the pins kept, a rewritten directory from its retained copy, and a
 ``SnapshotChangedWarning`` names every changed directory on every construction. Files that
-are gone or differ from their digests stop it even then. A retired snapshot is refused.
+are gone or differ from their digests stop it even then. A retired snapshot is refused, and
+so is one whose manifest is only staged (its ``snapshot create`` was killed before it
+published the manifest: core/snapshots/manifest.py), pointing at the rerun.
 
 The snapshot id travels in ``state_dict`` (``ShapeBatchedLoader`` and ``SkipListDataset``);
 resuming under another snapshot, or none, raises ``SnapshotChanged``.

@@ -254,7 +254,20 @@ def test_kill_between_renames_is_recovered(tmp_path: Path, samples: list[MDSSamp
     assert list_partition_dirs(tmp_path, "b") == []
     leftovers = sorted(p.name for p in final.parent.iterdir())
     assert leftovers == [".b.old", ".b.tmp"]  # its own fixed names, nothing else
+    # Readers that list the tree refuse it, naming the directory, rather than read less.
+    from prx_assets.core.snapshots.manifest import SnapshotError
+    from prx_assets.core.snapshots.runner import _scan as snapshot_scan
+    from prx_assets.loader.discover import DirectoryMovedAway, discover_streams
+
+    rel = final.relative_to(tmp_path).as_posix()
+    partition = rel.split("/", 1)[1]
+    for kwargs in ({}, {"batches": ["b"]}, {"partitions": [partition]}):
+        with pytest.raises(DirectoryMovedAway, match=f"'{rel}'.*Rerun mds_shards"):
+            discover_streams(tmp_path, **kwargs)
+    with pytest.raises(SnapshotError, match=f"'{rel}'"):
+        snapshot_scan(tmp_path / "mds")
     recover_partition(tmp_path, "b")
+    assert [b.relpath for b in discover_streams(tmp_path)] == [partition]
     assert _hashes(final) == before
     assert sorted(p.name for p in final.parent.iterdir()) == ["b"]
     write_partition_buckets(tmp_path, "b", bucket, skips_for=skip_nothing)

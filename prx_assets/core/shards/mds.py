@@ -12,9 +12,12 @@ callback, all fsynced, then renamed into place; a previous version is first rena
 (``.<batch>.old``) and deleted after the new one is in. A reader of the final path
 therefore sees the old complete directory, the new complete one, or (only in the instant
 between the two renames, or after a crash there) nothing; never a partial one, and never
-one without a complete skip-list generation written for its own ``index.json``. The next
-write of the same partition repairs such a crash: it restores the old version if the final
-path is empty and deletes leftover temporaries.
+one without a complete skip-list generation written for its own ``index.json``. Readers
+that list the tree (``discover_streams``, ``create_snapshot``) refuse it while a
+``.<batch>.old`` is there without its ``<batch>`` (:func:`moved_away_batches`), so "nothing"
+never passes for "no such directory". The next write of the same partition repairs such a
+crash: it restores the old version if the final path is empty and deletes leftover
+temporaries.
 
 Recovery is O(1) in the bucket's other directories: a partition's temporaries have fixed
 names (``.<batch>.tmp``, ``.<batch>.old``; they cannot collide with another batch's, nor with
@@ -75,6 +78,7 @@ _BATCH_RE = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.=\-]*$")
 _SHAPE_RE = re.compile(r"^(\d+)x(\d+)$")
 _TMP_SUFFIX = ".tmp"  # ".<batch>.tmp": the directory being written
 _OLD_SUFFIX = ".old"  # ".<batch>.old": the previous version, renamed away
+SUPERSEDED_SUFFIX = _OLD_SUFFIX  # readers look for ".<batch>" + this (moved_away_batches)
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,50 @@ def _temporary_dir(bucket: Path, batch: str) -> Path:
 def _superseded_dir(bucket: Path, batch: str) -> Path:
     """Where ``batch``'s previous version of this bucket waits while the new one goes in."""
     return bucket / f".{batch}{_OLD_SUFFIX}"
+
+
+class DirectoryMovedAway(RuntimeError):
+    """A bucket directory a write moved away and did not put back: readers refuse the tree.
+
+    Why: the lab still lists the directory while the tree lacks it, so a reader that listed
+    only what is there would train on less without a word. The next write of the batch (its
+    first step, :func:`recover_partition`) puts the directory back or finishes replacing it.
+    """
+
+
+def superseded_batch(name: str) -> str | None:
+    """The batch whose moved-away directory ``name`` is (``.<batch>.old``), else None."""
+    if not (name.startswith(".") and name.endswith(_OLD_SUFFIX)):
+        return None
+    batch = name[1 : -len(_OLD_SUFFIX)]
+    return batch if _BATCH_RE.match(batch) and ".." not in batch else None
+
+
+def moved_away_batches(names: Iterable[str]) -> list[str]:
+    """Batches whose directory is moved away and not back, from one bucket's entry names.
+
+    ``names``: every entry of one ``<tier>/<H>x<W>`` directory, hidden ones included (one
+    listing). A batch is moved away while ``.<batch>.old`` is there and ``<batch>`` is not:
+    a write killed between its two renames (or a removal of a directory the partition lost,
+    killed before it finished), or one running right now. Its lab rows still name the
+    directory, so a reader must not take the tree as complete.
+    """
+    present = set(names)
+    return sorted(b for n in present if (b := superseded_batch(n)) is not None and b not in present)
+
+
+def moved_away_message(root: str, relative_dirs: Sequence[str]) -> str:
+    """The refusal for readers that found moved-away directories (names bounded, quoted)."""
+    shown = ", ".join(repr(r[:200]) for r in relative_dirs[:10])
+    more = f" and {len(relative_dirs) - 10} more" if len(relative_dirs) > 10 else ""
+    batches = sorted({r.rsplit("/", 1)[-1][:120] for r in relative_dirs})[:10]
+    return (
+        f"{root[:300]}: {len(relative_dirs)} directories were moved away by a write that did "
+        f"not finish (killed, or still running) and are not back: {shown}{more}. The lab "
+        "still lists them, so reading this tree now would train on less than it should. "
+        f"Rerun mds_shards for batch(es) {batches}: the write first restores each directory "
+        "(or completes its replacement); then read again."
+    )
 
 
 def _discard_superseded(old: Path) -> None:

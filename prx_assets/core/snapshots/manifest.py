@@ -2,7 +2,17 @@
 
 ``<shards root>/snapshots/<snapshot id>.json`` (format ``prx-training-snapshot`` v1),
 written once, atomically (tmp + fsync + rename), never changed; retiring a snapshot adds
-``<snapshot id>.retired`` beside it. Payload::
+``<snapshot id>.retired`` beside it.
+
+Two steps, so that the file a loader reads never exists before the snapshot is committed:
+the manifest is first *staged* as ``.<snapshot id>.json.staged`` (atomic, durable), then
+the ``training_snapshots`` row is committed (the commit point, what ``snapshot list``,
+compliance and retirement read), then the staged file is *published*: renamed to
+``<snapshot id>.json``. The loader (``read_snapshot``) reads only the published name and
+refuses a staged one with a clear error, so a kill after the file is written but before
+the row can never leave a snapshot that trains but that nothing lists, retires or counts
+in compliance. A kill after the row leaves a listed snapshot the loader still refuses
+(fail closed) until ``snapshot create <id>`` is rerun, which publishes it. Payload::
 
     {"format": "prx-training-snapshot", "version": 1, "snapshot_id": "run-a",
      "created_at": "2026-12-01T12:00:00+00:00",
@@ -109,6 +119,11 @@ def manifest_path(shards_root: str | os.PathLike[str], snapshot_id: str) -> Path
     return snapshots_dir(shards_root) / f"{check_snapshot_id(snapshot_id)}.json"
 
 
+def staged_path(shards_root: str | os.PathLike[str], snapshot_id: str) -> Path:
+    """Where the manifest waits, written but not committed (hidden: never a snapshot id)."""
+    return snapshots_dir(shards_root) / f".{check_snapshot_id(snapshot_id)}.json.staged"
+
+
 def retired_marker(shards_root: str | os.PathLike[str], snapshot_id: str) -> Path:
     return snapshots_dir(shards_root) / f"{check_snapshot_id(snapshot_id)}.retired"
 
@@ -185,29 +200,72 @@ def parse_snapshot(data: bytes, source: str) -> SnapshotManifest:
         raise SnapshotError(f"{source}: malformed snapshot manifest ({exc})") from None
 
 
-def read_snapshot(shards_root: str | os.PathLike[str], snapshot_id: str) -> SnapshotManifest:
-    """The manifest of ``snapshot_id``, verified; ``SnapshotError`` when absent or bad."""
+def read_snapshot(
+    shards_root: str | os.PathLike[str], snapshot_id: str, *, uncommitted: bool = False
+) -> SnapshotManifest:
+    """The published manifest of ``snapshot_id``, verified; ``SnapshotError`` when absent or
+    bad, and when only its staged copy exists (a ``snapshot create`` interrupted before it
+    committed: no reader may train on it). ``uncommitted=True`` falls back to the staged
+    copy (the runner completing or retiring an interrupted snapshot; never the loader)."""
     path = manifest_path(shards_root, snapshot_id)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise SnapshotError(f"no training snapshot {snapshot_id!r} ({path} is absent)") from None
+        staged = staged_path(shards_root, snapshot_id)
+        if not staged.is_file():
+            raise SnapshotError(
+                f"no training snapshot {snapshot_id!r} ({path} is absent)"
+            ) from None
+        if not uncommitted:
+            raise SnapshotError(
+                f"snapshot {snapshot_id!r} was never committed (only its staged manifest "
+                f"{staged.name} exists: a `snapshot create {snapshot_id}` was interrupted); "
+                f"rerun `snapshot create {snapshot_id}` to finish it before training on it"
+            ) from None
+        path, data = staged, staged.read_bytes()
     manifest = parse_snapshot(data, str(path))
     if manifest.snapshot_id != snapshot_id:
         raise SnapshotError(f"{path} holds snapshot {manifest.snapshot_id!r}")
     return manifest
 
 
-def write_snapshot_file(shards_root: str | os.PathLike[str], snapshot_id: str, data: bytes) -> Path:
-    """Write the manifest once (atomic); an existing different one is never replaced."""
+def stage_snapshot_file(shards_root: str | os.PathLike[str], snapshot_id: str, data: bytes) -> Path:
+    """Write the manifest under its staged name (atomic, durable), before the lab row.
+
+    A published manifest with other content is never replaced (snapshots are immutable)."""
     path = manifest_path(shards_root, snapshot_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and path.read_bytes() != data:
+        raise SnapshotError(f"{path} exists with other content: snapshots are immutable")
+    staged = staged_path(shards_root, snapshot_id)
+    staged.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(staged, data)
+    return staged
+
+
+def publish_snapshot_file(shards_root: str | os.PathLike[str], snapshot_id: str) -> Path:
+    """Rename the staged manifest to its published name (after the lab row is committed).
+
+    Idempotent: a manifest already published with the same bytes just loses its staged copy.
+    """
+    path = manifest_path(shards_root, snapshot_id)
+    staged = staged_path(shards_root, snapshot_id)
     if path.exists():
-        if path.read_bytes() != data:
-            raise SnapshotError(f"{path} exists with other content: snapshots are immutable")
+        if staged.exists():
+            if staged.read_bytes() != path.read_bytes():
+                raise SnapshotError(f"{path} exists with other content: snapshots are immutable")
+            staged.unlink()
         return path
-    atomic_write_bytes(path, data)
+    os.rename(staged, path)
+    _fsync_dir(path.parent)
     return path
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def is_retired(shards_root: str | os.PathLike[str], snapshot_id: str) -> bool:

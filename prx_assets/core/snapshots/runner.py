@@ -12,11 +12,16 @@ code fingerprints found there. Making one (``create_snapshot``):
    ``shard_samples`` (a directory the lab does not describe exactly refuses the snapshot);
 3. refuses when a kept sample is an image an accepted opt-out list names (the list's
    skip-lists have not run yet: a snapshot must never freeze an opted-out image);
-4. pins the Lance versions (``Lab.pin_versions``), writes ``snapshot_samples``, then the
-   manifest file (atomic), then the ``training_snapshots`` row, which is the commit point.
+4. pins the Lance versions (``Lab.pin_versions``), writes ``snapshot_samples``, stages the
+   manifest file (``.<id>.json.staged``, atomic), commits the ``training_snapshots`` row
+   (the commit point), then publishes the manifest under the name the loader reads
+   (``<id>.json``; core/snapshots/manifest.py). The loader reads only a published manifest,
+   and one is published only once its row is committed, so every snapshot a loader can
+   train on is one that ``snapshot list``, compliance and retirement see.
 
 A rerun with an existing name returns the existing snapshot untouched (snapshots are
-immutable); one interrupted after its manifest file is completed from that file.
+immutable), publishing its manifest if the run that committed it was killed before that;
+one interrupted after its staged manifest but before its row is completed from that file.
 Retiring (``retire_snapshot``) removes the pins of its files and Lance versions and deletes
 retained directory copies nobody pins any more; its rows stay, marked ``retired``, so the
 audit and compliance reports keep the history.
@@ -37,7 +42,13 @@ import pyarrow as pa
 
 from prx_assets.core.crashpoints import crashpoint
 from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
-from prx_assets.core.skiplists.sidecars import SkipListError, load_generation, read_index_shards
+from prx_assets.core.shards.mds import MDS_DIRNAME, moved_away_batches, moved_away_message
+from prx_assets.core.skiplists.sidecars import (
+    INDEX_BASENAME,
+    SkipListError,
+    load_generation,
+    read_index_shards,
+)
 from prx_assets.core.snapshots import pins
 from prx_assets.core.snapshots.manifest import (
     PinnedDirectory,
@@ -48,8 +59,10 @@ from prx_assets.core.snapshots.manifest import (
     manifest_path,
     mark_retired,
     parse_snapshot,
+    publish_snapshot_file,
     read_snapshot,
-    write_snapshot_file,
+    stage_snapshot_file,
+    staged_path,
 )
 from prx_assets.core.snapshots.tables import SNAPSHOT_SAMPLES, TRAINING_SNAPSHOTS
 
@@ -98,17 +111,26 @@ def _now() -> datetime:
 
 
 def _scan(mds_root: Path) -> list[str]:
-    """``mds/<tier>/<H>x<W>/<batch>`` of every visible directory with an index (sorted)."""
-    out = []
+    """``mds/<tier>/<H>x<W>/<batch>`` of every visible directory with an index (sorted).
+
+    Refuses (``SnapshotError``) while a write has a directory moved away and not back
+    (``mds.moved_away_batches``): a snapshot would silently freeze less than the lab lists.
+    """
+    out, moved = [], []
     if not mds_root.is_dir():
         return out
     for tier in sorted(p for p in mds_root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         for shape in sorted(p for p in tier.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            for batch in sorted(
-                p for p in shape.iterdir() if p.is_dir() and not p.name.startswith(".")
-            ):
-                if (batch / "index.json").is_file():
-                    out.append(f"mds/{tier.name}/{shape.name}/{batch.name}")
+            entries = sorted(shape.iterdir())
+            moved += [
+                f"{MDS_DIRNAME}/{tier.name}/{shape.name}/{b}"
+                for b in moved_away_batches(p.name for p in entries)
+            ]
+            for batch in (p for p in entries if p.is_dir() and not p.name.startswith(".")):
+                if (batch / INDEX_BASENAME).is_file():
+                    out.append(f"{MDS_DIRNAME}/{tier.name}/{shape.name}/{batch.name}")
+    if moved:
+        raise SnapshotError(moved_away_message(str(mds_root), moved))
     return out
 
 
@@ -158,13 +180,17 @@ def create_snapshot(
     pins.check_snapshot_id(snapshot_id)
     root = Path(shards_root)
     path = manifest_path(root, snapshot_id)
+    staged = staged_path(root, snapshot_id)
     row = existing(lab, snapshot_id)
     if row is not None:
+        _publish_committed(root, row)  # a no-op unless killed between its row and publishing
         return SnapshotOutcome(read_snapshot(root, snapshot_id), False, str(path))
-    if path.exists():  # interrupted after its manifest file: finish from the file
-        manifest = parse_snapshot(path.read_bytes(), str(path))
+    if staged.exists() or path.exists():  # interrupted before its row: finish from the file
+        # (a published file without a row is only left by code that published first)
+        manifest = read_snapshot(root, snapshot_id, uncommitted=True)
         lab.pin_versions(holder(snapshot_id), manifest.lab_versions)
         _record(lab, root, manifest)
+        publish_snapshot_file(root, snapshot_id)
         return SnapshotOutcome(manifest, False, str(path))
 
     view = lab.view()
@@ -264,16 +290,33 @@ def create_snapshot(
             snapshot_id,
             pa.Table.from_pylist(members, schema=SNAPSHOT_SAMPLES.schema),
         )
-        write_snapshot_file(root, snapshot_id, data)
+        stage_snapshot_file(root, snapshot_id, data)
         crashpoint("snapshots.file_written")
     except BaseException:
-        if not path.exists():  # nothing committed: give back what this attempt pinned
+        if not staged.exists() and not path.exists():  # nothing staged: give back the pins
             for d in pinned:
                 pins.remove_pin(d, snapshot_id)
             lab.unpin(holder(snapshot_id))
         raise
-    _record(lab, root, manifest)
+    _record(lab, root, manifest)  # the commit point
+    crashpoint("snapshots.recorded")
+    publish_snapshot_file(root, snapshot_id)  # from here the loader may read it
     return SnapshotOutcome(manifest, True, str(path))
+
+
+def _publish_committed(root: Path, row: dict[str, Any]) -> None:
+    """Publish the staged manifest of a snapshot whose row is committed (a create killed
+    between the two), after checking it is the manifest the row recorded."""
+    snapshot_id = row["snapshot_id"]
+    if manifest_path(root, snapshot_id).exists() or not staged_path(root, snapshot_id).exists():
+        return
+    staged = read_snapshot(root, snapshot_id, uncommitted=True)
+    if staged.sha256 != row["manifest_sha256"]:
+        raise SnapshotError(
+            f"{staged_path(root, snapshot_id)}: not the manifest training_snapshots recorded "
+            f"for {snapshot_id!r} (content hash differs); refusing to publish it"
+        )
+    publish_snapshot_file(root, snapshot_id)
 
 
 def _placements(view: LabView) -> dict[str, dict[tuple[str, int], tuple]]:
@@ -346,12 +389,15 @@ def retire_snapshot(
     files can go; a rerun finishes an interrupted retirement.
     """
     root = Path(shards_root)
-    manifest = read_snapshot(root, snapshot_id)
+    # An interrupted create (staged manifest only) is retired too: its pins are released.
+    manifest = read_snapshot(root, snapshot_id, uncommitted=True)
     row = existing(lab, snapshot_id)
     already = row is not None and row["status"] == "retired"
     when = now or _now()
     if not is_retired(root, snapshot_id):
         mark_retired(root, snapshot_id, when.isoformat())
+    if row is not None:
+        _publish_committed(root, row)
     removed = 0
     for d in manifest.directories:
         for where in (
