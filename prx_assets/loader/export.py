@@ -102,9 +102,20 @@ def _live_generation(stream: Any) -> str | None:
 def _export_directory(bucket: Any, dest: Path, size_limit: int) -> ExportedDirectory:
     """Write one stream's kept samples to ``dest`` (a plain MDS directory)."""
     from streaming import MDSWriter
+    from streaming.base.constant import DEFAULT_TIMEOUT
     from streaming.base.world import World
 
     stream = bucket.to_stream()
+    # The defaults StreamingDataset gives its streams (this one is used on its own).
+    stream.apply_default(
+        {
+            "split": None,
+            "download_retry": 2,
+            "download_timeout": DEFAULT_TIMEOUT,
+            "validate_hash": None,
+            "keep_zip": False,
+        }
+    )
     readers = stream.get_shards(World.detect(), allow_unsafe_types=False)  # kept shards only
     writer = MDSWriter(
         out=str(dest),
@@ -171,7 +182,16 @@ def export_training_samples(
         for bucket in buckets:
             counts = bucket.counts
             if counts is not None and counts.kept_samples == 0:  # skipped whole: nothing to read
-                done.append(ExportedDirectory(bucket.relpath, None, None, counts.samples, 0))
+                m = bucket.manifest[1] if bucket.manifest else None  # its generation, if read
+                done.append(
+                    ExportedDirectory(
+                        bucket.relpath,
+                        m.index_sha256 if m else None,
+                        m.generation if m else None,
+                        counts.samples,
+                        0,
+                    )
+                )
                 continue
             dest = tmp / MDS_DIRNAME / bucket.relpath
             done.append(_export_directory(bucket, dest, size_limit))
