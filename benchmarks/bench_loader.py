@@ -3,7 +3,8 @@
 Run from the repo root: ``python -m benchmarks.bench_loader [--quick]``.
 
 1. Throughput of iterating the same MDS shards (3 partitions) with a plain
-   ``StreamingDataset`` and with ``SkipListDataset`` (no skips; 5 % skipped, so every shard
+   ``StreamingDataset`` (over a plain-index twin of each directory, its shards hard links:
+   a published index is refused by plain streaming) and with ``SkipListDataset`` (no skips; 5 % skipped, so every shard
    is a ``FilteredShard``), alternating in one process; per-sample rates, median of reps.
    Measured twice: raw samples (loader overhead only, the worst case) and through a
    ``DataLoader`` whose collate decodes the JPEGs (what training pays).
@@ -34,7 +35,8 @@ from PIL import Image  # noqa: E402
 from streaming import MDSWriter, StreamingDataset  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from prx_assets.core.shards.mds import BASE_COLUMNS
+from prx_assets.core.shards.mds import BASE_COLUMNS  # noqa: E402
+from prx_assets.core.shards.published import mark_published  # noqa: E402
 from prx_assets.core.skiplists.sidecars import read_index_shards, write_partition_skiplists  # noqa: E402
 from prx_assets.loader import HFTextEncoder, ImageTextCollate, SkipListDataset  # noqa: E402
 from prx_assets.loader.collate import jpeg_bytes  # noqa: E402
@@ -87,8 +89,31 @@ def write_data(root: Path, partitions: int, per_partition: int, size: int) -> li
                         "license": "cc-by",
                     }
                 )
+        _plain_twin(out)
+        mark_published(out)  # as mds_shards publishes it: readable by the loader only
         dirs.append(out)
     return dirs
+
+
+def _plain_twin(d: Path) -> Path:
+    """The baseline's copy of a directory: its shard files hard-linked (the same bytes, the
+    same page cache) beside MDSWriter's plain version 2 index, which plain streaming reads
+    (a published index it refuses: core/shards/published.py)."""
+    twin = plain_dir(d)
+    twin.mkdir(parents=True)
+    for f in d.iterdir():
+        if f.name == "index.json":
+            (twin / f.name).write_bytes(f.read_bytes())
+        else:
+            os.link(f, twin / f.name)
+    return twin
+
+
+def plain_dir(d: Path) -> Path:
+    """``<root>/mds/...`` -> ``<root>/plain/...``."""
+    parts = d.parts
+    i = len(parts) - 1 - parts[::-1].index("mds")
+    return Path(*parts[:i], "plain", *parts[i + 1 :])
 
 
 def set_skips(dirs: list[Path], fraction: float) -> int:
@@ -149,7 +174,7 @@ def bench_throughput(dirs: list[Path], reps: int, decode_batches: bool) -> dict[
     from streaming import Stream
 
     kw = {"batch_size": 16, "num_canonical_nodes": 1, "shuffle": True}
-    plain = StreamingDataset(streams=[Stream(local=str(d)) for d in dirs], **kw)
+    plain = StreamingDataset(streams=[Stream(local=str(plain_dir(d))) for d in dirs], **kw)
     set_skips(dirs, 0.0)
     skip0 = SkipListDataset(streams=[Stream(local=str(d)) for d in dirs], **kw)
     skipped = set_skips(dirs, 0.05)
@@ -194,7 +219,7 @@ def bench_throughput(dirs: list[Path], reps: int, decode_batches: bool) -> dict[
 
 
 def bench_encoders(workdir: Path, dirs: list[Path], reps: int, batch: int) -> dict[str, Any]:
-    ds = StreamingDataset(local=str(dirs[0]), batch_size=batch)
+    ds = SkipListDataset(local=str(dirs[0]), batch_size=batch)
     samples = [ds[i] for i in range(batch)]
     words = sorted(set(WORDS)) + [str(i) for i in range(10)]
     encoders: dict[str, Any] = {"none": None}

@@ -11,7 +11,8 @@ At each P (bucket × batch directories, all in one bucket: the worst case for si
    recovery cost on its own at that P: two listings of the bucket, filtered by name.
 2. Loader construction vs plain ``streaming.StreamingDataset`` over the same directories:
    ``discover_streams`` + ``ShapeBatchedLoader`` against ``StreamingDataset(streams=[Stream
-   (local=d) ...])``, alternating in this process, ``gc.collect()`` before each, streaming's
+   (local=d) ...])`` over plain twins of the directories (shards hard-linked, the index with
+   version 2: plain streaming refuses a published one), alternating in this process, ``gc.collect()`` before each, streaming's
    shared memory released after each; median CPU seconds (less sensitive to other tenants
    than wall time, also printed) and the ratio (target ≤ 1.5× at 10,000).
 3. The landing cursor for P batch keys: numbered chunks and arbitrary names, against the
@@ -83,6 +84,22 @@ def _grow(root: Path, template: Path, have: int, want: int) -> None:
             os.link(template / name, d / name)
 
 
+def _plain_template(template: Path, bucket: Path) -> Path:
+    """The plain side's copy of ``template``: its files hard-linked, its index with the
+    version 2 plain streaming reads (a published index is refused by it:
+    ``core/shards/published.py``). Same shard bytes, same index size."""
+    d = bucket / template.name
+    d.mkdir(parents=True)
+    for f in template.iterdir():
+        if f.name == "index.json":
+            index = json.loads(f.read_bytes())
+            index["version"] = 2
+            (d / f.name).write_text(json.dumps(index, sort_keys=True))
+        else:
+            os.link(f, d / f.name)
+    return d
+
+
 def _legacy_recovery_listing(bucket: Path, batch: str) -> None:
     """What the previous recovery did per write besides its renames: list the bucket twice."""
     for mark in (".tmp-", ".old-"):
@@ -138,9 +155,8 @@ def _timed(fn: Callable[[], None]) -> tuple[float, float]:
     return cpu, wall
 
 
-def measure_loader(root: Path, reps: int, warm_up: bool) -> dict[str, float]:
-    bucket = partition_dir(root, TIER, SHAPE, "x").parent
-    dirs = sorted(str(bucket / n) for n in os.listdir(bucket) if not n.startswith("."))
+def measure_loader(root: Path, plain_bucket: Path, reps: int, warm_up: bool) -> dict[str, float]:
+    dirs = sorted(str(plain_bucket / n) for n in os.listdir(plain_bucket))
     plain, ours = [], []
     if warm_up:  # imports and first allocations, paid once by neither side's numbers
         _timed(lambda: _plain(dirs))
@@ -185,14 +201,16 @@ def main() -> None:
         root = Path(tmp)
         write_partition_buckets(root, "template", _samples("template"), skips_for=skip_nothing)
         template = partition_dir(root, TIER, SHAPE, "template")
+        plain_template = _plain_template(template, Path(tmp, "plain", str(TIER), SHAPE))
         measure_writes(root, 3)  # warm-up: first writes pay imports and cold caches
         have = 1
         for p in sizes:
             _grow(root, template, have - 1, p - 1)  # the template counts as one
+            _grow(root, plain_template, have - 1, p - 1)
             have = p
             row: dict[str, Any] = {"P": p}
             row.update(measure_writes(root, writes))
-            row.update(measure_loader(root, reps, warm_up=p == sizes[0]))
+            row.update(measure_loader(root, plain_template.parent, reps, warm_up=p == sizes[0]))
             row.update(measure_cursor(p))
             rows.append(row)
             print(f"P={p}: {json.dumps({k: round(v, 4) for k, v in row.items()})}", flush=True)

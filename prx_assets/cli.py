@@ -193,6 +193,33 @@ def _no_lab(resource) -> int:  # noqa: ANN001 - a LabResource (Dagster import ke
     return 0
 
 
+def export(args: argparse.Namespace) -> int:
+    """``export --out DIR``: the training samples as a plain MDS tree (loader/export.py)."""
+    from prx_assets.core.skiplists.sidecars import SkipListError
+    from prx_assets.defs.resources import default_data_root, lab_resource
+    from prx_assets.loader.export import ExportError, export_training_samples
+
+    root = args.root or lab_resource(args.data_root or default_data_root()).shards_root
+    try:
+        out = export_training_samples(
+            root,
+            args.out,
+            tiers=args.tier or None,
+            shapes=args.shape or None,
+            batches=args.batch or None,
+            cache_dir=args.cache_dir,
+        )
+    except (ExportError, SkipListError, FileExistsError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"{out.out}: {out.kept_samples} of {out.samples} samples (those the skip-lists keep) "
+        f"from {len(out.directories)} directories of {root}, as plain MDS; opt-outs published "
+        "later are not applied to this copy (see its export.json)"
+    )
+    return 0
+
+
 def demo(args: argparse.Namespace) -> int:
     from prx_assets.demo.runner import run_demo
 
@@ -243,6 +270,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-root", default=None)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=compliance)
+    p = sub.add_parser(
+        "export", help="the training samples (skip-lists applied) as a plain MDS tree"
+    )
+    p.add_argument("--out", required=True, help="new directory (never overwritten)")
+    p.add_argument("--data-root", default=None)
+    p.add_argument("--root", default=None, help="shards root (default: the data root's)")
+    p.add_argument("--cache-dir", default=None, help="local cache, for a URL root")
+    p.add_argument("--tier", action="append", help="only this tier (repeatable)")
+    p.add_argument("--shape", action="append", help="only this <H>x<W> (repeatable)")
+    p.add_argument("--batch", action="append", help="only this batch (repeatable)")
+    p.set_defaults(func=export)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["browser"]:  # its own argument parser: python -m prx_assets.browser
         from prx_assets.browser.__main__ import main as browser_main

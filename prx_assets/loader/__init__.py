@@ -21,11 +21,17 @@ Skip-lists are required: a bucket directory without a valid skip-list generation
 unscreened data is ``skiplists="ignore-UNSAFE"`` (on ``discover_streams``, the loader and the
 dataset), which warns every time.
 
+A published directory is readable by this loader only (plain streaming refuses its
+``index.json``, naming this package: ``core/shards/published.py``); a plain directory
+(version 2 index) is refused here with ``UnpublishedIndex``. ``export_training_samples``
+(``prx-assets export``) writes the kept samples as plain MDS for tools without the loader.
+
 Run one process per device (torchrun sets WORLD_SIZE/RANK/LOCAL_WORLD_SIZE/LOCAL_RANK) and
 keep ``num_canonical_nodes`` fixed for the whole run: a checkpoint then resumes at another
 world size with no sample lost or repeated in the epoch.
 """
 
+from prx_assets.core.shards.published import UnpublishedIndex
 from prx_assets.loader.collate import HFTextEncoder, ImageTextCollate, TextEncoder
 from prx_assets.loader.dataset import (
     IGNORE_SKIPLISTS_UNSAFE,
@@ -42,6 +48,7 @@ from prx_assets.loader.dataset import (
     small_bucket_problems,
 )
 from prx_assets.loader.discover import BucketStream, discover_streams, group_by_shape
+from prx_assets.loader.export import export_training_samples
 from prx_assets.loader.shape_loader import ShapeBatchedLoader, collate_samples
 
 __all__ = [
@@ -60,9 +67,11 @@ __all__ = [
     "SkipListStream",
     "SmallBucketWarning",
     "TextEncoder",
+    "UnpublishedIndex",
     "UnscreenedDataWarning",
     "collate_samples",
     "discover_streams",
+    "export_training_samples",
     "group_by_shape",
     "small_bucket_problems",
 ]

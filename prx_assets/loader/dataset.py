@@ -26,6 +26,12 @@ skip-lists it was taken against; resuming against a different digest raises
 ``SkipListChanged`` unless ``allow_skiplist_change=True`` (then the position is reused in
 the new space: exact from the next epoch on, approximate for the rest of this one).
 
+Published trees only: ``mds_shards`` writes ``index.json`` with a top-level version plain
+streaming refuses (naming this loader; ``core/shards/published.py``), so that no reader that
+ignores skip-lists can read the directory by accident. This loader reads that version and
+refuses a plain version 2 index (``UnpublishedIndex``: a directory written before, or an
+export) unless skip-lists are ignored on purpose.
+
 Fail closed: every stream needs its directory's live skip-list generation (the
 ``skiplists.json`` manifest and the sidecars it names, ``core/skiplists/sidecars.py``), written for
 the very ``index.json`` streaming loaded; a missing manifest, a manifest for another index,
@@ -58,7 +64,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import hashlib
-import json
 import os
 import time
 import uuid
@@ -69,12 +74,15 @@ from typing import Any, NoReturn
 
 import numpy as np
 from streaming import Stream, StreamingDataset
+from streaming.base.constant import TICK
 from streaming.base.format import reader_from_json
 from streaming.base.storage import CloudDownloader
 from streaming.base.storage.download import S3Downloader
+from streaming.base.util import wait_for_file_to_exist
 from streaming.base.world import World
 
 from prx_assets.core.shards import small_buckets
+from prx_assets.core.shards.published import published_index
 from prx_assets.core.skiplists.sidecars import (
     INDEX_BASENAME,
     MANIFEST_BASENAME,
@@ -424,8 +432,8 @@ class SkipListStream(Stream):
     or a local path it copies from; ``local`` is the cache, or the data itself when there is
     no remote), plus ``skiplists`` (``"require"``, the default, or ``"ignore-UNSAFE"``).
     After ``get_shards``: ``skip_sets`` (every shard with its skipped indices, for the
-    digest; None when read unscreened), ``generation``, ``dropped_shards``, ``raw_samples``
-    and ``kept_samples``.
+    digest; None when read unscreened), ``generation``, ``index_sha256``, ``dropped_shards``,
+    ``raw_samples`` and ``kept_samples``.
     """
 
     def __init__(
@@ -463,6 +471,7 @@ class SkipListStream(Stream):
         self.known_manifest = known_manifest
         self.skip_sets: list[tuple[str, tuple[int, ...]]] | None = None
         self.generation: str | None = None
+        self.index_sha256: str | None = None  # of the index the skip-lists were checked against
         self.dropped_shards: list[str] = []
         self.raw_samples = 0
         self.kept_samples = 0
@@ -548,35 +557,45 @@ class SkipListStream(Stream):
         os.replace(tmp, local_path)  # atomic; concurrent ranks write identical mirrors
         return data, remote_path
 
-    def _index_bytes(self) -> bytes:
-        """The ``index.json`` streaming built this stream's readers from."""
-        with open(os.path.join(self.local, self.split, INDEX_BASENAME), "rb") as fh:
-            return fh.read()
+    def _fetch_index(self, world: World, path: str) -> bytes:
+        """The ``index.json`` of a stream whose cache lacks it, fetched as ``Stream.get_shards``
+        fetches it (the local leader downloads to a temporary name and renames it, the other
+        local ranks wait for the file), then read back."""
+        if world.is_local_leader:
+            if not self.remote:
+                raise SkipListError(f"no {INDEX_BASENAME} at {path}: not an MDS partition")
+            tmp = self._download_file(INDEX_BASENAME, INDEX_BASENAME + ".tmp")
+            os.rename(tmp, path)
+        else:
+            index_file = os.path.join(self.remote or "", self.split or "", INDEX_BASENAME)
+            wait_for_file_to_exist(
+                path,
+                TICK,
+                self.download_timeout,
+                f"Index file {index_file} -> {path} took too long to download or failed to "
+                "download. Either increase the `download_timeout` value or check the local "
+                "rank 0 traceback.",
+            )
+        return read_whole_file(path)
 
     def _readers_and_index(self, world: World, allow_unsafe_types: bool) -> tuple[list[Any], bytes]:
         """Streaming's shard readers and the exact ``index.json`` bytes they were built from.
 
-        Where the index is already local (a local stream, or a cache holding it) it is read
-        once and the readers are built from those bytes the way ``Stream.get_shards`` does
-        (version 2 only, ``reader_from_json`` on entries nothing else holds: see
-        ``_ParsedHere``, ``validate``); otherwise streaming fetches it
-        (download, or wait for the local leader) and the fetched file is read back.
+        The index is read once (fetched first when a cache lacks it: ``_fetch_index``) and
+        the readers are built from those bytes the way ``Stream.get_shards`` does
+        (``reader_from_json`` on entries nothing else holds: see ``_ParsedHere``,
+        ``validate``). Its top-level version must be the published one
+        (``core/shards/published.py``), which plain streaming refuses: a plain version 2
+        index is ``UnpublishedIndex`` unless skip-lists are ignored on purpose.
         """
         path = os.path.join(self.local, self.split, INDEX_BASENAME)
         try:
             index_raw = read_whole_file(path)
         except FileNotFoundError:
-            readers = super().get_shards(world, allow_unsafe_types)
-            return readers, self._index_bytes()
-        try:
-            obj = json.loads(index_raw)
-        except json.JSONDecodeError as error:
-            error.args = (f"Index file at {path} is empty or corrupted. " + error.args[0],)
-            raise
-        if obj["version"] != 2:
-            raise ValueError(
-                f"Unsupported streaming data version: {obj['version']}. Expected version 2."
-            )
+            index_raw = self._fetch_index(world, path)
+        obj = published_index(
+            index_raw, path, allow_plain=self.skiplists == IGNORE_SKIPLISTS_UNSAFE
+        )
         readers = []
         for info in obj["shards"]:
             reader = reader_from_json(self.local, self.split, _ParsedHere(info))
@@ -664,6 +683,7 @@ class SkipListStream(Stream):
             after = DirectoryPin.take(path) if path is not None else None
             if before == after:
                 self._pin = after
+                self.index_sha256 = hashlib.sha256(index_raw).hexdigest()
                 return readers, generation, skiplists
         raise ShardsReplaced(
             f"{path} was replaced {_FETCH_ATTEMPTS} times while its index and skip-lists "
@@ -701,7 +721,7 @@ class SkipListStream(Stream):
     def get_shards(self, world: World, allow_unsafe_types: bool) -> list[Any]:
         self.dropped_shards = []
         if self.skiplists == IGNORE_SKIPLISTS_UNSAFE:
-            readers = super().get_shards(world, allow_unsafe_types)
+            readers, _ = self._readers_and_index(world, allow_unsafe_types)
             self.raw_samples = int(sum(r.samples for r in readers))
             warn_unscreened(self.remote or self.local_dir, stacklevel=4)
             self.skip_sets, self.generation = None, None

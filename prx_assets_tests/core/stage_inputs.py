@@ -1,15 +1,14 @@
 """Real inputs and read-backs for a stage's core runner: a demo batch through the real ingest
 and resolution code into a real lab, a ``Lab`` that remembers what it was asked to read, and
-MDS directories read back by the official reader."""
+MDS directories read back whole (skipped samples included) by the project's loader."""
 
 from __future__ import annotations
 
-import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import streaming
 
 from prx_assets.core.ingest.runner import BatchIngest
 from prx_assets.core.ingest.sources import resolve_batch
@@ -54,20 +53,23 @@ def ingest_demo_batch(lab: Lab, landing: Path, batch: str = DEMO_BATCH) -> list[
 
 
 def read_mds_dir(directory: str | Path) -> list[dict[str, Any]]:
-    """Every sample of one MDS directory, read by the official ``StreamingDataset``.
+    """Every sample of one MDS directory in written order, skipped ones included.
 
-    Its shared-memory prefix is picked by scanning for a free number, which races with any
-    other process on the machine doing the same (FileExistsError): that alone is retried.
+    A published directory is not readable by plain streaming (core/shards/published.py), so
+    it is read by the project's loader with its skip-lists ignored on purpose (the
+    ``UnscreenedDataWarning`` that choice raises is expected here and silenced).
     """
-    with streaming_memory_released():
-        for attempt in range(20):
-            try:
-                ds = streaming.StreamingDataset(local=str(directory), batch_size=1, shuffle=False)
-                break
-            except FileExistsError:
-                if attempt == 19:
-                    raise
-                time.sleep(0.05 * (attempt + 1))
+    from prx_assets.loader.dataset import (
+        IGNORE_SKIPLISTS_UNSAFE,
+        SkipListDataset,
+        UnscreenedDataWarning,
+    )
+
+    with streaming_memory_released(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnscreenedDataWarning)
+        ds = SkipListDataset(
+            local=str(directory), skiplists=IGNORE_SKIPLISTS_UNSAFE, batch_size=1, shuffle=False
+        )
         rows = [dict(ds[i]) for i in range(len(ds))]
         assert [r["key"] for r in ds] == [r["key"] for r in rows]  # iteration agrees
         del ds

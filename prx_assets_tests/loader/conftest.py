@@ -20,6 +20,7 @@ import pytest
 from PIL import Image
 
 from prx_assets.core.shards.mds import BASE_COLUMNS
+from prx_assets.core.shards.published import mark_published
 
 PHOTOS = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos"
 COLUMNS_BYTES = dict(BASE_COLUMNS)  # the shard contract written by core/shards/mds.py
@@ -91,6 +92,7 @@ def write_partition(
                 }
             )
             rows.append(key)
+    mark_published(out)  # as mds_shards publishes it: plain streaming refuses it
     index = json.loads((out / "index.json").read_text())
     shards, start = [], 0
     for info in index["shards"]:

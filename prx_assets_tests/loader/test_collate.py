@@ -60,9 +60,9 @@ def test_collate_with_tiny_encoder_returns_the_documented_batch(mds_root: MdsRoo
 
 
 def test_image_tensor_is_the_decoded_jpeg(mds_root: MdsRoot):
-    from streaming import StreamingDataset
+    from prx_assets.loader import SkipListDataset
 
-    ds = StreamingDataset(local=str(mds_root.dir("1/24x16/b0")), batch_size=2)
+    ds = SkipListDataset(local=str(mds_root.dir("1/24x16/b0")), batch_size=2)
     samples = [ds[0], ds[1]]
     batch = ImageTextCollate(normalize=False)(samples)
     assert batch["image"].dtype == torch.uint8 and batch["image"].shape == (2, 3, 24, 16)
@@ -100,10 +100,12 @@ def test_swapping_the_encoder_needs_no_data_change(mds_root: MdsRoot, encoder_di
 
 
 def test_jpeg_column_and_bad_batches(tmp_path: Path):
-    from streaming import StreamingDataset
+    from prx_assets.core.skiplists.sidecars import write_partition_skiplists
+    from prx_assets.loader import SkipListDataset
 
     write_partition(tmp_path / "mds", "0", "8x8", "b0", 24, image_type="jpeg")
-    ds = StreamingDataset(local=str(tmp_path / "mds" / "0" / "8x8" / "b0"), batch_size=2)
+    write_partition_skiplists(tmp_path / "mds" / "0" / "8x8" / "b0", {})
+    ds = SkipListDataset(local=str(tmp_path / "mds" / "0" / "8x8" / "b0"), batch_size=2)
     sample = ds[0]
     assert isinstance(sample["image"], Image.Image)  # streaming decodes 'jpeg' columns
     collate = ImageTextCollate()

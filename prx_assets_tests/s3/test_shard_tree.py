@@ -3,8 +3,9 @@
 What is checked end to end through real HTTP: the object-store interface (atomic put,
 listing, bounded reads, delete); ``mds_shards``' remote publication (a version prefix per
 directory, the pointer last, byte-identical reruns, nothing left over); ``skip_lists``'
-remote generations; and that the official ``StreamingDataset`` (and the project's
-``SkipListDataset`` over ``discover_streams``) reads the remote tree with its local cache,
+remote generations; that the official ``StreamingDataset`` refuses a published directory
+(naming the loader) and reads an export of it; and that the project's
+``SkipListDataset`` (over ``discover_streams``) reads the remote tree with its local cache,
 honours the remote skip-lists, and refuses a remote directory whose generation is missing,
 stale or partial.
 """
@@ -130,16 +131,34 @@ def test_mds_directories_publish_as_versions_behind_a_pointer(s3_server, s3_pref
     assert s3_server.objects(prefix) == after
 
 
-def test_the_official_streaming_dataset_reads_the_remote_version(s3_prefix, tmp_path):
+def test_plain_streaming_refuses_the_remote_version_the_loader_and_an_export_read_it(
+    s3_prefix, tmp_path
+):
+    """Finding (issue 30): a plain ``StreamingDataset`` read every sample of a published
+    directory, opted-out ones included. Through a remote and a cache it now stops at
+    construction naming the loader; the loader, and an export made from the remote tree,
+    yield the kept samples only."""
     from streaming import StreamingDataset
 
+    from prx_assets.loader import SkipListDataset
+    from prx_assets.loader.export import export_training_samples
+
     samples = _samples({A: range(0, 6)})
-    _publish(s3_prefix, samples, {})
+    _publish(s3_prefix, samples, {"k02": ["opt_out"]})
+    kept = [s.key for s in samples if s.key != "k02"]
     live = read_live(open_store(s3_prefix), f"mds/512/16x24/{BATCH}")
-    ds = StreamingDataset(remote=live.uri, local=str(tmp_path / "plain"), shuffle=False)
-    got = sorted(ds[i]["key"] for i in range(len(ds)))
-    assert got == [s.key for s in samples]
-    assert (tmp_path / "plain" / "index.json").is_file()  # streamed into the local cache
+    with pytest.raises(ValueError, match=r"prx_assets\.loader"):
+        StreamingDataset(remote=live.uri, local=str(tmp_path / "plain"), shuffle=False)
+    ds = SkipListDataset(remote=live.uri, local=str(tmp_path / "ours"), shuffle=False)
+    assert sorted(ds[i]["key"] for i in range(len(ds))) == kept
+    assert (tmp_path / "ours" / "index.json").is_file()  # streamed into the local cache
+
+    out = export_training_samples(s3_prefix, tmp_path / "export", cache_dir=tmp_path / "c")
+    assert [d.kept_samples for d in out.directories] == [len(kept)]
+    plain = StreamingDataset(
+        local=str(tmp_path / "export" / "mds" / f"512/16x24/{BATCH}"), shuffle=False
+    )
+    assert sorted(plain[i]["key"] for i in range(len(plain))) == kept
 
 
 def _restage(uri: str, skips: dict[str, dict[int, list[str]]] | None, rule=None) -> None:  # noqa: ANN001

@@ -32,6 +32,11 @@ placements of one directory (final ``relative_dir``, shard, index in shard) once
 are written, and returns ``{shard: {index_in_shard: [reason codes]}}``; ``skip_nothing`` is
 the explicit choice for data that needs no screening (tests, benchmarks, synthetic data).
 
+Published, not plain: ``index.json`` is MDSWriter's with its top-level version replaced by
+``published.PUBLISHED_INDEX_VERSION``, so a plain ``streaming.StreamingDataset`` refuses the
+directory (naming ``prx_assets.loader``) instead of yielding the samples its skip-lists
+exclude (``core/shards/published.py``).
+
 Determinism: samples are written sorted by key, with no compression, and MDSWriter puts no
 timestamps or paths into shards or ``index.json`` (its JSON is key-sorted), so rewriting the
 same samples gives byte-identical files.
@@ -54,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from prx_assets.core.crashpoints import crashpoint
+from prx_assets.core.shards.published import mark_published
 from prx_assets.core.skiplists.sidecars import write_partition_skiplists
 from prx_assets.core.snapshots.pins import discard_directory
 
@@ -483,6 +489,8 @@ def _write_mds(
         writer.cancel_future_jobs()
         raise
     writer.finish()
+    if keys:
+        mark_published(out)  # plain streaming refuses it from here on (core/shards/published.py)
     return keys
 
 

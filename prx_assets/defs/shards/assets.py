@@ -122,7 +122,9 @@ class MDSShardsConfig(Config):
     # refreshes that; a policy change must not re-render every shard.
     # v3: Lanczos from a DCT-scaled decode, libjpeg-turbo encoder (other bytes than v2).
     # v4: JPEG sources resampled and encoded on their own YCbCr planes (other bytes).
-    code_version="mds_shards-v4",
+    # v5: index.json published for prx_assets.loader only (plain streaming refuses it), so
+    # directories written before are rewritten; the loader refuses them until then.
+    code_version="mds_shards-v5",
     description=(
         "Every assigned image resized to its bucket, JPEG q92, written as MDS under "
         "<shards_root>/mds/<tier>/<H>x<W>/<batch>/ together with its first skip-list "
