@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-from pathlib import Path
 
 import pytest
 from dagster import instance_for_test

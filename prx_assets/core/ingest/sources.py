@@ -872,6 +872,7 @@ def _iter_archive(
     (``spool_member``) and yielded unread (``Candidate.deferred``), like a folder file.
     """
     tar = _open_tar(ref)
+    spooling = spool_dir is not None  # big members come unread (``Candidate.deferred``)
     seekable = not isinstance(tar.fileobj, (gzip.GzipFile, bz2.BZ2File, lzma.LZMAFile))
     group: list[_Entry] = []
     current: str | None = None
@@ -890,7 +891,7 @@ def _iter_archive(
             for member in _members(tar):
                 stem, ext = _split_ext(member.name)
                 if stem != current or not group:
-                    yield from _sample_candidates(ref, sample())
+                    yield from _sample_candidates(ref, sample(), spooling)
                     group, current, total = [], stem, 0
                 raw = member.name.encode("utf-8", "surrogateescape")
                 e = _Entry(_display_path(raw), ext, size=member.size)
@@ -921,10 +922,10 @@ def _iter_archive(
                         except FileRefused as exc:
                             e.refusal = exc
                 group.append(e)
-            yield from _sample_candidates(ref, sample())
+            yield from _sample_candidates(ref, sample(), spooling)
         except (tarfile.TarError, OSError, EOFError) as exc:
             # A damaged archive: keep the samples before the damage, record it once.
-            yield from _sample_candidates(ref, sample())
+            yield from _sample_candidates(ref, sample(), spooling)
             yield _with_defaults(
                 Candidate(
                     printable_name(ref.path.name),
