@@ -39,6 +39,7 @@ from typing import Any
 import pyarrow as pa
 
 from prx_assets.core.ingest.sources import ARCHIVE_SUFFIXES, MANIFEST_SUFFIXES, batch_key
+from prx_assets.core.ingest.tables import ALIAS_REASON
 from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
 from prx_assets.core.markdown import md_code
 from prx_assets.core.skiplists.live import LiveGenerations, Unreadable
@@ -337,6 +338,11 @@ class _Matches:
 
 
 def _resolve(snap: _Snapshot, query: str, landing: Path | None) -> _Matches:
+    """The images and refused files ``query`` names. Refused files are found by path, URL
+    and source id (``rejects`` keeps the names they carried), and by key where their bytes
+    were read; a refused byte-identical repeat is an alias of the copy its batch kept, so
+    its URL, ``source:id`` or path resolves to that copy too (the same bytes train under
+    the kept copy's name)."""
     q = query.strip()
     m = _Matches()
 
@@ -346,6 +352,23 @@ def _resolve(snap: _Snapshot, query: str, landing: Path | None) -> _Matches:
             m.keys |= keys
             m.matched_by.append(how)
 
+    def rejected_files(how: str, flt: str, column: str) -> None:
+        # A refused file found by its path, URL or source id; a refused byte-identical
+        # repeat (ALIAS_REASON) names the copy its batch kept: that copy is audited too.
+        if not snap.has("rejects", column):  # a rejects table from before aliases
+            return
+        rejected = [r for r in snap.read("rejects", flt) if r not in m.rejects]
+        if not rejected:
+            return
+        m.rejects += rejected
+        aliases = {r["key"] for r in rejected if r.get("reason") == ALIAS_REASON and r.get("key")}
+        others = [r for r in rejected if r.get("reason") != ALIAS_REASON or not r.get("key")]
+        if aliases:
+            m.matched_by.append(f"{how} (alias of a rejected byte-identical copy)")
+        if others:
+            m.matched_by.append(f"{how} (rejects)")
+        m.keys |= {r["key"] for r in rejected if r.get("key")}
+
     if not q:
         return m
     if _is_key(q):
@@ -354,20 +377,18 @@ def _resolve(snap: _Snapshot, query: str, landing: Path | None) -> _Matches:
         return m
     if q.lower().startswith(("http://", "https://")):
         image_keys("url", f"url = {sql_literal(q)}")
+        rejected_files("url", f"url = {sql_literal(q)}", "url")
     if ":" in q:
         source, sid = (p.strip() for p in q.split(":", 1))
         if source and sid:
-            image_keys(
-                "source:id", f"source = {sql_literal(source)} AND source_id = {sql_literal(sid)}"
-            )
+            flt = f"source = {sql_literal(source)} AND source_id = {sql_literal(sid)}"
+            image_keys("source:id", flt)
+            rejected_files("source:id", flt, "source_id")
     image_keys("source id", f"source_id = {sql_literal(q)}")
+    rejected_files("source id", f"source_id = {sql_literal(q)}", "source_id")
     for how, flt in path_conditions(q, landing):
         image_keys(how, flt)
-        rejected = [r for r in snap.read("rejects", flt) if r not in m.rejects]
-        if rejected:
-            m.rejects += rejected
-            m.matched_by.append(f"{how} (rejects)")
-            m.keys |= {r["key"] for r in rejected if r.get("key")}
+        rejected_files(how, flt, "path")
     return m
 
 

@@ -146,6 +146,21 @@ def test_killed_writers_temporaries_go_and_foreign_files_stay(tmp_path):
     _readable(lab)
 
 
+def test_a_killed_writers_staged_copy_goes_once_old(tmp_path):
+    # A big file is copied into ``.staging/`` while hashed (LocalBlobs.staging_path); a
+    # worker killed mid-copy leaves it there, where no blob ever is.
+    lab = Lab(tmp_path, policy=MANUAL)
+    lab.replace_partition(SPEC, "a", _images("a", 2, seed=1))
+    staged = Path(lab.blobs.local("imgs").staging_path())
+    staged.write_bytes(b"half a big picture")
+    swept = lab.sweep_blobs(SPEC, min_age=HOUR)  # young: a copy may be in progress
+    assert swept["temporaries_deleted"] == 0 and staged.exists()
+    swept = lab.sweep_blobs(SPEC, min_age=HOUR, now=time.time() + LATER)
+    assert swept["temporaries_deleted"] == 1 and swept["deleted"] == 0
+    assert not staged.exists()
+    _readable(lab)
+
+
 def test_passes_bound_memory_and_agree_with_one_pass(tmp_path):
     def collect(root: Path, per_pass: int) -> tuple[set[str], dict]:
         lab = Lab(root, policy=MANUAL)

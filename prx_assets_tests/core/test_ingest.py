@@ -1,21 +1,26 @@
 """BatchIngest on real files: every entry is seen and accounted for, rows stay bounded, and
 a batch written through the lab twice leaves the same rows."""
 
+import gzip
 import hashlib
 import io
 import os
+import shutil
+import tarfile
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from PIL import Image
 
 from prx_assets.core.ingest import runner as ingest
 from prx_assets.core.ingest.runner import BatchIngest
-from prx_assets.core.ingest.sources import discover_batches, resolve_batch
+from prx_assets.core.ingest.sources import STREAM_ABOVE_BYTES, discover_batches, resolve_batch
 from prx_assets.core.lab import Lab
 from prx_assets.core.tables import IMAGES, REJECTS
-from prx_assets_tests.bounds import fail_after
+from prx_assets_tests.bounds import MIB, fail_after, peak_rss_growth
 
 
 def _jpeg(color) -> bytes:
@@ -264,3 +269,88 @@ def test_deferred_reads_refuse_what_the_parent_would_and_change_no_row(tmp_path,
         rows, rejects = run(workers)
         assert rows == [r for r in eager_rows if r[0] in ("p0.jpg", "p2.jpg")]
         assert rejects == [("p1.jpg", "missing_file"), ("p3.jpg", "symlink")]
+
+
+# --------------------------------------------------------------------------- issue 30: big members
+
+
+def _bmp(size: tuple[int, int]) -> bytes:
+    """An uncompressed BMP (allowed format) of ``size``: over 8 MiB for 1800 x 1700."""
+    ramp = np.tile(np.arange(size[0], dtype=np.uint8), (size[1], 1))
+    buf = io.BytesIO()
+    Image.fromarray(np.dstack([ramp, 255 - ramp, ramp // 2])).save(buf, "BMP")
+    return buf.getvalue()
+
+
+def _archive_with_a_big_member(source: Path, suffix: str, big: int, photo: bytes) -> None:
+    """``<source>/001<suffix>``: a ``big``-byte member of zeros (an image name, not an image:
+    a hole on disk for a plain tar), an 8+ MiB BMP and a small JPEG."""
+    plain = source / "001.tar.plain"
+    with open(plain, "wb") as fh:
+        offset = 0
+        for name, content in (("big.png", big), ("photo.bmp", photo), ("ok.jpg", _jpeg((9,) * 3))):
+            info = tarfile.TarInfo(name)
+            info.size = content if isinstance(content, int) else len(content)
+            header = info.tobuf(format=tarfile.PAX_FORMAT)
+            fh.seek(offset)
+            fh.write(header)
+            if isinstance(content, bytes):
+                fh.write(content)
+            offset += len(header) + -(-info.size // 512) * 512
+        fh.truncate(offset + 2 * 512)
+    if suffix == ".tar":
+        plain.rename(source / "001.tar")
+        return
+    with open(plain, "rb") as src, gzip.open(source / f"001{suffix}", "wb", compresslevel=1) as out:
+        shutil.copyfileobj(src, out, 1 << 20)
+    plain.unlink()
+
+
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
+def test_a_big_archive_member_is_never_held_whole(tmp_path, monkeypatch, suffix):
+    """A member far over the 8 MiB spool threshold (and under the per-file limit) goes
+    through a temporary file and the blob store's staging copy, never through memory: the
+    whole ingest (reading, hashing, decoding, storing; one inline worker, so this process
+    does all of it) peaks well under the member's size. A big member that is an image is
+    accepted with the same key and bytes as if it had been read whole."""
+    big = 192 * MIB
+    spool = tmp_path / "tmp"
+    spool.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spool))
+    source = tmp_path / "landing" / "s"
+    source.mkdir(parents=True)
+    photo = _bmp((1800, 1700))
+    assert len(photo) > STREAM_ABOVE_BYTES
+    _archive_with_a_big_member(source, suffix, big, photo)
+    (source / "000").mkdir()
+    (source / "000" / "warm.jpg").write_bytes(_jpeg((1, 1, 1)))
+    (source / "000" / "_SUCCESS").write_text("")
+    lab = Lab(tmp_path / "lab")
+    sink = lab.local_blobs(IMAGES, "image")
+
+    def ingest(key: str) -> BatchIngest:
+        run = BatchIngest(resolve_batch(tmp_path / "landing", key), workers=1, blob_sink=sink)
+        lab.replace_partition(IMAGES, key, run.image_batches(), stored_blobs=run.stored_blobs)
+        lab.replace_partition(REJECTS, key, run.rejects)
+        return run
+
+    ingest("s.000")  # warm: Lance's first writes allocate what every later one reuses
+    sink = lab.local_blobs(IMAGES, "image")
+    run, growth = peak_rss_growth(lambda: ingest("s.001"))
+    assert growth < big // 4, (
+        f"peak RSS grew by {growth / MIB:.0f} MiB for a {big // MIB} MiB member"
+    )
+    assert (run.stats.seen, run.stats.accepted, run.stats.rejected) == (3, 2, 1)
+    (refused,) = lab.read_batch(REJECTS.name, "s.001").to_pylist()
+    assert (refused["path"], refused["reason"], refused["file_size"]) == (
+        "big.png",
+        "not_an_image",
+        big,
+    )
+    assert refused["key"] == hashlib.sha256(bytes(big)).hexdigest()
+    rows = {r["path"]: r for r in lab.read_batch(IMAGES.name, "s.001").to_pylist()}
+    assert rows["photo.bmp"]["key"] == hashlib.sha256(photo).hexdigest()
+    assert rows["photo.bmp"]["image"] == photo  # read back through the blob store, checked
+    assert (rows["photo.bmp"]["width"], rows["photo.bmp"]["file_size"]) == (1800, len(photo))
+    assert list(spool.iterdir()) == []  # every spooled member and its directory removed
+    assert list((Path(sink.directory) / ".staging").iterdir()) == []

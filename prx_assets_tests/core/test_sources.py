@@ -525,3 +525,40 @@ def test_a_fifo_named_like_an_archive_or_manifest_is_a_clear_batch_error(tmp_pat
     for key in ("s.009", "s.010"):
         with fail_after(10), pytest.raises(BatchError, match="FIFO"):
             list(iter_candidates(resolve_batch(tmp_path, key)))
+
+
+# --------------------------------------------------------------------------- issue 30: names
+
+
+def test_a_folder_file_with_dots_in_its_stem_is_an_image_with_its_sidecars(tmp_path):
+    b = _folder_batch(tmp_path)
+    (b / "IMG.2019.07.14.jpg").write_bytes(_jpeg())
+    (b / "IMG.2019.07.14.txt").write_text("a beach in July")
+    (b / "IMG.2019.07.14.json").write_text(json.dumps({"url": "https://x/beach", "id": "7"}))
+    (b / "photo.final.PNG").write_bytes(_jpeg((1, 2, 3)))  # any case, no sidecar
+    (b / "notes.v2.md").write_text("not an image")
+    cands = {c.path: c for c in iter_candidates(resolve_batch(tmp_path, "s.000"))}
+    assert set(cands) == {"IMG.2019.07.14.jpg", "photo.final.PNG", "notes.v2.md"}
+    beach = cands["IMG.2019.07.14.jpg"]
+    assert beach.error is None and beach.data is not None
+    assert (beach.alt_text, beach.url, beach.source_id) == (
+        "a beach in July",
+        "https://x/beach",
+        "7",
+    )
+    assert cands["photo.final.PNG"].error is None
+    assert cands["notes.v2.md"].error[0] == "unsupported_extension"
+
+
+def test_archives_keep_the_webdataset_first_dot_grouping(tmp_path):
+    # In a tar the key is the name up to the first dot: ``a.seg.png`` is a member of
+    # sample ``a`` (extension ``.seg.png``, not an image), and ``a.txt`` is its alt text.
+    (tmp_path / "s").mkdir()
+    _tar_pax(
+        tmp_path / "s" / "000.tar",
+        [("a.jpg", _jpeg()), ("a.seg.png", _jpeg((9, 9, 9))), ("a.txt", b"a red square")],
+    )
+    cands = {c.path: c for c in iter_candidates(resolve_batch(tmp_path, "s.000"))}
+    assert set(cands) == {"a.jpg", "a.seg.png"}
+    assert cands["a.jpg"].error is None and cands["a.jpg"].alt_text == "a red square"
+    assert cands["a.seg.png"].error[0] == "unsupported_extension"

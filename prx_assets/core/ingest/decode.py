@@ -29,6 +29,7 @@ from __future__ import annotations
 import io
 import warnings
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
@@ -111,19 +112,39 @@ class ImageInfo:
         return self.n_frames > 1
 
 
-def _open(data: bytes, max_pixels: int) -> Image.Image:
-    if not data:
+#: What the validating decode reads: the bytes, or a seekable binary file holding them (a
+#: big file is decoded from its copy in the blob store, never held whole: ingest's runner).
+Source = bytes | BinaryIO
+
+
+def _stream(data: Source) -> BinaryIO:
+    """A fresh stream over ``data``: a new ``BytesIO``, or the file rewound."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        return io.BytesIO(data)
+    data.seek(0)
+    return data
+
+
+def _is_empty(data: Source) -> bool:
+    if isinstance(data, bytes | bytearray | memoryview):
+        return not data
+    data.seek(0, io.SEEK_END)
+    return data.tell() == 0
+
+
+def _open(data: Source, max_pixels: int) -> Image.Image:
+    if _is_empty(data):
         raise DecodeRejected("empty_file", "0 bytes")
     try:
         # formats= restricts which decoders Pillow may even try.
         with warnings.catch_warnings():
             # Our own limit below decides; Pillow's warning would only be noise.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data), formats=list(ALLOWED_FORMATS))
+            img = Image.open(_stream(data), formats=list(ALLOWED_FORMATS))
     except UnidentifiedImageError:
         # Tell "an image we refuse" apart from "not an image at all".
         try:
-            other = Image.open(io.BytesIO(data))
+            other = Image.open(_stream(data))
             fmt = other.format
             other.close()
         except Exception:  # noqa: BLE001 - any failure means: not an image we know
@@ -215,7 +236,7 @@ def to_rgb(img: Image.Image) -> tuple[Image.Image, str]:
 
 
 def _decode_checked(
-    data: bytes, max_pixels: int, draft_size: tuple[int, int] | None
+    data: Source, max_pixels: int, draft_size: tuple[int, int] | None
 ) -> tuple[Image.Image, ImageInfo]:
     """Open by the policy, record what ingest stores, and decode the first frame.
 
@@ -280,7 +301,7 @@ def inspect_image(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageInf
 
 
 def inspect_and_decode(
-    data: bytes,
+    data: Source,
     max_pixels: int = DEFAULT_MAX_PIXELS,
     draft_size: tuple[int, int] | None = None,
 ) -> tuple[ImageInfo, Image.Image | None]:

@@ -7,7 +7,11 @@ bad file never takes down its batch.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import shutil
+import tempfile
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,13 +33,14 @@ from prx_assets.core.ingest.decode import (
 )
 from prx_assets.core.ingest.sources import (
     DEFAULT_MAX_FILE_BYTES,
+    STREAM_ABOVE_BYTES,
     BatchRef,
     Candidate,
     FileRead,
     FileRefused,
     iter_candidates,
 )
-from prx_assets.core.ingest.tables import ensure_usage_signals_column
+from prx_assets.core.ingest.tables import ALIAS_REASON, ensure_usage_signals_column
 from prx_assets.core.lab import Lab
 from prx_assets.core.lab.blobs import LocalBlobs
 from prx_assets.core.tables import IMAGES, REJECTS
@@ -138,6 +143,8 @@ def check_and_store(item: tuple[bytes | FileRead, int, LocalBlobs | None]) -> Fi
     source, max_pixels, sink = item
     if isinstance(source, FileRead):
         try:
+            if sink is not None and source.size() > STREAM_ABOVE_BYTES:
+                return _check_and_store_big(source, max_pixels, sink)
             data = source.read()
         except FileRefused as exc:
             return None, (exc.reason, bound_text(exc.detail)), False, 0
@@ -151,6 +158,43 @@ def check_and_store(item: tuple[bytes | FileRead, int, LocalBlobs | None]) -> Fi
     except OSError:
         return key, result, False, len(data)
     return key, result, True, len(data)
+
+
+def _check_and_store_big(read: FileRead, max_pixels: int, sink: LocalBlobs) -> FileChecked:
+    """``check_and_store`` for a file over ``STREAM_ABOVE_BYTES``, never held whole: copied
+    in bounded chunks into the blob store's staging area while hashed, validated by decoding
+    that copy (what is checked is exactly what is stored, even if the source changes
+    meanwhile), then renamed into place as its blob, or deleted when refused. No pHash
+    thumbnail is kept for it (``image_hashes`` decodes the blob itself); the review preview
+    is. ``FileRefused`` when the file cannot be read."""
+    staged = sink.staging_path()
+    try:
+        with open(staged, "w+b") as fh:
+            key, size = read.copy_to(fh)
+            fh.flush()
+            try:
+                info, rgb = inspect_and_decode(
+                    fh, max_pixels, (FAST_DRAFT_TARGET, FAST_DRAFT_TARGET)
+                )
+            except DecodeRejected as exc:
+                return key, (exc.reason, exc.detail), False, size
+        preview = None
+        if rgb is not None:
+            try:
+                preview = preview_of_decoded(rgb)
+            except Exception:  # noqa: BLE001 - no preview: the gallery decodes the original
+                preview = None
+        try:
+            sink.put_staged(staged, key)
+        except OSError:
+            # Not stored here: the parent stores it (reading it again) or reports why not.
+            return key, (info, None, preview), False, size
+        return key, (info, None, preview), True, size
+    finally:
+        try:
+            os.unlink(staged)  # refused, or not stored (a stored one was renamed away)
+        except FileNotFoundError:
+            pass
 
 
 def migrate_images_table(lab: Lab) -> list[str]:
@@ -234,6 +278,10 @@ class BatchIngest:
                 "source": c.source,
                 "key": key,
                 "file_size": len(c.data) if c.data is not None else c.size,
+                # Every name the file carried: for a byte-identical repeat (ALIAS_REASON),
+                # aliases of the copy kept, which opt-out lists and the audit match.
+                "url": c.url,
+                "source_id": c.source_id,
             }
         )
 
@@ -246,9 +294,14 @@ class BatchIngest:
         # read the files themselves too, so the parent neither reads nor ships the images.
         sink = self.blob_sink if pool.same_machine else None
         defer = sink is not None
+        # Big archive members are copied here rather than into memory (sources.spool_member),
+        # each deleted once checked; the directory goes when the run ends, however it ends.
+        spool_dir = tempfile.mkdtemp(prefix="prx-ingest-") if defer else None
 
         def tasks() -> Iterator[tuple | None]:
-            for c in iter_candidates(self.ref, self.max_file_bytes, defer_reads=defer):
+            for c in iter_candidates(
+                self.ref, self.max_file_bytes, defer_reads=defer, spool_dir=spool_dir
+            ):
                 pending.append(c)
                 source = c.data if c.data is not None else c.deferred
                 if c.error is not None or source is None:
@@ -258,13 +311,21 @@ class BatchIngest:
 
         try:
             for out in pool.map_ordered(_check_or_skip, tasks()):
-                yield pending.popleft(), out
+                c = pending.popleft()
+                yield c, out
+                if c.deferred is not None and c.deferred.temporary:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(c.deferred.path)
         finally:
             pool.close()
+            if spool_dir is not None:
+                shutil.rmtree(spool_dir, ignore_errors=True)
 
     def _key_of(self, c: Candidate) -> str | None:
         """The sha256 of a candidate's bytes, read here if need be (None: unreadable now)."""
         try:
+            if c.data is None and c.deferred is not None:
+                return c.deferred.sha256()  # read in bounded chunks, never held whole
             return hashlib.sha256(c.read()).hexdigest()
         except FileRefused:
             return None
@@ -308,7 +369,7 @@ class BatchIngest:
             if key in first_path_of_key:
                 self._reject(
                     c,
-                    "duplicate_bytes_in_batch",
+                    ALIAS_REASON,  # its url / source id / path become the kept copy's aliases
                     f"same bytes as {quote_bounded(first_path_of_key[key])} in this batch",
                     key,
                 )

@@ -50,8 +50,17 @@ the file is read:
   lists and the audit match on, so an image whose metadata cannot be trusted is not
   ingested without it.
 
-Nothing is extracted to disk: archive members are read into memory (at most one sample,
-at most the limit), after a first pass over the headers that sizes each sample.
+Archive members are never extracted under their own names: a sample's members are read into
+memory (at most one sample, at most the limit) after a first pass over the headers that
+sizes each sample, except that when the validating workers read files themselves
+(``defer_reads``), an image member over ``STREAM_ABOVE_BYTES`` (8 MiB) is copied in 1 MiB
+chunks to an anonymous temporary file and handed over like a folder file, so no process
+holds a big member whole (``spool_member``).
+
+Sample grouping: in archives, the WebDataset rule (a member's key is its name up to the
+first dot of its basename: ``a.seg.png`` belongs to sample ``a``); in folders, a file's
+extension is its last suffix, so ``IMG.2019.07.14.jpg`` is a JPEG whose sidecars are
+``IMG.2019.07.14.txt`` / ``.json``.
 """
 
 from __future__ import annotations
@@ -68,10 +77,11 @@ import posixpath
 import re
 import stat
 import tarfile
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -109,6 +119,11 @@ MAX_NAME_BYTES = 4096  # PATH_MAX: longer names cannot be a path on any filesyst
 MAX_MANIFEST_LINE_BYTES = 1024 * 1024  # one CSV manifest line
 SOURCE_DEFAULTS_MAX_BYTES = 1024 * 1024
 MANIFEST_BATCH_ROWS = 1024
+#: Files over this many bytes are never held whole: an archive member is spooled to a
+#: temporary file (``spool_member``) and, like a folder file, copied into the blob store in
+#: ``COPY_CHUNK_BYTES`` chunks and decoded from that copy (``runner.check_and_store``).
+STREAM_ABOVE_BYTES = 8 * 1024 * 1024
+COPY_CHUNK_BYTES = 1024 * 1024
 _NAME_QUOTE_BYTES = 200
 _KEY_SAFE = re.compile(r"[^A-Za-z0-9_\-]+")
 MANIFEST_COLUMNS = {
@@ -158,15 +173,49 @@ class FileRead:
     path: bytes
     max_bytes: int
     quoted: str | None = None
+    # A temporary copy of an archive member (``spool_member``), deleted once it is checked.
+    temporary: bool = False
+
+    def _named(self, exc: FileRefused) -> FileRefused:
+        return (
+            exc if self.quoted is None else FileRefused(exc.reason, f"{self.quoted} {exc.detail}")
+        )
 
     def read(self) -> bytes:
         """The file's bytes, or ``FileRefused`` (missing, a link, not regular, too large...)."""
         try:
             return read_regular_file(self.path, self.max_bytes)
         except FileRefused as exc:
-            if self.quoted is None:
-                raise
-            raise FileRefused(exc.reason, f"{self.quoted} {exc.detail}") from None
+            raise self._named(exc) from None
+
+    def size(self) -> int:
+        """The file's size now (``FileRefused`` as ``read``): whether to read or stream it."""
+        fd, size = self._open()
+        os.close(fd)
+        return size
+
+    def _open(self) -> tuple[int, int]:
+        try:
+            return open_regular_file(self.path, self.max_bytes)
+        except FileRefused as exc:
+            raise self._named(exc) from None
+
+    def copy_to(self, out: BinaryIO) -> tuple[str, int]:
+        """Copy the file into ``out`` in bounded chunks (``copy_regular_file``): the sha256
+        and size of the bytes copied, or ``FileRefused`` as ``read``."""
+        try:
+            return copy_regular_file(self.path, self.max_bytes, out)
+        except FileRefused as exc:
+            raise self._named(exc) from None
+
+    def sha256(self) -> str:
+        """The sha256 (hex) of the file's bytes, read in bounded chunks."""
+
+        class _Discard:
+            def write(self, data: bytes) -> int:
+                return len(data)
+
+        return self.copy_to(_Discard())[0]  # type: ignore[arg-type]
 
 
 @dataclass
@@ -340,12 +389,13 @@ def _too_large(size: int, limit: int, what: str = "file") -> FileRefused:
     return FileRefused(TOO_LARGE, f"{what} is {size:,} bytes, over the {limit:,}-byte limit")
 
 
-def read_regular_file(path: str | bytes | os.PathLike[str], max_bytes: int) -> bytes:
-    """The bytes of a regular file of at most ``max_bytes``, or ``FileRefused``.
+def open_regular_file(path: str | bytes | os.PathLike[str], max_bytes: int) -> tuple[int, int]:
+    """An open descriptor on a regular file of at most ``max_bytes``, and its size, or
+    ``FileRefused`` (nothing left open).
 
     Checked on the open descriptor before reading: the final component is no symlink
     (``O_NOFOLLOW``), the file is regular (a FIFO is opened non-blocking and refused, never
-    waited on) and not over the limit. A file that grows while read is refused too.
+    waited on) and not over the limit. The caller closes the descriptor.
     """
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     try:
@@ -362,21 +412,60 @@ def read_regular_file(path: str | bytes | os.PathLike[str], max_bytes: int) -> b
             raise FileRefused(NOT_A_FILE, f"is {_file_kind(st.st_mode)}")
         if st.st_size > max_bytes:
             raise _too_large(st.st_size, max_bytes)
-        parts: list[bytes] = []
-        got = 0
-        while got < st.st_size:
-            chunk = os.read(fd, st.st_size - got)
-            if not chunk:
+    except OSError as exc:
+        os.close(fd)
+        raise FileRefused(UNREADABLE, f"cannot be inspected: {exc.strerror}") from None
+    except FileRefused:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def _fd_chunks(fd: int, size: int, chunk: int | None = None) -> Iterator[bytes]:
+    """The ``size`` bytes of an open file, in chunks of at most ``chunk`` (None: as the
+    kernel gives them); a file that grew while read is refused (``FileRefused``)."""
+    got = 0
+    try:
+        while got < size:
+            part = os.read(fd, size - got if chunk is None else min(chunk, size - got))
+            if not part:
                 break
-            parts.append(chunk)
-            got += len(chunk)
+            got += len(part)
+            yield part
         if os.read(fd, 1):
             raise FileRefused(UNREADABLE, "the file grew while it was read")
     except OSError as exc:
         raise FileRefused(UNREADABLE, f"read failed: {exc.strerror}") from None
+
+
+def read_regular_file(path: str | bytes | os.PathLike[str], max_bytes: int) -> bytes:
+    """The bytes of a regular file of at most ``max_bytes``, or ``FileRefused``
+    (``open_regular_file``'s checks; a file that grows while read is refused too)."""
+    fd, size = open_regular_file(path, max_bytes)
+    try:
+        parts = list(_fd_chunks(fd, size))
     finally:
         os.close(fd)
     return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def copy_regular_file(
+    path: str | bytes | os.PathLike[str], max_bytes: int, out: BinaryIO
+) -> tuple[str, int]:
+    """Copy a regular file into ``out`` in ``COPY_CHUNK_BYTES`` chunks (the same checks and
+    refusals as ``read_regular_file``, never more than a chunk held): the sha256 (hex) and
+    size of exactly the bytes copied."""
+    fd, size = open_regular_file(path, max_bytes)
+    digest = hashlib.sha256()
+    copied = 0
+    try:
+        for part in _fd_chunks(fd, size, COPY_CHUNK_BYTES):
+            digest.update(part)
+            out.write(part)
+            copied += len(part)
+    finally:
+        os.close(fd)
+    return digest.hexdigest(), copied
 
 
 def _display_path(raw: bytes) -> str:
@@ -412,6 +501,9 @@ class _Entry:
     size: int | None = None
     read: Callable[[], bytes] | None = None  # bytes, or raises FileRefused
     deferred: FileRead | None = None  # the same read, for another process to do
+    # A big archive member: copied to a temporary file there (``spool_member``), to be
+    # read by whoever validates it like a folder file (with ``defer``).
+    spool: Callable[[], FileRead] | None = None
 
 
 def _sidecar_fields(
@@ -446,11 +538,23 @@ def _sidecar_fields(
 
 
 def _split_ext(name: str) -> tuple[str, str]:
-    """WebDataset grouping: the key is everything before the first dot of the basename."""
+    """WebDataset grouping (archives): the key is everything before the first dot of the
+    basename, so ``a.seg.png`` is member ``.seg.png`` of sample ``a``."""
     directory, base = posixpath.split(name)
     if "." not in base:
         return name, ""
     stem, ext = base.split(".", 1)
+    return posixpath.join(directory, stem), "." + ext.lower()
+
+
+def _split_last_ext(name: str) -> tuple[str, str]:
+    """Folder grouping: a plain file's extension is its last suffix, so a camera's
+    ``IMG.2019.07.14.jpg`` is a JPEG (stem ``IMG.2019.07.14``, whose sidecars are
+    ``IMG.2019.07.14.txt`` / ``.json``), not the unknown extension ``.2019.07.14.jpg``."""
+    directory, base = posixpath.split(name)
+    stem, dot, ext = base.rpartition(".")
+    if not dot or not stem:
+        return name, ""
     return posixpath.join(directory, stem), "." + ext.lower()
 
 
@@ -461,8 +565,14 @@ def _with_defaults(c: Candidate, ref: BatchRef) -> Candidate:
 
 
 def _refused(ref: BatchRef, e: _Entry, exc: FileRefused) -> Candidate:
+    # A spooled member refused after its copy (its sample turned out too large, or a
+    # sidecar was bad) still names its temporary file, for the caller to delete.
+    spooled = e.deferred if e.deferred is not None and e.deferred.temporary else None
     return _with_defaults(
-        Candidate(e.path, None, error=(exc.reason, bound_text(exc.detail)), size=e.size), ref
+        Candidate(
+            e.path, None, error=(exc.reason, bound_text(exc.detail)), size=e.size, deferred=spooled
+        ),
+        ref,
     )
 
 
@@ -512,6 +622,8 @@ def _sample_candidates(
                     f"its sidecar {', '.join(problems[:3])} was refused, so its metadata "
                     "(URL, id, licence) is unknown",
                 )
+            if defer and e.deferred is None and e.spool is not None:
+                e.deferred = e.spool()  # a big member: never held whole here
             if defer and e.deferred is not None:
                 yield _with_defaults(
                     Candidate(e.path, None, size=e.size, deferred=e.deferred, **fields), ref
@@ -596,7 +708,7 @@ def _iter_folder(ref: BatchRef, max_file_bytes: int, defer: bool = False) -> Ite
                 continue
             full = os.path.join(root, name)
             rel = Path(os.path.relpath(full, ref.path)).as_posix()
-            stem, ext = _split_ext(rel)
+            stem, ext = _split_last_ext(rel)
             groups.setdefault(stem, []).append((full, rel, ext))
     yield from unlisted
     for stem in sorted(groups):
@@ -705,6 +817,38 @@ def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
         raise FileRefused(UNREADABLE, f"archive member unreadable: {bound_text(str(exc))}") from exc
 
 
+def spool_member(
+    tar: tarfile.TarFile, member: tarfile.TarInfo, directory: str, max_bytes: int
+) -> FileRead:
+    """Copy one archive member to a new temporary file in ``directory``, in
+    ``COPY_CHUNK_BYTES`` chunks, so a big member is never held whole in memory: the file
+    for the validating process to read like a folder file (``FileRead.temporary``: deleted
+    once checked). A member shorter than its header says is refused as unreadable."""
+    fd, path = tempfile.mkstemp(dir=directory, prefix="member-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            f = tar.extractfile(member)
+            copied = 0
+            while f is not None:
+                part = f.read(COPY_CHUNK_BYTES)
+                if not part:
+                    break
+                out.write(part)
+                copied += len(part)
+        if copied != member.size:
+            raise FileRefused(
+                UNREADABLE,
+                f"archive member holds {copied:,} bytes, its header says {member.size:,}",
+            )
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        os.unlink(path)
+        raise FileRefused(UNREADABLE, f"archive member unreadable: {bound_text(str(exc))}") from exc
+    except BaseException:
+        os.unlink(path)
+        raise
+    return FileRead(os.fsencode(path), max_bytes, temporary=True)
+
+
 def _oversized(stem: str, total: int, max_file_bytes: int) -> FileRefused:
     return FileRefused(
         TOO_LARGE,
@@ -713,7 +857,9 @@ def _oversized(stem: str, total: int, max_file_bytes: int) -> FileRefused:
     )
 
 
-def _iter_archive(ref: BatchRef, max_file_bytes: int) -> Iterator[Candidate]:
+def _iter_archive(
+    ref: BatchRef, max_file_bytes: int, spool_dir: str | None = None
+) -> Iterator[Candidate]:
     """One pass, one sample (a run of adjacent members sharing a stem) at a time; a sample
     whose members' sizes (from their headers) add up to more than the limit is refused
     whole, and never more than the limit is held.
@@ -721,9 +867,12 @@ def _iter_archive(ref: BatchRef, max_file_bytes: int) -> Iterator[Candidate]:
     An uncompressed archive's members are read when their sample ends, by seeking back, so
     an oversized sample is never read. A compressed one cannot seek back cheaply: members
     are read as they come while their sample fits, and dropped if it turns out not to; the
-    stream is decompressed once.
+    stream is decompressed once. With ``spool_dir``, an image member over
+    ``STREAM_ABOVE_BYTES`` is not read into memory: it is copied to a temporary file there
+    (``spool_member``) and yielded unread (``Candidate.deferred``), like a folder file.
     """
     tar = _open_tar(ref)
+    spooling = spool_dir is not None  # big members come unread (``Candidate.deferred``)
     seekable = not isinstance(tar.fileobj, (gzip.GzipFile, bz2.BZ2File, lzma.LZMAFile))
     group: list[_Entry] = []
     current: str | None = None
@@ -742,26 +891,41 @@ def _iter_archive(ref: BatchRef, max_file_bytes: int) -> Iterator[Candidate]:
             for member in _members(tar):
                 stem, ext = _split_ext(member.name)
                 if stem != current or not group:
-                    yield from _sample_candidates(ref, sample())
+                    yield from _sample_candidates(ref, sample(), spooling)
                     group, current, total = [], stem, 0
                 raw = member.name.encode("utf-8", "surrogateescape")
                 e = _Entry(_display_path(raw), ext, size=member.size)
                 e.refusal = _member_refusal(member, ext, max_file_bytes)
                 if e.refusal is None:
                     total += member.size
+                    big = (
+                        spool_dir is not None
+                        and ext in IMAGE_EXTENSIONS
+                        and member.size > STREAM_ABOVE_BYTES
+                    )
                     if seekable:
-                        e.read = lambda m=member: _read_member(tar, m)
+                        if big:
+                            assert spool_dir is not None
+                            e.spool = lambda m=member, d=spool_dir: spool_member(
+                                tar, m, d, max_file_bytes
+                            )
+                        else:
+                            e.read = lambda m=member: _read_member(tar, m)
                     elif total <= max_file_bytes:
                         try:
-                            data = _read_member(tar, member)
-                            e.read = lambda data=data: data
+                            if big:
+                                assert spool_dir is not None
+                                e.deferred = spool_member(tar, member, spool_dir, max_file_bytes)
+                            else:
+                                data = _read_member(tar, member)
+                                e.read = lambda data=data: data
                         except FileRefused as exc:
                             e.refusal = exc
                 group.append(e)
-            yield from _sample_candidates(ref, sample())
+            yield from _sample_candidates(ref, sample(), spooling)
         except (tarfile.TarError, OSError, EOFError) as exc:
             # A damaged archive: keep the samples before the damage, record it once.
-            yield from _sample_candidates(ref, sample())
+            yield from _sample_candidates(ref, sample(), spooling)
             yield _with_defaults(
                 Candidate(
                     printable_name(ref.path.name),
@@ -957,7 +1121,10 @@ def _iter_manifest(ref: BatchRef, max_file_bytes: int, defer: bool = False) -> I
 
 
 def iter_candidates(
-    ref: BatchRef, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, defer_reads: bool = False
+    ref: BatchRef,
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+    defer_reads: bool = False,
+    spool_dir: str | None = None,
 ) -> Iterator[Candidate]:
     """Every input file of a batch, in a deterministic order, readable or not.
 
@@ -966,6 +1133,10 @@ def iter_candidates(
     and manifests come unread, for the process that validates them to read
     (``Candidate.deferred``, the same checks and refusals); archive members are read here
     (one sequential stream), and so are sidecars (their metadata is the candidate's).
+    ``spool_dir`` (with ``defer_reads``): an archive's image members over
+    ``STREAM_ABOVE_BYTES`` are copied to temporary files there instead of into memory, and
+    come unread too (``FileRead.temporary``: the caller deletes each once checked, and the
+    directory when done).
     """
     if ref.kind in ("archive", "manifest"):
         try:
@@ -977,7 +1148,7 @@ def iter_candidates(
     if ref.kind == "folder":
         yield from _iter_folder(ref, max_file_bytes, defer_reads)
     elif ref.kind == "archive":
-        yield from _iter_archive(ref, max_file_bytes)
+        yield from _iter_archive(ref, max_file_bytes, spool_dir if defer_reads else None)
     elif ref.kind == "manifest":
         yield from _iter_manifest(ref, max_file_bytes, defer_reads)
     else:

@@ -1,4 +1,5 @@
-"""The ingest stage's lab tables: every accepted image, every refused file."""
+"""The ingest stage's lab tables: every accepted image, every refused file (and, for a refused
+byte-identical copy, the names it carried: aliases of the image kept)."""
 
 from __future__ import annotations
 
@@ -66,11 +67,41 @@ REJECTS = TableSpec(
             pa.field("source", pa.string()),
             pa.field("key", pa.string()),  # sha256 when bytes were readable
             pa.field("file_size", pa.int64()),
+            # The identifiers the refused file carried (manifest columns, sidecars), so the
+            # audit finds a refused file by them too. A ``duplicate_bytes_in_batch`` row is an
+            # *alias* of the accepted copy (``batch``, ``key``): the same bytes train under
+            # the other name, so opt-out lists naming this URL / ``source:id`` / path match
+            # that copy (``ALIAS_REASON``, ``core/skiplists/matching``).
+            pa.field("url", pa.string()),
+            pa.field("source_id", pa.string()),
         ]
     ),
     identity=("batch", "path"),
-    indexes=(("batch", "BITMAP"), ("path", "BTREE"), ("key", "BTREE")),  # audit look-ups
+    indexes=(
+        ("batch", "BITMAP"),
+        ("path", "BTREE"),
+        ("key", "BTREE"),
+        ("url", "BTREE"),  # opt-out matching and the audit look aliases up by them
+        ("source_id", "BTREE"),
+    ),
 )
+
+#: The ``rejects`` reason whose row is an alias of an accepted image: a byte-identical copy
+#: of a file the batch kept (same ``batch`` and ``key``), refused only as a repeat.
+ALIAS_REASON = "duplicate_bytes_in_batch"
+
+
+def migrate_rejects_table(lab: Lab) -> list[str]:
+    """Give a ``rejects`` table written under an older spec the columns this one adds
+    (``url``, ``source_id``: null, so its old rows carry no aliases until their batch is
+    ingested again). Returns the names added."""
+    if not lab.exists(REJECTS.name):
+        return []
+    have = set(lab.dataset(REJECTS.name).schema.names)
+    missing = [f for f in REJECTS.schema if f.name not in have]
+    if missing:
+        lab.add_columns(REJECTS.name, missing)
+    return [f.name for f in missing]
 
 
 def ensure_usage_signals_column(lab: Lab) -> bool:

@@ -36,7 +36,7 @@ import lance
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prx_assets.core.lab.blobs import BlobStore
+from prx_assets.core.lab.blobs import STAGING_DIR, BlobStore
 from prx_assets.core.lab.io import open_dataset
 
 #: About this many references are held in memory at once (~100 bytes each in a set).
@@ -167,6 +167,17 @@ def sweep_blobs(
                             deleted_bytes += info.st_size
                         else:
                             temporaries += 1
+    # Staged values a killed writer left (``LocalBlobs.staging_path``): never a blob, never
+    # renamed into place once older than ``min_age`` (a live copy is seconds old).
+    staging = os.path.join(base, STAGING_DIR)
+    if os.path.isdir(staging):
+        with os.scandir(staging) as entries:
+            for entry in entries:
+                if not entry.name.endswith(".tmp") or not entry.is_file(follow_symlinks=False):
+                    continue
+                if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                    os.unlink(entry.path)
+                    temporaries += 1
     return BlobSweep(
         table,
         versions=n_versions,

@@ -37,6 +37,7 @@ from prx_assets.core.lab.io import arrow_filesystem
 
 BLOB_METADATA = {b"prx.blob": b"sha256"}
 BLOB_DIR = "_blobs"
+STAGING_DIR = ".staging"  # under a table's blob directory: values being written in chunks
 _REMOTE_READ_THREADS = 16
 
 
@@ -126,6 +127,32 @@ class LocalBlobs:
         view = memoryview(data)
         ref = sha256 if sha256 is not None else hashlib.sha256(view).hexdigest()
         return ref, _put_local(self._path(ref), view)
+
+    def staging_path(self) -> str:
+        """A new, unused path in this directory's ``.staging/`` (same filesystem as the
+        blobs) for a value written in chunks and then put with ``put_staged``. Why: a big
+        value is never held whole; its writer copies it there while hashing it. The
+        collector never looks there; a writer killed mid-copy leaves its file behind."""
+        staging = Path(self.directory) / STAGING_DIR
+        staging.mkdir(parents=True, exist_ok=True)
+        return str(staging / f"{uuid.uuid4().hex}.tmp")
+
+    def put_staged(self, staged: str, sha256: str) -> int:
+        """Make the staged file (``staging_path``) blob ``sha256`` (the hex digest its writer
+        computed of exactly its bytes), renamed into place; the bytes newly stored (0, and
+        the staged file deleted, when the blob is there whole already)."""
+        path = self._path(sha256)
+        size = os.stat(staged).st_size
+        try:
+            if os.stat(path).st_size == size:
+                os.utime(path)  # fresh for the collector, as in ``put``
+                os.unlink(staged)
+                return 0
+        except FileNotFoundError:
+            pass
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staged, path)  # atomic: the name holds the whole value or nothing
+        return size
 
     def get(self, ref: str) -> bytes:
         """The bytes of ``ref``, checked against it; a missing or altered blob raises."""

@@ -39,7 +39,7 @@ from prx_assets.core.skiplists.optouts import (
     make_list_id,
     parse_list_file,
 )
-from prx_assets.core.tables import IMAGES, OPT_OUT_LISTS, OPT_OUTS
+from prx_assets.core.tables import IMAGES, OPT_OUT_LISTS, OPT_OUTS, REJECTS
 from prx_assets.core.text import printable_name
 
 STATUS_ACCEPTED = "accepted"
@@ -214,7 +214,10 @@ class ListIntake:
         item = find_list_file(self.directory, self.list_id)
         # The images spec declares the key/url/source_id BTREEs resolution probes; a lab
         # written before they were declared gets them here.
-        indexes = tuple(self.lab.ensure_indexes(IMAGES))
+        indexes = tuple(self.lab.ensure_indexes(IMAGES)) + tuple(
+            f"rejects.{c}"
+            for c in self.lab.ensure_indexes(REJECTS)  # alias look-ups
+        )
         prior = recorded_list(self.lab, item.list_id)
         received_at = prior["received_at"] if prior else self.now
         shown = printable_name(os.fsencode(item.path))

@@ -9,6 +9,12 @@ partition, never the corpus:
 - at decision time, ``skip_lists`` asks, for the images of its partition and their copies,
   which accepted lists name any of them (``opt_outs.identifier`` BTREE): matching from the
   partition side, so a list received before a batch was ingested still applies to it.
+
+Aliases: a file ingest refused as a byte-identical repeat of one it kept
+(``rejects.reason = ALIAS_REASON``) carried its own URL and ``source:id``; the same bytes
+train under the kept copy's name. Both directions match those names exactly like the kept
+copy's own (``rejects.url`` / ``rejects.source_id`` BTREEs): a list naming the repeat
+matches the kept (batch, key).
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from collections.abc import Iterable, Sequence
 import pyarrow as pa
 
 from prx_assets.core.batching import chunked
-from prx_assets.core.lab import Lab, in_list
+from prx_assets.core.ingest.tables import ALIAS_REASON
+from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
 from prx_assets.core.skiplists.identifiers import (
     KIND_KEY,
     KIND_SOURCE_ID,
@@ -26,7 +33,7 @@ from prx_assets.core.skiplists.identifiers import (
     KINDS,
     OptOutIdentifier,
 )
-from prx_assets.core.tables import IMAGES, OPT_OUTS, SHARD_SAMPLES
+from prx_assets.core.tables import IMAGES, OPT_OUTS, REJECTS, SHARD_SAMPLES
 
 LOOKUP_CHUNK = 512  # values per ``IN (...)`` probe: each is one scalar-index lookup
 
@@ -42,15 +49,46 @@ def match_filter(kind: str, values: Sequence[str]) -> str:
     raise ValueError(f"unknown identifier kind {kind!r}; expected one of {KINDS}")
 
 
+ALIAS_FILTER = f"reason = {sql_literal(ALIAS_REASON)} AND key IS NOT NULL"
+
+
+def has_aliases(view: LabView) -> bool:
+    """Whether ``rejects`` records aliases (a table from before them has no ``url`` column:
+    its batches are ingested again, ``raw_images`` v4, before their aliases are known)."""
+    schema = view.schema(REJECTS.name)
+    return schema is not None and "url" in schema.names and "source_id" in schema.names
+
+
 def resolve_identifiers(
     lab: Lab, identifiers: Sequence[OptOutIdentifier]
 ) -> dict[OptOutIdentifier, list[tuple[str, str]]]:
-    """Identifier -> sorted (batch, key) pairs of the images it names (empty: none yet)."""
+    """Identifier -> sorted (batch, key) pairs of the images it names (empty: none yet):
+    by the images' own identifiers and by their aliases (a refused byte-identical repeat's
+    URL or ``source:id`` names the copy kept)."""
     out: dict[OptOutIdentifier, list[tuple[str, str]]] = {i: [] for i in identifiers}
     view = lab.view()
-    if not identifiers or not view.exists(IMAGES.name):
+    if not identifiers:
         return out
+    tables = [t for t in (IMAGES.name,) if view.exists(t)]
+    if has_aliases(view):
+        tables.append(REJECTS.name)
+    for table in tables:
+        _resolve_in(view, table, identifiers, out)
+    return {i: sorted(set(m)) for i, m in out.items()}
+
+
+def _resolve_in(
+    view: LabView,
+    table: str,
+    identifiers: Sequence[OptOutIdentifier],
+    out: dict[OptOutIdentifier, list[tuple[str, str]]],
+) -> None:
+    """Add the (batch, key) pairs ``table``'s rows give the identifiers (``rejects``: its
+    alias rows only, each naming the copy its batch kept)."""
+    alias = table == REJECTS.name
     for kind in KINDS:
+        if alias and kind == KIND_KEY:
+            continue  # a repeat's key is the kept copy's: matched in ``images``
         group = [i for i in identifiers if i.kind == kind]
         if kind == KIND_SOURCE_ID:
             by_value: dict[tuple[str | None, str], list[OptOutIdentifier]] = {}
@@ -64,7 +102,10 @@ def resolve_identifiers(
             column = {KIND_KEY: "key", KIND_URL: "url"}[kind]
             columns = list(dict.fromkeys(["batch", "key", column]))
         for chunk in chunked(probe, LOOKUP_CHUNK):
-            rows = view.read(IMAGES.name, columns, match_filter(kind, chunk)).to_pylist()
+            flt = match_filter(kind, chunk)
+            if alias:
+                flt = f"{ALIAS_FILTER} AND {flt}"
+            rows = view.read(table, columns, flt).to_pylist()
             for r in rows:
                 if kind == KIND_SOURCE_ID:
                     hits = by_value.get((r["source"], r["source_id"]), [])
@@ -72,7 +113,6 @@ def resolve_identifiers(
                     hits = by_value.get((None, r[column]), [])
                 for i in hits:
                     out[i].append((r["batch"], r["key"]))
-    return {i: sorted(set(m)) for i, m in out.items()}
 
 
 def sharded_batches(lab: Lab, pairs: Iterable[tuple[str, str]]) -> set[str]:
@@ -93,9 +133,26 @@ def sharded_batches(lab: Lab, pairs: Iterable[tuple[str, str]]) -> set[str]:
     return found
 
 
+def alias_rows(view: LabView, keys: Iterable[str]) -> pa.Table:
+    """The alias rows (key, url, source, source_id) of these image keys: the refused
+    byte-identical repeats of them (empty when ``rejects`` records no aliases)."""
+    wanted = sorted(set(keys))
+    columns = ["key", "url", "source", "source_id"]
+    parts = []
+    if wanted and has_aliases(view):
+        for chunk in chunked(wanted, LOOKUP_CHUNK):
+            flt = f"{ALIAS_FILTER} AND {in_list('key', chunk)}"
+            parts.append(view.read(REJECTS.name, columns, flt))
+    schema = pa.schema([(c, pa.string()) for c in columns])
+    return pa.concat_tables(
+        [p.select(columns).cast(schema) for p in parts] or [schema.empty_table()]
+    )
+
+
 def candidate_identifiers(images: pa.Table) -> dict[tuple[str, str], set[str]]:
     """(kind, canonical identifier) -> image keys, for ``images`` rows (key, url, source,
-    source_id): every way an opt-out list could name these images."""
+    source_id): every way an opt-out list could name these images. Alias rows
+    (``alias_rows``) have the same columns: their names map to the kept copy's key."""
     out: dict[tuple[str, str], set[str]] = {}
     cols = {c: images.column(c).to_pylist() for c in ("key", "url", "source", "source_id")}
     for key, url, source, sid in zip(*cols.values(), strict=True):
@@ -109,11 +166,16 @@ def candidate_identifiers(images: pa.Table) -> dict[tuple[str, str], set[str]]:
 
 def opted_out_keys(lab: Lab, images: pa.Table) -> dict[str, tuple[str, ...]]:
     """Image key -> sorted ids of the accepted lists that name it, matched from the images'
-    side (``identifier IN (...)`` probes on the ``opt_outs`` BTREE index). No table: none."""
+    side (``identifier IN (...)`` probes on the ``opt_outs`` BTREE index), by the images'
+    own identifiers and by their aliases' (``alias_rows``). No table: none."""
     view = lab.view()
     if images.num_rows == 0 or not view.exists(OPT_OUTS.name):
         return {}
-    candidates = candidate_identifiers(images)
+    ids = images.select(["key", "url", "source", "source_id"])
+    aliases = alias_rows(view, ids.column("key").to_pylist())
+    if aliases.num_rows:
+        ids = pa.concat_tables([ids.cast(aliases.schema), aliases])
+    candidates = candidate_identifiers(ids)
     hits: dict[str, set[str]] = {}
     values = sorted({v for _, v in candidates})
     for chunk in chunked(values, LOOKUP_CHUNK):

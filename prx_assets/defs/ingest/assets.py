@@ -4,6 +4,7 @@ from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, ass
 
 from prx_assets.core.ingest.remote_landing import landing_batch
 from prx_assets.core.ingest.runner import BatchIngest, migrate_images_table
+from prx_assets.core.ingest.tables import migrate_rejects_table
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.defs.metadata import counts_table
 from prx_assets.defs.partitions import BATCHES
@@ -14,7 +15,8 @@ from prx_assets.defs.resources import LabResource
     partitions_def=BATCHES,
     group_name="ingest",
     kinds={"lance"},
-    code_version="raw_images-v3",  # v3: captures opt-out headers (usage_signals)
+    # v3: captures opt-out headers (usage_signals); v4: rejects carry url/source_id (aliases)
+    code_version="raw_images-v4",
     description=(
         "Every file of the batch validated by the decoding policy: accepted images "
         "(with original bytes) in Lance `images`, every refusal with its reason in `rejects`."
@@ -28,6 +30,7 @@ def raw_images(context: AssetExecutionContext, lab: LabResource) -> MaterializeR
     ):
         store = lab.lab()
         migrate_images_table(store)  # an images table from before signal capture / thumbnails
+        migrate_rejects_table(store)  # a rejects table from before aliases (url, source_id)
         run = BatchIngest(
             ref,
             max_pixels=lab.max_pixels,
