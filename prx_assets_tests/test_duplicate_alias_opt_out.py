@@ -37,17 +37,17 @@ def _land_manifest(platform: Platform, coffee: bytes, bystander: bytes) -> None:
     source ids, two paths, identical bytes) and a bystander."""
     source = platform.root / "landing" / "crawl"
     (source / "files").mkdir(parents=True)
-    rows = [
-        ("files/a.jpg", coffee, KEPT_URL, "id-a"),
-        ("files/b.jpg", coffee, COPY_URL, "id-b"),
-        ("files/c.jpg", bystander, "https://cdn-a.example/cat.jpg", "id-c"),
+    rows = [  # the mirror's response said X-Robots-Tag: noai; the first CDN's said nothing
+        ("files/a.jpg", coffee, KEPT_URL, "id-a", ""),
+        ("files/b.jpg", coffee, COPY_URL, "id-b", "noai"),
+        ("files/c.jpg", bystander, "https://cdn-a.example/cat.jpg", "id-c", ""),
     ]
     with open(source / "000.csv", "w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["path", "url", "id", "alt_text"])
-        for path, data, url, sid in rows:
+        w.writerow(["path", "url", "id", "alt_text", "x_robots_tag"])
+        for path, data, url, sid, robots in rows:
             (source / path).write_bytes(data)
-            w.writerow([path, url, sid, f"a photograph ({path})"])
+            w.writerow([path, url, sid, f"a photograph ({path})", robots])
     platform.instance.add_dynamic_partitions(BATCHES.name, [BATCH])
     job = platform.defs.resolve_job_def("batch_pipeline")
     result = job.execute_in_process(
@@ -88,9 +88,11 @@ def test_lists_naming_a_refused_identical_copy_exclude_the_copy_kept(platform):
     assert (reject["url"], reject["source_id"]) == (COPY_URL, "id-b")  # its names, kept
     assert p.key_of(BATCH, "a.jpg") == kept
     other = p.key_of(BATCH, "c.jpg")
-    # Matched from the partition's side: the kept copy never reaches the loader.
+    # Matched from the partition's side: the kept copy never reaches the loader. The refused
+    # copy's own header reserves it too: the same bytes, whichever name was kept.
     row = p.audit(BATCH)[kept]
-    assert row["excluded"] and "opt_out" in row["reasons"], row
+    assert row["excluded"] and {"opt_out", "reserved"} <= set(row["reasons"]), row
+    assert any("noai" in s for s in row["reserved_signals"]), row
     assert p.trained_keys() == [other]
 
     # After: a list naming only the refused copy's URL matches the kept copy at intake.
@@ -105,14 +107,16 @@ def test_lists_naming_a_refused_identical_copy_exclude_the_copy_kept(platform):
     assert p.trained_keys() == [other]
 
     # compliance reaches the kept copy through the alias match.
-    report = compliance_report(p.lab, "late-by-url.txt")
+    shards = str(p.root / "shards")
+    report = compliance_report(p.lab, shards, "late-by-url.txt")
     assert [(i.batch, i.key, i.via) for i in report.images] == [(BATCH, kept, "direct")]
+    assert report.verdict == "PASS", report.to_markdown()  # applied and holding
 
     # The audit of the refused copy's URL (and source:id) is the kept copy's verdict.
     for query in (COPY_URL, "crawl:id-b"):
-        trail = audit_image(p.lab, query)
+        trail = audit_image(p.lab, query, shards_root=shards)
         assert trail.keys == [kept], query
         assert any("alias of a rejected byte-identical copy" in m for m in trail.matched_by)
         assert trail.status == EXCLUDED, trail.verdict
-    trail = audit_image(p.lab, "crawl/files/b.jpg", p.root / "landing")  # its landing path
+    trail = audit_image(p.lab, "crawl/files/b.jpg", p.root / "landing", shards_root=shards)
     assert trail.keys == [kept] and trail.status == EXCLUDED, trail.verdict

@@ -108,7 +108,12 @@ def _tree(root: Path) -> dict[str, str]:
 def _rows(lab: Lab, name: str) -> list[dict]:
     """A table's rows in identity order, without wall-clock columns (when a row was made)."""
     table = lab.read(name)
-    keep = [f.name for f in table.schema if not pa.types.is_timestamp(f.type)]
+    keep = [
+        f.name
+        for f in table.schema
+        if not pa.types.is_timestamp(f.type)
+        and not (pa.types.is_list(f.type) and pa.types.is_timestamp(f.type.value_type))
+    ]
     identity = [c for c in BY_NAME[name].identity if c in keep]
     return table.select(keep).sort_by([(c, "ascending") for c in identity]).to_pylist()
 

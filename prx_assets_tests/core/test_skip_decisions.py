@@ -336,6 +336,7 @@ def test_an_audit_from_policy_v1_gains_the_new_columns(world):
         "pending_on",
         "reserved_via",
         "reserved_signals",
+        "reason_since",
     ]
     assert world.lab.dataset(SKIP_AUDIT.name).schema == SKIP_AUDIT.schema
     assert ensure_audit_columns(world.lab) == []

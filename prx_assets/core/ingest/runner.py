@@ -282,6 +282,7 @@ class BatchIngest:
                 # aliases of the copy kept, which opt-out lists and the audit match.
                 "url": c.url,
                 "source_id": c.source_id,
+                "usage_signals": c.usage_signals,  # an alias's signals reserve the copy kept
             }
         )
 

@@ -74,6 +74,10 @@ REJECTS = TableSpec(
             # that copy (``ALIAS_REASON``, ``core/skiplists/matching``).
             pa.field("url", pa.string()),
             pa.field("source_id", pa.string()),
+            # The refused file's own captured opt-out headers (``signals.capture_signals``):
+            # an alias row's signals reserve the copy kept, as the kept file's own would
+            # (a mirror's URL may say ``noai`` where the kept one said nothing).
+            pa.field("usage_signals", pa.string()),
         ]
     ),
     identity=("batch", "path"),

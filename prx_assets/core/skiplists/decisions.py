@@ -36,7 +36,7 @@ from prx_assets.core.dedup.decisions import keeper_order
 from prx_assets.core.dedup.dirty import read_dirty
 from prx_assets.core.ingest.signals import UNCAPTURED
 from prx_assets.core.lab import Lab, TableSpec, in_list, sql_literal
-from prx_assets.core.skiplists.matching import opted_out_keys
+from prx_assets.core.skiplists.matching import alias_signals, opted_out_keys
 from prx_assets.core.skiplists.policy import (
     Copy,
     Outcome,
@@ -188,6 +188,7 @@ def gather_copies(
     id_rows = lookup_by_keys(lab, IMAGES.name, IMAGES.schema, others, fact_columns, chunk=chunk)
     id_table = pa.concat_tables([images, id_rows])
     opted = opted_out_keys(lab, id_table.select(IMAGE_ID_COLUMNS))
+    repeats = alias_signals(lab.view(), refs)
     refs_of = list(
         zip(id_table.column("batch").to_pylist(), id_table.column("key").to_pylist(), strict=True)
     )
@@ -233,6 +234,7 @@ def gather_copies(
                 written=written,
                 opt_out_lists=tuple(opted.get(k, ())),
                 usage_signals=signals.get(ref),
+                alias_signals=repeats.get(ref, ()),
             )
         )
     return Facts(copies, len(cluster_ids), len(others))

@@ -191,3 +191,21 @@ def opted_out_keys(lab: Lab, images: pa.Table) -> dict[str, tuple[str, ...]]:
             for key in candidates.get((kind, ident), ()):
                 hits.setdefault(key, set()).add(list_id)
     return {k: tuple(sorted(v)) for k, v in sorted(hits.items())}
+
+
+def alias_signals(view: LabView, refs: Iterable[tuple[str, str]]) -> dict[tuple[str, str], tuple]:
+    """(batch, key) -> the captured opt-out headers of that image's refused byte-identical
+    repeats (each alias row's ``usage_signals``): a reservation any of them carries reserves
+    the copy kept. Empty where ``rejects`` records no signals (a table from before them)."""
+    wanted = sorted({k for _, k in refs})
+    schema = view.schema(REJECTS.name)
+    if not wanted or schema is None or "usage_signals" not in schema.names:
+        return {}
+    asked = set(refs)
+    out: dict[tuple[str, str], list[str]] = {}
+    for chunk in chunked(wanted, LOOKUP_CHUNK):
+        flt = f"{ALIAS_FILTER} AND usage_signals IS NOT NULL AND {in_list('key', chunk)}"
+        for r in view.read(REJECTS.name, ["batch", "key", "usage_signals"], flt).to_pylist():
+            if (r["batch"], r["key"]) in asked:
+                out.setdefault((r["batch"], r["key"]), []).append(r["usage_signals"])
+    return {ref: tuple(sorted(v)) for ref, v in out.items()}

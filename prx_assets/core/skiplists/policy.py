@@ -144,6 +144,9 @@ class Copy:
     written: bool | None = True  # in a shard; None: its batch has no shards yet
     opt_out_lists: tuple[str, ...] = ()  # accepted lists naming this copy
     usage_signals: str | None = None  # images.usage_signals (captured opt-out headers)
+    # The captured headers of its refused byte-identical repeats (``rejects`` alias rows):
+    # the same bytes, so a reservation any of them carries reserves this copy.
+    alias_signals: tuple[str, ...] = ()
 
     @property
     def ref(self) -> tuple[str, str]:
@@ -191,9 +194,11 @@ def copy_reasons(copy: Copy, policy: SkipPolicy) -> tuple[set[str], list[str]]:
 
 def copy_reservations(copy: Copy, policy: SkipPolicy) -> tuple[str, ...]:
     """The honoured signals reserving this copy, under its own source's rule."""
+    rule = policy.usage.rule_for_batch(copy.batch)
+    aliases = tuple(r for stored in copy.alias_signals for r in reservations(stored, rule))
     if copy.usage_signals == UNCAPTURED:
-        return ()  # unknown, not reserved: pending (copy_reasons) until re-ingested
-    return reservations(copy.usage_signals, policy.usage.rule_for_batch(copy.batch))
+        return aliases  # its own are unknown: pending (copy_reasons) until re-ingested
+    return tuple(dict.fromkeys(reservations(copy.usage_signals, rule) + aliases))
 
 
 def copy_status(copy: Copy, policy: SkipPolicy) -> CopyStatus:
