@@ -142,6 +142,36 @@ def _shape_filter(shapes: Collection[str | tuple[int, int]] | None) -> set[tuple
     return {parse_shape(s) if isinstance(s, str) else (int(s[0]), int(s[1])) for s in shapes}
 
 
+@dataclass(frozen=True)
+class PartitionFilter:
+    """Which ``<tier>/<H>x<W>/<batch>`` partitions the ``tiers``/``shapes``/``batches``
+    arguments select (None: any); one rule for discovery, refusals and snapshots."""
+
+    tiers: set[str] | None
+    shapes: set[tuple[int, int]] | None
+    batches: set[str] | None
+
+    @classmethod
+    def of(
+        cls,
+        tiers: Collection[int | str] | None,
+        shapes: Collection[str | tuple[int, int]] | None,
+        batches: Collection[str] | None,
+    ) -> PartitionFilter:
+        return cls(
+            None if tiers is None else {str(t) for t in tiers},
+            _shape_filter(shapes),
+            None if batches is None else {str(b) for b in batches},
+        )
+
+    def selects(self, tier: str, shape_name: str, batch: str) -> bool:
+        return (
+            (self.tiers is None or tier in self.tiers)
+            and (self.shapes is None or parse_shape(shape_name) in self.shapes)
+            and (self.batches is None or batch in self.batches)
+        )
+
+
 def _subdirs(path: str) -> list[str]:
     """Names of the visible subdirectories of ``path``, from one listing (no stat per entry
     where the file system reports entry types). Hidden entries are the writer's in-flight or
@@ -301,12 +331,10 @@ def discover_streams(
         else:
             relpaths, moved = _scan(mds_root)
 
-    tier_set = None if tiers is None else {str(t) for t in tiers}
-    shape_set = _shape_filter(shapes)
-    batch_set = None if batches is None else {str(b) for b in batches}
+    wanted = PartitionFilter.of(tiers, shapes, batches)
     cache_tag = source or hashlib.blake2s(root_str.encode(), digest_size=4).hexdigest()
 
-    _refuse_moved_away(mds_root_str, moved, tier_set, shape_set, batch_set)
+    _refuse_moved_away(mds_root_str, moved, wanted)
     out: list[BucketStream] = []
     matched = 0
     for relpath in relpaths:
@@ -315,11 +343,7 @@ def discover_streams(
             raise ValueError(f"partition {relpath!r} is not <tier>/<H>x<W>/<batch>")
         tier, shape_name, batch = parts
         shape = parse_shape(shape_name)
-        if tier_set is not None and tier not in tier_set:
-            continue
-        if shape_set is not None and shape not in shape_set:
-            continue
-        if batch_set is not None and batch not in batch_set:
+        if not wanted.selects(tier, shape_name, batch):
             continue
         where = f"{mds_root_str}/{relpath}" if is_url else os.path.join(mds_root_str, relpath)
         counts, manifest = None, None
@@ -366,24 +390,13 @@ def discover_streams(
     return out
 
 
-def _refuse_moved_away(
-    mds_root: str,
-    moved: Sequence[str],
-    tier_set: set[str] | None,
-    shape_set: set[tuple[int, int]] | None,
-    batch_set: set[str] | None,
-) -> None:
+def _refuse_moved_away(mds_root: str, moved: Sequence[str], wanted: PartitionFilter) -> None:
     """``DirectoryMovedAway`` when a partition the filters select is moved away."""
-    hit = []
-    for relpath in moved:
-        tier, shape_name, batch = relpath.strip("/").split("/")
-        if tier_set is not None and tier not in tier_set:
-            continue
-        if shape_set is not None and parse_shape(shape_name) not in shape_set:
-            continue
-        if batch_set is not None and batch not in batch_set:
-            continue
-        hit.append(f"{MDS_DIRNAME}/{relpath.strip('/')}")
+    hit = [
+        f"{MDS_DIRNAME}/{relpath.strip('/')}"
+        for relpath in moved
+        if wanted.selects(*relpath.strip("/").split("/"))
+    ]
     if hit:
         raise DirectoryMovedAway(moved_away_message(mds_root, sorted(hit)))
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from prx_assets.core.durable import fsync_path, fsync_tree
 from prx_assets.core.shards.mds import DEFAULT_SIZE_LIMIT, MDS_DIRNAME, _InlineUploads
 from prx_assets.core.skiplists.sidecars import MANIFEST_BASENAME, parse_manifest
 from prx_assets.loader.discover import discover_streams
@@ -68,21 +69,6 @@ class ExportOutcome:
     @property
     def samples(self) -> int:
         return sum(d.samples for d in self.directories)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(top: Path) -> None:
-    for dirpath, _, files in os.walk(top, topdown=False):
-        for name in files:
-            _fsync(Path(dirpath, name))
-        _fsync(Path(dirpath))
 
 
 def _columns(readers: list[Any], where: str) -> dict[str, str]:
@@ -208,9 +194,9 @@ def export_training_samples(
             "directories": [asdict(d) for d in done],
         }
         (tmp / EXPORT_MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         os.rename(tmp, out)  # fails if out appeared meanwhile (a non-empty directory)
-        _fsync(out.parent)
+        fsync_path(out.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(tmp)

@@ -57,9 +57,9 @@ from prx_assets.loader.dataset import (
 )
 from prx_assets.loader.discover import (
     BucketStream,
+    PartitionFilter,
     _natural,
     _repeat_for,
-    _shape_filter,
     parse_shape,
 )
 
@@ -189,19 +189,8 @@ def snapshot_streams(
     manifest = read_snapshot(base, snapshot)
     if is_retired(base, snapshot):
         raise SnapshotError(f"snapshot {snapshot!r} is retired: its files may be gone")
-    tier_set = None if tiers is None else {str(t) for t in tiers}
-    shape_set = _shape_filter(shapes)
-    batch_set = None if batches is None else {str(b) for b in batches}
-    chosen: list[PinnedDirectory] = []
-    for d in manifest.directories:
-        tier, shape_name, batch = d.partition.split("/")
-        if tier_set is not None and tier not in tier_set:
-            continue
-        if shape_set is not None and parse_shape(shape_name) not in shape_set:
-            continue
-        if batch_set is not None and batch not in batch_set:
-            continue
-        chosen.append(d)
+    wanted = PartitionFilter.of(tiers, shapes, batches)
+    chosen = [d for d in manifest.directories if wanted.selects(*d.partition.split("/"))]
     if not chosen:
         raise ValueError(f"no directory of snapshot {snapshot!r} matches the filters")
     changes = {d.relative_dir: c for d in chosen if (c := _directory_change(base, d)) is not None}

@@ -6,7 +6,6 @@ import hashlib
 import io
 import os
 import shutil
-import tarfile
 import tempfile
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from prx_assets.core.ingest.sources import STREAM_ABOVE_BYTES, discover_batches,
 from prx_assets.core.lab import Lab
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets_tests.bounds import MIB, fail_after, peak_rss_growth
+from prx_assets_tests.fixtures_files import sparse_tar
 
 
 def _jpeg(color) -> bytes:
@@ -286,18 +286,7 @@ def _archive_with_a_big_member(source: Path, suffix: str, big: int, photo: bytes
     """``<source>/001<suffix>``: a ``big``-byte member of zeros (an image name, not an image:
     a hole on disk for a plain tar), an 8+ MiB BMP and a small JPEG."""
     plain = source / "001.tar.plain"
-    with open(plain, "wb") as fh:
-        offset = 0
-        for name, content in (("big.png", big), ("photo.bmp", photo), ("ok.jpg", _jpeg((9,) * 3))):
-            info = tarfile.TarInfo(name)
-            info.size = content if isinstance(content, int) else len(content)
-            header = info.tobuf(format=tarfile.PAX_FORMAT)
-            fh.seek(offset)
-            fh.write(header)
-            if isinstance(content, bytes):
-                fh.write(content)
-            offset += len(header) + -(-info.size // 512) * 512
-        fh.truncate(offset + 2 * 512)
+    sparse_tar(plain, [("big.png", big), ("photo.bmp", photo), ("ok.jpg", _jpeg((9,) * 3))])
     if suffix == ".tar":
         plain.rename(source / "001.tar")
         return

@@ -24,6 +24,7 @@ from prx_assets.core.ingest.sources import (
     resolve_batch,
 )
 from prx_assets_tests.bounds import MIB, fail_after, peak_rss_growth, sparse_file
+from prx_assets_tests.fixtures_files import sparse_tar
 
 
 def _jpeg(color=(10, 20, 30), size=(400, 400)) -> bytes:
@@ -292,24 +293,6 @@ def _tar_pax(path: Path, members: list[tuple[str, bytes]]) -> None:
 # --------------------------------------------------------------------------- issue 10: sizes
 
 
-def _sparse_tar(path: Path, members: list[tuple[str, int | bytes]]) -> None:
-    """A tar whose member data are holes: headers written at their offsets, nothing else.
-
-    A 3 x 400 MB archive costs a few KB of disk, and reading it reads zeros."""
-    with open(path, "wb") as fh:
-        offset = 0
-        for name, content in members:
-            info = tarfile.TarInfo(name)
-            info.size = content if isinstance(content, int) else len(content)
-            header = info.tobuf(format=tarfile.PAX_FORMAT)
-            fh.seek(offset)
-            fh.write(header)
-            if isinstance(content, bytes):
-                fh.write(content)
-            offset += len(header) + -(-info.size // 512) * 512
-        fh.truncate(offset + 2 * 512)  # the two zero blocks that end an archive
-
-
 def test_default_limit_refuses_big_folder_files_before_reading_them(tmp_path):
     b = _folder_batch(tmp_path)
     sparse_file(b / "huge.jpg", 1536 * MIB)  # 1.5 GB, a hole on disk
@@ -330,7 +313,7 @@ def test_default_limit_refuses_big_tar_members_and_sample_groups_before_reading(
     (tmp_path / "s").mkdir()
     path = tmp_path / "s" / "001.tar"
     small = _jpeg()
-    _sparse_tar(
+    sparse_tar(
         path,
         [
             # One WebDataset sample of 3 x 400 MB: each member is under the limit, the
@@ -363,7 +346,7 @@ def test_a_huge_extended_header_is_refused_before_it_is_read(tmp_path, kind):
     (tmp_path / "s").mkdir()
     path = tmp_path / "s" / "003.tar"
     small = _jpeg()
-    _sparse_tar(path, [("ok.jpg", small), ("later.jpg", small)])
+    sparse_tar(path, [("ok.jpg", small), ("later.jpg", small)])
     first = tarfile.TarInfo("ok.jpg")
     first.size = len(small)
     start = len(first.tobuf(format=tarfile.PAX_FORMAT)) + -(-len(small) // 512) * 512

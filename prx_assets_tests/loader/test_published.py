@@ -11,13 +11,10 @@ kept samples only.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import random
 from pathlib import Path
 
 import pytest
-from PIL import Image
 
 from prx_assets.core.shards.mds import MDSSample, partition_dir, write_partition_buckets
 from prx_assets.core.shards.published import UnpublishedIndex
@@ -28,6 +25,7 @@ from prx_assets.core.skiplists.sidecars import (
     load_generation,
     write_partition_skiplists,
 )
+from prx_assets_tests.fixtures_files import tile_jpeg
 from prx_assets_tests.kill_jobs import skips_from
 from prx_assets_tests.streaming_memory import streaming_memory_released
 
@@ -39,20 +37,12 @@ KEPT = [k for k in KEYS if k != OPTED_OUT]
 NAMES_LOADER = r"prx_assets\.loader"
 
 
-def _tile(i: int) -> bytes:
-    rng = random.Random(i)
-    img = Image.new("RGB", (24, 16), tuple(rng.randrange(256) for _ in range(3)))
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=90)
-    return buf.getvalue()
-
-
 @pytest.fixture
 def published(tmp_path: Path) -> tuple[Path, Path]:
     """A directory as ``mds_shards`` publishes it (several shards), one sample opted out."""
     root = tmp_path / "shards"
     samples = [
-        MDSSample(k, _tile(i), f"c {i}", 24, 16, TIER, SHAPE, "t", "cc0")
+        MDSSample(k, tile_jpeg(i), f"c {i}", 24, 16, TIER, SHAPE, "t", "cc0")
         for i, k in enumerate(KEYS)
     ]
     write_partition_buckets(

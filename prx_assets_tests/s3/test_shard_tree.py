@@ -12,12 +12,9 @@ stale or partial.
 
 from __future__ import annotations
 
-import io
 import json
-import random
 
 import pytest
-from PIL import Image
 
 from prx_assets.core.shards.mds import MDSSample, write_partition_buckets
 from prx_assets.core.shards.remote import (
@@ -35,23 +32,16 @@ from prx_assets.core.skiplists.sidecars import (
 )
 from prx_assets.core.storage import LocalStore, ObjectTooLarge, StorageError, open_store
 from prx_assets.loader import ShapeBatchedLoader, discover_streams
+from prx_assets_tests.fixtures_files import tile_jpeg
 from prx_assets_tests.kill_jobs import skips_from
 
 BATCH = "s3.b0"
 A, B = (512, "16x24"), (512, "24x16")
 
 
-def _tile(i: int) -> bytes:
-    rng = random.Random(i)
-    img = Image.new("RGB", (24, 16), tuple(rng.randrange(256) for _ in range(3)))
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=90)
-    return buf.getvalue()
-
-
 def _samples(plan: dict, caption: str = "c") -> list[MDSSample]:
     return [
-        MDSSample(f"k{i:02d}", _tile(i), f"{caption} {i}", 24, 16, b[0], b[1], "t", "cc0")
+        MDSSample(f"k{i:02d}", tile_jpeg(i), f"{caption} {i}", 24, 16, b[0], b[1], "t", "cc0")
         for b, keys in plan.items()
         for i in keys
     ]

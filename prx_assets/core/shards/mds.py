@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from prx_assets.core.crashpoints import crashpoint
+from prx_assets.core.durable import fsync_path, fsync_tree
 from prx_assets.core.shards.published import mark_published
 from prx_assets.core.skiplists.sidecars import write_partition_skiplists
 from prx_assets.core.snapshots.pins import discard_directory
@@ -176,21 +177,6 @@ def partition_dir(root: str | os.PathLike[str], tier: int, shape: str, batch: st
     return Path(root) / relative_partition_dir(tier, shape, batch)
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    for child in sorted(path.iterdir()):
-        if child.is_file():
-            _fsync_path(child)
-    _fsync_path(path)
-
-
 def _makedirs_durable(path: Path) -> None:
     """mkdir -p, fsyncing each parent whose entry we created, so the rename survives a crash."""
     missing = []
@@ -200,7 +186,7 @@ def _makedirs_durable(path: Path) -> None:
         p = p.parent
     for d in reversed(missing):
         d.mkdir(exist_ok=True)
-        _fsync_path(d.parent)
+        fsync_path(d.parent)
 
 
 def _temporary_dir(bucket: Path, batch: str) -> Path:
@@ -267,7 +253,7 @@ def _discard_superseded(old: Path) -> None:
     index = old / "index.json"
     if index.is_file():
         index.unlink()
-        _fsync_path(old)
+        fsync_path(old)
         crashpoint("mds.old_condemned")
     shutil.rmtree(old)
 
@@ -288,7 +274,7 @@ def _recover(bucket: Path, batch: str) -> None:
     # crash hit between the two renames: put it back (unless its deletion had begun).
     if not final.exists() and (old / "index.json").is_file():
         os.rename(old, final)
-        _fsync_path(bucket)
+        fsync_path(bucket)
     else:
         _discard(old, final)
 
@@ -326,7 +312,7 @@ def _remove_atomically(final: Path) -> None:
     if old.exists():  # a leftover the partition's recovery already judged superseded
         _discard(old, final)
     os.rename(final, old)
-    _fsync_path(bucket)
+    fsync_path(bucket)
     crashpoint("mds.stale_dir_moved_away")
     _discard(old, final)
 
@@ -520,7 +506,7 @@ def _stream_bucket(
             if final.exists():
                 _remove_atomically(final)
             return []
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         crashpoint("mds.tmp_written")
         placements = _placements(tmp, keys, tier, shape, batch)
         # The first skip-list generation, inside the temporary directory: the directory
@@ -536,12 +522,12 @@ def _stream_bucket(
             except BaseException:
                 os.rename(old, final)  # put the complete previous version back
                 raise
-            _fsync_path(bucket)
+            fsync_path(bucket)
             crashpoint("mds.dir_in_place")
             _discard(old, final)
         else:
             os.rename(tmp, final)
-            _fsync_path(bucket)
+            fsync_path(bucket)
             crashpoint("mds.dir_in_place")
     finally:
         if tmp.exists():

@@ -66,6 +66,7 @@ from pathlib import Path
 import numpy as np
 
 from prx_assets.core.crashpoints import crashpoint
+from prx_assets.core.durable import fsync_path
 from prx_assets.core.snapshots.pins import PinError, directory_lock, pinned_sidecars
 
 SKIPLIST_FORMAT = "prx-skiplist"
@@ -586,14 +587,6 @@ def current_generation(partition_dir: str | os.PathLike[str]) -> str | None:
 # -- writing ---------------------------------------------------------------------------------
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_write_bytes(
     path: str | os.PathLike[str], data: bytes, before_rename: Callable[[], None] | None = None
 ) -> None:
@@ -614,7 +607,7 @@ def atomic_write_bytes(
     finally:
         if tmp.exists():
             tmp.unlink()
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def _is_ours(entry: str) -> bool:
@@ -654,7 +647,7 @@ def sweep(partition_dir: str | os.PathLike[str], keep: Iterable[str] = ()) -> li
             removed.append(entry)
             crashpoint("skiplists.stale_removed")
     if removed:
-        _fsync_dir(d)
+        fsync_path(d)
     return removed
 
 
@@ -710,7 +703,7 @@ def stage_generation(
             continue  # the same content already durable under its content name
         atomic_write_bytes(path, data)
         crashpoint("skiplists.sidecar_written")
-    _fsync_dir(d)
+    fsync_path(d)
     crashpoint("skiplists.generation_written")
     index_sha = _sha256(index_raw)
     return StagedGeneration(

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prx_assets.core.durable import fsync_path
 from prx_assets.core.skiplists.sidecars import (
     ManifestEntry,
     atomic_write_bytes,
@@ -256,16 +257,8 @@ def publish_snapshot_file(shards_root: str | os.PathLike[str], snapshot_id: str)
             staged.unlink()
         return path
     os.rename(staged, path)
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
     return path
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def is_retired(shards_root: str | os.PathLike[str], snapshot_id: str) -> bool:
