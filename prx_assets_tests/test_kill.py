@@ -815,21 +815,27 @@ def test_kill_materialize_mds_shards(forkserver, pipeline_states: PipelineStates
         }
         trials.append(run_trial(forkserver, "materialize_asset", kwargs, crash_at))
         check_readers(forkserver, root / "shards", old, new, s.never)
+        check_audit_agrees(root, undecided_ok=True)
         from prx_assets.defs.shards.assets import mds_shards
 
         _materialize_here(root, [mds_shards])  # the rerun: a real materialisation again
         assert tree_files(root / "shards") == reference, f"rerun after {crash_at} differs"
         assert _lab_rows(root, "shard_samples") == rows
         assert hidden_entries(root / "shards") == []
+        check_audit_agrees(root)  # settled: every verdict in or out again
     assert_enough_kills(trials, at_least=len(crashes))
 
 
-def check_audit_agrees(data_root: Path) -> int:
-    """Every sharded sample's audit verdict says "in training" exactly when the loader
-    yields it (the visible generations keep it; ``check_readers`` proved the loader agrees).
-    Returns how many verdicts said ``skip_audit`` lags the files (where the table alone
-    would have answered wrong)."""
-    from prx_assets.core.audit import IN_TRAINING, audit_image
+def check_audit_agrees(data_root: Path, undecided_ok: bool = False) -> int:
+    """Every image of the batch: its audit verdict says "in training" only when the loader
+    yields it, and "not in training" / "never sharded" only when it does not (the visible
+    generations keep it; ``check_readers`` proved the loader agrees with them); the
+    browser's cards likewise. ``undecided_ok``: while the lab and the tree are apart (a
+    killed ``mds_shards``), "undecided" is the true answer, never in or out. Returns how many
+    verdicts said ``skip_audit`` lags the files (where the table alone would have been wrong).
+    """
+    from prx_assets.browser.queries import Filters, LabQueries
+    from prx_assets.core.audit import EXCLUDED, IN_TRAINING, NEVER_SHARDED, audit_image
     from prx_assets.core.lab import Lab
 
     shards = data_root / "shards"
@@ -837,22 +843,29 @@ def check_audit_agrees(data_root: Path) -> int:
     for rel in visible_dirs(shards):
         trained.update(kept_keys(shards / rel, load_generation(shards / rel)))
     lab = Lab(data_root / "lab")
-    placed = _lab_rows(data_root, "shard_samples")
+    keys = [r["key"] for r in _lab_rows(data_root, "images")]
     lagging = 0
-    for row in placed:
-        trail = audit_image(lab, row["key"], shards_root=str(shards))
+    for key in keys:
+        trail = audit_image(lab, key, shards_root=str(shards))
         (copy,) = [c for c in trail.copies if c.batch == DEMO_BATCH]
-        assert (copy.status == IN_TRAINING) == (row["key"] in trained), copy.line
+        if copy.status == IN_TRAINING:
+            assert key in trained, copy.line
+        elif copy.status in (EXCLUDED, NEVER_SHARDED):
+            assert key not in trained, copy.line
+        else:
+            assert undecided_ok, copy.line
         lagging += "skip_audit does not record this decision yet" in copy.line
-    # The curation browser's cards say the same ("skipped" exactly when not trained).
-    from prx_assets.browser.queries import Filters, LabQueries
-
     browser = LabQueries(lab, refresh_s=0, shards_root=str(shards))
     hits = browser.browse(Filters(batches=(DEMO_BATCH,)), limit=200).hits
-    cards = {h["key"]: h for h in hits if h["key"] in {r["key"] for r in placed}}
-    assert len(cards) == len(placed)
+    cards = {h["key"]: h for h in hits}
+    assert set(cards) == set(keys)
     for key, card in cards.items():
-        assert (not card["excluded"]) == (key in trained), card
+        if "excluded" not in card:
+            continue  # no skip decision recorded: the card claims nothing
+        if not card["excluded"]:  # shown as kept: it trains
+            assert key in trained, card
+        elif key in trained:  # it trains: only "undecided" may say otherwise
+            assert undecided_ok and any("undecided" in r for r in card["reasons"]), card
     return lagging
 
 

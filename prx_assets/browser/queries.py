@@ -794,11 +794,15 @@ class LabQueries:
                 for k, v in row.items():
                     slot.setdefault(k, _jsonable(v))
         live = LiveGenerations(self.shards_root) if self.shards_root is not None else None
+        apart: dict[str, str | None] = {}
         out = []
         for hit in hits:
             info = merged[hit["key"]]
             if "relative_dir" in info:
-                _skip_as_trained(info, live)
+                batch = info.get("batch") or hit.get("batch")
+                if live is not None and batch not in apart:
+                    apart[batch] = live.apart(batch, self._recorded_dirs(result, batch))
+                _skip_as_trained(info, live, apart.get(batch))
             out.append({**info, **{k: v for k, v in hit.items() if v is not None}})
         return out
 
@@ -818,6 +822,25 @@ class LabQueries:
         if rows.num_rows == 0 or rows.column("image")[0].as_py() is None:
             raise NotFound(f"no image bytes for {key} in the images table")
         return rows.column("image")[0].as_py()
+
+    def _recorded_dirs(self, result: Result, batch: str) -> dict[str, str | None]:
+        """relative_dir -> dir_digest of a batch's ``shard_samples`` (what the lab places)."""
+        if self.view().schema(lab_tables.SHARD_SAMPLES.name) is None:
+            return {}
+        rows = self._read(
+            result,
+            lab_tables.SHARD_SAMPLES.name,
+            "details",
+            ["relative_dir", "dir_digest"],
+            f"batch = {sql_literal(batch)}",
+        )
+        return dict(
+            zip(
+                rows.column("relative_dir").to_pylist(),
+                rows.column("dir_digest").to_pylist(),
+                strict=True,
+            )
+        )
 
     def audit(self, key: str) -> dict[str, Any]:
         """The image's verdict and audit trail (every lab table, with Lance versions)."""
@@ -848,7 +871,9 @@ class LabQueries:
         }
 
 
-def _skip_as_trained(info: dict[str, Any], live: LiveGenerations | None) -> None:
+def _skip_as_trained(
+    info: dict[str, Any], live: LiveGenerations | None, apart: str | None = None
+) -> None:
     """A card's skip state as the loader sees it: the live skip-list generation of the slot
     ``skip_audit`` recorded, not the recorded row alone (a killed or running ``skip_lists``
     flips generations before it commits the audit). ``skip_lags`` marks a card whose recorded
@@ -857,6 +882,9 @@ def _skip_as_trained(info: dict[str, Any], live: LiveGenerations | None) -> None
     where = (info.pop("relative_dir"), info.pop("shard", None), info.pop("index_in_shard", None))
     if live is None:
         info.update(excluded=True, reasons=["unverified: no shard tree configured"])
+        return
+    if apart is not None:  # the lab places other samples than the loader reads (mid-rewrite)
+        info.update(excluded=True, reasons=[f"undecided: {apart[:200]}"])
         return
     if where[1] is None or where[2] is None:
         return

@@ -82,6 +82,7 @@ _SKIP_CORE_COLUMNS = {
     "policy_fingerprint",
     "reason_since",
 }
+SHARD_DIGEST = ["relative_dir", "dir_digest"]  # what shard_samples says the tree holds
 # Tables a copy's verdict reads (also for a duplicate's keeper).
 _VERDICT_TABLES = (
     "images",
@@ -267,6 +268,16 @@ class _Snapshot:
         if not self.tables:
             raise NoLab(f"no lab at {lab.root} (no lab table there: check --data-root)")
         self.live = LiveGenerations(shards_root)
+        self._apart: dict[str, str | None] = {}
+
+    def tree_apart(self, batch: str) -> str | None:
+        """Why the batch's live directories are not those ``shard_samples`` recorded (None:
+        they are; ``LiveGenerations.apart``): every copy of such a batch is undecided."""
+        if batch not in self._apart:
+            rows = self.read("shard_samples", f"batch = {sql_literal(batch)}", SHARD_DIGEST)
+            why = self.live.apart(batch, {r["relative_dir"]: r["dir_digest"] for r in rows})
+            self._apart[batch] = why
+        return self._apart[batch]
 
     def read(self, table: str, flt: str, columns: Sequence[str] | None = None) -> list[dict]:
         schema = self.view.schema(table) if table in self.versions else None
@@ -473,6 +484,14 @@ def _copy_verdict(
 
     placed = _one(rows.get("shard_samples", ()), batch, key)
     skip = _one(rows.get("skip_audit", ()), batch, key)
+    apart = snap.tree_apart(batch)
+    if apart is not None:
+        return verdict(
+            UNDECIDED,
+            f"undecided: the shard tree of {batch} is not the one shard_samples records "
+            f"({apart}); mds_shards for {batch} was interrupted or is running: rerun it, then "
+            "skip_lists",
+        )
     if placed is not None:
         return _sharded_verdict(snap, rows, placed, skip, batch, key, path, describe_keeper)
     stale = " (a skip decision from an earlier shard layout remains)" if skip else ""
@@ -526,15 +545,6 @@ def _sharded_verdict(
             f"undecided: sharded at {loc}, but the loader refuses that directory ("
             f"{live.reason}), so nothing of it trains until skip_lists (or mds_shards, if "
             f"the directory is gone) is rerun for {batch}",
-        )
-    if placed.get("dir_digest") and placed["dir_digest"] != live.index_sha256:
-        # Our writer records every shard's sha256 in the index, so the directory digest
-        # shard_samples holds is the index's: another index means another directory.
-        return verdict(
-            UNDECIDED,
-            f"undecided: shard_samples places it at {loc}, but that directory is not the one "
-            f"it recorded (mds_shards for {batch} was interrupted or is rewriting it; rerun "
-            "mds_shards, then skip_lists)",
         )
     recorded = skip if skip is not None and _slot(skip) == _slot(placed) else None
     agrees = (
