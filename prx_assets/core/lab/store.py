@@ -46,6 +46,7 @@ from prx_assets.core.lab.pins import VersionPins
 from prx_assets.core.lab.readers import held_versions
 from prx_assets.core.lab.spec import TableSpec, sql_literal
 from prx_assets.core.lab.view import LabView, _has_index
+from prx_assets.core.storage import check_bucket
 
 
 class _CountingBatches:
@@ -144,6 +145,8 @@ class Lab(VersionPins):
         self.storage_options = storage_options(self.root)
         if "://" not in self.root:
             Path(self.root).mkdir(parents=True, exist_ok=True)
+        else:  # a missing bucket: say so and how to create it, not Lance's raw S3 error
+            check_bucket(self.root)
         self.blobs = BlobStore(self.root)
 
     def uri(self, table: str) -> str:
