@@ -76,3 +76,21 @@ def test_a_dead_cluster_under_an_ingest_write_is_that_error_not_lances(monkeypat
         RayUnavailable, match=f"no Ray cluster answers at RAY_ADDRESS=127.0.0.1:{port}"
     ):
         lab.replace_partition(IMAGES, "s.000", run.image_batches(), stored_blobs=run.stored_blobs)
+
+
+def test_a_step_with_no_items_joins_no_cluster(monkeypatch):
+    """A pool made for a step with nothing to do costs a TCP connect, not a Ray job: the
+    cluster is joined at the first item; the listener here is no Ray cluster at all."""
+    import ray
+
+    from prx_assets.core import ray_pool
+
+    ray_pool.disconnect()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{listener.getsockname()[1]}")
+        pool = make_pool("ray")
+        assert list(pool.map_ordered(abs, [])) == []
+        pool.close()
+    assert not ray.is_initialized()
