@@ -237,7 +237,7 @@ def test_ray_pool_yields_input_order_with_a_bounded_window_and_the_works_own_err
 
 def test_a_driver_running_other_code_than_the_cluster_is_refused(tmp_path, cluster):
     """The nodes run this checkout; a driver from a copy with one line changed would get
-    shards rendered by code it does not have: RayPool refuses to start."""
+    shards rendered by code it does not have: RayPool refuses before its first item runs."""
     other = tmp_path / "other"
     shutil.copytree(REPO / "prx_assets", other / "prx_assets", ignore=_no_data)
     changed = other / "prx_assets" / "core" / "shards" / "resize.py"
@@ -251,7 +251,8 @@ def test_a_driver_running_other_code_than_the_cluster_is_refused(tmp_path, clust
         "from prx_assets.core.workers import make_pool\n"
         "import prx_assets\n"
         "print('DRIVER', prx_assets.__file__)\n"
-        "try:\n    make_pool('ray')\nexcept RayUnavailable as exc:\n    print('REFUSED', exc)\n"
+        "try:\n    list(make_pool('ray').map_ordered(abs, [-1]))\n"
+        "except RayUnavailable as exc:\n    print('REFUSED', exc)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
