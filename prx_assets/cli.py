@@ -226,6 +226,29 @@ def demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.data_root), _instance(), size=args.size)
 
 
+def make_buckets(args: argparse.Namespace) -> int:
+    """Create the buckets the deployment's ``s3://`` URIs name (a deployment step: the
+    platform itself never creates a bucket, it refuses a missing one)."""
+    from prx_assets.core.storage import make_bucket
+
+    uris = args.uri or [
+        os.environ[v]
+        for v in ("PRX_LANDING_URI", "PRX_LAB_URI", "PRX_SHARDS_URI")
+        if os.environ.get(v, "").startswith("s3://")
+    ]
+    if not uris:
+        print("no s3:// URI given nor in PRX_LANDING_URI / PRX_LAB_URI / PRX_SHARDS_URI")
+        return 2
+    for uri in uris:
+        if not uri.startswith("s3://"):
+            print(f"not an s3:// URI: {uri[:200]!r}")
+            return 2
+        created = make_bucket(uri)
+        bucket = uri[len("s3://") :].split("/", 1)[0]
+        print(f"{bucket}: {'created' if created else 'exists'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prx-assets", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -281,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", action="append", help="only this <H>x<W> (repeatable)")
     p.add_argument("--batch", action="append", help="only this batch (repeatable)")
     p.set_defaults(func=export)
+    p = sub.add_parser(
+        "make-buckets", help="create the buckets of s3:// URIs (default: the PRX_*_URI ones)"
+    )
+    p.add_argument("uri", nargs="*", help="s3://bucket[/prefix] (default: the PRX_*_URI)")
+    p.set_defaults(func=make_buckets)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["browser"]:  # its own argument parser: python -m prx_assets.browser
         from prx_assets.browser.__main__ import main as browser_main

@@ -1,7 +1,7 @@
 """``PRX_EXECUTOR=ray`` on a real local Ray cluster: same bytes as the local path, a killed
 worker costs a retry, and the default path never loads Ray.
 
-One cluster for the module (``ray start --head`` on 127.0.0.1 with the dashboard off, plus
+One cluster for the module (``ray start --head`` on 127.0.0.1 with the dashboard on 127.0.0.1, plus
 one ``ray start --address`` worker node, one CPU each, a 100 MiB object store, its own temp
 dir), stopped at the end with every process it started checked gone. The batch is 24 real
 photographs (the bundled ones, upscaled to a 1600 px long side) so that rendering keeps the
@@ -47,6 +47,8 @@ def cluster(tmp_path_factory):
     try:
         yield cluster
     finally:
+        if "prx_assets.core.ray_pool" in sys.modules:  # this process's kept connection
+            sys.modules["prx_assets.core.ray_pool"].disconnect()
         cluster.stop()
         assert cluster.pids() == [], "processes of the test's Ray cluster outlived it"
 
@@ -235,7 +237,7 @@ def test_ray_pool_yields_input_order_with_a_bounded_window_and_the_works_own_err
 
 def test_a_driver_running_other_code_than_the_cluster_is_refused(tmp_path, cluster):
     """The nodes run this checkout; a driver from a copy with one line changed would get
-    shards rendered by code it does not have: RayPool refuses to start."""
+    shards rendered by code it does not have: RayPool refuses before its first item runs."""
     other = tmp_path / "other"
     shutil.copytree(REPO / "prx_assets", other / "prx_assets", ignore=_no_data)
     changed = other / "prx_assets" / "core" / "shards" / "resize.py"
@@ -249,7 +251,8 @@ def test_a_driver_running_other_code_than_the_cluster_is_refused(tmp_path, clust
         "from prx_assets.core.workers import make_pool\n"
         "import prx_assets\n"
         "print('DRIVER', prx_assets.__file__)\n"
-        "try:\n    make_pool('ray')\nexcept RayUnavailable as exc:\n    print('REFUSED', exc)\n"
+        "try:\n    list(make_pool('ray').map_ordered(abs, [-1]))\n"
+        "except RayUnavailable as exc:\n    print('REFUSED', exc)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -266,3 +269,43 @@ def test_a_driver_running_other_code_than_the_cluster_is_refused(tmp_path, clust
 
 def _no_data(directory: str, names: list[str]) -> list[str]:
     return [n for n in names if n in ("photos", "__pycache__")]
+
+
+def test_steps_share_one_ray_job_probe_each_node_once_and_show_in_the_state_api(
+    cluster, ray_run, monkeypatch
+):
+    """Per-step fixed cost: a step's pool reuses the process's connection (one Ray job, its
+    workers warm) and probes no node already verified; the documented cluster keeps Ray's
+    state API (``ray list tasks``) answering, on 127.0.0.1."""
+    import ray
+    from ray.util.state import list_tasks
+
+    from prx_assets.core import ray_pool
+    from prx_assets.core.workers import make_pool
+
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    probes = cluster.tasks_run("probe_node")
+    jobs = set()
+    for _ in range(3):
+        pool = make_pool("ray")
+        assert list(pool.map_ordered(late_square, range(4))) == [0, 1, 4, 9]
+        jobs.add(ray.get_runtime_context().get_job_id())
+        pool.close()
+    assert len(jobs) == 1, jobs
+    assert _delta(probes, cluster.tasks_run("probe_node")) == {}  # ray_run verified them
+    # A fresh driver (another step's process) trusts what the cluster recorded per node.
+    ray_pool._verified.clear()
+    assert ray_pool.check_code() == 0
+    assert _delta(probes, cluster.tasks_run("probe_node")) == {}
+
+    assert cluster.dashboard_url and cluster.dashboard_url.startswith("http://127.0.0.1:")
+    seen: list = []
+    deadline = time.monotonic() + 120  # task events reach the state API in batches
+    while not seen and time.monotonic() < deadline:
+        seen = list_tasks(
+            address=cluster.dashboard_url, filters=[("name", "=", TASK)], limit=10_000
+        )
+        if not seen:
+            time.sleep(0.5)
+    assert seen, "Ray's state API lists no run_prx_item task"
+    assert {t.name for t in seen} == {TASK}

@@ -1,7 +1,9 @@
 """A real Ray cluster on 127.0.0.1 for tests, the Ray benchmark and trying ``PRX_EXECUTOR=ray``.
 
 A head node and worker nodes, each started by the ``ray`` command line (``ray start``) in a
-session of its own, with the dashboard off, every fixed-default port replaced by a free one
+session of its own, with the dashboard on 127.0.0.1 (it serves Ray's state API: ``ray list
+tasks``, ``ray.util.state``; ``dashboard=False`` leaves it off), every fixed-default port
+replaced by a free one
 (two clusters on one machine do not collide), a small object store and a private temp dir.
 ``stop`` ends exactly the processes this cluster started (its sessions' process groups, and
 any process carrying its marker in its environment), never another cluster's: ``ray stop``
@@ -53,8 +55,10 @@ class LocalRayCluster:
         object_store_bytes: int = DEFAULT_OBJECT_STORE_BYTES,
         env: dict[str, str] | None = None,
         start_timeout: float = 120.0,
+        dashboard: bool = True,
     ) -> None:
         self.temp_dir = Path(temp_dir)
+        self.dashboard = dashboard
         self.worker_nodes = worker_nodes
         self.cpus_per_node = cpus_per_node
         self.object_store_bytes = object_store_bytes
@@ -69,6 +73,9 @@ class LocalRayCluster:
         self.env.pop("RAY_ADDRESS", None)
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.dashboard_port = free_port()
+        # Ray's state API (``ray.util.state.list_tasks(address=...)``, ``ray list tasks``).
+        self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}" if dashboard else None
         self._groups: list[int] = []  # process groups of the `ray start` sessions
 
     def _start(self, *args: str) -> None:
@@ -106,8 +113,9 @@ class LocalRayCluster:
         self._start(
             "--head",
             f"--port={self.port}",
-            "--include-dashboard=false",
-            f"--dashboard-port={free_port()}",
+            f"--include-dashboard={'true' if self.dashboard else 'false'}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}",
             f"--ray-client-server-port={free_port()}",
             f"--temp-dir={self.temp_dir}",
         )

@@ -48,6 +48,23 @@ class ObjectTooLarge(StorageError):
     """A bounded read found more bytes than the caller allows (refused, not truncated)."""
 
 
+class BucketMissing(StorageError):
+    """The bucket an ``s3://`` URI names does not exist on the endpoint: the platform never
+    creates one by itself (a typo would otherwise start a new, empty data set)."""
+
+
+_BUCKET_MISSING_CODES = ("NoSuchBucket",)
+
+
+def bucket_missing_error(bucket: str, uri: str, endpoint: str | None) -> BucketMissing:
+    where = f"on {endpoint}" if endpoint else "on AWS"
+    flag = f" --endpoint-url {endpoint}" if endpoint else ""
+    return BucketMissing(
+        f"the bucket {bucket!r} of {uri[:200]!r} does not exist {where}: create it first "
+        f"(`prx-assets make-buckets {uri[:200]}`, or `aws s3 mb s3://{bucket}{flag}`)"
+    )
+
+
 def is_remote(uri: str | os.PathLike[str]) -> bool:
     """True for object-store URIs (``s3://...``); local paths and ``file://`` are local."""
     scheme = urlparse(os.fspath(uri)).scheme
@@ -268,16 +285,39 @@ class S3Store:
         return full[len(self.prefix) + 1 :] if self.prefix else full
 
     @staticmethod
-    def _missing(exc: Exception) -> bool:
-        code = str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+    def _code(exc: Exception) -> str:
+        return str(getattr(exc, "response", {}).get("Error", {}).get("Code", ""))
+
+    def _missing(self, exc: Exception) -> bool:
+        """A missing key (None/False for the caller); a missing bucket raises
+        ``BucketMissing`` instead: it is a deployment step not done, not an absent object."""
+        code = self._code(exc)
+        if code in _BUCKET_MISSING_CODES:
+            raise bucket_missing_error(self.bucket, self.uri, self.settings.endpoint_url) from None
         return code in ("404", "NoSuchKey", "NotFound")
 
+    @contextlib.contextmanager
+    def _bucket_errors(self) -> Iterator[None]:
+        """``NoSuchBucket`` from any call becomes ``BucketMissing``, naming the bucket and
+        how to create it; every other error propagates as it is."""
+        from botocore.exceptions import ClientError
+
+        try:
+            yield
+        except ClientError as exc:
+            if self._code(exc) in _BUCKET_MISSING_CODES:
+                raise bucket_missing_error(
+                    self.bucket, self.uri, self.settings.endpoint_url
+                ) from None
+            raise
+
     def put(self, key: str, data: bytes) -> None:
-        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=bytes(data))
+        with self._bucket_errors():
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=bytes(data))
 
     def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
         # One PUT per file (shards are bounded by MDS's size_limit): atomic per object.
-        with open(path, "rb") as fh:
+        with open(path, "rb") as fh, self._bucket_errors():
             self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=fh)
 
     def get(self, key: str, max_bytes: int = DEFAULT_MAX_READ_BYTES) -> bytes | None:
@@ -320,7 +360,8 @@ class S3Store:
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full}
         if delimiter:
             kwargs["Delimiter"] = delimiter
-        yield from self.client.get_paginator("list_objects_v2").paginate(**kwargs)
+        with self._bucket_errors():
+            yield from self.client.get_paginator("list_objects_v2").paginate(**kwargs)
 
     def list(self, prefix: str = "") -> list[str]:
         return sorted(
@@ -343,9 +384,11 @@ class S3Store:
         full = [self._key(k) for k in keys]
         for i in range(0, len(full), 1000):
             chunk = full[i : i + 1000]
-            self.client.delete_objects(
-                Bucket=self.bucket, Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True}
-            )
+            with self._bucket_errors():
+                self.client.delete_objects(
+                    Bucket=self.bucket,
+                    Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True},
+                )
         return len(full)
 
     def size(self, key: str) -> int | None:
@@ -369,3 +412,49 @@ def open_store(uri: str | os.PathLike[str]) -> LocalStore | S3Store:
     if is_remote(text):
         raise StorageError(f"{text[:200]!r}: only local paths and s3:// URIs are supported")
     return LocalStore(text[len("file://") :] if text.startswith("file://") else text)
+
+
+_BUCKETS_SEEN: set[tuple[S3Settings, str]] = set()
+
+
+def check_bucket(uri: str | os.PathLike[str]) -> None:
+    """Refuse an ``s3://`` URI whose bucket does not exist (``BucketMissing``, saying how to
+    create it); local paths pass. One HEAD per endpoint and bucket per process: resources
+    call it when they are set up, so a fresh deployment that skipped the bucket stops there
+    with that sentence, not deep in a step with Lance's or boto3's raw ``NoSuchBucket``."""
+    text = os.fspath(uri)
+    if not text.startswith("s3://"):
+        return
+    store = S3Store(text)
+    seen = (store.settings, store.bucket)
+    if seen in _BUCKETS_SEEN:
+        return
+    from botocore.exceptions import ClientError
+
+    try:
+        store.client.head_bucket(Bucket=store.bucket)
+    except ClientError as exc:
+        if S3Store._code(exc) in ("404", "NoSuchBucket", "NotFound"):
+            raise bucket_missing_error(store.bucket, text, store.settings.endpoint_url) from None
+        raise
+    _BUCKETS_SEEN.add(seen)
+
+
+def make_bucket(uri: str | os.PathLike[str]) -> bool:
+    """Create the bucket of an ``s3://`` URI on the environment's endpoint if it does not
+    exist (True when created); the one place the platform creates a bucket, run by hand
+    (``prx-assets make-buckets``) as a deployment step."""
+    text = os.fspath(uri)
+    store = S3Store(text)
+    try:
+        check_bucket(text)
+        return False
+    except BucketMissing:
+        pass
+    kwargs: dict[str, Any] = {"Bucket": store.bucket}
+    region = store.settings.region
+    if region and region != "us-east-1":  # us-east-1 takes no location constraint
+        kwargs["CreateBucketConfiguration"] = {"LocationConstraint": region}
+    store.client.create_bucket(**kwargs)
+    check_bucket(text)
+    return True

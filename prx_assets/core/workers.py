@@ -27,12 +27,15 @@ process (what ``workers == 1`` always uses: no pickling, no extra process); ``ra
 backend, imported only when asked for. The Dagster executor kinds ``multiprocess`` and
 ``k8s`` that the same variable selects (``defs/executors.py``) mean ``process`` here: a step's
 process or pod maps its images over its own cores. ``workers`` None = the CPUs this process
-may run on (``os.sched_getaffinity``, so a ``taskset``/cgroup-pinned process uses its share).
+may use (``available_cpus``: its ``os.sched_getaffinity`` mask, so a ``taskset``/cpuset-pinned
+process uses its share, capped by its cgroup CPU quota, so a Kubernetes pod with a CPU limit
+of 2 gets 2 workers, not one per core of its node).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import multiprocessing
 import os
 import threading
@@ -42,6 +45,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, TypeVar
 
 T = TypeVar("T")
@@ -89,12 +93,82 @@ class WorkerPool(Protocol):
     def close(self) -> None: ...
 
 
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask), at least 1."""
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+SELF_CGROUP = Path("/proc/self/cgroup")
+
+
+def _read(path: Path) -> str | None:
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        return path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _up_from(base: Path, relative: str | None) -> list[Path]:
+    """``base/relative`` and each of its parents up to ``base`` itself (a quota set on an
+    enclosing cgroup, e.g. a Kubernetes pod's, bounds every cgroup inside it)."""
+    dirs = [base]
+    if relative:
+        here = base
+        for part in (p for p in relative.split("/") if p and p not in (".", "..")):
+            here = here / part
+            dirs.append(here)
+    return dirs
+
+
+def cgroup_cpu_limit(root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> float | None:
+    """The CPUs this process's cgroup quota allows (``1.5`` = 150 ms per 100 ms period), or
+    None when no quota applies (or none can be read).
+
+    Why: a Kubernetes pod's CPU limit is a CFS quota, not an affinity mask; its process
+    sees every core of the node in ``sched_getaffinity``, and a pool of that many workers
+    would be throttled into time slices. cgroup v2 reads ``cpu.max`` (``max 100000``: no
+    quota; ``200000 100000``: 2 CPUs), v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``
+    (quota -1: none), in the process's own cgroup and every enclosing one under ``root``
+    (the smallest wins). ``root`` and ``self_cgroup`` are parameters for tests.
+    """
+    v2_path: str | None = None
+    v1_path: str | None = None
+    for line in (_read(self_cgroup) or "").splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            v2_path = path
+        elif "cpu" in controllers.split(","):
+            v1_path = path
+    limits: list[float] = []
+    for d in _up_from(root, v2_path):
+        fields = (_read(d / "cpu.max") or "").split()
+        if len(fields) == 2 and fields[0] != "max":
+            try:
+                quota, period = int(fields[0]), int(fields[1])
+            except ValueError:
+                continue
+            if quota > 0 and period > 0:
+                limits.append(quota / period)
+    for base in (root / "cpu", root / "cpu,cpuacct", root):
+        for d in _up_from(base, v1_path):
+            try:
+                quota = int(_read(d / "cpu.cfs_quota_us") or "-1")
+                period = int(_read(d / "cpu.cfs_period_us") or "0")
+            except ValueError:
+                continue
+            if quota > 0 and period > 0:
+                limits.append(quota / period)
+    return min(limits) if limits else None
+
+
+def available_cpus(cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> int:
+    """CPUs this process may use: its affinity mask, capped by its cgroup's CPU quota
+    rounded up (``cgroup_cpu_limit``), at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
+        cpus = os.cpu_count() or 1
+    limit = cgroup_cpu_limit(cgroup_root, self_cgroup)
+    if limit is not None:
+        cpus = min(cpus, math.ceil(limit))
+    return max(1, cpus)
 
 
 def _failure(exc: BaseException) -> ItemFailed:

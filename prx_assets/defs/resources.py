@@ -3,11 +3,12 @@
 import os
 from pathlib import Path
 
-from dagster import ConfigurableResource
+from dagster import ConfigurableResource, InitResourceContext
 
 from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS
 from prx_assets.core.ingest.sources import DEFAULT_MAX_FILE_BYTES
 from prx_assets.core.lab import Lab
+from prx_assets.core.storage import check_bucket
 
 
 def default_data_root() -> str:
@@ -54,6 +55,12 @@ class LabResource(ConfigurableResource):
 
     def lab(self) -> Lab:
         return Lab(self.lab_root)
+
+    def setup_for_execution(self, context: InitResourceContext) -> None:
+        """Refuse at set-up a deployment whose bucket was never created (``BucketMissing``
+        names it and says how to create it), before any step reads or writes."""
+        for uri in (self.landing_uri, self.lab_root, self.shards_root):
+            check_bucket(uri)
 
 
 LANDING_URI_VAR = "PRX_LANDING_URI"

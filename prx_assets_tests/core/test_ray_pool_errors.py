@@ -40,3 +40,57 @@ def test_the_definitions_refuse_ray_without_an_address(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(ValueError, match="RAY_ADDRESS"):
         build_defs("data")
+
+
+def test_a_dead_cluster_under_an_ingest_write_is_that_error_not_lances(monkeypatch, tmp_path):
+    """The ingest's pool is made inside the stream Lance writes from, and Lance reports an
+    exception raised there as ``OSError: LanceError(Arrow): C Data interface error``: the
+    lab re-raises the original, so a dead ``RAY_ADDRESS`` reads as what it is."""
+    import io
+
+    from PIL import Image
+
+    from prx_assets.core.ingest.runner import BatchIngest
+    from prx_assets.core.ingest.sources import resolve_batch
+    from prx_assets.core.lab import Lab
+    from prx_assets.core.ray_pool import RayUnavailable
+    from prx_assets.core.tables import IMAGES
+
+    batch = tmp_path / "landing" / "s" / "000"
+    batch.mkdir(parents=True)
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (1, 2, 3)).save(buf, "JPEG")
+    (batch / "a.jpg").write_bytes(buf.getvalue())
+    (batch / "_SUCCESS").write_text("")
+    with socket.socket() as s:  # a port just freed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    lab = Lab(tmp_path / "lab")
+    run = BatchIngest(
+        resolve_batch(tmp_path / "landing", "s.000"),
+        executor="ray",
+        blob_sink=lab.local_blobs(IMAGES, "image"),
+    )
+    with pytest.raises(
+        RayUnavailable, match=f"no Ray cluster answers at RAY_ADDRESS=127.0.0.1:{port}"
+    ):
+        lab.replace_partition(IMAGES, "s.000", run.image_batches(), stored_blobs=run.stored_blobs)
+
+
+def test_a_step_with_no_items_joins_no_cluster(monkeypatch):
+    """A pool made for a step with nothing to do costs a TCP connect, not a Ray job: the
+    cluster is joined at the first item; the listener here is no Ray cluster at all."""
+    import ray
+
+    from prx_assets.core import ray_pool
+
+    ray_pool.disconnect()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{listener.getsockname()[1]}")
+        pool = make_pool("ray")
+        assert list(pool.map_ordered(abs, [])) == []
+        pool.close()
+    assert not ray.is_initialized()

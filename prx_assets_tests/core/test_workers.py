@@ -12,6 +12,7 @@ from prx_assets.core.workers import (
     ItemFailed,
     ProcessPool,
     available_cpus,
+    cgroup_cpu_limit,
     make_pool,
 )
 from prx_assets_tests.spawned import spawn_pool
@@ -110,7 +111,51 @@ def test_make_pool_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="workers must be >= 1"):
         make_pool("process", 0)
     monkeypatch.delenv("PRX_EXECUTOR")
-    assert make_pool().workers == available_cpus() == len(os.sched_getaffinity(0))
+    assert make_pool().workers == available_cpus() <= len(os.sched_getaffinity(0))
+
+
+def _fake_cgroup(tmp_path, self_cgroup: str, files: dict[str, str]):
+    root = tmp_path / "sys-fs-cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    root.mkdir(exist_ok=True)
+    (tmp_path / "self-cgroup").write_text(self_cgroup)
+    return root, tmp_path / "self-cgroup"
+
+
+def test_the_pool_sizes_itself_from_the_cgroup_cpu_quota(tmp_path) -> None:
+    """A Kubernetes pod sees every core of its node in its affinity mask; its CPU limit is
+    a CFS quota. The pool takes the quota, rounded up, when it is the smaller."""
+    affinity = len(os.sched_getaffinity(0))
+    v2 = _fake_cgroup(tmp_path / "v2", "0::/\n", {"cpu.max": "150000 100000\n"})
+    assert cgroup_cpu_limit(*v2) == 1.5
+    assert available_cpus(*v2) == min(affinity, 2)
+    unlimited = _fake_cgroup(tmp_path / "max", "0::/\n", {"cpu.max": "max 100000\n"})
+    assert cgroup_cpu_limit(*unlimited) is None
+    assert available_cpus(*unlimited) == affinity
+    # A quota on an enclosing cgroup (the pod's) bounds the container's cgroup inside it.
+    nested = _fake_cgroup(
+        tmp_path / "nested",
+        "0::/kubepods/pod1/ctr\n",
+        {"kubepods/pod1/cpu.max": "50000 100000", "kubepods/pod1/ctr/cpu.max": "max 100000"},
+    )
+    assert cgroup_cpu_limit(*nested) == 0.5
+    assert available_cpus(*nested) == 1  # at least one
+    v1 = _fake_cgroup(
+        tmp_path / "v1",
+        "4:cpu,cpuacct:/\n0::/\n",
+        {"cpu,cpuacct/cpu.cfs_quota_us": "300000", "cpu,cpuacct/cpu.cfs_period_us": "100000"},
+    )
+    assert cgroup_cpu_limit(*v1) == 3.0
+    assert available_cpus(*v1) == min(affinity, 3)
+    v1_none = _fake_cgroup(
+        tmp_path / "v1none",
+        "4:cpu:/\n",
+        {"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"},
+    )
+    assert cgroup_cpu_limit(*v1_none) is None
+    assert cgroup_cpu_limit(tmp_path / "absent", tmp_path / "absent-self") is None
 
 
 def _pool_kind_in_a_daemon(_: int) -> str:

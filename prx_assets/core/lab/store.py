@@ -46,6 +46,7 @@ from prx_assets.core.lab.pins import VersionPins
 from prx_assets.core.lab.readers import held_versions
 from prx_assets.core.lab.spec import TableSpec, sql_literal
 from prx_assets.core.lab.view import LabView, _has_index
+from prx_assets.core.storage import check_bucket
 
 
 class _CountingBatches:
@@ -83,6 +84,19 @@ class _CountingBatches:
         self.error: Exception | None = None
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
+        """The checked batches; any exception on the way (ours, or the producer's: a dead
+        Ray cluster, a lost worker, an object store refusing a blob) is kept in ``error``,
+        because Lance reports an exception raised inside its reader only as an opaque
+        ``OSError: LanceError(Arrow): C Data interface error`` and ``replace_partition``
+        re-raises the original instead."""
+        try:
+            yield from self._checked()
+        except Exception as exc:
+            if self.error is None:
+                self.error = exc
+            raise
+
+    def _checked(self) -> Iterator[pa.RecordBatch]:
         schema = self._schema
         for rb in self._batches:
             for name in self._prestored:
@@ -131,6 +145,8 @@ class Lab(VersionPins):
         self.storage_options = storage_options(self.root)
         if "://" not in self.root:
             Path(self.root).mkdir(parents=True, exist_ok=True)
+        else:  # a missing bucket: say so and how to create it, not Lance's raw S3 error
+            check_bucket(self.root)
         self.blobs = BlobStore(self.root)
 
     def uri(self, table: str) -> str:
@@ -246,8 +262,8 @@ class Lab(VersionPins):
             # find the latest version first (measured: 1.5 ms at 100 partitions, 4.8 ms at
             # 4,000).
             new_fragments = write_fragments(reader, ds, schema=stored)
-        except OSError:
-            if counted.error is not None:  # our own refusal, wrapped by Lance: surface it
+        except Exception:
+            if counted.error is not None:  # raised inside Lance's reader: surface the original
                 raise counted.error from None
             raise
         crashpoint("lab.fragments_written")
