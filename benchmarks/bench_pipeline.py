@@ -47,8 +47,17 @@ whether every shard tree is byte-identical.
 The progressive partition has ``--progressive-n`` images (default: as many as the baseline
 one, so both carry the same fixed cost per image).
 
+``--formats mixed``: the partition is ½ JPEG, ¼ PNG, ¼ WebP (q90): the same photos, every
+fourth re-encoded as PNG and every fourth as WebP (no progressive partition then). Either way
+the run ends with ingest's per-format check: what a worker runs per file
+(``core/ingest/runner.check_candidate``: sha256, the validating decode, the pHash thumbnail and
+the review preview) against a plain Pillow decode of the same files (``open().load()``, and
+``convert("RGB")`` beside it), interleaved in this process on this core, CPU medians of
+``--repeats``: ``ingest_vs_plain_decode``, the ratio ingest / plain (target <= 1.0x). The
+last lines printed are the headline figures, each with its target.
+
     python -m benchmarks.bench_pipeline [--n 96] [--progressive-n N] [--workers-check]
-        [--workers-n 96,384] [--repeats 3] [--quick]
+        [--workers-n 96,384] [--repeats 3] [--formats jpeg|mixed] [--quick]
 """
 
 from __future__ import annotations
@@ -125,11 +134,36 @@ def make_images(n: int, progressive: bool, seed: int) -> list[bytes]:
     return out
 
 
+def reencode(data: bytes, fmt: str) -> bytes:
+    """The same picture as a PNG (Pillow's default compression) or a WebP (q90)."""
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    buf = io.BytesIO()
+    img.save(buf, fmt, **({"quality": 90} if fmt == "WEBP" else {}))
+    return buf.getvalue()
+
+
+MIXED_FORMATS = ("JPEG", "JPEG", "PNG", "WEBP")  # by image index mod 4: ½ JPEG, ¼ PNG, ¼ WebP
+
+
+def make_mixed(n: int, seed: int) -> list[bytes]:
+    """``make_images``' photos, every fourth re-encoded as PNG and every fourth as WebP."""
+    out = make_images(n, progressive=False, seed=seed)
+    for i, data in enumerate(out):
+        fmt = MIXED_FORMATS[i % len(MIXED_FORMATS)]
+        if fmt != "JPEG":
+            out[i] = reencode(data, fmt)
+    return out
+
+
+def _suffix(data: bytes) -> str:
+    return {b"\x89PNG": ".png", b"RIFF": ".webp"}.get(data[:4], ".jpg")
+
+
 def write_batch(landing: Path, chunk: str, images: list[bytes]) -> str:
     folder = landing / SOURCE / chunk
     folder.mkdir(parents=True)
     for i, data in enumerate(images):
-        (folder / f"img{i:04d}.jpg").write_bytes(data)
+        (folder / f"img{i:04d}{_suffix(data)}").write_bytes(data)
         (folder / f"img{i:04d}.txt").write_text(f"a photograph, sample {i} of {chunk}")
     (folder / "_SUCCESS").write_text("")
     return f"{SOURCE}.{chunk}"
@@ -258,6 +292,51 @@ def naive_times(images: list[bytes]) -> dict[str, dict[str, float]]:
         fn()
         out[name] = {"wall": time.perf_counter() - wall0, "cpu": time.process_time() - cpu0}
     out["naive_sum"] = {k: sum(v[k] for v in out.values()) for k in ("wall", "cpu")}
+    return out
+
+
+def ingest_vs_plain_decode(n: int, repeats: int, seed: int = 4) -> dict:
+    """Per format, CPU ms per image of ingest's per-file work (``check_candidate``: what a
+    worker runs) and of a plain Pillow decode of the same files, interleaved (each repeat
+    times every side once, in turn), medians of ``repeats``; ratio = ingest / plain."""
+    from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS
+    from prx_assets.core.ingest.runner import check_candidate
+
+    jpegs = make_images(n, progressive=False, seed=seed)
+    files = {"jpeg": jpegs, "png": [reencode(d, "PNG") for d in jpegs]}
+    files["webp"] = [reencode(d, "WEBP") for d in jpegs]
+
+    def ingest(data: bytes) -> None:
+        _, result = check_candidate((data, DEFAULT_MAX_PIXELS))
+        assert not isinstance(result[0], str), result  # every file accepted
+
+    sides = {
+        "ingest": ingest,
+        "plain_load": lambda d: Image.open(io.BytesIO(d)).load(),
+        "plain_convert_rgb": lambda d: Image.open(io.BytesIO(d)).convert("RGB"),
+    }
+    out: dict = {}
+    for fmt, datas in files.items():
+        for fn in sides.values():  # warm-up: imports, first-call costs
+            fn(datas[0])
+        ms: dict[str, list[float]] = {k: [] for k in sides}
+        for _ in range(repeats):
+            for name, fn in sides.items():
+                t0 = time.process_time()
+                for data in datas:
+                    fn(data)
+                ms[name].append(1000 * (time.process_time() - t0) / len(datas))
+        med = {k: float(np.median(v)) for k, v in ms.items()}
+        out[fmt] = {
+            "images": len(datas),
+            "mean_file_bytes": round(float(np.mean([len(d) for d in datas]))),
+            "cpu_ms_per_image": {k: round(v, 2) for k, v in med.items()},
+            "ingest_over_plain_load": round(med["ingest"] / med["plain_load"], 2),
+            "ingest_over_plain_convert_rgb": round(med["ingest"] / med["plain_convert_rgb"], 2),
+            "each_repeat_ingest_over_plain_load": [
+                round(a / b, 2) for a, b in zip(ms["ingest"], ms["plain_load"], strict=True)
+            ],
+        }
     return out
 
 
@@ -482,11 +561,23 @@ def main() -> None:
         "--workers-n", default=None, help="partition sizes of the workers check (default: --n,384)"
     )
     parser.add_argument("--workers-check-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--formats",
+        choices=("jpeg", "mixed"),
+        default="jpeg",
+        help="the partition: baseline + progressive JPEGs, or ½ JPEG, ¼ PNG, ¼ WebP",
+    )
+    parser.add_argument(
+        "--ingest-n", type=int, default=None, help="images per format, ingest check (--n / 4)"
+    )
     parser.add_argument("--quick", action="store_true", help="16 + 8 images")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (medians)")
     args = parser.parse_args()
     if args.quick:
         args.n, args.progressive_n, args.repeats = 16, 8, 1
+        args.ingest_n = args.ingest_n or 8
+    if args.ingest_n is None:
+        args.ingest_n = max(8, args.n // 4)
     if args.progressive_n is None:
         args.progressive_n = args.n
     sizes = [int(v) for v in (args.workers_n or f"{args.n},{4 * args.n}").split(",")]
@@ -495,11 +586,16 @@ def main() -> None:
         return
     command = "python -m benchmarks.bench_pipeline " + " ".join(sys.argv[1:])
     result: dict = {"command": command.strip(), "cpu": sorted(os.sched_getaffinity(0))}
-    baseline = make_images(args.n, progressive=False, seed=1)
-    progressive = make_images(args.progressive_n, progressive=True, seed=2)
+    result["formats"] = args.formats
+    if args.formats == "mixed":
+        baseline = make_mixed(args.n, seed=1)
+        sets = {"mixed": baseline}
+    else:
+        baseline = make_images(args.n, progressive=False, seed=1)
+        progressive = make_images(args.progressive_n, progressive=True, seed=2)
+        sets = {"baseline": baseline, "progressive": progressive}
     mp = [Image.open(io.BytesIO(d)).size for d in baseline]
     result["baseline_mean_megapixels"] = round(float(np.mean([w * h for w, h in mp])) / 1e6, 2)
-    sets = {"baseline": baseline, "progressive": progressive}
     measured: dict[str, list[tuple[dict, dict]]] = {name: [] for name in sets}
     fixed_runs: list[dict[str, float]] = []
     kernels: dict[str, list[dict[str, float]]] = {name: [] for name in sets}
@@ -514,7 +610,8 @@ def main() -> None:
             fixed_runs.append(fixed_costs(root))
             for name, imgs in sets.items():  # naive right after, exposed to the same drift
                 measured[name].append((steps[keys[name]], naive_times(imgs)))
-                kernels[name].append(shard_kernels(imgs))
+                # the planes path is JPEG's: a mixed partition's JPEGs only
+                kernels[name].append(shard_kernels([d for d in imgs if d[:2] == b"\xff\xd8"]))
     fixed = {s: round(float(np.median([f[s] for f in fixed_runs])), 3) for s in CPU_STAGES}
     result["repeats"] = args.repeats
     result["fixed_cost_partition_of_2"] = fixed
@@ -537,8 +634,9 @@ def main() -> None:
             k: round(float(np.median([run[k] for run in kernels[name]])), 2)
             for k in kernels[name][0]
         }
-        _print(f"{name} JPEGs q95, medians of {args.repeats}", result[name])
-        _print(f"{name} JPEGs q95, medians of {args.repeats}", result[f"{name}_wall"])
+        label = "½ JPEG q95, ¼ PNG, ¼ WebP q90" if name == "mixed" else f"{name} JPEGs q95"
+        _print(f"{label}, medians of {args.repeats}", result[name])
+        _print(f"{label}, medians of {args.repeats}", result[f"{name}_wall"])
         print(f"  shard render, ms per image: {result[name]['shard_kernels_ms_per_image']}")
         m = result[name]["beyond_fixed"]
         print(
@@ -566,8 +664,29 @@ def main() -> None:
                 f"{w['speedup_per_image_stages']}x, CPU stages {w['speedup_cpu_stages']}x"
             )
             print(f"  same shard bytes: {w['same_shard_bytes']}")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    result["ingest_vs_plain_decode"] = ingest_vs_plain_decode(args.ingest_n, args.repeats)
+    print("\n== ingest's per-file work against a plain Pillow decode, CPU ms per image ==")
+    for fmt, r in result["ingest_vs_plain_decode"].items():
+        print(
+            f"  {fmt:5} {r['cpu_ms_per_image']}  repeats {r['each_repeat_ingest_over_plain_load']}"
+        )
+    print("\n== headline figures ==")
+    for name in sets:
+        what = "½ JPEG, ¼ PNG, ¼ WebP" if name == "mixed" else f"{name} JPEGs"
+        target = "" if name == "mixed" else " (target >= 2.4x)" if name == "baseline" else ""
+        ratio = result[name]["ratios"]["cpu_stages_vs_naive_sum"]
+        print(f"whole CPU path, {what}: {ratio}x the naive sum{target}")
+    for fmt, r in result["ingest_vs_plain_decode"].items():
+        print(
+            f"ingest {fmt}: {r['ingest_over_plain_load']}x a plain decode (target <= 1.0x; "
+            f"{r['ingest_over_plain_convert_rgb']}x a decode to RGB)"
+        )
+    out = RESULTS if args.formats == "jpeg" else RESULTS.with_name("bench_pipeline_mixed.json")
+    if args.quick:
+        out = out.with_name(out.stem + "_quick.json")
+    result["results_file"] = out.name
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

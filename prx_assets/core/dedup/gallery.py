@@ -43,10 +43,33 @@ PREVIEW_PX = 112  # the sheet's tile size
 PREVIEW_QUALITY = 85
 
 
+def preview_size(size: tuple[int, int], box: int = PREVIEW_PX) -> tuple[int, int]:
+    """The size ``ImageOps.contain(img, (box, box))`` gives an image of ``size``, but never
+    0 px on a side (contain gives a 1000x1 image 112x0, which no JPEG can hold)."""
+    w, h = size
+    if w == h:
+        return box, box
+    if w > h:
+        return box, max(1, round(h / w * box))
+    return max(1, round(w / h * box)), box
+
+
+# Box-reduce by an integer factor first while the image stays at least this many times the
+# preview (Pillow's ``reducing_gap``): a full-size PNG or WebP decode then costs ~2.5 ms
+# instead of ~9.5 ms for a 3.5 MP photo, and a JPEG's 1/8-scale decode is not reduced at all.
+PREVIEW_REDUCING_GAP = 2.0
+
+
 def preview_of_decoded(img: Image.Image) -> bytes:
-    """The stored preview: ``img`` (an RGB decode, e.g. ingest's 1/8-scale one) fitted in
-    ``PREVIEW_PX`` square, JPEG. Bilinear, as the sheet draws its tiles."""
-    small = ImageOps.contain(img, (PREVIEW_PX, PREVIEW_PX), Image.Resampling.BILINEAR)
+    """The stored preview: ``img`` (an RGB decode: ingest's 1/8-scale one for a JPEG, the full
+    decode for other formats) fitted in ``PREVIEW_PX`` square (``ImageOps.contain``'s size),
+    JPEG. Bilinear, as the sheet draws its tiles, after a box reduction of a large image
+    (``PREVIEW_REDUCING_GAP``)."""
+    small = img.resize(
+        preview_size(img.size),
+        Image.Resampling.BILINEAR,
+        reducing_gap=PREVIEW_REDUCING_GAP,
+    )
     buf = io.BytesIO()
     small.save(buf, "JPEG", quality=PREVIEW_QUALITY)
     return buf.getvalue()
