@@ -50,8 +50,8 @@ its own on the Dagster host):
 - **shard bytes identical**: the N partition's ``.mds`` files and ``index.json`` (path
   without the remote tree's ``v-<digest16>`` component -> sha256) in all configurations.
 
-    python -m benchmarks.bench_scaleout --quick     # 16 photos of 1600 px, ~3 min here
-    python -m benchmarks.bench_scaleout             # 48 photos of 2048 px, 5 repeats
+    python -m benchmarks.bench_scaleout --quick     # 24 photos of 1600 px, ~3 min here
+    python -m benchmarks.bench_scaleout             # 56 photos of 2048 px, 5 repeats
 
 The current code is expected to miss the targets: every figure is printed with its target
 and ``MISSED`` / ``met``. A configuration that cannot run here (no Ray, no moto) is
@@ -119,6 +119,8 @@ class Boundary:
         self.instrument_cpu = 0.0
         self.pool_start_s: list[float] = []
         self.pool_close_s: list[float] = []
+        self.map_cpu_s = 0.0  # this process's CPU while a pool map ran (instrumentation out)
+        self.map_items = 0
 
     def _size(self, obj: Any) -> int:
         t = time.thread_time()
@@ -145,13 +147,21 @@ class Boundary:
 
             if crosses:
                 boundary.fn_bytes += boundary._size(fn)
-            for out in original(pool, fn, counted(), window=window):
-                if crosses:
-                    n = boundary._size(out)
-                    boundary.result_bytes += n
-                    if kind == "process":
-                        boundary.pipe_bytes += n
-                yield out
+            cpu0, instrumented0, n_out = cpu_self(), boundary.instrument_cpu, 0
+            try:
+                for out in original(pool, fn, counted(), window=window):
+                    n_out += 1
+                    if crosses:
+                        n = boundary._size(out)
+                        boundary.result_bytes += n
+                        if kind == "process":
+                            boundary.pipe_bytes += n
+                    yield out  # the consumer's per-item work runs here: it is in the window
+            finally:
+                if crosses and n_out:
+                    spent = cpu_self() - cpu0 - (boundary.instrument_cpu - instrumented0)
+                    boundary.map_cpu_s += spent
+                    boundary.map_items += n_out
 
         cls.map_ordered = map_ordered
 
@@ -326,7 +336,13 @@ class S3:
     def client(self):  # noqa: ANN201 - a boto3 S3 client
         import boto3
 
-        return boto3.session.Session().client("s3", endpoint_url=self.endpoint)
+        return boto3.session.Session().client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=self.env["AWS_REGION"],
+            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
+        )
 
     def stop(self) -> None:
         with contextlib.suppress(OSError):
@@ -468,6 +484,8 @@ def measure(config: Config, run: Callable[[], bool]) -> dict[str, Any]:
         "s3": s3,
         "bytes_through": boundary + s3_driver + files,
         "pool_start_s": list(BOUNDARY.pool_start_s),
+        "in_map_cpu_s": BOUNDARY.map_cpu_s,
+        "in_map_items": BOUNDARY.map_items,
         "pool_close_s": list(BOUNDARY.pool_close_s),
     }
 
@@ -609,6 +627,9 @@ def run_config(
                 / (count - 1)
             ),
             "s3_other_bytes": b["s3"].get("other_sent", 0) + b["s3"].get("other_received", 0),
+            "in_map_driver_cpu_per_image_s": (
+                b["in_map_cpu_s"] / b["in_map_items"] if b["in_map_items"] else None
+            ),
             "all_in_driver_cpu_per_image_s": b["driver_cpu_s"] / count,
             "all_in_bytes_through_per_image": b["bytes_through"] / count,
             "one_photo_step": a,
@@ -649,11 +670,15 @@ def headlines(result: dict[str, Any]) -> list[str]:
             )
         for stage in STAGES:
             s = cfg["stages"][stage]
-            share = s["driver_cpu_per_image_s"] / work[stage]
+            cpu = driver_cpu(s)
+            share = cpu / work[stage]
+            in_map = s["in_map_driver_cpu_per_image_s"]
             lines.append(
-                f"driver CPU per image ({name}, {stage}): "
-                f"{1000 * s['driver_cpu_per_image_s']:.2f} ms = {100 * share:.1f} % of "
-                f"{1000 * work[stage]:.1f} ms work (target <= {100 * TARGET_CPU_SHARE:.0f} %) "
+                f"driver CPU per image ({name}, {stage}): {1000 * cpu:.2f} ms = "
+                f"{100 * share:.1f} % of {1000 * work[stage]:.1f} ms work "
+                f"(marginal {1000 * s['driver_cpu_per_image_s']:.2f} ms, in the pool map "
+                + (f"{1000 * in_map:.2f} ms" if in_map is not None else "none: 0 pool tasks")
+                + f") (target <= {100 * TARGET_CPU_SHARE:.0f} %) "
                 f"{verdict(share <= TARGET_CPU_SHARE)}"
             )
         f = cfg["fixed_cost"]
@@ -665,15 +690,30 @@ def headlines(result: dict[str, Any]) -> list[str]:
         )
         for stage in STAGES:
             c = cfg["ceiling"][stage]
+            nodes = c["nodes_before_driver_cpu_caps"]
+            if nodes is None:
+                lines.append(
+                    f"nodes of {NODE_CORES} cores before the driver caps ({name}, {stage}): "
+                    f"not measurable (driver CPU per image within noise of 0)"
+                )
+                continue
             lines.append(
                 f"nodes of {NODE_CORES} cores before the driver caps ({name}, {stage}): "
-                f"{c['nodes_before_driver_cpu_caps']:.1f} -> ceiling "
-                f"{c['driver_cap_images_per_s']:.0f} images/s "
-                f"(target >= {TARGET_NODES}) {verdict(c['nodes_before_driver_cpu_caps'] >= TARGET_NODES)}"
+                f"{nodes:.1f} -> ceiling {c['driver_cap_images_per_s']:.0f} images/s; "
+                f"a 10 GbE link at the driver caps at {c['nodes_before_10GbE_caps']:.1f} nodes "
+                f"(target >= {TARGET_NODES}) {verdict(nodes >= TARGET_NODES)}"
             )
     same = result["shard_bytes_identical"]
     lines.append(f"shard bytes identical across {', '.join(same['compared'])}: {same['identical']}")
     return lines
+
+
+def driver_cpu(s: dict[str, Any]) -> float:
+    """The figure judged: the larger of the marginal driver CPU per image (unbiased, noisy
+    at small N) and the driver's CPU per item while the pool map ran (a floor: it leaves out
+    per-image work done after the map, e.g. commits and uploads)."""
+    in_map = s["in_map_driver_cpu_per_image_s"]
+    return max(s["driver_cpu_per_image_s"], in_map if in_map is not None else float("-inf"))
 
 
 def ceilings(work: dict[str, float], stages: dict[str, Any]) -> dict[str, Any]:
@@ -681,13 +721,14 @@ def ceilings(work: dict[str, float], stages: dict[str, Any]) -> dict[str, Any]:
     for stage in STAGES:
         s = stages[stage]
         per_node = NODE_CORES / work[stage]
-        cpu = max(s["driver_cpu_per_image_s"], 1e-9)
-        cap = 1.0 / cpu
+        cpu = driver_cpu(s)
+        cap = 1.0 / cpu if cpu > 0 else None
         link_cap = LINK_BYTES_PER_S / max(s["bytes_through_per_image"], 1.0)
         out[stage] = {
+            "driver_cpu_per_image_s_judged": cpu,
             "per_node_images_per_s": per_node,
             "driver_cap_images_per_s": cap,
-            "nodes_before_driver_cpu_caps": cap / per_node,
+            "nodes_before_driver_cpu_caps": cap / per_node if cap else None,
             "link_cap_images_per_s_10GbE": link_cap,
             "nodes_before_10GbE_caps": link_cap / per_node,
         }
@@ -696,7 +737,7 @@ def ceilings(work: dict[str, float], stages: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="16 photos of 1600 px, 3 repeats")
+    parser.add_argument("--quick", action="store_true", help="24 photos of 1600 px, 3 repeats")
     parser.add_argument("--images", type=int, default=None)
     parser.add_argument("--long-side", type=int, default=None)
     parser.add_argument("--repeat", type=int, default=None)
@@ -705,7 +746,7 @@ def main() -> int:
     if args.serve_s3 is not None:
         serve_s3(args.serve_s3)
         return 0
-    count = args.images or (16 if args.quick else 48)
+    count = args.images or (24 if args.quick else 56)
     long_side = args.long_side or (1600 if args.quick else 2048)
     repeat = args.repeat or (3 if args.quick else 5)
     if count < 2:
