@@ -690,8 +690,16 @@ def headlines(result: dict[str, Any]) -> list[str]:
         for stage in STAGES:
             s = cfg["stages"][stage]
             b = s["bytes_through_per_image"]
+            all_in = s["all_in_bytes_through_per_image"]
+            if b < 0:  # never a "met" from noise
+                lines.append(
+                    f"driver bytes per image ({name}, {stage}): NOT MEASURED (marginal {b:.0f} "
+                    f"< 0: the step's fixed traffic varied more than its per-image traffic; "
+                    f"all-in {all_in:.0f}) (target <= {TARGET_BYTES})"
+                )
+                continue
             lines.append(
-                f"driver bytes per image ({name}, {stage}): {b:.0f} "
+                f"driver bytes per image ({name}, {stage}): {b:.0f} (all-in {all_in:.0f}) "
                 f"(target <= {TARGET_BYTES}) {verdict(b <= TARGET_BYTES)}"
             )
         for stage in STAGES:
@@ -699,6 +707,12 @@ def headlines(result: dict[str, Any]) -> list[str]:
             cpu = driver_cpu(s)
             share = cpu / work[stage]
             in_map = s["in_map_driver_cpu_per_image_s"]
+            if cpu <= 0:  # never a "met" from noise
+                lines.append(
+                    f"driver CPU per image ({name}, {stage}): NOT MEASURED (marginal "
+                    f"{1000 * cpu:.2f} ms <= 0, no pool map: within noise)"
+                )
+                continue
             lines.append(
                 f"driver CPU per image ({name}, {stage}): {1000 * cpu:.2f} ms = "
                 f"{100 * share:.1f} % of {1000 * work[stage]:.1f} ms work "
@@ -749,7 +763,9 @@ def ceilings(work: dict[str, float], stages: dict[str, Any]) -> dict[str, Any]:
         per_node = NODE_CORES / work[stage]
         cpu = driver_cpu(s)
         cap = 1.0 / cpu if cpu > 0 else None
-        link_cap = LINK_BYTES_PER_S / max(s["bytes_through_per_image"], 1.0)
+        # A marginal byte count at or under 0 is noise: the all-in count stands in for it.
+        b = s["bytes_through_per_image"]
+        link_cap = LINK_BYTES_PER_S / (b if b > 0 else s["all_in_bytes_through_per_image"])
         out[stage] = {
             "driver_cpu_per_image_s_judged": cpu,
             "per_node_images_per_s": per_node,
