@@ -293,7 +293,8 @@ def load_caption_image(item: CaptionInput, max_side: int) -> Image.Image:
         raise BackendConfigError(f"max_side must be at least 32, got {max_side}")
     if item.image is None:
         raise BackendInputError(item.key, "no image given (only the alt-text captioner needs none)")
-    if isinstance(item.image, bytes | bytearray | memoryview):
+    owned = isinstance(item.image, bytes | bytearray | memoryview)  # a fresh decode: ours
+    if owned:
         try:
             img = decode_rgb(bytes(item.image), draft_size=(max_side, max_side))
         except DecodeRejected as exc:
@@ -302,12 +303,14 @@ def load_caption_image(item: CaptionInput, max_side: int) -> Image.Image:
             ) from None
     elif isinstance(item.image, Image.Image):
         img, _ = to_rgb(item.image)
+        owned = img is not item.image
     else:
         raise BackendInputError(
             item.key, f"image must be bytes or a PIL image, got {type(item.image).__name__}"
         )
     if max(img.size) > max_side:
-        img = img.copy()
+        if not owned:  # never shrink the caller's image in place
+            img = img.copy()
         img.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
     return img
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Unpack
 
@@ -57,7 +58,7 @@ CAPTION_BASE_URL_ENV = ("PRX_CAPTION_BASE_URL", "OPENAI_BASE_URL")
 def image_to_data_url(img: Image.Image, quality: int = 90) -> str:
     """JPEG data URL; always re-encoded so requests are small and carry no metadata."""
     buf = io.BytesIO()
-    img.convert("RGB").save(buf, format="JPEG", quality=quality)
+    (img if img.mode == "RGB" else img.convert("RGB")).save(buf, format="JPEG", quality=quality)
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -87,8 +88,11 @@ class OpenAICaptioner(OpenAIBackend):
         temperature: float = 0.0,
         max_side: int = 1024,
         jpeg_quality: int = 90,
+        prepare_workers: int | None = None,
         **client: Unpack[ClientOptions],
     ) -> None:
+        if prepare_workers is not None and prepare_workers < 1:
+            raise BackendConfigError(f"prepare_workers must be >= 1, got {prepare_workers}")
         if max_tokens < 1:
             raise BackendConfigError(f"max_tokens must be >= 1, got {max_tokens}")
         if not 1 <= jpeg_quality <= 100:
@@ -100,6 +104,8 @@ class OpenAICaptioner(OpenAIBackend):
         self.temperature = float(temperature)
         self.max_side = max_side
         self.jpeg_quality = jpeg_quality
+        # Deployment, not identity: how many threads decode, resize and encode ahead.
+        self.prepare_workers = prepare_workers or max(1, len(os.sched_getaffinity(0)))
         self._connect(base_url, api_key, client)
         self.identity = BackendIdentity.create(
             kind="openai_vlm",
@@ -136,8 +142,14 @@ class OpenAICaptioner(OpenAIBackend):
             "temperature": self.temperature,
         }
 
-    def _one(self, job: tuple[CaptionInput, str], cancel: threading.Event) -> CaptionResult:
-        item, data_url = job
+    def prepare(self, item: CaptionInput) -> tuple[str, str]:
+        """(key, data URL) of one input: the CPU part of a request, run ahead of the requests."""
+        if not isinstance(item, CaptionInput):
+            raise BackendInputError(None, f"expected CaptionInput, got {type(item).__name__}")
+        return item.key, self.image_url(item)
+
+    def _one(self, job: tuple[str, str], cancel: threading.Event) -> CaptionResult:
+        key, data_url = job
         body = self.request_body(data_url)
 
         def parse(data: dict[str, Any]) -> tuple[str, str | None]:
@@ -147,11 +159,9 @@ class OpenAICaptioner(OpenAIBackend):
                 raise EmptyContentError("completion content is empty")
             return text, finish
 
-        text, finish = self._client.complete(
-            body, parse, label=f"caption {item.key}", cancel=cancel
-        )
+        text, finish = self._client.complete(body, parse, label=f"caption {key}", cancel=cancel)
         return CaptionResult(
-            key=item.key,
+            key=key,
             caption=text,
             kind=self.identity.kind,
             model_id=self.model,
@@ -159,12 +169,21 @@ class OpenAICaptioner(OpenAIBackend):
             finish_reason=finish,
         )
 
+    def caption_stream(self, images: Iterable[CaptionInput]) -> Iterator[CaptionResult]:
+        """Captions of ``images`` (read lazily), in input order, as they come back.
+
+        Each image is prepared (decoded, resized, JPEG-encoded) on ``prepare_workers``
+        threads ahead of the requests and sent as soon as it is ready, through the client's
+        bounded window (:meth:`OpenAIChatClient.stream`): the fleet never waits for a chunk
+        to be prepared or for a chunk's slowest request. A bad image or a failed request
+        fails the stream (the caller keeps nothing); results already yielded are then void.
+        """
+        return self._client.stream(
+            self._one, images, prepare=self.prepare, prepare_workers=self.prepare_workers
+        )
+
     def caption(self, images: Sequence[CaptionInput]) -> list[CaptionResult]:
-        items = check_caption_inputs(images)
-        # Encode everything first: a bad image fails the batch before any request is sent,
-        # and only the small JPEGs stay in memory.
-        jobs = [(item, self.image_url(item)) for item in items]
-        return self._client.map(self._one, jobs)
+        return list(self.caption_stream(check_caption_inputs(images)))
 
 
 class TransformersCaptioner:
