@@ -222,7 +222,7 @@ def build_caption_assets(
         deps=[raw_images, resolution_profile],
         group_name=GROUP,
         kinds={"lance"},
-        pool="gpu",
+        pool=captioner_resource.pool,  # "gpu" for an in-process model, none for a fleet
         code_version=f"captions-v1-{cap_fp}",
         check_specs=[length_window_spec(CAPTIONS_ASSET)],
         description=(
@@ -247,7 +247,7 @@ def build_caption_assets(
         deps=[captions],
         group_name=GROUP,
         kinds={"lance"},
-        pool="gpu",
+        pool=classifier_resource.pool,
         code_version=f"caption_classes-v1-{clf_fp}-{cap_fp}",
         check_specs=[classes_in_sync_spec(CLASSES_ASSET)],
         description=(

@@ -47,8 +47,14 @@ def _servers(base_url: str | None, base_urls: list[str] | None) -> str | list[st
     return list(base_urls) if base_urls else base_url
 
 
+#: The pool of steps that run a model in process (they hold a GPU): ``dagster.yaml``'s
+#: pool limit (``dagster instance concurrency set gpu N``) caps them across runs.
+GPU_POOL = "gpu"
+
+
 def _fleet_options(resource: "CaptionerResource | ClassifierResource") -> dict[str, Any]:
     return {
+        "window": resource.window,
         "max_concurrency": resource.max_concurrency,
         "timeout_s": resource.timeout_s,
         "max_attempts": resource.max_attempts,
@@ -89,11 +95,21 @@ class CaptionerResource(ConfigurableResource):
     batch_size: int = 8
     device: str | None = None
     dtype: str | None = None
-    chunk_size: int = 256  # images read (bytes) and captioned at a time
+    chunk_size: int = 256  # images read (bytes) at a time; captioned at a time in process
+    prepare_workers: int | None = None  # openai: threads preparing images ahead (None: CPUs)
+    window: int | None = None  # openai: images in the stream at once (None: 4 x fleet slots)
 
     @property
     def is_fallback(self) -> bool:
         return self.backend == "alt_text"
+
+    @property
+    def pool(self) -> str | None:
+        """The ``gpu`` pool for an in-process model only. A remote fleet's step makes HTTP
+        calls (its servers hold the GPUs and its client bounds the requests per server),
+        and the alt-text fallback runs no model: those steps take no pool, so several
+        batches can caption at once (bounded by the run queue's limits)."""
+        return GPU_POOL if self.backend == "transformers" else None
 
     def _make(self, secrets: bool) -> Captioner:
         model = _plain(self.model) or DEFAULT_VLM_ID
@@ -108,6 +124,7 @@ class CaptionerResource(ConfigurableResource):
                 temperature=self.temperature,
                 max_side=self.max_side,
                 jpeg_quality=self.jpeg_quality,
+                prepare_workers=self.prepare_workers,
                 **_fleet_options(self),
             )
         return TransformersCaptioner(
@@ -160,11 +177,18 @@ class ClassifierResource(ConfigurableResource):
     device: str | None = None
     dtype: str | None = None
     embedding_model_path: str | None = None
-    chunk_size: int = 512
+    chunk_size: int = 512  # captions classified at a time in process
+    window: int | None = None  # openai: captions in the stream at once (None: 4 x fleet slots)
 
     @property
     def is_fallback(self) -> bool:
         return self.backend == "embedding"
+
+    @property
+    def pool(self) -> str | None:
+        """The ``gpu`` pool for an in-process model (the transformers LM, and the MiniLM
+        fallback, which uses a GPU where there is one); none for a remote fleet."""
+        return None if self.backend == "openai" else GPU_POOL
 
     def _make(self, secrets: bool) -> CaptionClassifier:
         model = _plain(self.model) or DEFAULT_LM_ID

@@ -164,7 +164,9 @@ def test_bad_images_fail_the_batch_and_are_never_sent(chat_server, demo_photos):
     with pytest.raises(BackendInputError, match=r"broken\.jpg: image rejected \(not_an_image\)"):
         cap.caption([good, CaptionInput(key="broken.jpg", image=b"\xff\xd8 not really a jpeg")])
     good_url = cap.image_url(good)
-    sent = [r["body"]["messages"][1]["content"][0]["image_url"]["url"] for r in chat_server.requests]
+    sent = [
+        r["body"]["messages"][1]["content"][0]["image_url"]["url"] for r in chat_server.requests
+    ]
     assert set(sent) <= {good_url} and len(sent) <= 2  # only the good image, once per call
 
 
