@@ -212,3 +212,43 @@ def test_requests_are_sent_while_later_images_are_still_being_prepared(chat_flee
         assert cap.saw_answers  # requests went out before the last image was prepared
         assert [r.caption for r in results] == [_expected(cap, i) for i in items]
     assert sum(len(s.state.requests) for s in servers) == 12  # one request per image
+
+
+# --------------------------------------------------------------------------- preparation
+
+
+def test_draft_resize_gives_the_same_size_and_near_pixels_and_is_its_own_identity():
+    """``resize="draft"`` decodes a multi-megapixel JPEG at a DCT scale (the long side still
+    >= max_side) instead of in full: the same output size, pixels close to the original
+    recipe's, and a different fingerprint (other pixels: a swap), while the default
+    recipe's fingerprint is the one it always had (no ``resize`` param)."""
+    import io
+
+    import numpy as np
+
+    from prx_assets.demo.jpegs import bundled_photos, crop_to_aspect, jpeg_bytes
+
+    url = "http://127.0.0.1:9/v1"
+    plain, draft = (
+        OpenAICaptioner("m", base_url=url),
+        OpenAICaptioner("m", base_url=url, resize="draft"),
+    )
+    assert "resize" not in dict(plain.identity.params)
+    assert draft.identity.param("resize") == "draft"
+    assert draft.identity.fingerprint() != plain.identity.fingerprint()
+    for aspect in (1.5, 0.7):  # landscape and portrait, 2.2-2.6 k px long side
+        src = crop_to_aspect(bundled_photos()[0], aspect)
+        w = 2400 if aspect > 1 else round(2400 * aspect)
+        big = src.resize((w, round(w / aspect)), Image.Resampling.LANCZOS)
+        item = CaptionInput("k", image=jpeg_bytes(big))
+        a = np.asarray(Image.open(io.BytesIO(_jpeg(plain.image_url(item)))), dtype=np.float32)
+        b = np.asarray(Image.open(io.BytesIO(_jpeg(draft.image_url(item)))), dtype=np.float32)
+        assert a.shape == b.shape and max(a.shape[:2]) == 1024
+        assert float(np.abs(a - b).mean()) < 4.0  # near-identical to the eye
+
+
+def _jpeg(data_url: str) -> bytes:
+    import base64
+
+    assert data_url.startswith("data:image/jpeg;base64,")
+    return base64.b64decode(data_url.split(",", 1)[1])

@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Unpack
 from PIL import Image
 
 from prx_assets.core.captions.models.base import (
+    RESIZES,
     BackendConfigError,
     BackendIdentity,
     BackendInputError,
@@ -88,9 +89,12 @@ class OpenAICaptioner(OpenAIBackend):
         temperature: float = 0.0,
         max_side: int = 1024,
         jpeg_quality: int = 90,
+        resize: str = "lanczos",
         prepare_workers: int | None = None,
         **client: Unpack[ClientOptions],
     ) -> None:
+        if resize not in RESIZES:
+            raise BackendConfigError(f"resize must be one of {RESIZES}, got {resize!r}")
         if prepare_workers is not None and prepare_workers < 1:
             raise BackendConfigError(f"prepare_workers must be >= 1, got {prepare_workers}")
         if max_tokens < 1:
@@ -104,6 +108,7 @@ class OpenAICaptioner(OpenAIBackend):
         self.temperature = float(temperature)
         self.max_side = max_side
         self.jpeg_quality = jpeg_quality
+        self.resize = resize
         # Deployment, not identity: how many threads decode, resize and encode ahead.
         self.prepare_workers = prepare_workers or max(1, len(os.sched_getaffinity(0)))
         self._connect(base_url, api_key, client)
@@ -117,12 +122,16 @@ class OpenAICaptioner(OpenAIBackend):
                 "temperature": self.temperature,
                 "max_side": max_side,
                 "jpeg_quality": jpeg_quality,
+                # Named only when not the original recipe: existing captions keep their
+                # fingerprint; choosing "draft" (other pixels) is a swap.
+                **({"resize": resize} if resize != "lanczos" else {}),
             },
         )
 
     def image_url(self, item: CaptionInput) -> str:
         """The JPEG data URL sent for an input (bounded side, fixed quality)."""
-        return image_to_data_url(load_caption_image(item, self.max_side), self.jpeg_quality)
+        img = load_caption_image(item, self.max_side, self.resize)
+        return image_to_data_url(img, self.jpeg_quality)
 
     def request_body(self, data_url: str) -> dict[str, Any]:
         """The chat-completions body for one image (public so it can be inspected)."""
