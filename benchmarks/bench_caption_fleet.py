@@ -14,8 +14,9 @@ beside it.
 
 Scenarios:
 
-- ``old_path``: the previous client in this process, same servers, same photos: every image
-  of a 256-image chunk prepared in turn, then the chunk sent, then the next chunk;
+- ``old_path`` / ``new_path``: the captioner alone in this process on the 3-4 MP photos,
+  end to end (images / wall): the previous client (every image of a 256-image chunk
+  prepared in turn, then the chunk sent and waited for, then the next) beside the stream;
 - ``captions_photos``: the captions asset on real 3-4 MP JPEGs (made from the bundled
   photos by ``prx_assets/demo/jpegs.py``, as ``bench_pipeline``), fleet 80/s;
 - ``captions_small`` / ``captions_max``: the same asset on the bundled photos shrunk to at
@@ -73,6 +74,8 @@ def serve(port_file: str, latency: float, concurrency: int) -> None:
         def do_GET(self) -> None:  # noqa: N802
             with lock:
                 payload = json.dumps(stats).encode()
+                if self.path == "/reset":  # a new scenario on the same servers
+                    stats.update(answered=0, first=None, last=None)
             self._send(payload)
 
         def do_POST(self) -> None:  # noqa: N802
@@ -139,14 +142,17 @@ class Fleet:
     def urls(self) -> list[str]:
         return [f"http://127.0.0.1:{p}/v1" for p in self.ports]
 
-    def stats(self) -> list[dict[str, Any]]:
+    def stats(self, path: str = "/") -> list[dict[str, Any]]:
         out = []
         for proc, url in zip(self.procs, self.urls, strict=True):
             if proc.poll() is not None:
                 continue  # killed: its answers are counted by the client
-            with urllib.request.urlopen(url.removesuffix("/v1") + "/", timeout=5) as resp:
+            with urllib.request.urlopen(url.removesuffix("/v1") + path, timeout=5) as resp:
                 out.append(json.loads(resp.read()))
         return out
+
+    def reset(self) -> None:
+        self.stats("/reset")
 
     def rate(self) -> float:
         stats = [s for s in self.stats() if s["answered"]]
@@ -317,6 +323,7 @@ def run_asset(
         if kill_after is not None:
             killer = threading.Timer(kill_after, fleet.kill, args=(len(fleet.procs) - 1,))
             killer.start()
+        fleet.reset()
         cpu0, t0 = cpu_s(), time.perf_counter()
         result = materialize(
             assets, partition_key=BATCH, instance=instance, resources=res,
@@ -363,26 +370,34 @@ def run_asset(
     return out
 
 
-def run_old_path(images: list[bytes], fleet: Fleet, chunk: int = 256) -> dict[str, Any]:
-    """The previous client: prepare a chunk image by image, send it, wait for all of it."""
+def run_in_process(images: list[bytes], fleet: Fleet, *, streaming: bool) -> dict[str, Any]:
+    """The captioner alone in this process (no Dagster, no lab), end to end: images / wall.
+
+    ``streaming=False`` is the previous client: a 256-image chunk prepared image by image,
+    then sent, then waited for, then the next chunk; ``True`` is ``caption_stream``.
+    """
     from prx_assets.core.captions.models import CaptionInput, OpenAICaptioner
 
     conc = client_concurrency(fleet.concurrency)
     cap = OpenAICaptioner("fake-vlm", base_url=fleet.urls, max_concurrency=conc, timeout_s=30.0)
     items = [CaptionInput(f"k{i}", image=b) for i, b in enumerate(images)]
+    fleet.reset()
     t0 = time.perf_counter()
     n = 0
     with cap:
-        for start in range(0, len(items), chunk):
-            jobs = [(it.key, cap.image_url(it)) for it in items[start : start + chunk]]
-            n += len(cap._client.map(cap._one, jobs))
+        if streaming:
+            n = sum(1 for _ in cap.caption_stream(items))
+        else:
+            for start in range(0, len(items), 256):
+                jobs = [cap.prepare(it) for it in items[start : start + 256]]
+                n += len(cap._client.map(cap._one, jobs))
     wall = time.perf_counter() - t0
     return {
         "images": n,
         "fleet_capacity_per_s": round(fleet.capacity, 1),
         "per_s": round(n / wall, 1),
         "pct_of_capacity": round(100 * n / wall / fleet.capacity, 1),
-        "chunk": chunk,
+        "path": "caption_stream" if streaming else "prepare 256, send, wait (previous)",
     }
 
 
@@ -412,7 +427,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--max-servers", type=int, default=4)
-    parser.add_argument("--max-concurrency", type=int, default=30)
+    parser.add_argument("--max-concurrency", type=int, default=10)
+    parser.add_argument(
+        "--max-latency",
+        type=float,
+        default=0.1,
+        help="server latency of the largest fleet (0.1 s: 40 requests in flight for 400/s; "
+        "the client's one thread per request in flight costs CPU on a small machine)",
+    )
     args = parser.parse_args()
     q = args.quick
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -430,7 +452,8 @@ def main() -> None:
         fleet = Fleet(3, 0.3, 8, tmp)  # 80/s, as in the issue
         try:
             photos = [big[i % len(big)] for i in range(n_big)]
-            out["old_path"] = run_old_path(photos[:n_old], fleet)
+            out["old_path"] = run_in_process(photos[:n_old], fleet, streaming=False)
+            out["new_path"] = run_in_process(photos[:n_old], fleet, streaming=True)
             out["captions_photos"] = run_asset(tmp, photos, fleet, "captions")
             out["captions_photos_draft"] = run_asset(tmp, photos, fleet, "captions", resize="draft")
         finally:
@@ -441,7 +464,8 @@ def main() -> None:
             ("captions_max", "captions", n_max, args.max_servers, args.max_concurrency),
             ("classes_max", "caption_classes", n_max, args.max_servers, args.max_concurrency),
         ):
-            fleet = Fleet(servers, 0.3, conc, tmp)
+            latency = args.max_latency if name.endswith("_max") else 0.3
+            fleet = Fleet(servers, latency, conc, tmp)
             try:
                 out[name] = run_asset(tmp, small[:n], fleet, asset)
             finally:
@@ -456,6 +480,7 @@ def main() -> None:
             fleet.close()
 
     cp, old, ph = out["prepare_cpu"], out["old_path"], out["captions_photos"]
+    new = out["new_path"]
     cpd, phd = out["prepare_cpu_draft"], out["captions_photos_draft"]
     cpus = out["cpus"]
     lines = [
@@ -465,9 +490,9 @@ def main() -> None:
         f"captions (3-4 MP photos, resize=draft, fleet {phd['fleet_capacity_per_s']:g}/s): "
         f"{phd['pct_of_capacity']} % of fleet capacity (target >= 90 %; preparation bound on "
         f"{cpus} cores: {cpus * 1000 / cpd['mean_ms']:.0f}/s)",
-        f"captions, old prepare-then-send path, same photos and fleet: "
-        f"{old['pct_of_capacity']} % of fleet capacity ({old['per_s']}/s vs "
-        f"{ph['served_per_s']}/s now)",
+        f"captioner in process, same 3-4 MP photos and fleet: previous prepare-then-send "
+        f"{old['per_s']}/s ({old['pct_of_capacity']} %), stream {new['per_s']}/s "
+        f"({new['pct_of_capacity']} %)",
     ]
     for key, what in (
         ("captions_small", "captions (<=256 px photos"),
@@ -477,7 +502,8 @@ def main() -> None:
     ):
         r = out[key]
         lines.append(
-            f"{what}, fleet {r['fleet_capacity_per_s']:g}/s): {r['pct_of_capacity']} % of "
+            f"{what}, fleet {r['fleet_capacity_per_s']:g}/s = {r['servers']} x "
+            f"{r['concurrency_per_server']} / {r['latency_s']:g} s): {r['pct_of_capacity']} % of "
             f"fleet capacity (target >= 90 %)"
         )
     lines += [
