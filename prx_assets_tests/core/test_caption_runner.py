@@ -352,3 +352,48 @@ def test_a_server_killed_mid_batch_loses_and_duplicates_no_caption(lab_with_batc
     counts = built[0].endpoint_counts()
     assert counts[1].errors >= 1  # the dead server's requests failed and were moved
     assert counts[0].ok + counts[1].ok == len(eligible)
+
+
+def test_images_prepared_on_the_worker_pool_get_their_own_captions(lab_with_batch, chat_fleet):
+    """``prepare_pool``: decode, resize and encode run in worker processes (Ray tasks on a
+    cluster), the step only streams requests; same captions, one per image. A bad image
+    prepared there fails the batch and nothing is written."""
+    from prx_assets.core.workers import make_pool
+
+    lab, eligible = lab_with_batch
+    digest = model_fixtures.data_url_digest
+    (server,) = chat_fleet(1)
+    server.state.default = lambda body: model_fixtures.chat_reply(
+        f"a caption for image {digest(body)}"
+    )
+    built: list[OpenAICaptioner] = []
+
+    def build() -> OpenAICaptioner:
+        built.append(OpenAICaptioner("test-vlm", base_url=server.state.base_url))
+        return built[-1]
+
+    def pool():
+        return make_pool("process", 2)
+
+    BatchCaptions(lab, KEY, build, backend="openai", chunk_size=4, prepare_pool=pool).run()
+    caps = _rows(lab, CAPTIONS.name)
+    assert sorted(caps) == eligible
+    images = {r["key"]: r["image"] for r in lab.read_batch(IMAGES.name, KEY).to_pylist()}
+    for key in eligible:
+        url = built[0].image_url(CaptionInput(key, image=images[key]))
+        body = {"messages": [{"content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+        assert caps[key]["caption"] == f"a caption for image {digest(body)}"
+
+    before, version = lab.read_batch(CAPTIONS.name, KEY), lab.version(CAPTIONS.name)
+    table = lab.read_batch(IMAGES.name, KEY)
+    blobs = [
+        b"\xff\xd8 not a jpeg" if k == eligible[2] else b
+        for k, b in zip(table["key"].to_pylist(), table["image"].to_pylist(), strict=True)
+    ]
+    column = table.schema.get_field_index("image")
+    table = table.set_column(column, "image", pa.array(blobs, table.schema.field("image").type))
+    lab.replace_partition(IMAGES, KEY, table)
+    with pytest.raises(CaptionStageError, match="preparation failed"):
+        BatchCaptions(lab, KEY, build, backend="openai", chunk_size=4, prepare_pool=pool).run()
+    assert lab.read_batch(CAPTIONS.name, KEY).equals(before)
+    assert lab.version(CAPTIONS.name) == version

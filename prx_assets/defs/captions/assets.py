@@ -96,6 +96,7 @@ def _captions(
         pixels=not captioner.is_fallback,  # the fallback reads alt text alone
         chunk_size=captioner.chunk_size,
         log=context.log.info,
+        prepare_pool=captioner.prepare_pool(),
     )
     with _failing_the_run():
         out = run.run()

@@ -8,6 +8,7 @@ it with the fingerprints stored in the lab. API keys come from the environment
 are sent as a header and never reach metadata, identities or tables.
 """
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from dagster import ConfigurableResource, EnvVar
@@ -29,6 +30,7 @@ from prx_assets.core.captions.models.captioners import DEFAULT_VLM_ID
 from prx_assets.core.captions.models.classifiers import DEFAULT_LM_ID
 from prx_assets.core.captions.models.embeddings import MINILM_MODEL_ID
 from prx_assets.core.captions.tables import VECTOR_INDEX_MIN_ROWS
+from prx_assets.core.workers import WorkerPool, make_pool
 
 ALT_TEXT_NOTE = "offline fallback: source alt text, not a VLM caption"
 EMBEDDING_NOTE = "offline fallback: embedding zero-shot"
@@ -97,7 +99,11 @@ class CaptionerResource(ConfigurableResource):
     device: str | None = None
     dtype: str | None = None
     chunk_size: int = 256  # images read (bytes) at a time; captioned at a time in process
-    prepare_workers: int | None = None  # openai: threads preparing images ahead (None: CPUs)
+    prepare_workers: int | None = None  # openai: threads (or pool workers) preparing ahead
+    # openai: where images are decoded, resized and encoded: "threads" in the step's process,
+    # or "pool": the per-image worker pool (PRX_EXECUTOR: processes, or Ray tasks on a
+    # cluster), so the caption step itself only streams requests.
+    prepare_on: Literal["threads", "pool"] = "threads"
     window: int | None = None  # openai: images in the stream at once (None: 4 x fleet slots)
 
     @property
@@ -138,6 +144,13 @@ class CaptionerResource(ConfigurableResource):
             device=self.device,
             dtype=self.dtype,
         )
+
+    def prepare_pool(self) -> Callable[[], WorkerPool] | None:
+        """The worker pool a run prepares its images on (``prepare_on="pool"``), else None."""
+        if self.backend != "openai" or self.prepare_on != "pool":
+            return None
+        workers = self.prepare_workers
+        return lambda: make_pool(workers=workers)
 
     def identity(self) -> BackendIdentity:
         """What the captions depend on; safe outside a run (no URL or key is resolved)."""

@@ -20,6 +20,7 @@ import base64
 import io
 import os
 import threading
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Unpack
@@ -49,6 +50,7 @@ from prx_assets.core.captions.models.prompts import (
     CAPTION_USER_PROMPT,
     clean_caption,
 )
+from prx_assets.core.workers import ItemFailed, WorkerPool
 
 DEFAULT_VLM_ID = "Qwen/Qwen3-VL-8B-Instruct"
 ALT_TEXT_MODEL_ID = "alt-text-fallback"
@@ -61,6 +63,20 @@ def image_to_data_url(img: Image.Image, quality: int = 90) -> str:
     buf = io.BytesIO()
     (img if img.mode == "RGB" else img.convert("RGB")).save(buf, format="JPEG", quality=quality)
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+#: One image's preparation as a worker-pool task: (key, image bytes, max_side, JPEG quality,
+#: resize recipe).
+PrepareJob = tuple[str, bytes, int, int, str]
+
+
+def prepare_caption_job(job: PrepareJob) -> tuple[str, str]:
+    """(key, JPEG data URL) of one image's bytes, exactly as :meth:`OpenAICaptioner.prepare`
+    makes it: module-level and picklable, so a worker pool (processes, or Ray tasks on a
+    cluster) can do the decode, resize and encode away from the caption step."""
+    key, data, max_side, quality, resize = job
+    img = load_caption_image(CaptionInput(key, image=data), max_side, resize)
+    return key, image_to_data_url(img, quality)
 
 
 class OpenAICaptioner(OpenAIBackend):
@@ -178,18 +194,48 @@ class OpenAICaptioner(OpenAIBackend):
             finish_reason=finish,
         )
 
-    def caption_stream(self, images: Iterable[CaptionInput]) -> Iterator[CaptionResult]:
+    def caption_stream(
+        self, images: Iterable[CaptionInput], pool: WorkerPool | None = None
+    ) -> Iterator[CaptionResult]:
         """Captions of ``images`` (read lazily), in input order, as they come back.
 
-        Each image is prepared (decoded, resized, JPEG-encoded) on ``prepare_workers``
-        threads ahead of the requests and sent as soon as it is ready, through the client's
-        bounded window (:meth:`OpenAIChatClient.stream`): the fleet never waits for a chunk
-        to be prepared or for a chunk's slowest request. A bad image or a failed request
-        fails the stream (the caller keeps nothing); results already yielded are then void.
+        Each image is prepared (decoded, resized, JPEG-encoded) ahead of the requests, on
+        ``prepare_workers`` threads here or, given a worker ``pool`` (``core/workers``:
+        processes, or Ray tasks on a cluster), there (image bytes only), and sent as soon as
+        it is ready through the client's bounded window (:meth:`OpenAIChatClient.stream`):
+        the fleet never waits for a chunk to be prepared or for a chunk's slowest request.
+        A bad image or a failed request fails the stream (the caller keeps nothing); results
+        already yielded are then void.
         """
-        return self._client.stream(
-            self._one, images, prepare=self.prepare, prepare_workers=self.prepare_workers
-        )
+        if pool is None:
+            return self._client.stream(
+                self._one, images, prepare=self.prepare, prepare_workers=self.prepare_workers
+            )
+        return self._client.stream(self._one, self._pool_prepared(images, pool))
+
+    def _pool_prepared(
+        self, images: Iterable[CaptionInput], pool: WorkerPool
+    ) -> Iterator[tuple[str, str]]:
+        keys: deque[str] = deque()  # the pool answers in order: the key of each answer
+
+        def jobs() -> Iterator[PrepareJob]:
+            for item in images:
+                if not isinstance(item, CaptionInput):
+                    raise BackendInputError(
+                        None, f"expected CaptionInput, got {type(item).__name__}"
+                    )
+                if not isinstance(item.image, bytes | bytearray | memoryview):
+                    raise BackendInputError(item.key, "a worker pool prepares image bytes only")
+                keys.append(item.key)
+                yield item.key, bytes(item.image), self.max_side, self.jpeg_quality, self.resize
+
+        for out in pool.map_ordered(prepare_caption_job, jobs()):
+            key = keys.popleft()
+            if isinstance(out, ItemFailed):
+                raise BackendInputError(key, f"preparation failed: {out.error}")
+            if out[0] != key:
+                raise BackendInputError(key, f"the pool answered for {out[0]!r} instead")
+            yield out
 
     def caption(self, images: Sequence[CaptionInput]) -> list[CaptionResult]:
         return list(self.caption_stream(check_caption_inputs(images)))
