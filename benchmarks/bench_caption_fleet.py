@@ -461,6 +461,9 @@ def main() -> None:
             out["new_path"] = run_in_process(photos[:n_old], fleet, streaming=True)
             out["captions_photos"] = run_asset(tmp, photos, fleet, "captions")
             out["captions_photos_draft"] = run_asset(tmp, photos, fleet, "captions", resize="draft")
+            out["captions_photos_pool"] = run_asset(
+                tmp, photos, fleet, "captions", resize="draft", prepare_on="pool"
+            )
         finally:
             fleet.close()
         for name, asset, n, servers, conc in (
