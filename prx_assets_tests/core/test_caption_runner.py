@@ -6,6 +6,7 @@ embedding classifier on CPU, and an OpenAI-compatible HTTP server scripted to fa
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,10 +18,12 @@ from prx_assets.core.captions.models import (
     AltTextCaptioner,
     BackendError,
     BackendIdentity,
+    CaptionInput,
     CaptionResult,
     EmbeddingClassifier,
     MiniLMEmbedder,
     OpenAICaptioner,
+    OpenAIClassifier,
 )
 from prx_assets.core.captions.runner import (
     BatchCaptions,
@@ -244,3 +247,153 @@ def test_results_out_of_order_are_refused(lab_with_batch):
     with pytest.raises(CaptionStageError, match="out of order"):
         BatchCaptions(lab, KEY, Reversed, backend="alt_text", pixels=False).run()
     assert not lab.exists(CAPTIONS.name)
+
+
+def _held_head_fleet(chat_fleet, reply_text, *, others: int):
+    """One server that holds its first request until ``others`` more have arrived (bounded:
+    a runner with a chunk barrier never sends them, and the hold gives up after 2 s)."""
+    (server,) = chat_fleet(1)
+    arrived = threading.Event()
+    seen = {"n": 0, "held_saw_others": None}
+    lock = threading.Lock()
+
+    def reply(body: dict) -> dict:
+        with lock:
+            seen["n"] += 1
+            first = seen["n"] == 1
+            if seen["n"] == 1 + others:
+                arrived.set()
+        if first:
+            seen["held_saw_others"] = arrived.wait(2.0)
+        return model_fixtures.chat_reply(reply_text(body))
+
+    server.state.default = reply
+    return server, seen
+
+
+def test_captions_stream_across_chunks_without_a_barrier(lab_with_batch, chat_fleet):
+    """chunk_size 2: while the first request is held, images of later chunks are read,
+    prepared and sent; every eligible image still gets exactly its own caption, in order."""
+    lab, eligible = lab_with_batch
+    assert len(eligible) >= 6
+    digest = model_fixtures.data_url_digest
+    server, seen = _held_head_fleet(
+        chat_fleet, lambda body: f"a caption for image {digest(body)}", others=4
+    )
+    built: list[OpenAICaptioner] = []
+
+    def build() -> OpenAICaptioner:
+        built.append(OpenAICaptioner("test-vlm", base_url=server.state.base_url, max_concurrency=8))
+        return built[-1]
+
+    out = BatchCaptions(lab, KEY, build, backend="openai", chunk_size=2).run()
+    assert seen["held_saw_others"] is True  # 4 more requests arrived while the head was held
+    caps = _rows(lab, CAPTIONS.name)
+    assert sorted(caps) == eligible and out.stats.captions == len(eligible)
+    images = {r["key"]: r["image"] for r in lab.read_batch(IMAGES.name, KEY).to_pylist()}
+    for key in eligible:  # each row holds the caption of its own image
+        url = built[0].image_url(CaptionInput(key, image=images[key]))
+        body = {"messages": [{"content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+        assert caps[key]["caption"] == f"a caption for image {digest(body)}"
+    assert len(server.state.requests) == len(eligible)
+
+
+def test_caption_classes_stream_across_chunks_without_a_barrier(lab_with_batch, chat_fleet):
+    lab, _ = lab_with_batch
+    _alt_captions(lab).run()
+    n = sum(bool((r["caption"] or "").strip()) for r in _rows(lab, CAPTIONS.name).values())
+    assert n >= 6
+    server, seen = _held_head_fleet(chat_fleet, lambda body: "visual", others=4)
+
+    def build() -> OpenAIClassifier:
+        return OpenAIClassifier("test-lm", base_url=server.state.base_url, mode="choice")
+
+    out = BatchClasses(lab, KEY, build, backend="openai", chunk_size=2).run()
+    assert seen["held_saw_others"] is True
+    assert out.classified == n and out.label_counts["visual"] == n and out.sync.in_sync
+    assert len(server.state.requests) == n
+
+
+def test_a_server_killed_mid_batch_loses_and_duplicates_no_caption(lab_with_batch, chat_fleet):
+    """Two servers; one dies (socket closed, requests in flight unanswered) on its third
+    request. Its work is retried on the other: one row per image, each its own caption."""
+    lab, eligible = lab_with_batch
+    digest = model_fixtures.data_url_digest
+    a, b = chat_fleet(2)
+
+    def answer(body: dict) -> dict:
+        return model_fixtures.chat_reply(f"a caption for image {digest(body)}")
+
+    def dying(body: dict) -> dict:
+        if len(b.state.requests) == 3:
+            b.kill()
+        return answer(body)
+
+    a.state.default, b.state.default = answer, dying
+    built: list[OpenAICaptioner] = []
+
+    def build() -> OpenAICaptioner:
+        urls = [a.state.base_url, b.state.base_url]
+        built.append(
+            OpenAICaptioner(
+                "test-vlm", base_url=urls, max_concurrency=2, backoff_base_s=0.01, timeout_s=5.0
+            )
+        )
+        return built[-1]
+
+    BatchCaptions(lab, KEY, build, backend="openai", chunk_size=3).run()
+    caps = lab.read_batch(CAPTIONS.name, KEY).to_pylist()
+    assert sorted(r["key"] for r in caps) == eligible  # none lost, none twice
+    images = {r["key"]: r["image"] for r in lab.read_batch(IMAGES.name, KEY).to_pylist()}
+    for row in caps:
+        url = built[0].image_url(CaptionInput(row["key"], image=images[row["key"]]))
+        body = {"messages": [{"content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+        assert row["caption"] == f"a caption for image {digest(body)}"
+    counts = built[0].endpoint_counts()
+    assert counts[1].errors >= 1  # the dead server's requests failed and were moved
+    assert counts[0].ok + counts[1].ok == len(eligible)
+
+
+def test_images_prepared_on_the_worker_pool_get_their_own_captions(lab_with_batch, chat_fleet):
+    """``prepare_pool``: decode, resize and encode run in worker processes (Ray tasks on a
+    cluster), the step only streams requests; same captions, one per image. A bad image
+    prepared there fails the batch and nothing is written."""
+    from prx_assets.core.workers import make_pool
+
+    lab, eligible = lab_with_batch
+    digest = model_fixtures.data_url_digest
+    (server,) = chat_fleet(1)
+    server.state.default = lambda body: model_fixtures.chat_reply(
+        f"a caption for image {digest(body)}"
+    )
+    built: list[OpenAICaptioner] = []
+
+    def build() -> OpenAICaptioner:
+        built.append(OpenAICaptioner("test-vlm", base_url=server.state.base_url))
+        return built[-1]
+
+    def pool():
+        return make_pool("process", 2)
+
+    BatchCaptions(lab, KEY, build, backend="openai", chunk_size=4, prepare_pool=pool).run()
+    caps = _rows(lab, CAPTIONS.name)
+    assert sorted(caps) == eligible
+    images = {r["key"]: r["image"] for r in lab.read_batch(IMAGES.name, KEY).to_pylist()}
+    for key in eligible:
+        url = built[0].image_url(CaptionInput(key, image=images[key]))
+        body = {"messages": [{"content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+        assert caps[key]["caption"] == f"a caption for image {digest(body)}"
+
+    before, version = lab.read_batch(CAPTIONS.name, KEY), lab.version(CAPTIONS.name)
+    table = lab.read_batch(IMAGES.name, KEY)
+    blobs = [
+        b"\xff\xd8 not a jpeg" if k == eligible[2] else b
+        for k, b in zip(table["key"].to_pylist(), table["image"].to_pylist(), strict=True)
+    ]
+    column = table.schema.get_field_index("image")
+    table = table.set_column(column, "image", pa.array(blobs, table.schema.field("image").type))
+    lab.replace_partition(IMAGES, KEY, table)
+    with pytest.raises(CaptionStageError, match="preparation failed"):
+        BatchCaptions(lab, KEY, build, backend="openai", chunk_size=4, prepare_pool=pool).run()
+    assert lab.read_batch(CAPTIONS.name, KEY).equals(before)
+    assert lab.version(CAPTIONS.name) == version

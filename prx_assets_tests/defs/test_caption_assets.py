@@ -429,4 +429,23 @@ def test_caption_stage_loads_into_definitions(tmp_path):
         "caption_embeddings_in_sync",
     }
     pools = {a.key.to_user_string(): a.op.pool for a in build_caption_assets(cap, clf, emb)}
-    assert pools == {"captions": "gpu", "caption_classes": "gpu", "caption_embeddings": None}
+    # The defaults: alt text runs no model (no pool); the MiniLM fallback is in process.
+    assert pools == {"captions": None, "caption_classes": "gpu", "caption_embeddings": None}
+
+
+@pytest.mark.parametrize(
+    ("captioner", "classifier", "expected"),
+    [
+        ("transformers", "transformers", ("gpu", "gpu")),
+        ("openai", "openai", (None, None)),
+        ("openai", "transformers", (None, "gpu")),
+        ("transformers", "embedding", ("gpu", "gpu")),
+    ],
+)
+def test_only_in_process_models_take_the_gpu_pool(captioner, classifier, expected):
+    """A fleet-backed step makes HTTP calls: it must not queue behind the one-slot ``gpu``
+    pool, so several batches caption at once; an in-process model stays in the pool."""
+    cap = CaptionerResource(backend=captioner, base_url="http://fleet-a:8000/v1")
+    clf = ClassifierResource(backend=classifier, base_url="http://fleet-b:8000/v1")
+    assets = {a.key.to_user_string(): a for a in build_caption_assets(cap, clf, EmbedderResource())}
+    assert (assets["captions"].op.pool, assets["caption_classes"].op.pool) == expected

@@ -50,6 +50,7 @@ from prx_assets.core.captions.tables import (
 from prx_assets.core.captions.verify import SyncReport, classes_sync, embeddings_sync
 from prx_assets.core.lab import Lab, in_list, sql_literal
 from prx_assets.core.tables import CAPTION_CLASSES, CAPTION_EMBEDDINGS, CAPTIONS, IMAGES, RESOLUTION
+from prx_assets.core.workers import WorkerPool
 
 B = TypeVar("B")
 
@@ -154,9 +155,11 @@ class BatchCaptions:
         pixels: bool = True,
         chunk_size: int = 256,
         log: Callable[[str], None] = _quiet,
+        prepare_pool: Callable[[], WorkerPool] | None = None,
     ) -> None:
         self.lab, self.batch, self.build = lab, batch, build
         self.backend, self.pixels, self.chunk_size, self.log = backend, pixels, chunk_size, log
+        self.prepare_pool = prepare_pool  # a streaming backend's preparation off this process
 
     def _eligible(self) -> list[str]:
         if not self.lab.exists(RESOLUTION.name):
@@ -183,16 +186,51 @@ class BatchCaptions:
             CaptionInput(k, image=rows[k].get("image"), alt_text=rows[k]["alt_text"]) for k in chunk
         ]
 
+    def _stream_inputs(self, keys: list[str]) -> Iterator[CaptionInput]:
+        for chunk in chunked(keys, self.chunk_size):
+            yield from self._inputs(chunk)
+
+    def _streamed(
+        self,
+        stream: Callable[..., Iterator[CaptionResult]],
+        keys: list[str],
+        pool: WorkerPool | None,
+    ) -> list[CaptionResult]:
+        results: list[CaptionResult] = []
+        inputs = self._stream_inputs(keys)
+        for r in stream(inputs, pool=pool) if pool is not None else stream(inputs):
+            if len(results) >= len(keys) or r.key != keys[len(results)]:
+                raise CaptionStageError("the captioner returned results out of order")
+            results.append(r)
+            if len(results) % self.chunk_size == 0 or len(results) == len(keys):
+                self.log(f"{self.batch}: captioned {len(results)}/{len(keys)}")
+        return results
+
     def _caption(self, captioner: Captioner, keys: list[str]) -> list[CaptionResult]:
         identity = captioner.identity
         results: list[CaptionResult] = []
+        stream = getattr(captioner, "caption_stream", None)
         try:
-            for chunk in chunked(keys, self.chunk_size):
-                out = captioner.caption(self._inputs(chunk))
-                if [r.key for r in out] != list(chunk):
-                    raise CaptionStageError(f"{identity.kind} returned results out of order")
-                results.extend(out)
-                self.log(f"{self.batch}: captioned {len(results)}/{len(keys)}")
+            if callable(stream):
+                # A fleet backend: images are read chunk by chunk as the stream consumes
+                # them, prepared ahead and sent through a bounded window (no chunk barrier).
+                pool = self.prepare_pool() if self.prepare_pool is not None else None
+                try:
+                    results = self._streamed(stream, keys, pool)
+                finally:
+                    if pool is not None:
+                        pool.close()
+                if len(results) != len(keys):
+                    raise CaptionStageError(
+                        f"{identity.kind} returned {len(results)} captions for {len(keys)} images"
+                    )
+            else:
+                for chunk in chunked(keys, self.chunk_size):
+                    out = captioner.caption(self._inputs(chunk))
+                    if [r.key for r in out] != list(chunk):
+                        raise CaptionStageError(f"{identity.kind} returned results out of order")
+                    results.extend(out)
+                    self.log(f"{self.batch}: captioned {len(results)}/{len(keys)}")
         except BackendError as exc:
             failure = _failed(f"captioning {self.batch}", identity, exc, self.backend, captioner)
             raise CaptionStageError(
@@ -270,11 +308,21 @@ class BatchClasses:
         probs: list[ClassProbs | None] = [None] * len(keys)
         with _built(self.build) as classifier:
             identity = classifier.identity
+            stream = getattr(classifier, "classify_stream", None)
             try:
-                for chunk in chunked(todo, self.chunk_size):
-                    scored = classifier.classify([texts[i] for i in chunk])
-                    for i, p in zip(chunk, scored, strict=True):
+                if callable(stream):  # a fleet backend: one bounded stream, no chunk barrier
+                    scored = list(stream(texts[i] for i in todo))
+                    if len(scored) != len(todo):
+                        raise CaptionStageError(
+                            f"{identity.kind} returned {len(scored)} classes for {len(todo)}"
+                        )
+                    for i, p in zip(todo, scored, strict=True):
                         probs[i] = p
+                else:
+                    for chunk in chunked(todo, self.chunk_size):
+                        scored = classifier.classify([texts[i] for i in chunk])
+                        for i, p in zip(chunk, scored, strict=True):
+                            probs[i] = p
                 endpoints = endpoint_counts(classifier)
             except BackendError as exc:
                 failure = _failed(

@@ -96,6 +96,7 @@ def _captions(
         pixels=not captioner.is_fallback,  # the fallback reads alt text alone
         chunk_size=captioner.chunk_size,
         log=context.log.info,
+        prepare_pool=captioner.prepare_pool(),
     )
     with _failing_the_run():
         out = run.run()
@@ -222,7 +223,7 @@ def build_caption_assets(
         deps=[raw_images, resolution_profile],
         group_name=GROUP,
         kinds={"lance"},
-        pool="gpu",
+        pool=captioner_resource.pool,  # "gpu" for an in-process model, none for a fleet
         code_version=f"captions-v1-{cap_fp}",
         check_specs=[length_window_spec(CAPTIONS_ASSET)],
         description=(
@@ -247,7 +248,7 @@ def build_caption_assets(
         deps=[captions],
         group_name=GROUP,
         kinds={"lance"},
-        pool="gpu",
+        pool=classifier_resource.pool,
         code_version=f"caption_classes-v1-{clf_fp}-{cap_fp}",
         check_specs=[classes_in_sync_spec(CLASSES_ASSET)],
         description=(

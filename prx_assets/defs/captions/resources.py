@@ -8,6 +8,7 @@ it with the fingerprints stored in the lab. API keys come from the environment
 are sent as a header and never reach metadata, identities or tables.
 """
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from dagster import ConfigurableResource, EnvVar
@@ -29,6 +30,7 @@ from prx_assets.core.captions.models.captioners import DEFAULT_VLM_ID
 from prx_assets.core.captions.models.classifiers import DEFAULT_LM_ID
 from prx_assets.core.captions.models.embeddings import MINILM_MODEL_ID
 from prx_assets.core.captions.tables import VECTOR_INDEX_MIN_ROWS
+from prx_assets.core.workers import WorkerPool, make_pool
 
 ALT_TEXT_NOTE = "offline fallback: source alt text, not a VLM caption"
 EMBEDDING_NOTE = "offline fallback: embedding zero-shot"
@@ -47,8 +49,14 @@ def _servers(base_url: str | None, base_urls: list[str] | None) -> str | list[st
     return list(base_urls) if base_urls else base_url
 
 
+#: The pool of steps that run a model in process (they hold a GPU): ``dagster.yaml``'s
+#: pool limit (``dagster instance concurrency set gpu N``) caps them across runs.
+GPU_POOL = "gpu"
+
+
 def _fleet_options(resource: "CaptionerResource | ClassifierResource") -> dict[str, Any]:
     return {
+        "window": resource.window,
         "max_concurrency": resource.max_concurrency,
         "timeout_s": resource.timeout_s,
         "max_attempts": resource.max_attempts,
@@ -79,6 +87,7 @@ class CaptionerResource(ConfigurableResource):
     do_sample: bool = False
     max_side: int = 1024
     jpeg_quality: int = 90
+    resize: Literal["lanczos", "draft"] = "lanczos"  # openai: "draft" halves preparation CPU
     max_concurrency: int = 8  # per server
     timeout_s: float = 120.0
     max_attempts: int = 5
@@ -89,11 +98,25 @@ class CaptionerResource(ConfigurableResource):
     batch_size: int = 8
     device: str | None = None
     dtype: str | None = None
-    chunk_size: int = 256  # images read (bytes) and captioned at a time
+    chunk_size: int = 256  # images read (bytes) at a time; captioned at a time in process
+    prepare_workers: int | None = None  # openai: threads (or pool workers) preparing ahead
+    # openai: where images are decoded, resized and encoded: "threads" in the step's process,
+    # or "pool": the per-image worker pool (PRX_EXECUTOR: processes, or Ray tasks on a
+    # cluster), so the caption step itself only streams requests.
+    prepare_on: Literal["threads", "pool"] = "threads"
+    window: int | None = None  # openai: images in the stream at once (None: 4 x fleet slots)
 
     @property
     def is_fallback(self) -> bool:
         return self.backend == "alt_text"
+
+    @property
+    def pool(self) -> str | None:
+        """The ``gpu`` pool for an in-process model only. A remote fleet's step makes HTTP
+        calls (its servers hold the GPUs and its client bounds the requests per server),
+        and the alt-text fallback runs no model: those steps take no pool, so several
+        batches can caption at once (bounded by the run queue's limits)."""
+        return GPU_POOL if self.backend == "transformers" else None
 
     def _make(self, secrets: bool) -> Captioner:
         model = _plain(self.model) or DEFAULT_VLM_ID
@@ -108,6 +131,8 @@ class CaptionerResource(ConfigurableResource):
                 temperature=self.temperature,
                 max_side=self.max_side,
                 jpeg_quality=self.jpeg_quality,
+                resize=self.resize,
+                prepare_workers=self.prepare_workers,
                 **_fleet_options(self),
             )
         return TransformersCaptioner(
@@ -119,6 +144,13 @@ class CaptionerResource(ConfigurableResource):
             device=self.device,
             dtype=self.dtype,
         )
+
+    def prepare_pool(self) -> Callable[[], WorkerPool] | None:
+        """The worker pool a run prepares its images on (``prepare_on="pool"``), else None."""
+        if self.backend != "openai" or self.prepare_on != "pool":
+            return None
+        workers = self.prepare_workers
+        return lambda: make_pool(workers=workers)
 
     def identity(self) -> BackendIdentity:
         """What the captions depend on; safe outside a run (no URL or key is resolved)."""
@@ -160,11 +192,18 @@ class ClassifierResource(ConfigurableResource):
     device: str | None = None
     dtype: str | None = None
     embedding_model_path: str | None = None
-    chunk_size: int = 512
+    chunk_size: int = 512  # captions classified at a time in process
+    window: int | None = None  # openai: captions in the stream at once (None: 4 x fleet slots)
 
     @property
     def is_fallback(self) -> bool:
         return self.backend == "embedding"
+
+    @property
+    def pool(self) -> str | None:
+        """The ``gpu`` pool for an in-process model (the transformers LM, and the MiniLM
+        fallback, which uses a GPU where there is one); none for a remote fleet."""
+        return None if self.backend == "openai" else GPU_POOL
 
     def _make(self, secrets: bool) -> CaptionClassifier:
         model = _plain(self.model) or DEFAULT_LM_ID

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Unpack
 
 from PIL import Image
 
 from prx_assets.core.captions.models.base import (
+    RESIZES,
     BackendConfigError,
     BackendIdentity,
     BackendInputError,
@@ -47,6 +50,7 @@ from prx_assets.core.captions.models.prompts import (
     CAPTION_USER_PROMPT,
     clean_caption,
 )
+from prx_assets.core.workers import ItemFailed, WorkerPool
 
 DEFAULT_VLM_ID = "Qwen/Qwen3-VL-8B-Instruct"
 ALT_TEXT_MODEL_ID = "alt-text-fallback"
@@ -57,8 +61,22 @@ CAPTION_BASE_URL_ENV = ("PRX_CAPTION_BASE_URL", "OPENAI_BASE_URL")
 def image_to_data_url(img: Image.Image, quality: int = 90) -> str:
     """JPEG data URL; always re-encoded so requests are small and carry no metadata."""
     buf = io.BytesIO()
-    img.convert("RGB").save(buf, format="JPEG", quality=quality)
+    (img if img.mode == "RGB" else img.convert("RGB")).save(buf, format="JPEG", quality=quality)
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+#: One image's preparation as a worker-pool task: (key, image bytes, max_side, JPEG quality,
+#: resize recipe).
+PrepareJob = tuple[str, bytes, int, int, str]
+
+
+def prepare_caption_job(job: PrepareJob) -> tuple[str, str]:
+    """(key, JPEG data URL) of one image's bytes, exactly as :meth:`OpenAICaptioner.prepare`
+    makes it: module-level and picklable, so a worker pool (processes, or Ray tasks on a
+    cluster) can do the decode, resize and encode away from the caption step."""
+    key, data, max_side, quality, resize = job
+    img = load_caption_image(CaptionInput(key, image=data), max_side, resize)
+    return key, image_to_data_url(img, quality)
 
 
 class OpenAICaptioner(OpenAIBackend):
@@ -87,8 +105,14 @@ class OpenAICaptioner(OpenAIBackend):
         temperature: float = 0.0,
         max_side: int = 1024,
         jpeg_quality: int = 90,
+        resize: str = "lanczos",
+        prepare_workers: int | None = None,
         **client: Unpack[ClientOptions],
     ) -> None:
+        if resize not in RESIZES:
+            raise BackendConfigError(f"resize must be one of {RESIZES}, got {resize!r}")
+        if prepare_workers is not None and prepare_workers < 1:
+            raise BackendConfigError(f"prepare_workers must be >= 1, got {prepare_workers}")
         if max_tokens < 1:
             raise BackendConfigError(f"max_tokens must be >= 1, got {max_tokens}")
         if not 1 <= jpeg_quality <= 100:
@@ -100,6 +124,9 @@ class OpenAICaptioner(OpenAIBackend):
         self.temperature = float(temperature)
         self.max_side = max_side
         self.jpeg_quality = jpeg_quality
+        self.resize = resize
+        # Deployment, not identity: how many threads decode, resize and encode ahead.
+        self.prepare_workers = prepare_workers or max(1, len(os.sched_getaffinity(0)))
         self._connect(base_url, api_key, client)
         self.identity = BackendIdentity.create(
             kind="openai_vlm",
@@ -111,12 +138,16 @@ class OpenAICaptioner(OpenAIBackend):
                 "temperature": self.temperature,
                 "max_side": max_side,
                 "jpeg_quality": jpeg_quality,
+                # Named only when not the original recipe: existing captions keep their
+                # fingerprint; choosing "draft" (other pixels) is a swap.
+                **({"resize": resize} if resize != "lanczos" else {}),
             },
         )
 
     def image_url(self, item: CaptionInput) -> str:
         """The JPEG data URL sent for an input (bounded side, fixed quality)."""
-        return image_to_data_url(load_caption_image(item, self.max_side), self.jpeg_quality)
+        img = load_caption_image(item, self.max_side, self.resize)
+        return image_to_data_url(img, self.jpeg_quality)
 
     def request_body(self, data_url: str) -> dict[str, Any]:
         """The chat-completions body for one image (public so it can be inspected)."""
@@ -136,8 +167,14 @@ class OpenAICaptioner(OpenAIBackend):
             "temperature": self.temperature,
         }
 
-    def _one(self, job: tuple[CaptionInput, str], cancel: threading.Event) -> CaptionResult:
-        item, data_url = job
+    def prepare(self, item: CaptionInput) -> tuple[str, str]:
+        """(key, data URL) of one input: the CPU part of a request, run ahead of the requests."""
+        if not isinstance(item, CaptionInput):
+            raise BackendInputError(None, f"expected CaptionInput, got {type(item).__name__}")
+        return item.key, self.image_url(item)
+
+    def _one(self, job: tuple[str, str], cancel: threading.Event) -> CaptionResult:
+        key, data_url = job
         body = self.request_body(data_url)
 
         def parse(data: dict[str, Any]) -> tuple[str, str | None]:
@@ -147,11 +184,9 @@ class OpenAICaptioner(OpenAIBackend):
                 raise EmptyContentError("completion content is empty")
             return text, finish
 
-        text, finish = self._client.complete(
-            body, parse, label=f"caption {item.key}", cancel=cancel
-        )
+        text, finish = self._client.complete(body, parse, label=f"caption {key}", cancel=cancel)
         return CaptionResult(
-            key=item.key,
+            key=key,
             caption=text,
             kind=self.identity.kind,
             model_id=self.model,
@@ -159,12 +194,51 @@ class OpenAICaptioner(OpenAIBackend):
             finish_reason=finish,
         )
 
+    def caption_stream(
+        self, images: Iterable[CaptionInput], pool: WorkerPool | None = None
+    ) -> Iterator[CaptionResult]:
+        """Captions of ``images`` (read lazily), in input order, as they come back.
+
+        Each image is prepared (decoded, resized, JPEG-encoded) ahead of the requests, on
+        ``prepare_workers`` threads here or, given a worker ``pool`` (``core/workers``:
+        processes, or Ray tasks on a cluster), there (image bytes only), and sent as soon as
+        it is ready through the client's bounded window (:meth:`OpenAIChatClient.stream`):
+        the fleet never waits for a chunk to be prepared or for a chunk's slowest request.
+        A bad image or a failed request fails the stream (the caller keeps nothing); results
+        already yielded are then void.
+        """
+        if pool is None:
+            return self._client.stream(
+                self._one, images, prepare=self.prepare, prepare_workers=self.prepare_workers
+            )
+        return self._client.stream(self._one, self._pool_prepared(images, pool))
+
+    def _pool_prepared(
+        self, images: Iterable[CaptionInput], pool: WorkerPool
+    ) -> Iterator[tuple[str, str]]:
+        keys: deque[str] = deque()  # the pool answers in order: the key of each answer
+
+        def jobs() -> Iterator[PrepareJob]:
+            for item in images:
+                if not isinstance(item, CaptionInput):
+                    raise BackendInputError(
+                        None, f"expected CaptionInput, got {type(item).__name__}"
+                    )
+                if not isinstance(item.image, bytes | bytearray | memoryview):
+                    raise BackendInputError(item.key, "a worker pool prepares image bytes only")
+                keys.append(item.key)
+                yield item.key, bytes(item.image), self.max_side, self.jpeg_quality, self.resize
+
+        for out in pool.map_ordered(prepare_caption_job, jobs()):
+            key = keys.popleft()
+            if isinstance(out, ItemFailed):
+                raise BackendInputError(key, f"preparation failed: {out.error}")
+            if out[0] != key:
+                raise BackendInputError(key, f"the pool answered for {out[0]!r} instead")
+            yield out
+
     def caption(self, images: Sequence[CaptionInput]) -> list[CaptionResult]:
-        items = check_caption_inputs(images)
-        # Encode everything first: a bad image fails the batch before any request is sent,
-        # and only the small JPEGs stay in memory.
-        jobs = [(item, self.image_url(item)) for item in items]
-        return self._client.map(self._one, jobs)
+        return list(self.caption_stream(check_caption_inputs(images)))
 
 
 class TransformersCaptioner:

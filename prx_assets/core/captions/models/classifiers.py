@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Unpack
 
@@ -31,6 +31,7 @@ from prx_assets.core.captions.models.base import (
     LABELS,
     BackendConfigError,
     BackendIdentity,
+    BackendInputError,
     BackendRequestError,
     ClassProbs,
     MalformedResponseError,
@@ -398,6 +399,21 @@ class OpenAIClassifier(OpenAIBackend):
             if self.mode == "logprobs":
                 raise MalformedResponseError(f"{label}: the server returned no label logprobs")
         return self._by_choice(caption, label, cancel)
+
+    def classify_stream(self, captions: Iterable[str]) -> Iterator[ClassProbs]:
+        """Classes of ``captions`` (read lazily), in input order, through the client's
+        bounded window: no chunk barrier, so a text fleet stays busy (fail-fast as
+        :meth:`classify`)."""
+
+        def jobs() -> Iterator[tuple[int, str]]:
+            for i, caption in enumerate(captions):
+                if not isinstance(caption, str):
+                    raise BackendInputError(
+                        f"item {i}", f"expected str, got {type(caption).__name__}"
+                    )
+                yield i, caption
+
+        return self._client.stream(self._one, jobs())
 
     def classify(self, captions: Sequence[str]) -> list[ClassProbs]:
         items = check_texts(captions)

@@ -12,6 +12,8 @@ behaviour, spelled out here:
   a ``Retry-After`` header is honoured (capped at ``max_retry_after_s``), by the request
   and by its server; a retry prefers a server the request has not failed on yet;
 - other 4xx fail at once (:class:`BackendRequestError`): retrying a bad request is waste;
+- streaming: items are prepared ahead (bounded) and sent as soon as each is ready through
+  a bounded window, results yielded in input order; no chunk barrier (:meth:`stream`);
 - fail-fast batches: when one item fails for good, the others stop retrying and the
   whole batch raises, so callers never write a partial result;
 - the API key lives in a :class:`Secret`, is sent only as the ``Authorization`` header,
@@ -27,8 +29,9 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, ClassVar, Self, TypedDict, TypeVar
 from urllib.parse import urlsplit
@@ -57,6 +60,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 I = TypeVar("I")  # noqa: E741
+P = TypeVar("P")
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -203,11 +207,14 @@ class OpenAIChatClient:
         circuit_cooldown_s: float = 5.0,
         circuit_cooldown_max_s: float = 60.0,
         max_fleet_down_s: float = 120.0,
+        window: int | None = None,
     ) -> None:
         if max_attempts < 1:
             raise BackendConfigError(f"max_attempts must be >= 1, got {max_attempts}")
         if max_concurrency < 1:
             raise BackendConfigError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if window is not None and window < 1:
+            raise BackendConfigError(f"window must be >= 1, got {window}")
         if timeout_s <= 0 or connect_timeout_s <= 0:
             raise BackendConfigError("timeouts must be positive")
         if backoff_base_s < 0 or backoff_max_s < 0 or max_retry_after_s < 0:
@@ -234,6 +241,7 @@ class OpenAIChatClient:
         self.backoff_max_s = backoff_max_s
         self.max_retry_after_s = max_retry_after_s
         self.max_concurrency = max_concurrency
+        self.window = window  # items in a stream at once; None: four times the fleet's slots
         self._client: httpx.Client | None = None
         self._lock = threading.Lock()
 
@@ -401,31 +409,142 @@ class OpenAIChatClient:
 
     def map(self, fn: Callable[[I, threading.Event], T], items: Sequence[I]) -> list[T]:
         """``fn`` over ``items`` with at most ``max_concurrency`` in flight per endpoint,
-        order kept.
+        order kept (:meth:`stream`, collected).
 
         Fail-fast: the first error cancels queued items, stops retries of running ones
         and is raised; no partial list is ever returned.
         """
-        items = list(items)
-        if not items:
-            return []
+        return list(self.stream(fn, items))
+
+    def stream(
+        self,
+        fn: Callable[[P, threading.Event], T],
+        items: Iterable[I],
+        *,
+        prepare: Callable[[I], P] | None = None,
+        prepare_workers: int = 1,
+        window: int | None = None,
+    ) -> Iterator[T]:
+        """``fn(prepare(item), cancel)`` for each item, yielded in input order as soon as the
+        head of the line is done.
+
+        Why a stream and not chunks: a chunk barrier (prepare a chunk, send it, wait for all
+        of it) leaves the fleet idle while the next chunk is prepared and while the chunk's
+        slowest request finishes. Here, up to ``window`` items (default
+        ``self.window``, else four times the fleet's slots) are in the pipeline at once:
+        ``prepare`` runs ahead on ``prepare_workers`` threads (Pillow releases the GIL),
+        each prepared item is sent as soon as it is ready, at most ``max_concurrency`` in
+        flight per endpoint, and a slow request holds back only the items more than
+        ``window`` behind it. Memory is bounded: only the items in the window (and their
+        prepared payloads) are held; ``items`` is read lazily.
+
+        Fail-fast as :meth:`map`: the first real error (not a cancellation it caused) is
+        raised, everything queued is dropped, running retries stop; items already yielded
+        are the caller's to discard (the runners write nothing unless all came back).
+        """
+        if prepare_workers < 1:
+            raise BackendConfigError(f"prepare_workers must be >= 1, got {prepare_workers}")
+        slots = self.max_concurrency * len(self.pool)
+        window = window or self.window or 4 * slots
+        if window < 1:
+            raise BackendConfigError(f"window must be >= 1, got {window}")
+        return self._stream(fn, iter(items), prepare, prepare_workers, window, slots)
+
+    def _stream(
+        self,
+        fn: Callable[[Any, threading.Event], T],
+        items: Iterator[Any],
+        prepare: Callable[[Any], Any] | None,
+        prepare_workers: int,
+        window: int,
+        slots: int,
+    ) -> Iterator[T]:
         cancel = threading.Event()
-        results: list[Any] = [None] * len(items)
-        workers = min(self.max_concurrency * len(self.pool), len(items))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prx-openai") as pool:
-            futures = [pool.submit(fn, item, cancel) for item in items]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = [f for f in futures if f.done() and f.exception() is not None]
-            if failed:
-                cancel.set()
-                for f in futures:
-                    f.cancel()
-                # Report the first real failure, not a cancellation it caused.
-                real = [f for f in failed if not isinstance(f.exception(), BackendCancelledError)]
-                raise (real or failed)[0].exception()  # type: ignore[misc]
-            for i, f in enumerate(futures):
-                results[i] = f.result()
-        return results
+        progress = threading.Condition()
+        errors: list[BaseException] = []  # first real failure first; cancellations after
+        requests = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="prx-openai")
+        preparing = (
+            ThreadPoolExecutor(max_workers=prepare_workers, thread_name_prefix="prx-prepare")
+            if prepare is not None
+            else None
+        )
+
+        def settle(final: Future[T], source: Future[Any]) -> None:
+            """Copy ``source``'s outcome into ``final`` and wake the consumer."""
+            exc = source.exception() if not source.cancelled() else BackendCancelledError("dropped")
+            with progress:
+                if not final.done():
+                    if exc is None:
+                        final.set_result(source.result())
+                    else:
+                        final.set_exception(exc)
+                if exc is not None:
+                    if isinstance(exc, BackendCancelledError):
+                        errors.append(exc)
+                    else:
+                        errors.insert(
+                            sum(not isinstance(e, BackendCancelledError) for e in errors), exc
+                        )
+                    cancel.set()
+                progress.notify_all()
+
+        def send(final: Future[T], payload: Any) -> None:
+            try:
+                sent = requests.submit(fn, payload, cancel)
+            except RuntimeError:  # shut down: the stream already failed or was closed
+                sent = Future()
+                sent.set_exception(BackendCancelledError("cancelled, another item failed"))
+            sent.add_done_callback(lambda f: settle(final, f))
+
+        def start(item: Any) -> Future[T]:
+            final: Future[T] = Future()
+            if preparing is None or prepare is None:
+                send(final, item)
+                return final
+
+            def prepared(f: Future[Any]) -> None:
+                if f.cancelled() or f.exception() is not None or cancel.is_set():
+                    settle(final, f if f.exception() is not None else _cancelled())
+                else:
+                    send(final, f.result())
+
+            preparing.submit(prepare, item).add_done_callback(prepared)
+            return final
+
+        pending: deque[Future[T]] = deque()
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(pending) < window and not errors:
+                    try:
+                        item = next(items)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    pending.append(start(item))
+                if errors:
+                    raise errors[0]
+                if not pending:
+                    return
+                head = pending[0]
+                with progress:
+                    while not head.done() and not errors:
+                        progress.wait(0.5)
+                if errors:
+                    raise errors[0]
+                pending.popleft()
+                yield head.result()
+        finally:
+            cancel.set()  # a no-op for a finished stream; stops retries of an abandoned one
+            if preparing is not None:
+                preparing.shutdown(wait=True, cancel_futures=True)
+            requests.shutdown(wait=True, cancel_futures=True)
+
+
+def _cancelled() -> Future[Any]:
+    f: Future[Any] = Future()
+    f.set_exception(BackendCancelledError("cancelled, another item failed"))
+    return f
 
 
 class ClientOptions(TypedDict, total=False):
@@ -441,6 +560,7 @@ class ClientOptions(TypedDict, total=False):
     circuit_cooldown_s: float
     circuit_cooldown_max_s: float
     max_fleet_down_s: float
+    window: int  # items prepared, in flight or waiting to be yielded, at most (a stream)
 
 
 class OpenAIBackend:
