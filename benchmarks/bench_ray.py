@@ -4,7 +4,7 @@ The work is the shard stage's per-image function (``render_task``: decode, bucke
 q92 encode; each task carries its bytes, as the stage's tasks for Ray do), which
 ``PRX_EXECUTOR=ray`` sends to the cluster, on the bundled photos upscaled
 to camera-like sizes (``prx_assets.demo.photo_batch``). The cluster is real and started
-here (``LocalRayCluster``: ``ray start --head`` on 127.0.0.1, dashboard off, one CPU per
+here (``LocalRayCluster``: ``ray start --head`` on 127.0.0.1, dashboard on 127.0.0.1, one CPU per
 node): first the head alone (1 worker), then with one worker node joined (2 workers). Each
 configuration is warmed up once (workers started, modules imported), then timed ``--repeat``
 times; the best time counts. Baseline side by side: the same items in this process
