@@ -15,27 +15,49 @@ resolves it there, so ingest, its decoding policy and its rejection rules run un
 An object over ``max_file_bytes`` is not downloaded: a sparse placeholder of its size
 stands in, which the local size check refuses as ``too_large`` before reading (archives
 are fetched whole: their members are checked from their headers).
+
+With ``remote_reads`` (a dict to fill), a folder batch's image files are not downloaded
+here: each is staged as a sparse placeholder of its listed size (so listing, grouping,
+naming and size checks run unchanged) and the dict maps the placeholder's path to a
+``RemoteRead``, the object's reference, which the process that validates the image
+downloads itself (a Ray worker on another node: ``runner.BatchIngest(remote_reads=...)``).
+Sidecars, archives and manifests are staged as before.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from prx_assets.core.ingest.sources import (
+    IMAGE_EXTENSIONS,
+    MISSING_FILE,
     READY_MARKER,
     SOURCE_DEFAULTS_FILE,
+    UNREADABLE,
     BatchError,
     BatchRef,
+    FileRefused,
+    _split_last_ext,
+    _too_large,
     batch_key,
     discover_batches,
     file_chunk,
     resolve_batch,
 )
-from prx_assets.core.storage import ObjectStore, is_remote, join, open_store
+from prx_assets.core.storage import (
+    ObjectStore,
+    ObjectTooLarge,
+    S3Store,
+    is_remote,
+    join,
+    open_store,
+)
 from prx_assets.core.text import printable_name
 
 
@@ -85,7 +107,65 @@ def _local_rel(key: str) -> Path:
     return Path(*parts)
 
 
-def _stage(store: ObjectStore, key: str, dest: Path, max_file_bytes: int | None) -> None:
+@dataclass(frozen=True)
+class RemoteRead:
+    """One landing object for the process that validates it to download (a Ray worker on
+    any node), with ``sources.FileRead``'s interface and refusals. Picklable: the landing
+    zone's URI, the object's key, the size it was listed with and the limit; no
+    credentials (the worker's environment supplies them, ``core/storage.py``).
+
+    Bounded: the object is refused as ``too_large`` (the reader's own detail) past
+    ``max_bytes`` without being read whole; missing is ``missing_file``; an object whose
+    size differs from the listed one is ``unreadable``. Any other failure (the endpoint
+    unreachable, credentials refused) raises: in a worker that is the item's failure, and
+    the step process then reads the object itself (``BatchIngest._key_of``), which fails
+    the step with the storage's error, as a failed download while staging does.
+    """
+
+    landing: str
+    key: str
+    expected: int
+    max_bytes: int
+    path: bytes  # the local placeholder's path (its name in ``remote_reads``)
+    quoted: str | None = None
+    temporary: bool = False  # never a spooled copy: nothing to delete
+
+    def read(self) -> bytes:
+        """The object's bytes, or ``FileRefused`` (missing, too large, changed, failed)."""
+        if self.expected > self.max_bytes:
+            raise _too_large(self.expected, self.max_bytes)
+        store = open_store(self.landing)
+        assert isinstance(store, S3Store)
+        try:
+            data = store.get(self.key, self.max_bytes)
+        except ObjectTooLarge:
+            size = store.size(self.key)
+            got = size if size is not None else self.max_bytes + 1
+            raise _too_large(got, self.max_bytes) from None
+        if data is None:
+            raise FileRefused(MISSING_FILE, "does not exist")
+        if len(data) != self.expected:
+            raise FileRefused(
+                UNREADABLE,
+                f"changed since it was listed ({self.expected:,} bytes, now {len(data):,})",
+            )
+        return data
+
+    def size(self) -> int:
+        return self.expected
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self.read()).hexdigest()
+
+
+def _stage(
+    store: ObjectStore,
+    key: str,
+    dest: Path,
+    max_file_bytes: int | None,
+    remote_reads: dict[bytes, RemoteRead] | None = None,
+    landing: str = "",
+) -> None:
     target = dest / _local_rel(key)
     target.parent.mkdir(parents=True, exist_ok=True)
     size = store.size(key)
@@ -93,17 +173,34 @@ def _stage(store: ObjectStore, key: str, dest: Path, max_file_bytes: int | None)
         with open(target, "wb") as fh:  # sparse: refused as too_large, never read
             fh.truncate(size)
         return
+    if (
+        remote_reads is not None
+        and max_file_bytes is not None
+        and size is not None
+        and _split_last_ext(key)[1] in IMAGE_EXTENSIONS
+    ):
+        with open(target, "wb") as fh:  # sparse: listed and checked here, read elsewhere
+            fh.truncate(size)
+        path = os.fsencode(target)
+        remote_reads[path] = RemoteRead(landing, key, size, max_file_bytes, path)
+        return
     store.download(key, target)
 
 
 @contextlib.contextmanager
 def landing_batch(
-    landing: str | os.PathLike[str], key: str, max_file_bytes: int | None = None
+    landing: str | os.PathLike[str],
+    key: str,
+    max_file_bytes: int | None = None,
+    remote_reads: dict[bytes, RemoteRead] | None = None,
 ) -> Iterator[tuple[BatchRef, str]]:
     """The batch ``key`` as a local ``BatchRef`` and where it lives (shown in metadata).
 
-    Local landing zones are used in place; remote batches are staged into a temporary
-    directory for as long as the context is open.
+    Local landing zones are used in place (``remote_reads`` stays empty: workers on other
+    nodes cannot read this machine's disk, so their images still travel with the tasks);
+    remote batches are staged into a temporary directory for as long as the context is
+    open. ``remote_reads``: a dict to fill with the folder images left on object storage
+    for their validators to download (see the module docstring).
     """
     text = os.fspath(landing)
     if not is_remote(text):
@@ -121,7 +218,7 @@ def landing_batch(
             _stage(store, f"{source}/{SOURCE_DEFAULTS_FILE}", dest, None)
         if remote.kind == "folder":
             for k in store.list(f"{source}/{entry}"):
-                _stage(store, k, dest, max_file_bytes)
+                _stage(store, k, dest, max_file_bytes, remote_reads, text)
         else:
             _stage(store, f"{source}/{entry}", dest, None)
         if remote.kind == "manifest":

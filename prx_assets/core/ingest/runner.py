@@ -31,6 +31,7 @@ from prx_assets.core.ingest.decode import (
     ImageInfo,
     inspect_and_decode,
 )
+from prx_assets.core.ingest.remote_landing import RemoteRead
 from prx_assets.core.ingest.sources import (
     DEFAULT_MAX_FILE_BYTES,
     STREAM_ABOVE_BYTES,
@@ -42,7 +43,7 @@ from prx_assets.core.ingest.sources import (
 )
 from prx_assets.core.ingest.tables import ALIAS_REASON, ensure_usage_signals_column
 from prx_assets.core.lab import Lab
-from prx_assets.core.lab.blobs import LocalBlobs
+from prx_assets.core.lab.blobs import LocalBlobs, RemoteBlobs
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.core.text import bound_text, quote_bounded
 from prx_assets.core.workers import ItemFailed, make_pool
@@ -130,7 +131,9 @@ def check_candidate(item: tuple[bytes, int]) -> Checked:
 FileChecked = tuple[str | None, object, bool, int]
 
 
-def check_and_store(item: tuple[bytes | FileRead, int, LocalBlobs | None]) -> FileChecked:
+def check_and_store(
+    item: tuple[bytes | FileRead | RemoteRead, int, LocalBlobs | RemoteBlobs | None],
+) -> FileChecked:
     """Read the file when its read was deferred to this process (``FileRead``), then
     ``check_candidate``, then store the accepted bytes in the lab's blob store (with a sink)
     by the process that already holds them (picklable).
@@ -139,11 +142,15 @@ def check_and_store(item: tuple[bytes | FileRead, int, LocalBlobs | None]) -> Fi
     the store failed (the parent then stores it, reading it again when it was not sent, and
     reports the error if that fails too). A file that cannot be read comes back as
     (None, (reason, detail), False, 0): the same refusal the parent's read would have made.
+    A ``RemoteRead`` (a landing object) is downloaded here, bounded by its limit, and with a
+    ``RemoteBlobs`` sink the bytes go to the lab's object store from here too.
     """
     source, max_pixels, sink = item
-    if isinstance(source, FileRead):
+    if isinstance(source, (FileRead, RemoteRead)):
         try:
-            if sink is not None and source.size() > STREAM_ABOVE_BYTES:
+            big = isinstance(source, FileRead) and isinstance(sink, LocalBlobs)
+            if big and source.size() > STREAM_ABOVE_BYTES:
+                assert isinstance(source, FileRead) and isinstance(sink, LocalBlobs)
                 return _check_and_store_big(source, max_pixels, sink)
             data = source.read()
         except FileRefused as exc:
@@ -215,7 +222,7 @@ def migrate_images_table(lab: Lab) -> list[str]:
 
 
 def _check_or_skip(
-    item: tuple[bytes | FileRead, int, LocalBlobs | None] | None,
+    item: tuple[bytes | FileRead | RemoteRead, int, LocalBlobs | RemoteBlobs | None] | None,
 ) -> FileChecked | None:
     return None if item is None else check_and_store(item)
 
@@ -234,6 +241,14 @@ class BatchIngest:
     ``replace_partition(IMAGES, ..., stored_blobs=run.stored_blobs)``. Workers on this
     machine then also read the files of folders and manifests themselves (the same checks
     and refusals: ``sources.FileRead``), so this process never holds or ships the images.
+
+    Where the data is on object storage, any worker can reach it (Ray tasks on other nodes
+    included): with ``remote_reads`` (filled by ``remote_landing.landing_batch``) the tasks
+    carry each landing object's reference (``RemoteRead``: URI, listed size, limit), the
+    worker downloads and validates it, and with a ``RemoteBlobs`` sink
+    (``Lab.remote_blobs``) stores the blob itself, returning only the check's result. A
+    local landing zone or lab on Ray keeps the bytes travelling through this process:
+    workers on another node cannot read or write this machine's disk.
     """
 
     def __init__(
@@ -243,10 +258,15 @@ class BatchIngest:
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         workers: int | None = None,
         executor: str | None = None,
-        blob_sink: LocalBlobs | None = None,
+        blob_sink: LocalBlobs | RemoteBlobs | None = None,
+        remote_reads: dict[bytes, RemoteRead] | None = None,
     ) -> None:
+        if remote_reads and blob_sink is None:
+            # The rows would need bytes this process never read: refused, not guessed at.
+            raise ValueError("remote_reads need a blob_sink (Lab.remote_blobs/local_blobs)")
         self.ref = ref
         self.blob_sink = blob_sink
+        self.remote_reads = remote_reads or {}
         self.workers = workers
         self.executor = executor
         self.max_pixels = max_pixels
@@ -291,10 +311,12 @@ class BatchIngest:
         pending: deque[Candidate] = deque()
 
         pool = make_pool(self.executor, self.workers)
-        # Workers store blobs only where they share this machine's filesystem; there they
-        # read the files themselves too, so the parent neither reads nor ships the images.
-        sink = self.blob_sink if pool.same_machine else None
-        defer = sink is not None
+        # Workers store blobs only where they share this machine's filesystem, or where the
+        # lab is on object storage; there they read the files themselves too (landing
+        # objects: ``remote_reads``), so the parent neither reads nor ships the images.
+        remote_sink = isinstance(self.blob_sink, RemoteBlobs)
+        sink = self.blob_sink if pool.same_machine or remote_sink else None
+        defer = sink is not None if pool.same_machine else bool(self.remote_reads)
         # Big archive members are copied here rather than into memory (sources.spool_member),
         # each deleted once checked; the directory goes when the run ends, however it ends.
         spool_dir = tempfile.mkdtemp(prefix="prx-ingest-") if defer else None
@@ -303,6 +325,14 @@ class BatchIngest:
             for c in iter_candidates(
                 self.ref, self.max_file_bytes, defer_reads=defer, spool_dir=spool_dir
             ):
+                if isinstance(c.deferred, FileRead) and c.deferred.path in self.remote_reads:
+                    c.deferred = self.remote_reads[c.deferred.path]  # a placeholder's object
+                elif c.deferred is not None and not pool.same_machine:
+                    # Only object storage is reachable from another node: read here.
+                    try:
+                        c.data = c.deferred.read()
+                    except FileRefused as exc:
+                        c.error = (exc.reason, bound_text(exc.detail))
                 pending.append(c)
                 source = c.data if c.data is not None else c.deferred
                 if c.error is not None or source is None:

@@ -168,6 +168,44 @@ class LocalBlobs:
         return data
 
 
+_STORES: dict[tuple[str, int], BlobStore] = {}
+
+
+def _store_for(lab_root: str) -> BlobStore:
+    """One ``BlobStore`` per lab root and process (its filesystem is slow to build; keyed by
+    pid so a forked child never reuses its parent's connections)."""
+    key = (lab_root, os.getpid())
+    if key not in _STORES:
+        _STORES[key] = BlobStore(lab_root)
+    return _STORES[key]
+
+
+@dataclass(frozen=True)
+class RemoteBlobs:
+    """One table's blobs in a lab on object storage, for a worker on any machine (a Ray
+    task on another node) to store the values it holds itself (picklable: the lab's URI and
+    the table's name, no credentials: the worker's environment supplies them, as
+    ``core/storage.py`` reads them).
+
+    Why: otherwise every accepted image travels worker -> step process -> object store, and
+    the step process uploads every blob itself. ``put`` has ``LocalBlobs.put``'s shape so
+    ingest treats both sinks alike; the rows then carry references, which
+    ``replace_partition(..., stored_blobs=...)`` checks are stored before its commit.
+    """
+
+    table: str
+    lab_root: str
+
+    def put(self, data: bytes | memoryview, sha256: str | None = None) -> tuple[str, int]:
+        """Store ``data`` (one PUT, atomic); its reference and the bytes newly written.
+        The reference is always the sha256 of ``data`` computed here; a caller's ``sha256``
+        that disagrees is an error (``OSError``: the bytes are not stored under it)."""
+        ref, written = _store_for(self.lab_root).put(self.table, data)
+        if sha256 is not None and ref != sha256:
+            raise OSError(f"{self.table}: bytes hash to {ref}, not the expected {sha256}")
+        return ref, written
+
+
 class BlobStore:
     """``<lab root>/_blobs/<table>/``: one immutable file per distinct value, named by its
     sha256 (local directory or object-store URI)."""

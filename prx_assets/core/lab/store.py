@@ -32,6 +32,7 @@ from prx_assets.core.lab.blobs import (
     BlobError,
     BlobStore,
     LocalBlobs,
+    RemoteBlobs,
     is_blob_ref,
     stored_schema,
 )
@@ -190,6 +191,17 @@ class Lab(VersionPins):
         if column not in spec.blobs or not is_blob_ref(self.stored_schema(spec).field(column)):
             return None
         return self.blobs.local(spec.name)
+
+    def remote_blobs(self, spec: TableSpec, column: str) -> RemoteBlobs | None:
+        """``column``'s blobs for workers on any machine to store into (picklable, no
+        credentials) when the lab is on object storage; None for a local lab (workers on
+        other machines cannot write its disk: ``local_blobs`` is for this machine's) or when
+        the table keeps that column inline."""
+        if self.blobs.is_local:
+            return None
+        if column not in spec.blobs or not is_blob_ref(self.stored_schema(spec).field(column)):
+            return None
+        return RemoteBlobs(spec.name, self.root)
 
     def ensure(self, spec: TableSpec) -> lance.LanceDataset:
         """Create the table empty if missing (tolerating a concurrent creator).

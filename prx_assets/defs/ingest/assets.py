@@ -2,7 +2,7 @@
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
 
-from prx_assets.core.ingest.remote_landing import landing_batch
+from prx_assets.core.ingest.remote_landing import RemoteRead, landing_batch
 from prx_assets.core.ingest.runner import BatchIngest, migrate_images_table
 from prx_assets.core.ingest.tables import migrate_rejects_table
 from prx_assets.core.tables import IMAGES, REJECTS
@@ -23,12 +23,14 @@ from prx_assets.defs.resources import LabResource
     ),
 )
 def raw_images(context: AssetExecutionContext, lab: LabResource) -> MaterializeResult:
-    # A remote landing zone's batch is staged locally while it is ingested.
-    with landing_batch(lab.landing_uri, context.partition_key, lab.max_file_bytes) as (
-        ref,
-        shown,
-    ):
-        store = lab.lab()
+    # A remote landing zone's batch is staged locally while it is ingested; when the lab is
+    # on object storage too, its folder images stay there, read and stored by the workers.
+    store = lab.lab()
+    remote_sink = store.remote_blobs(IMAGES, "image")
+    remote_reads: dict[bytes, RemoteRead] | None = {} if remote_sink is not None else None
+    with landing_batch(
+        lab.landing_uri, context.partition_key, lab.max_file_bytes, remote_reads
+    ) as (ref, shown):
         migrate_images_table(store)  # an images table from before signal capture / thumbnails
         migrate_rejects_table(store)  # a rejects table from before aliases (url, source_id)
         run = BatchIngest(
@@ -36,7 +38,9 @@ def raw_images(context: AssetExecutionContext, lab: LabResource) -> MaterializeR
             max_pixels=lab.max_pixels,
             max_file_bytes=lab.max_file_bytes,
             workers=lab.workers,
-            blob_sink=store.local_blobs(IMAGES, "image"),  # workers store the bytes they hold
+            # workers store the bytes they hold
+            blob_sink=store.local_blobs(IMAGES, "image") or remote_sink,
+            remote_reads=remote_reads,
         )
         written = store.replace_partition(
             IMAGES, ref.key, run.image_batches(), stored_blobs=run.stored_blobs
