@@ -213,7 +213,9 @@ class RayPool:
     touches no Ray), and the connection is the process's, kept across steps.
     """
 
-    same_machine = False  # a task may run on another node: it carries its bytes
+    # A task may run on another node: it carries its bytes, or a reference to object storage
+    # (ingest.remote_landing.RemoteRead), never a path on this machine.
+    same_machine = False
 
     def __init__(
         self,
