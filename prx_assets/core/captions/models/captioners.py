@@ -43,6 +43,7 @@ from prx_assets.core.captions.models.openai_http import (
     OpenAIBackend,
     message_text,
 )
+from prx_assets.core.captions.models.passthrough import server_ready_url
 from prx_assets.core.captions.models.prompts import (
     CAPTION_PROMPT_HASH,
     CAPTION_PROMPT_VERSION,
@@ -70,13 +71,29 @@ def image_to_data_url(img: Image.Image, quality: int = 90) -> str:
 PrepareJob = tuple[str, bytes, int, int, str]
 
 
+#: What ``resize`` may be for a server backend: the in-process recipes, or ``"server"``: the
+#: ingested JPEG as it is (metadata stripped) for the server's processor to resize, and the
+#: ``"draft"`` recipe here for an image a server would decode otherwise (``passthrough``).
+SERVER_RESIZES = (*RESIZES, "server")
+
+
+def prepare_caption_url(key: str, data: bytes, max_side: int, quality: int, resize: str) -> str:
+    """The data URL sent for one image's bytes under a ``resize`` recipe."""
+    if resize == "server":
+        url = server_ready_url(data)
+        if url is not None:
+            return url
+        resize = "draft"
+    img = load_caption_image(CaptionInput(key, image=data), max_side, resize)
+    return image_to_data_url(img, quality)
+
+
 def prepare_caption_job(job: PrepareJob) -> tuple[str, str]:
     """(key, JPEG data URL) of one image's bytes, exactly as :meth:`OpenAICaptioner.prepare`
     makes it: module-level and picklable, so a worker pool (processes, or Ray tasks on a
     cluster) can do the decode, resize and encode away from the caption step."""
     key, data, max_side, quality, resize = job
-    img = load_caption_image(CaptionInput(key, image=data), max_side, resize)
-    return key, image_to_data_url(img, quality)
+    return key, prepare_caption_url(key, data, max_side, quality, resize)
 
 
 class OpenAICaptioner(OpenAIBackend):
@@ -109,8 +126,8 @@ class OpenAICaptioner(OpenAIBackend):
         prepare_workers: int | None = None,
         **client: Unpack[ClientOptions],
     ) -> None:
-        if resize not in RESIZES:
-            raise BackendConfigError(f"resize must be one of {RESIZES}, got {resize!r}")
+        if resize not in SERVER_RESIZES:
+            raise BackendConfigError(f"resize must be one of {SERVER_RESIZES}, got {resize!r}")
         if prepare_workers is not None and prepare_workers < 1:
             raise BackendConfigError(f"prepare_workers must be >= 1, got {prepare_workers}")
         if max_tokens < 1:
@@ -144,9 +161,20 @@ class OpenAICaptioner(OpenAIBackend):
             },
         )
 
+    @property
+    def server_max_pixels(self) -> int:
+        """The area the server's processor fits a passed-through image into
+        (``resize="server"``): that of a 4:3 image whose long side is ``max_side``."""
+        return self.max_side * self.max_side * 3 // 4
+
     def image_url(self, item: CaptionInput) -> str:
-        """The JPEG data URL sent for an input (bounded side, fixed quality)."""
-        img = load_caption_image(item, self.max_side, self.resize)
+        """The JPEG data URL sent for an input (bounded side, fixed quality; with
+        ``resize="server"`` the ingested JPEG itself where a server decodes it alike)."""
+        if self.resize == "server" and isinstance(item.image, bytes | bytearray | memoryview):
+            data = bytes(item.image)
+            return prepare_caption_url(item.key, data, self.max_side, self.jpeg_quality, "server")
+        resize = "draft" if self.resize == "server" else self.resize
+        img = load_caption_image(item, self.max_side, resize)
         return image_to_data_url(img, self.jpeg_quality)
 
     def request_body(self, data_url: str) -> dict[str, Any]:
@@ -165,6 +193,13 @@ class OpenAICaptioner(OpenAIBackend):
             ],
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
+            # vLLM's per-request processor arguments: bound the area it resizes a
+            # passed-through original to (an image prepared here is already smaller).
+            **(
+                {"mm_processor_kwargs": {"max_pixels": self.server_max_pixels}}
+                if self.resize == "server"
+                else {}
+            ),
         }
 
     def prepare(self, item: CaptionInput) -> tuple[str, str]:
