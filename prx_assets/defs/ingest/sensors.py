@@ -1,5 +1,7 @@
 """The landing sensor: each complete batch in the landing zone is registered exactly once."""
 
+from pathlib import Path
+
 from dagster import (
     DefaultSensorStatus,
     RunRequest,
@@ -9,9 +11,16 @@ from dagster import (
     sensor,
 )
 
-from prx_assets.core.ingest.cursor import CursorError, decode_keys, encode_keys
+from prx_assets.core.ingest.cursor import (
+    CursorError,
+    RegisteredKeys,
+    encode_cursor,
+    split_cursor,
+)
 from prx_assets.core.ingest.remote_landing import discover_landing
 from prx_assets.core.ingest.sources import BatchError
+from prx_assets.core.ingest.watch import WatchState, WatchStateError, scan_landing
+from prx_assets.core.storage import is_remote
 from prx_assets.defs.jobs import batch_pipeline_job
 from prx_assets.defs.metadata import bounded
 from prx_assets.defs.partitions import BATCHES
@@ -27,21 +36,53 @@ from prx_assets.defs.resources import LabResource
 def landing_sensor(context: SensorEvaluationContext, lab: LabResource):
     # The cursor holds every key this sensor registered (compactly: core/ingest/cursor.py):
     # a partition deleted by hand is not silently re-created, and no batch is requested twice.
+    # With it, what the last scan of a local landing zone saw (core/ingest/watch.py): an
+    # unchanged source is not listed again, so an idle tick costs O(sources + pending).
     try:
-        registered = decode_keys(context.cursor)
-    except CursorError as exc:  # never forget what was registered: request nothing instead
+        keys_text, watch = split_cursor(context.cursor)
+        state = WatchState.from_json(watch) if watch is not None else WatchState()
+    except (CursorError, WatchStateError) as exc:  # never forget: request nothing instead
         return SkipReason(f"landing cursor unreadable, nothing requested: {bounded(str(exc), 400)}")
+    registered: RegisteredKeys | None = None
+
+    def is_known(key: str) -> bool:
+        nonlocal registered
+        if registered is None:  # decoded only when a listing has an entry to look up
+            registered = RegisteredKeys.from_text(keys_text)
+        return key in registered
+
+    landing = lab.landing_uri
     try:
-        refs = discover_landing(lab.landing_uri)  # a local directory or an s3:// prefix
+        if is_remote(landing):  # object storage has no directory mtimes: listed in full
+            scan = None
+            new_refs = [r for r in discover_landing(landing) if not is_known(r.key)]
+        else:
+            scan = scan_landing(Path(landing), state, is_known)
+            new_refs = scan.new
+    except CursorError as exc:
+        return SkipReason(f"landing cursor unreadable, nothing requested: {bounded(str(exc), 400)}")
     except (BatchError, OSError) as exc:
-        return SkipReason(f"landing zone unreadable: {exc}")
-    existing = set(context.instance.get_dynamic_partitions(BATCHES.name))
-    new = [r.key for r in refs if r.key not in registered and r.key not in existing]
+        return SkipReason(f"landing zone unreadable: {bounded(str(exc), 400)}")
+    new = [r.key for r in new_refs]
+    # Registered by hand (not through this sensor): not requested again. One look-up per new
+    # key, not the instance's whole partition list.
+    new = [k for k in new if not context.instance.has_dynamic_partition(BATCHES.name, k)]
+    if new:
+        known = registered if registered is not None else RegisteredKeys.from_text(keys_text)
+        known.add(new)
+        keys_out = known.to_text()
+    else:
+        keys_out = keys_text
+    cursor = encode_cursor(keys_out, (scan.state if scan else WatchState()).to_json())
+    seen = (
+        f"{scan.listed_sources} source(s) listed, {scan.skipped_sources} unchanged" if scan else ""
+    )
     if not new:
-        return SkipReason(f"no new batches in {lab.landing_uri} ({len(refs)} known)")
+        why = f"no new batches in {bounded(landing, 200)}" + (f" ({seen})" if seen else "")
+        return SensorResult(skip_reason=SkipReason(why), cursor=cursor)
     context.log.info(f"registering {len(new)} new batch(es): {bounded(', '.join(new), 400)}")
     return SensorResult(
         run_requests=[RunRequest(partition_key=k, run_key=f"landing:{k}") for k in new],
         dynamic_partitions_requests=[BATCHES.build_add_request(new)],
-        cursor=encode_keys(registered | set(new)),
+        cursor=cursor,
     )
