@@ -27,6 +27,9 @@ from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
 
 
+PER_KEY_LOOKUPS = 64
+
+
 @sensor(
     job=batch_pipeline_job,
     minimum_interval_seconds=30,
@@ -65,8 +68,12 @@ def landing_sensor(context: SensorEvaluationContext, lab: LabResource):
         return SkipReason(f"landing zone unreadable: {bounded(str(exc), 400)}")
     new = [r.key for r in new_refs]
     # Registered by hand (not through this sensor): not requested again. One look-up per new
-    # key, not the instance's whole partition list.
-    new = [k for k in new if not context.instance.has_dynamic_partition(BATCHES.name, k)]
+    # key when few are new, the instance's whole partition list when many are (a first tick).
+    if len(new) > PER_KEY_LOOKUPS:
+        existing = set(context.instance.get_dynamic_partitions(BATCHES.name))
+        new = [k for k in new if k not in existing]
+    else:
+        new = [k for k in new if not context.instance.has_dynamic_partition(BATCHES.name, k)]
     if new:
         known = registered if registered is not None else RegisteredKeys.from_text(keys_text)
         known.add(new)
