@@ -23,8 +23,6 @@ import numpy as np
 import pyarrow as pa
 
 from prx_assets.core.batching import chunked
-from prx_assets.core.dedup.bands import BAND_COLUMNS, INDEXED_MAX_RADIUS, band_values
-from prx_assets.core.dedup.clustering import radius_pairs
 from prx_assets.core.dedup.decisions import (
     HASH_COLUMNS,
     STORED_COLUMNS,
@@ -223,14 +221,10 @@ def gather_corpus(
         "seed_hashes": len(set(seeds)),
     }
     if settings.radius > 0 and seeds:
-        if settings.radius <= INDEXED_MAX_RADIUS and bands_complete(view, settings):
-            seeds, read = banded_closure(view, seeds, settings, chunk)
-            lookups.update(read)
-        else:  # radii four bands do not cover, or rows without bands: the corpus scan
-            universe = corpus_hashes(view, settings)
-            seeds = radius_closure(np.asarray(seeds, dtype=np.int64), universe, settings.radius)
-            lookups["corpus_distinct_hashes_scanned"] = len(universe)
+        universe = corpus_hashes(view, settings)
+        seeds = radius_closure(np.asarray(seeds, dtype=np.int64), universe, settings.radius)
         lookups["closure_hashes"] = len(seeds)
+        lookups["corpus_distinct_hashes_scanned"] = len(universe)
     members = lookup_by_hashes(view, [int(s) for s in seeds], version, chunk)
     lookups["rows_sharing_hashes"] = members.num_rows
     others = members.filter(
@@ -262,66 +256,3 @@ def gather_corpus(
         lookups=lookups,
         hashes_version=view.version(IMAGE_HASHES.name),
     )
-
-
-def bands_complete(view: LabView, settings: DedupSettings) -> bool:
-    """Whether every hash of the configured version is reachable through its bands: the
-    band columns exist and no hashed row lacks them (a table from before the bands, not
-    migrated yet). When not, the closure scans the corpus instead of missing rows."""
-    schema = view.schema(IMAGE_HASHES.name)
-    if schema is None or not set(BAND_COLUMNS) <= set(schema.names):
-        return False
-    holes = " OR ".join(f"{c} IS NULL" for c in BAND_COLUMNS)
-    where = f"phash IS NOT NULL AND phash_version = {sql_literal(settings.phash_version)}"
-    return view.count(IMAGE_HASHES.name, f"{where} AND ({holes})") == 0
-
-
-def banded_closure(
-    view: LabView, seeds: Iterable[int], settings: DedupSettings, chunk: int
-) -> tuple[np.ndarray, dict[str, int]]:
-    """``radius_closure(seeds, corpus_hashes(...), radius)`` through the band indexes.
-
-    Each round reads the hashes sharing one of the frontier's bands (one ``IN`` look-up per
-    band and chunk of band values), keeps those within the radius of a frontier hash and
-    continues from them. Exact for ``radius <= INDEXED_MAX_RADIUS`` (pigeonhole). Returns
-    the closure (sorted uint64, the seeds included) and what it read.
-    """
-    radius = settings.radius
-    if not 1 <= radius <= INDEXED_MAX_RADIUS:
-        raise ValueError(f"banded_closure covers radius 1..{INDEXED_MAX_RADIUS}, got {radius}")
-    where = (
-        f"phash_version = {sql_literal(settings.phash_version)} "
-        f"AND ac_energy >= {float(settings.low_info_threshold)!r}"
-    )
-    seen = np.unique(np.asarray(list(seeds), dtype=np.int64).view(np.uint64))
-    frontier = seen
-    stats = {"closure_rounds": 0, "band_lookups": 0, "band_rows_read": 0}
-    while len(frontier):
-        stats["closure_rounds"] += 1
-        bands = band_values(frontier.view(np.int64))
-        found = []
-        for i, column in enumerate(BAND_COLUMNS):
-            for part in chunked(np.unique(bands[:, i]).tolist(), chunk):
-                got = _read(
-                    view,
-                    IMAGE_HASHES.name,
-                    IMAGE_HASHES.schema,
-                    ["phash"],
-                    f"{_int_list(column, part)} AND {where}",
-                )
-                stats["band_lookups"] += 1
-                stats["band_rows_read"] += got.num_rows
-                found.append(got.column("phash").to_numpy().astype(np.int64))
-        if not found:
-            break
-        cand = np.unique(np.concatenate(found).view(np.uint64))
-        cand = cand[~np.isin(cand, seen)]
-        if not len(cand):
-            break
-        both = np.concatenate([frontier, cand])
-        i, j, _ = radius_pairs(both, radius)
-        nf = len(frontier)
-        linked = np.unique(np.r_[j[(i < nf) & (j >= nf)], i[(j < nf) & (i >= nf)]]) - nf
-        frontier = cand[linked]
-        seen = np.union1d(seen, frontier)
-    return seen, stats

@@ -56,7 +56,6 @@ from prx_assets.core.dedup.phash import (
     thumbnail_from_bytes,
 )
 from prx_assets.core.dedup.reruns import state_row
-from prx_assets.core.dedup.tables import migrate_image_hashes_table
 from prx_assets.core.ingest.decode import DecodeRejected
 from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
 from prx_assets.core.tables import DEDUP_STATE, IMAGE_HASHES, IMAGES, PHASH_CLUSTERS, RESOLUTION
@@ -252,7 +251,6 @@ class BatchHashes:
             return good, results
 
     def run(self) -> HashOutcome:
-        migrate_image_hashes_table(self.lab)  # a table from before the indexed bands
         view = self.lab.view()  # resolution and images opened once for the whole run
         keys, ineligible = self.keys_to_hash(view)
         t0 = time.perf_counter()

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from prx_assets.core.dedup.bands import BAND_COLUMNS, with_bands
-from prx_assets.core.lab import Lab, TableSpec
+from prx_assets.core.lab import TableSpec
 
 IMAGE_HASHES = TableSpec(
     name="image_hashes",
@@ -22,26 +21,10 @@ IMAGE_HASHES = TableSpec(
             pa.field("low_information", pa.bool_()),
             pa.field("pixels", pa.int64()),  # width * height, for the keeper rule
             pa.field("file_size", pa.int64()),
-            # The hash's four 16-bit bands (bits 63-48, 47-32, 31-16, 15-0), each indexed:
-            # two hashes within Hamming distance 3 agree on one band (pigeonhole), so a
-            # radius look-up reads the rows sharing a band, not the corpus (core/dedup/bands).
-            pa.field("phash_band0", pa.int32()),
-            pa.field("phash_band1", pa.int32()),
-            pa.field("phash_band2", pa.int32()),
-            pa.field("phash_band3", pa.int32()),
         ]
     ),
     identity=("batch", "key"),
-    indexes=(
-        ("key", "BTREE"),
-        ("batch", "BITMAP"),
-        ("phash", "BTREE"),
-        ("phash_band0", "BTREE"),
-        ("phash_band1", "BTREE"),
-        ("phash_band2", "BTREE"),
-        ("phash_band3", "BTREE"),
-    ),
-    derive=with_bands,
+    indexes=(("key", "BTREE"), ("batch", "BITMAP"), ("phash", "BTREE")),
 )
 
 PHASH_CLUSTERS = TableSpec(
@@ -108,32 +91,3 @@ DEDUP_STATE = TableSpec(
     identity=("batch",),
     indexes=(),
 )
-
-
-def migrate_image_hashes_table(lab: Lab) -> list[str]:
-    """Give an ``image_hashes`` table written before the bands its band columns, computed
-    from every stored hash (so no row is invisible to a banded look-up). Returns the names
-    added; a concurrent migration that added them first is fine."""
-    if not lab.exists(IMAGE_HASHES.name):
-        return []
-    have = set(lab.dataset(IMAGE_HASHES.name).schema.names)
-    missing = [IMAGE_HASHES.schema.field(c) for c in BAND_COLUMNS if c not in have]
-    if not missing:
-        return []
-    names = [f.name for f in missing]
-
-    def compute(rb: pa.RecordBatch) -> pa.RecordBatch:
-        full = pa.RecordBatch.from_arrays(
-            [rb.column("phash")] + [pa.nulls(rb.num_rows, pa.int32())] * len(BAND_COLUMNS),
-            names=["phash", *BAND_COLUMNS],
-        )
-        banded = with_bands(full)
-        return pa.RecordBatch.from_arrays([banded.column(n) for n in names], names=names)
-
-    try:
-        lab.add_computed_columns(IMAGE_HASHES.name, missing, compute, ["phash"])
-    except (OSError, ValueError):
-        have = set(lab.dataset(IMAGE_HASHES.name).schema.names)
-        if not set(names) <= have:
-            raise
-    return names

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -35,6 +35,3 @@ class TableSpec:
     identity: tuple[str, ...]
     indexes: tuple[tuple[str, str], ...] = ()  # (column, index type)
     blobs: tuple[str, ...] = ()
-    # Columns computed from the others (e.g. a hash's indexed bands), filled on every write
-    # by the store itself, so no writer can leave them out or get them wrong.
-    derive: Callable[[pa.RecordBatch], pa.RecordBatch] | None = None

@@ -109,8 +109,6 @@ class _CountingBatches:
                     raise self.error
             rb = pa.Table.from_batches([rb]).select(schema.names).cast(schema)
             for part in rb.to_batches():
-                if self._spec.derive is not None:
-                    part = self._spec.derive(part)
                 batch_values = set(part.column("batch").unique().to_pylist())
                 if batch_values - {self._batch}:
                     self.error = ValueError(
@@ -234,10 +232,6 @@ class Lab(VersionPins):
 
     def _to_stored(self, spec: TableSpec, rows: pa.Table) -> pa.Table:
         rows = rows.select(spec.schema.names).cast(spec.schema)
-        if spec.derive is not None:
-            rows = pa.Table.from_batches(
-                [spec.derive(rb) for rb in rows.to_batches()], schema=spec.schema
-            )
         stored = self.stored_schema(spec)
         blob_columns = [c for c in spec.blobs if is_blob_ref(stored.field(c))]
         if not blob_columns:
@@ -562,23 +556,6 @@ class Lab(VersionPins):
         ds = self.dataset(table)
         if fields:
             ds.add_columns(pa.schema(list(fields)))
-        return self.dataset(table).version
-
-    def add_computed_columns(
-        self,
-        table: str,
-        fields: Sequence[pa.Field],
-        compute: Callable[[pa.RecordBatch], pa.RecordBatch],
-        read_columns: Sequence[str],
-    ) -> int:
-        """Add ``fields`` to every row of ``table``, computed by ``compute`` from
-        ``read_columns`` (one commit; Lance writes the new column files fragment by
-        fragment). For columns derived from stored ones, e.g. when a spec gains a derived
-        column. Returns the version."""
-        ds = self.dataset(table)
-        if fields:
-            udf = lance.batch_udf(output_schema=pa.schema(list(fields)))(compute)
-            ds.add_columns(udf, read_columns=list(read_columns))
         return self.dataset(table).version
 
     def ensure_scalar_indexes(self, table: str, indexes: Iterable[tuple[str, str]]) -> list[str]:
