@@ -26,7 +26,6 @@ from prx_assets.defs.metadata import bounded
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
 
-
 PER_KEY_LOOKUPS = 64
 
 
