@@ -34,7 +34,7 @@ from typing import BinaryIO
 import numpy as np
 from PIL import Image, ImageFile, UnidentifiedImageError
 
-from prx_assets.core.ingest import webp_direct
+from prx_assets.core.ingest import png_direct, webp_direct
 
 DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's MAX_IMAGE_PIXELS: ~89.5 MP
 # Decoders Pillow may try. MPO (multi-picture JPEG) is opened by the JPEG decoder and
@@ -263,6 +263,38 @@ def _load_first_frame(img: Image.Image, data: Source, n_frames: int) -> Image.Im
     return img
 
 
+def _png_decoded_directly(img: Image.Image, data: Source, n_frames: int) -> Image.Image:
+    """An opened PNG decoded by ``png_direct`` (libspng) when it is a plain 8-bit RGB, RGBA
+    or greyscale still whose image data runs to IEND; otherwise ``img`` itself, unloaded.
+
+    It runs before the EXIF orientation is read because Pillow's ``PngImageFile.getexif``
+    decodes the whole image first (an ``eXIf`` or text chunk may follow the image data).
+    Here nothing but IEND may follow it (``png_direct.only_image_data_follows``), so the
+    header Pillow already parsed holds every chunk its ``load`` would add to ``info``, and
+    the decoded image carries a copy of that ``info``: orientation and transparency read
+    the same. The original is closed when it is replaced; a declined decode leaves it to
+    Pillow's own ``load``, which accepts or refuses as before.
+    """
+    if img.format != "PNG" or n_frames != 1 or not isinstance(data, bytes):
+        return img
+    png = getattr(img, "png", None)
+    if getattr(png, "im_n_frames", 0) is not None:  # APNG (or an unknown Pillow): Pillow's
+        return img
+    if len(img.tile) != 1 or img.tile[0][0] != "zip" or img.tile[0][3] != img.mode:
+        return img  # 16-bit, 1/2/4-bit, palette, or a layout not Pillow's plain raw mode
+    if not png_direct.only_image_data_follows(data, img.tile[0][2]):
+        return img
+    pixels = png_direct.decode(data, img.size, img.mode)
+    if pixels is None:
+        return img
+    # RGB is copied into Pillow's 4-byte pixels; RGBA and L rows are used in place.
+    direct = Image.frombuffer(img.mode, img.size, pixels, "raw", img.mode, 0, 1)
+    direct.format = img.format
+    direct.info = dict(img.info)
+    img.close()
+    return direct
+
+
 def oriented(img: Image.Image, orientation: int) -> Image.Image:
     """``img`` turned upright by EXIF ``orientation`` (1..8); the image itself, not a copy,
     when there is nothing to turn (``ImageOps.exif_transpose`` copies every image)."""
@@ -285,6 +317,7 @@ def _decode_checked(
     img = _open(data, max_pixels)
     fmt = img.format or "UNKNOWN"
     n_frames = int(getattr(img, "n_frames", 1) or 1)
+    img = _png_decoded_directly(img, data, n_frames)
     orientation = _orientation(img)
     w, h = img.size
     mode = img.mode
@@ -382,6 +415,7 @@ def decode_rgb(
     at least this large (in oriented pixels). Stages that downscale anyway use it.
     """
     img = _open(data, max_pixels)
+    img = _png_decoded_directly(img, data, int(getattr(img, "n_frames", 1) or 1))
     try:
         if draft_size is not None and img.format in ("JPEG", "MPO"):
             tw, th = draft_size
