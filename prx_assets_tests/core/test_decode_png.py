@@ -131,11 +131,8 @@ DIRECT = {
         struct.pack(">I", 100000),  # gamma 1.0: applied by neither decoder
     ),
     "rgba": lambda: _png(_alpha_photo()),
-    "grey": lambda: _png(_photo().convert("L")),
-    "grey_trns": lambda: _png(_photo().convert("L"), transparency=7),
     "rgb_interlaced": lambda: _interlaced_png(np.asarray(_photo((37, 29)))),
     "rgba_interlaced": lambda: _interlaced_png(np.asarray(_alpha_photo())),
-    "grey_interlaced": lambda: _interlaced_png(np.asarray(_photo((9, 13)).convert("L"))),
 }
 
 
@@ -183,6 +180,9 @@ def _text_after_image_data() -> bytes:
 
 
 PILLOWS = {
+    "grey": lambda: _png(_photo().convert("L")),  # libspng is not faster there
+    "grey_trns": lambda: _png(_photo().convert("L"), transparency=7),
+    "grey_interlaced": lambda: _interlaced_png(np.asarray(_photo((9, 13)).convert("L"))),
     "palette": lambda: _png(_photo().convert("P")),
     "palette_alpha": _palette_alpha,
     "rgb16": lambda: _assemble(
@@ -308,6 +308,46 @@ def test_the_pixel_limit_is_checked_before_libspng_runs(direct_calls) -> None:
     assert direct_calls == []
 
 
+def test_a_second_ihdr_never_sizes_libspngs_buffer(direct_calls) -> None:
+    """libspng sizes its output by the first IHDR, Pillow by the last: a file whose first
+    IHDR claims 10 GP and a later one 40x30 px passes Pillow's pixel limit, and is never
+    handed to libspng (Pillow alone decodes it, as before)."""
+    chunks = _chunks(_png(_photo((40, 30))))
+    bomb_ihdr = struct.pack(">IIBBBBB", 100_000, 100_000, 8, 2, 0, 0, 0)
+    data = _assemble([(b"IHDR", bomb_ihdr), *chunks])
+    assert Image.open(io.BytesIO(data)).size == (40, 30)
+    assert png_direct.decode(data, (40, 30), "RGB") is None
+    info, rgb = inspect_and_decode(data)
+    assert direct_calls == []
+    assert (info.width, info.height) == (40, 30) and rgb is not None
+    assert np.array_equal(np.asarray(rgb), np.asarray(_pillow_policy(data)))
+
+
+def _composited_on_white(img: Image.Image) -> np.ndarray:
+    """The policy's alpha rule as first written: alpha_composite on white, then RGB."""
+    background = Image.new("RGBA", img.size, (255, 255, 255, 255))
+    background.alpha_composite(img.convert("RGBA"))
+    return np.asarray(background.convert("RGB"))
+
+
+def test_alpha_on_white_is_alpha_composite_for_every_value_and_alpha() -> None:
+    value, alpha = (g.astype(np.uint8) for g in np.meshgrid(np.arange(256), np.arange(256)))
+    # Each colour channel runs through all 256 values against every alpha (7 is odd: a
+    # permutation of 0..255), so every (value, alpha) pair of every channel is checked.
+    pixels = np.dstack([value, 255 - value, value * np.uint8(7), alpha])
+    rgba = Image.fromarray(pixels, "RGBA")
+    out, conversion = to_rgb(rgba)
+    assert conversion == "alpha_on_white" and out.mode == "RGB"
+    assert np.array_equal(np.asarray(out), _composited_on_white(rgba))
+    for mode in ("LA", "PA", "RGBa", "P"):  # ("La" never converts to RGBA in Pillow)
+        img = rgba.convert("P") if mode == "P" else rgba.convert(mode)
+        if mode == "P":
+            img.info["transparency"] = 3
+        out, conversion = to_rgb(img)
+        assert conversion == "alpha_on_white"
+        assert np.array_equal(np.asarray(out), _composited_on_white(img)), mode
+
+
 def test_libspng_output_that_disagrees_with_the_header_is_not_used() -> None:
     data = _png(_photo())
     assert png_direct.decode(data, (301, 207), "RGB") is not None
@@ -317,14 +357,13 @@ def test_libspng_output_that_disagrees_with_the_header_is_not_used() -> None:
     assert not png_direct.only_image_data_follows(data, 8)  # not where the image data starts
 
 
-@pytest.mark.parametrize("kind", ["rgb", "rgba", "grey", "rgb_interlaced"])
+@pytest.mark.parametrize("kind", ["rgb", "rgba", "rgb_interlaced"])
 def test_png_thumbnail_preview_and_hash_are_pillows_bit_for_bit(kind: str, monkeypatch) -> None:
     """Ingest's stored pHash thumbnail and preview, and ``image_hashes``' own decode, are the
     same bytes whichever decoder made the pixels."""
     big = {
         "rgb": lambda: _png(_photo((1501, 1003))),
         "rgba": lambda: _png(_alpha_photo().resize((900, 1200))),
-        "grey": lambda: _png(_photo((700, 500)).convert("L")),
         "rgb_interlaced": lambda: _interlaced_png(np.asarray(_photo((517, 389)))),
     }[kind]()
 
