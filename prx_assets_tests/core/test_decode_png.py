@@ -1,9 +1,9 @@
 """Ingest's PNG decode by libspng (``core/ingest/png_direct``): cheaper, and the same answers.
 
-An 8-bit RGB, RGBA or greyscale PNG whose image data runs to IEND is decoded by libspng
-instead of Pillow's PNG decoder. These tests prove that the pixels, the EXIF orientation,
+An 8-bit RGB or RGBA PNG is decoded by libspng instead of Pillow's PNG decoder. These tests prove that the pixels, the EXIF orientation,
 the refusals, the pHash thumbnail and the preview are what Pillow's own decode gives, and that
-every other PNG (palette, 16-bit, 1-bit, grey + alpha, APNG, chunks after the image data) is
+every other PNG (greyscale, palette, 16-bit, 1-bit, grey + alpha, APNG, a chunk after the image
+data that Pillow reads: text it may take an orientation from, ``eXIf``, ``zTXt``, ``iTXt``) is
 left to Pillow (``benchmarks/bench_pipeline.py --formats mixed`` measures the CPU).
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from PIL import Image, ImageCms, ImageOps
+from PIL import Image, ImageCms, ImageOps, PngImagePlugin
 
 from prx_assets.core.dedup.phash import fast_thumbnail, phash_bytes, thumbnail_from_bytes
 from prx_assets.core.ingest import png_direct
@@ -145,6 +145,12 @@ def _rgb_many_idats() -> bytes:
 
 
 DIRECT["rgb_many_idats"] = _rgb_many_idats
+DIRECT["rgb_inert_chunks_after_image_data"] = lambda: _after_image_data(
+    _png(_photo()), *INERT_TRAILER
+)
+DIRECT["rgba_inert_chunks_after_image_data"] = lambda: _after_image_data(
+    _png(_alpha_photo()), *INERT_TRAILER
+)
 
 
 @pytest.mark.parametrize("kind", sorted(DIRECT))
@@ -174,9 +180,27 @@ def _apng() -> bytes:
     return _png(frames[0], save_all=True, append_images=frames[1:])
 
 
-def _text_after_image_data() -> bytes:
-    chunks = _chunks(_png(_photo()))
-    return _assemble([*chunks[:-1], (b"tEXt", b"Comment\x00after the pixels"), chunks[-1]])
+def _after_image_data(data: bytes, *extra: tuple[bytes, bytes]) -> bytes:
+    chunks = _chunks(data)
+    assert chunks[-1][0] == b"IEND"
+    return _assemble([*chunks[:-1], *extra, chunks[-1]])
+
+
+# What ImageMagick and libpng writers put after the image data: dates, private chunks.
+INERT_TRAILER = (
+    (b"tEXt", b"date:create\x002026-12-06T08:00:00+00:00"),
+    (b"tEXt", b"date:modify\x002026-12-06T08:00:00+00:00"),
+    (b"tIME", bytes([7, 234, 12, 6, 8, 0, 0])),
+    (b"vpAg", bytes(9)),
+    (b"tEXt", b"no key separator"),
+    (b"tEXt", b"\x00empty key"),
+)
+
+
+def _raw_profile_exif(orientation: int) -> bytes:
+    """A ``Raw profile type exif`` text value, as ImageMagick writes EXIF into PNGs."""
+    raw = b"Exif\x00\x00" + _exif(orientation).tobytes()
+    return b"\nexif\n%8d\n" % len(raw) + raw.hex().encode()
 
 
 PILLOWS = {
@@ -194,7 +218,18 @@ PILLOWS = {
     "grey_alpha": lambda: _png(_alpha_photo().convert("LA")),
     "one_bit": lambda: _png(_photo().convert("1")),
     "apng": _apng,
-    "text_after_image_data": _text_after_image_data,
+    "ztxt_after_image_data": lambda: _after_image_data(
+        _png(_photo()), (b"zTXt", b"Comment\x00\x00" + zlib.compress(b"after the pixels"))
+    ),
+    "itxt_after_image_data": lambda: _after_image_data(
+        _png(_photo()), (b"iTXt", b"Comment\x00\x00\x00\x00\x00after the pixels")
+    ),
+    "idat_after_a_text_chunk": lambda: _after_image_data(
+        _png(_photo()), (b"tEXt", b"a\x00b"), (b"IDAT", zlib.compress(b""))
+    ),
+    "not_a_chunk_name_after_image_data": lambda: _after_image_data(
+        _png(_photo()), (b"t3Xt", b"a\x00b")
+    ),
 }
 
 
@@ -229,6 +264,16 @@ ORIENTED: dict[str, Callable[[int], bytes]] = {
     "exif_chunk": lambda o: _png(_photo(), exif=_exif(o)),
     "xmp_before_image_data": _xmp,
     "exif_after_image_data": _exif_after_image_data,  # left to Pillow, still turned
+    "raw_profile_text_after_image_data": lambda o: _after_image_data(
+        _png(_photo()), (b"tEXt", b"Raw profile type exif\x00" + _raw_profile_exif(o))
+    ),
+    "xmp_text_after_image_data": lambda o: _after_image_data(
+        _png(_photo()),
+        (b"tEXt", f'XML:com.adobe.xmp\x00<x tiff:Orientation="{o}"/>'.encode()),
+    ),
+    "raw_profile_text_before_image_data": lambda o: _before_image_data(
+        _png(_photo()), b"tEXt", b"Raw profile type exif\x00" + _raw_profile_exif(o)
+    ),
 }
 
 
@@ -240,7 +285,7 @@ def test_png_orientation_is_read_as_pillow_reads_it(
     data = ORIENTED[where](orientation)
     info, rgb = inspect_and_decode(data)
     assert info.orientation == orientation
-    assert direct_calls == ([] if where == "exif_after_image_data" else [_photo().size])
+    assert direct_calls == ([] if where.endswith("after_image_data") else [_photo().size])
     expected = _pillow_policy(data)
     assert rgb is not None and (info.width, info.height) == rgb.size == expected.size
     assert np.array_equal(np.asarray(rgb), np.asarray(expected))
@@ -300,6 +345,30 @@ def test_damaged_png_gets_pillows_answer(kind: str, monkeypatch) -> None:
         assert direct[0][:2] in (("rejected", "truncated"), ("rejected", "corrupt_data"))
 
 
+@pytest.mark.parametrize("limit", [10, 30, 43, 44, 100])
+def test_text_after_the_image_data_past_pillows_limit_gets_pillows_answer(
+    limit: int, monkeypatch, direct_calls
+) -> None:
+    """Text chunks past Pillow's text memory limit make Pillow refuse at open (before the
+    pixels) or raise in its decode (after them); a file whose text after the pixels passes
+    the limit is left to Pillow, so the answer is Pillow's either way."""
+    data = _after_image_data(
+        _before_image_data(_png(_photo()), b"tEXt", b"Title\x00" + b"t" * 20),
+        (b"tEXt", b"Comment\x00" + b"c" * 24),
+    )
+    size = _photo().size
+    monkeypatch.setattr(PngImagePlugin, "MAX_TEXT_MEMORY", limit)  # (the test photo has 3 KB)
+    direct = [_outcome(fn, data) for fn in (inspect_image, decode_rgb)]
+    ran = list(direct_calls)
+    with monkeypatch.context() as m:
+        m.setattr(png_direct, "decode", lambda *a: None)
+        pillow = [_outcome(fn, data) for fn in (inspect_image, decode_rgb)]
+    assert direct == pillow
+    if limit < 20:  # the header's own text is over: Pillow cannot open it
+        assert direct[0][:2] == ("rejected", "corrupt_header")
+    assert ran == ([] if limit < 44 else [size] * 2)
+
+
 def test_the_pixel_limit_is_checked_before_libspng_runs(direct_calls) -> None:
     data = _png(_photo((400, 300)))
     with pytest.raises(DecodeRejected) as err:
@@ -354,7 +423,7 @@ def test_libspng_output_that_disagrees_with_the_header_is_not_used() -> None:
     assert png_direct.decode(data, (300, 207), "RGB") is None
     assert png_direct.decode(data, (301, 207), "RGBA") is None
     assert png_direct.decode(data, (301, 207), "P") is None
-    assert not png_direct.only_image_data_follows(data, 8)  # not where the image data starts
+    assert not png_direct.only_inert_chunks_follow(data, 8, 0)  # not where the data starts
 
 
 @pytest.mark.parametrize("kind", ["rgb", "rgba", "rgb_interlaced"])

@@ -272,16 +272,17 @@ def _load_first_frame(img: Image.Image, data: Source, n_frames: int) -> Image.Im
 
 
 def _png_decoded_directly(img: Image.Image, data: Source, n_frames: int) -> Image.Image:
-    """An opened PNG decoded by ``png_direct`` (libspng) when it is a plain 8-bit RGB, RGBA
-    or greyscale still whose image data runs to IEND; otherwise ``img`` itself, unloaded.
+    """An opened PNG decoded by ``png_direct`` (libspng) when it is a plain 8-bit RGB or RGBA
+    still; otherwise ``img`` itself, unloaded.
 
     It runs before the EXIF orientation is read because Pillow's ``PngImageFile.getexif``
     decodes the whole image first (an ``eXIf`` or text chunk may follow the image data).
-    Here nothing but IEND may follow it (``png_direct.only_image_data_follows``), so the
-    header Pillow already parsed holds every chunk its ``load`` would add to ``info``, and
-    the decoded image carries a copy of that ``info``: orientation and transparency read
-    the same. The original is closed when it is replaced; a declined decode leaves it to
-    Pillow's own ``load``, which accepts or refuses as before.
+    Here only inert chunks may follow it (``png_direct.only_inert_chunks_follow``: none that
+    Pillow would read an orientation or transparency from, or refuse the file for), so the
+    header Pillow already parsed holds every fact the policy reads, and the decoded image
+    carries a copy of its ``info``: orientation and transparency read the same. The original
+    is closed when it is replaced; a declined decode leaves it to Pillow's own ``load``,
+    which accepts or refuses as before.
     """
     if img.format != "PNG" or n_frames != 1 or not isinstance(data, bytes):
         return img
@@ -290,12 +291,15 @@ def _png_decoded_directly(img: Image.Image, data: Source, n_frames: int) -> Imag
         return img
     if len(img.tile) != 1 or img.tile[0][0] != "zip" or img.tile[0][3] != img.mode:
         return img  # 16-bit, 1/2/4-bit, palette, or a layout not Pillow's plain raw mode
-    if not png_direct.only_image_data_follows(data, img.tile[0][2]):
+    text_memory = getattr(png, "text_memory", None)
+    if text_memory is None or not png_direct.only_inert_chunks_follow(
+        data, img.tile[0][2], text_memory
+    ):
         return img
     pixels = png_direct.decode(data, img.size, img.mode)
     if pixels is None:
         return img
-    # RGB is copied into Pillow's 4-byte pixels; RGBA and L rows are used in place.
+    # RGB is copied into Pillow's 4-byte pixels; RGBA rows are used in place.
     direct = Image.frombuffer(img.mode, img.size, pixels, "raw", img.mode, 0, 1)
     direct.format = img.format
     direct.info = dict(img.info)

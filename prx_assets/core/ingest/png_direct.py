@@ -12,8 +12,8 @@ The pixels are the same bytes: no gamma, ICC or transparency is applied by eithe
 and RGBA, interlaced or not, with and without ``tRNS``/``gAMA``/``iCCP``. Only the raw modes whose
 layout both decoders agree on and where libspng is faster take this path (8-bit ``RGB`` and
 ``RGBA``: Pillow's raw mode for the file, read from its header); everything else (greyscale,
-palette, 16-bit, 1/2/4-bit, grey with alpha, APNG, chunks after the image data) is Pillow's
-as before.
+palette, 16-bit, 1/2/4-bit, grey with alpha, APNG, and a file with a chunk after the image
+data that Pillow would read: ``only_inert_chunks_follow``) is Pillow's as before.
 
 Fail closed, never open: whenever libspng declines (any error: a bad CRC, a truncated or
 over-long stream, a bad Adler-32, limits) or its output disagrees with Pillow's header (size,
@@ -54,26 +54,65 @@ def _decoder() -> Any | None:
     return getattr(imagecodecs, "spng_decode", None)
 
 
-def only_image_data_follows(data: bytes, idat_data_offset: int) -> bool:
-    """Whether the chunks from the first IDAT on are IDATs and then IEND, and nothing else.
+#: Text keys Pillow's ``Image.getexif`` reads an orientation from (``Raw profile type exif``,
+#: ``exif``) or an XMP packet (``XML:com.adobe.xmp``, ``xmp``).
+ORIENTATION_TEXT_KEYS = (b"exif", b"Raw profile type exif", b"XML:com.adobe.xmp", b"xmp")
 
-    ``idat_data_offset`` is where Pillow's header says the first IDAT's data starts. Why:
-    Pillow reads the chunks after the image data (text, ``eXIf``: orientation) only when it
-    decodes the pixels; when nothing but IEND follows them, the header it has parsed is
-    complete. Any other chunk there, a malformed length, or a stream cut short: False (Pillow
-    decodes, and accepts or refuses, as before). Walks chunk headers only: microseconds.
+
+def _inert_after_image_data(kind: bytes, body: bytes, text_memory: int) -> int | None:
+    """Pillow's text memory after it reads chunk ``kind`` past the image data, or None when
+    that chunk could change what it records (``info``: orientation, transparency) or refuse
+    the file. Inert: a chunk type Pillow has no handler for (it only skips it), and a
+    ``tEXt`` whose key is not one ``getexif`` reads, within Pillow's text memory limit."""
+    from PIL import PngImagePlugin
+
+    if not (kind.isascii() and kind.isalpha()):
+        return None
+    if not hasattr(PngImagePlugin.PngStream, f"chunk_{kind.decode()}"):
+        return text_memory
+    if kind != b"tEXt":
+        return None
+    key, _, value = body.partition(b"\0")
+    if not key:
+        return text_memory  # Pillow ignores a tEXt without a key
+    if key in ORIENTATION_TEXT_KEYS:
+        return None
+    text_memory += len(value)  # latin-1: one character a byte, as Pillow counts it
+    return text_memory if text_memory <= PngImagePlugin.MAX_TEXT_MEMORY else None
+
+
+def only_inert_chunks_follow(data: bytes, idat_data_offset: int, text_memory: int) -> bool:
+    """Whether the image data (consecutive IDATs from ``idat_data_offset``, where Pillow's
+    header says the first one's data starts) is followed only by inert chunks, then IEND.
+
+    Why: Pillow reads the chunks after the image data (text, ``eXIf``: orientation) only
+    when it decodes the pixels, and one of them can make it refuse the file (its text memory
+    limit). When each is inert (``_inert_after_image_data``: ``tIME``, private chunks, an
+    ordinary ``tEXt`` such as the dates ImageMagick writes there), what Pillow parsed before
+    the pixels is every fact the policy reads, and its load could not have refused. Anything
+    else, a chunk cut short, or no IEND: False (Pillow decodes, accepts or refuses, as
+    before). ``text_memory`` is what Pillow's header parse has counted so far. Reads chunk
+    headers and those few text chunks only: microseconds.
     """
     pos = idat_data_offset - 8
     n = len(data)
-    first = True
+    in_image_data = True
     while pos >= 0 and pos + 12 <= n:
         length, kind = struct.unpack_from(">I4s", data, pos)
-        if kind == b"IEND":
-            return not first and length == 0
-        if kind != b"IDAT":
+        end = pos + 12 + length
+        if end > n:
             return False
-        first = False
-        pos += 12 + length
+        if kind == b"IEND":
+            return length == 0 and pos > idat_data_offset - 8
+        if kind == b"IDAT" and in_image_data:
+            pos = end
+            continue
+        in_image_data = False
+        counted = _inert_after_image_data(kind, data[pos + 8 : end - 4], text_memory)
+        if counted is None:
+            return False
+        text_memory = counted
+        pos = end
     return False
 
 
