@@ -424,6 +424,10 @@ def test_libspng_output_that_disagrees_with_the_header_is_not_used() -> None:
     assert png_direct.decode(data, (301, 207), "RGBA") is None
     assert png_direct.decode(data, (301, 207), "P") is None
     assert not png_direct.only_inert_chunks_follow(data, 8, 0)  # not where the data starts
+    texted = _before_image_data(data, b"tEXt", b"a\x00b")
+    at_text = texted.index(b"tEXta\x00b") + 4
+    assert png_direct.only_inert_chunks_follow(texted, Image.open(io.BytesIO(texted)).tile[0][2], 0)
+    assert not png_direct.only_inert_chunks_follow(texted, at_text, 0)  # an IDAT must start
 
 
 @pytest.mark.parametrize("kind", ["rgb", "rgba", "rgb_interlaced"])

@@ -96,14 +96,16 @@ def only_inert_chunks_follow(data: bytes, idat_data_offset: int, text_memory: in
     """
     pos = idat_data_offset - 8
     n = len(data)
+    if pos < 0 or data[pos + 4 : pos + 8] != b"IDAT":
+        return False
     in_image_data = True
-    while pos >= 0 and pos + 12 <= n:
+    while pos + 12 <= n:
         length, kind = struct.unpack_from(">I4s", data, pos)
         end = pos + 12 + length
         if end > n:
             return False
         if kind == b"IEND":
-            return length == 0 and pos > idat_data_offset - 8
+            return length == 0
         if kind == b"IDAT" and in_image_data:
             pos = end
             continue
