@@ -53,11 +53,14 @@ the run ends with ingest's per-format check: what a worker runs per file
 (``core/ingest/runner.check_candidate``: sha256, the validating decode, the pHash thumbnail and
 the review preview) against a plain Pillow decode of the same files (``open().load()``, and
 ``convert("RGB")`` beside it), interleaved in this process on this core, CPU medians of
-``--repeats``: ``ingest_vs_plain_decode``, the ratio ingest / plain (target <= 1.0x). The
-last lines printed are the headline figures, each with its target.
+``--repeats``: ``ingest_vs_plain_decode``, the ratio ingest / plain (target <= 1.0x), for
+JPEG q95, PNG and WebP q90 of the same RGB photos (``jpeg``, ``png``, ``webp``) and, made
+from them, an RGBA PNG cut-out, greyscale and palette PNGs, a GIF, a BMP and an uncompressed
+TIFF (``INGEST_VARIANTS``). The last lines printed are the headline figures, each with its
+target. ``--ingest-only`` runs that check alone (``bench_pipeline_ingest.json``).
 
     python -m benchmarks.bench_pipeline [--n 96] [--progressive-n N] [--workers-check]
-        [--workers-n 96,384] [--repeats 3] [--formats jpeg|mixed] [--quick]
+        [--workers-n 96,384] [--repeats 3] [--formats jpeg|mixed] [--ingest-only] [--quick]
 """
 
 from __future__ import annotations
@@ -295,6 +298,30 @@ def naive_times(images: list[bytes]) -> dict[str, dict[str, float]]:
     return out
 
 
+# The ingest check's other kinds of file, each made from the same photos: a PNG with an
+# alpha cut-out (composited on white by the policy), greyscale and palette PNGs, a GIF, a BMP
+# and an uncompressed TIFF (Pillow's defaults).
+INGEST_VARIANTS = ("png_rgba", "png_grey", "png_palette", "gif", "bmp", "tiff")
+
+
+def variant(data: bytes, kind: str) -> bytes:
+    """The photo in ``data`` saved as one of ``INGEST_VARIANTS``."""
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    if kind == "png_rgba":  # opaque left half, a soft edge, 40 % alpha on the right
+        ramp = np.clip((np.arange(img.width) - img.width // 2) * 4, 0, 153).astype(np.uint8)
+        alpha = np.broadcast_to(255 - ramp, (img.height, img.width))
+        img = img.convert("RGBA")
+        img.putalpha(Image.fromarray(np.ascontiguousarray(alpha), "L"))
+    elif kind == "png_grey":
+        img = img.convert("L")
+    elif kind == "png_palette":
+        img = img.convert("P")
+    fmt = {"gif": "GIF", "bmp": "BMP", "tiff": "TIFF"}.get(kind, "PNG")
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return buf.getvalue()
+
+
 def ingest_vs_plain_decode(n: int, repeats: int, seed: int = 4) -> dict:
     """Per format, CPU ms per image of ingest's per-file work (``check_candidate``: what a
     worker runs) and of a plain Pillow decode of the same files, interleaved (each repeat
@@ -305,6 +332,8 @@ def ingest_vs_plain_decode(n: int, repeats: int, seed: int = 4) -> dict:
     jpegs = make_images(n, progressive=False, seed=seed)
     files = {"jpeg": jpegs, "png": [reencode(d, "PNG") for d in jpegs]}
     files["webp"] = [reencode(d, "WEBP") for d in jpegs]
+    for kind in INGEST_VARIANTS:
+        files[kind] = [variant(d, kind) for d in jpegs]
 
     def ingest(data: bytes) -> None:
         _, result = check_candidate((data, DEFAULT_MAX_PIXELS))
@@ -570,6 +599,11 @@ def main() -> None:
     parser.add_argument(
         "--ingest-n", type=int, default=None, help="images per format, ingest check (--n / 4)"
     )
+    parser.add_argument(
+        "--ingest-only",
+        action="store_true",
+        help="only the ingest check (ingest_vs_plain_decode): bench_pipeline_ingest.json",
+    )
     parser.add_argument("--quick", action="store_true", help="16 + 8 images")
     parser.add_argument("--repeats", type=int, default=3, help="runs per measurement (medians)")
     args = parser.parse_args()
@@ -587,6 +621,9 @@ def main() -> None:
     command = "python -m benchmarks.bench_pipeline " + " ".join(sys.argv[1:])
     result: dict = {"command": command.strip(), "cpu": sorted(os.sched_getaffinity(0))}
     result["formats"] = args.formats
+    if args.ingest_only:
+        ingest_check(result, args, RESULTS.with_name("bench_pipeline_ingest.json"))
+        return
     if args.formats == "mixed":
         baseline = make_mixed(args.n, seed=1)
         sets = {"mixed": baseline}
@@ -664,24 +701,32 @@ def main() -> None:
                 f"{w['speedup_per_image_stages']}x, CPU stages {w['speedup_cpu_stages']}x"
             )
             print(f"  same shard bytes: {w['same_shard_bytes']}")
-    result["ingest_vs_plain_decode"] = ingest_vs_plain_decode(args.ingest_n, args.repeats)
-    print("\n== ingest's per-file work against a plain Pillow decode, CPU ms per image ==")
-    for fmt, r in result["ingest_vs_plain_decode"].items():
-        print(
-            f"  {fmt:5} {r['cpu_ms_per_image']}  repeats {r['each_repeat_ingest_over_plain_load']}"
-        )
-    print("\n== headline figures ==")
+    headlines = []
     for name in sets:
         what = "½ JPEG, ¼ PNG, ¼ WebP" if name == "mixed" else f"{name} JPEGs"
         target = "" if name == "mixed" else " (target >= 2.4x)" if name == "baseline" else ""
         ratio = result[name]["ratios"]["cpu_stages_vs_naive_sum"]
-        print(f"whole CPU path, {what}: {ratio}x the naive sum{target}")
+        headlines.append(f"whole CPU path, {what}: {ratio}x the naive sum{target}")
+    out = RESULTS if args.formats == "jpeg" else RESULTS.with_name("bench_pipeline_mixed.json")
+    ingest_check(result, args, out, headlines)
+
+
+def ingest_check(result: dict, args: argparse.Namespace, out: Path, headlines=()) -> None:
+    """Run ``ingest_vs_plain_decode``, print it and the headline lines, write ``out``."""
+    result["ingest_vs_plain_decode"] = ingest_vs_plain_decode(args.ingest_n, args.repeats)
+    print("\n== ingest's per-file work against a plain Pillow decode, CPU ms per image ==")
+    for fmt, r in result["ingest_vs_plain_decode"].items():
+        print(
+            f"  {fmt:11} {r['cpu_ms_per_image']}  repeats {r['each_repeat_ingest_over_plain_load']}"
+        )
+    print("\n== headline figures ==")
+    for line in headlines:
+        print(line)
     for fmt, r in result["ingest_vs_plain_decode"].items():
         print(
             f"ingest {fmt}: {r['ingest_over_plain_load']}x a plain decode (target <= 1.0x; "
             f"{r['ingest_over_plain_convert_rgb']}x a decode to RGB)"
         )
-    out = RESULTS if args.formats == "jpeg" else RESULTS.with_name("bench_pipeline_mixed.json")
     if args.quick:
         out = out.with_name(out.stem + "_quick.json")
     result["results_file"] = out.name

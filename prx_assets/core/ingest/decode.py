@@ -11,6 +11,10 @@ Policy (also in the README, "Decoding and bad input"):
   89.5 MP, Pillow's own warning limit) is refused before any pixel is decoded.
 - The whole stream is decoded once at ingest, so truncated files fail there with
   Pillow's own "image file is truncated" message (LOAD_TRUNCATED_IMAGES stays off).
+- Two decoders stand in for Pillow's where they give the same pixels for less CPU, and
+  decline (Pillow then decodes, accepts or refuses as before) whenever they cannot: a still
+  WebP by libwebp's own ``WebPDecode`` (``webp_direct``), an 8-bit RGB/RGBA/greyscale PNG
+  by libspng (``png_direct``). Which files are accepted, and every refusal, stay Pillow's.
 - EXIF orientation is applied; width/height are reported after orientation.
 - Animated images: the first frame is used and the frame count is recorded.
 - Colour: CMYK and YCbCr convert to RGB; palette images are expanded; alpha is composited
@@ -34,7 +38,7 @@ from typing import BinaryIO
 import numpy as np
 from PIL import Image, ImageFile, UnidentifiedImageError
 
-from prx_assets.core.ingest import webp_direct
+from prx_assets.core.ingest import png_direct, webp_direct
 
 DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's MAX_IMAGE_PIXELS: ~89.5 MP
 # Decoders Pillow may try. MPO (multi-picture JPEG) is opened by the JPEG decoder and
@@ -228,10 +232,14 @@ def to_rgb(img: Image.Image) -> tuple[Image.Image, str]:
             return img, "palette"
         mode = "RGBA"
     if mode in ("RGBA", "LA", "PA", "RGBa", "La"):
-        rgba = img.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (*ALPHA_BACKGROUND, 255))
-        background.alpha_composite(rgba)
-        return background.convert("RGB"), "alpha_on_white"
+        rgba = img if img.mode == "RGBA" else img.convert("RGBA")
+        # Pasting through the alpha band onto an RGB canvas is Pillow's ``alpha_composite``
+        # onto an opaque white RGBA canvas then ``convert("RGB")``, byte for byte (both round
+        # v * a + 255 * (255 - a) over 255 the same way: tested on every (value, alpha)
+        # pair), in one pass instead of four (~3x less CPU on a 4 MP cut-out).
+        background = Image.new("RGB", rgba.size, ALPHA_BACKGROUND)
+        background.paste(rgba, (0, 0), rgba)
+        return background, "alpha_on_white"
     if mode in ("L", "1"):
         return img.convert("RGB"), "greyscale"
     return img.convert("RGB"), mode.lower()
@@ -263,6 +271,42 @@ def _load_first_frame(img: Image.Image, data: Source, n_frames: int) -> Image.Im
     return img
 
 
+def _png_decoded_directly(img: Image.Image, data: Source, n_frames: int) -> Image.Image:
+    """An opened PNG decoded by ``png_direct`` (libspng) when it is a plain 8-bit RGB or RGBA
+    still; otherwise ``img`` itself, unloaded.
+
+    It runs before the EXIF orientation is read because Pillow's ``PngImageFile.getexif``
+    decodes the whole image first (an ``eXIf`` or text chunk may follow the image data).
+    Here only inert chunks may follow it (``png_direct.only_inert_chunks_follow``: none that
+    Pillow would read an orientation or transparency from, or refuse the file for), so the
+    header Pillow already parsed holds every fact the policy reads, and the decoded image
+    carries a copy of its ``info``: orientation and transparency read the same. The original
+    is closed when it is replaced; a declined decode leaves it to Pillow's own ``load``,
+    which accepts or refuses as before.
+    """
+    if img.format != "PNG" or n_frames != 1 or not isinstance(data, bytes):
+        return img
+    png = getattr(img, "png", None)
+    if getattr(png, "im_n_frames", 0) is not None:  # APNG (or an unknown Pillow): Pillow's
+        return img
+    if len(img.tile) != 1 or img.tile[0][0] != "zip" or img.tile[0][3] != img.mode:
+        return img  # 16-bit, 1/2/4-bit, palette, or a layout not Pillow's plain raw mode
+    text_memory = getattr(png, "text_memory", None)
+    if text_memory is None or not png_direct.only_inert_chunks_follow(
+        data, img.tile[0][2], text_memory
+    ):
+        return img
+    pixels = png_direct.decode(data, img.size, img.mode)
+    if pixels is None:
+        return img
+    # RGB is copied into Pillow's 4-byte pixels; RGBA rows are used in place.
+    direct = Image.frombuffer(img.mode, img.size, pixels, "raw", img.mode, 0, 1)
+    direct.format = img.format
+    direct.info = dict(img.info)
+    img.close()
+    return direct
+
+
 def oriented(img: Image.Image, orientation: int) -> Image.Image:
     """``img`` turned upright by EXIF ``orientation`` (1..8); the image itself, not a copy,
     when there is nothing to turn (``ImageOps.exif_transpose`` copies every image)."""
@@ -285,6 +329,7 @@ def _decode_checked(
     img = _open(data, max_pixels)
     fmt = img.format or "UNKNOWN"
     n_frames = int(getattr(img, "n_frames", 1) or 1)
+    img = _png_decoded_directly(img, data, n_frames)
     orientation = _orientation(img)
     w, h = img.size
     mode = img.mode
@@ -382,6 +427,7 @@ def decode_rgb(
     at least this large (in oriented pixels). Stages that downscale anyway use it.
     """
     img = _open(data, max_pixels)
+    img = _png_decoded_directly(img, data, int(getattr(img, "n_frames", 1) or 1))
     try:
         if draft_size is not None and img.format in ("JPEG", "MPO"):
             tw, th = draft_size
