@@ -62,6 +62,20 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "bench_tree_growth.json"
 TIER, SHAPE = 512, "16x24"
 SAMPLES_PER_DIR = 4
+SKIP_EVERY = 0  # the template's skip-lists: 1 sample in this many skipped (0: none)
+
+
+def _skips(placements: list) -> dict[str, dict[int, list[str]]]:
+    """Realistic skip-lists for the template: every SKIP_EVERY-th sample skipped, reasons
+    as the screen writes them (opt-outs, duplicates, classes), one sidecar per shard."""
+    if not SKIP_EVERY:
+        return skip_nothing(placements)
+    codes = (["duplicate"], ["opt_out"], ["class_text", "quality"])
+    out: dict[str, dict[int, list[str]]] = {}
+    for p in placements:
+        if p.sample_index % SKIP_EVERY == 0:
+            out.setdefault(p.shard, {})[p.index_in_shard] = codes[p.sample_index % len(codes)]
+    return out
 
 
 def _samples(batch: str) -> list[MDSSample]:
@@ -188,10 +202,21 @@ def measure_cursor(p: int) -> dict[str, int]:
 
 
 def main() -> None:
+    global SAMPLES_PER_DIR, SKIP_EVERY
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="P = 100, 1000; fewer repeats")
     parser.add_argument("--sizes", help="comma-separated P values (default 100,1000,3000,10000)")
+    parser.add_argument(
+        "--samples-per-dir", type=int, default=SAMPLES_PER_DIR, help="samples per directory"
+    )
+    parser.add_argument(
+        "--skip-every",
+        type=int,
+        default=SKIP_EVERY,
+        help="skip 1 sample in N in every directory (7: ~14 %%, as real trees; 0: none)",
+    )
     args = parser.parse_args()
+    SAMPLES_PER_DIR, SKIP_EVERY = args.samples_per_dir, args.skip_every
     sizes = [100, 1000] if args.quick else [100, 1000, 3000, 10000]
     if args.sizes:
         sizes = sorted(int(v) for v in args.sizes.split(","))
@@ -199,7 +224,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-tree-") as tmp:
         root = Path(tmp)
-        write_partition_buckets(root, "template", _samples("template"), skips_for=skip_nothing)
+        write_partition_buckets(root, "template", _samples("template"), skips_for=_skips)
         template = partition_dir(root, TIER, SHAPE, "template")
         plain_template = _plain_template(template, Path(tmp, "plain", str(TIER), SHAPE))
         measure_writes(root, 3)  # warm-up: first writes pay imports and cold caches
@@ -234,10 +259,16 @@ def main() -> None:
         "discover_streams + ShapeBatchedLoader / plain StreamingDataset (CPU s; wall beside)"
     )
     shutil.rmtree(_FRESH_TMP, ignore_errors=True)
-    result = {"quick": args.quick, "samples_per_dir": SAMPLES_PER_DIR, "rows": rows}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS.relative_to(REPO)}")
+    result = {
+        "quick": args.quick,
+        "samples_per_dir": SAMPLES_PER_DIR,
+        "skip_every": SKIP_EVERY,
+        "rows": rows,
+    }
+    out = RESULTS if not SKIP_EVERY else RESULTS.with_name("bench_tree_growth_skips.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out.relative_to(REPO)}")
 
 
 if __name__ == "__main__":

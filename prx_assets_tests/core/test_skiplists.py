@@ -15,6 +15,9 @@ from PIL import Image
 from prx_assets.core.skiplists.sidecars import (
     MANIFEST_BASENAME,
     REASON_CODES,
+    SKIPLIST_FORMAT,
+    SKIPLIST_VERSION,
+    ManifestEntry,
     SkipListCorrupt,
     SkipListError,
     SkipListMissing,
@@ -33,6 +36,7 @@ from prx_assets.core.skiplists.sidecars import (
     skiplist_digest,
     stage_generation,
     update_skiplists,
+    verify_sidecar,
     write_partition_skiplists,
 )
 
@@ -389,3 +393,37 @@ def test_stray_temporaries_are_swept_by_the_next_write(part):
     write_partition_skiplists(d, {})
     assert not stray.exists()
     assert not [p for p in os.listdir(d) if p.endswith(".tmp")]
+
+
+@pytest.mark.parametrize(
+    "indices, reasons",
+    [
+        ([3, 3], [["opt_out"], ["opt_out"]]),  # not strictly increasing
+        ([True], [["opt_out"]]),  # a bool is not an index
+        ([-1], [["opt_out"]]),
+        ([1.0], [["opt_out"]]),
+        ([1], [["quality", "opt_out"]]),  # reasons unsorted
+        ([1], [["opt_out", "opt_out"]]),
+        ([1], [[]]),
+        ([1], [["made_up"]]),
+        ([1], ["opt_out"]),  # a string, not a list of codes
+        ([1, 2], [["opt_out"]]),
+    ],
+)
+def test_a_malformed_sidecar_is_refused_even_when_its_manifest_vouches_for_it(indices, reasons):
+    """The loader skips the self-hash recomputation for bytes whose sha256 a verified
+    manifest names, never the structural checks: a writer bug the manifest committed to
+    still fails closed."""
+    body = {"format": SKIPLIST_FORMAT, "version": SKIPLIST_VERSION, "shard": "shard.00000.mds"}
+    body.update({"indices": indices, "reasons": reasons})
+    body["sha256"] = hashlib.sha256(canonical_json(body)).hexdigest()
+    data = canonical_json(body)
+    entry = ManifestEntry(
+        shard="shard.00000.mds",
+        sidecar="shard.00000.mds.x.skip.json",
+        sha256=hashlib.sha256(data).hexdigest(),
+        samples=10,
+        skipped=len(indices),
+    )
+    with pytest.raises(SkipListCorrupt):
+        verify_sidecar(entry, data, "test", 10)

@@ -358,8 +358,31 @@ def _check_self_hash(obj: dict, source: str, what: str) -> str:
     return actual
 
 
-def parse_skiplist(data: bytes, source: str, expected_shard: str | None = None) -> SkipList:
-    """Validate sidecar bytes (version, schema, hash, shard name); ``source`` names it in errors."""
+@functools.lru_cache(maxsize=4096)
+def _valid_reasons(codes: tuple) -> bool:
+    """A reason list as the writer makes it: non-empty, known codes, sorted, no repeats
+    (cached: a tree uses a handful of distinct lists)."""
+    return (
+        bool(codes)
+        and all(type(c) is str and c in REASON_CODES for c in codes)
+        and list(codes) == sorted(set(codes))
+    )
+
+
+def parse_skiplist(
+    data: bytes,
+    source: str,
+    expected_shard: str | None = None,
+    *,
+    digest_verified: bool = False,
+) -> SkipList:
+    """Validate sidecar bytes (version, schema, hash, shard name); ``source`` names it in errors.
+
+    ``digest_verified``: the caller has checked these bytes' sha256 against a verified
+    manifest's entry, which was computed over the very bytes the writer wrote (self-hash
+    included): recomputing the self-hash from canonical JSON cannot then fail and is
+    skipped. Every structural check still runs.
+    """
     obj = _load_json(data, source, f"{SKIPLIST_FORMAT} sidecar")
     if obj.get("format") != SKIPLIST_FORMAT:
         raise SkipListCorrupt(f"{source}: not a {SKIPLIST_FORMAT} sidecar")
@@ -375,7 +398,8 @@ def parse_skiplist(data: bytes, source: str, expected_shard: str | None = None) 
             f"{source}: keys {sorted(obj)} differ from the v{SKIPLIST_VERSION} schema "
             f"{sorted(expected_keys)}"
         )
-    _check_self_hash(obj, source, "sidecar")
+    if not digest_verified:
+        _check_self_hash(obj, source, "sidecar")
     shard, indices, reasons = obj["shard"], obj["indices"], obj["reasons"]
     if not isinstance(shard, str) or not isinstance(indices, list) or not isinstance(reasons, list):
         raise SkipListCorrupt(f"{source}: shard/indices/reasons have the wrong types")
@@ -385,24 +409,23 @@ def parse_skiplist(data: bytes, source: str, expected_shard: str | None = None) 
         )
     if len(indices) != len(reasons):
         raise SkipListCorrupt(f"{source}: {len(indices)} indices but {len(reasons)} reason lists")
-    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in indices) or any(
-        b <= a for a, b in zip(indices, indices[1:], strict=False)
+    # type() is int excludes bool; the order check runs in numpy once the types are known.
+    if not all(type(i) is int for i in indices) or (
+        indices
+        and (
+            indices[0] < 0
+            or indices[-1] >= 2**63
+            or bool(np.any(np.diff(np.asarray(indices, dtype=np.int64)) <= 0))
+        )
     ):
         raise SkipListCorrupt(f"{source}: indices must be strictly increasing non-negative ints")
+    checked = []
     for index, codes in zip(indices, reasons, strict=True):
-        if (
-            not isinstance(codes, list)
-            or not codes
-            or any(c not in REASON_CODES for c in codes)
-            or codes != sorted(set(codes))
-        ):
+        key = tuple(codes) if isinstance(codes, list) else None
+        if key is None or not _valid_reasons(key):
             raise SkipListCorrupt(f"{source}: bad reason list {codes!r} for index {index}")
-    return SkipList(
-        shard=shard,
-        indices=tuple(indices),
-        reasons=tuple(tuple(c) for c in reasons),
-        path=source,
-    )
+        checked.append(key)
+    return SkipList(shard=shard, indices=tuple(indices), reasons=tuple(checked), path=source)
 
 
 def read_skiplist(path: str | os.PathLike[str]) -> SkipList:
@@ -524,7 +547,7 @@ def verify_sidecar(entry: ManifestEntry, data: bytes, source: str, samples: int)
         # These bytes are the canonical empty sidecar of this shard (their sha256 says so):
         # nothing to parse, nothing skipped. Most shards of a screened tree look like this.
         return SkipList(shard=entry.shard, indices=(), reasons=(), path=source)
-    skiplist = parse_skiplist(data, source, expected_shard=entry.shard)
+    skiplist = parse_skiplist(data, source, expected_shard=entry.shard, digest_verified=True)
     skiplist.keep_indices(samples)  # range check against the shard
     if entry.skipped is not None and entry.skipped != len(skiplist):
         raise SkipListCorrupt(
