@@ -156,6 +156,27 @@ def _step_pids(instance: DagsterInstance, run_id: str) -> dict[str, int]:
     }
 
 
+def _errors(instance: DagsterInstance, run_id: str) -> list[str]:
+    """What a failed run said about its failure (for the assertion message)."""
+    kinds = (DagsterEventType.STEP_FAILURE, DagsterEventType.RUN_FAILURE)
+    out = []
+    for record in instance.all_logs(run_id):
+        event = record.dagster_event
+        if event and event.event_type in kinds:
+            data = event.event_specific_data
+            error = getattr(data, "error", None)
+            out.append(f"{event.step_key}: {event.message} {error.to_string() if error else ''}")
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Running (a killed process whose parent has not reaped it yet is a zombie: dead)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _batch_runs(instance: DagsterInstance) -> list:
     return [r for r in instance.get_runs() if r.job_name == "batch_pipeline"]
 
@@ -165,12 +186,19 @@ def test_partitions_spread_over_ray_nodes_and_a_lost_node_costs_a_retry(
     tmp_path,
     s3_server,
     s3_prefix,
-    postgres_server,
-    monkeypatch,  # noqa: F811
+    postgres_server,  # noqa: F811 - the fixture imported above
+    monkeypatch,
 ):
+    t0 = time.monotonic()
+
+    def mark(what: str) -> None:  # where the time goes (shown when the test fails)
+        print(f"{time.monotonic() - t0:7.1f} s  {what}", flush=True)
+
     landing = _landing(tmp_path / "landing")
+    shutil.copytree(landing, tmp_path / "local" / "landing")
     reference = _local_reference(tmp_path / "local", monkeypatch)
     upload_landing(landing, f"{s3_prefix}/landing")
+    mark("local reference run done, landing uploaded")
 
     hold = tmp_path / "hold"
     hold.mkdir()
@@ -200,10 +228,12 @@ def test_partitions_spread_over_ray_nodes_and_a_lost_node_costs_a_retry(
         # A lost node is noticed in ~2 s, not Ray's default ~15 s.
         "RAY_health_check_period_ms": "500",
         "RAY_health_check_failure_threshold": "4",
+        "RAY_health_check_timeout_ms": "500",
     }
     ray_root = Path(tempfile.mkdtemp(prefix="prx-ray-"))  # Ray's socket paths: < 108 bytes
     cluster = LocalRayCluster(ray_root, cpus_per_node=2, env=node_env)
     cluster.start()
+    mark("cluster up")
     daemon = None
     try:
         home = _home(tmp_path, cluster.dashboard_url)
@@ -218,7 +248,8 @@ def test_partitions_spread_over_ray_nodes_and_a_lost_node_costs_a_retry(
         for var, value in env.items():  # the instance below resolves the same env vars
             if var.startswith("PRX_PG_"):
                 monkeypatch.setenv(var, value)
-        ensure_instance(home).dispose()
+        monkeypatch.setenv("DAGSTER_HOME", str(home))  # dagster.yaml names storage by it
+        ensure_instance(home).dispose()  # before the daemon opens it
         daemon = subprocess.Popen(
             [str(BIN / "dagster-daemon"), "run", "-w", "workspace.yaml"],
             cwd=tmp_path,
@@ -238,6 +269,7 @@ def test_partitions_spread_over_ray_nodes_and_a_lost_node_costs_a_retry(
             "four run workers held mid-step (see daemon.log)",
             poll=0.1,
         )
+        mark("four runs held mid-step")
         pids = [int(p.name.split(".")[1]) for p in held]
         nodes = {pid: cluster.node_of(pid) for pid in pids}
         assert sorted(nodes.values()) == [0, 0, 1, 1], nodes  # both nodes, all runs at once
@@ -252,8 +284,9 @@ def test_partitions_spread_over_ray_nodes_and_a_lost_node_costs_a_retry(
         killed_runs = {run_of_pid[pid] for pid in pids if nodes[pid] == 1}
         killed = cluster.kill_node(1)
         assert killed and not [p for p in cluster.pids() if cluster.node_of(p) == 1]
-        assert not [pid for pid in pids if nodes[pid] == 1 and Path(f"/proc/{pid}").exists()]
+        assert not [pid for pid in pids if nodes[pid] == 1 and _alive(pid)]
         (hold / "release").write_bytes(b"")
+        mark("worker node killed, the other runs released")
 
         def settled() -> bool:
             latest = {}
@@ -265,6 +298,7 @@ def test_partitions_spread_over_ray_nodes_and_a_lost_node_costs_a_retry(
             )
 
         _wait(settled, 400, "every partition to have a successful run (see daemon.log)", 0.5)
+        mark("every partition has a successful run")
 
         # The runs on the head finished; those on the lost node failed, and each one's
         # retry (a re-execution queued by run retries) succeeded on the head.
@@ -279,8 +313,10 @@ def test_partitions_spread_over_ray_nodes_and_a_lost_node_costs_a_retry(
                 retries = [r for r in all_runs.values() if r.parent_run_id == run_id]
                 assert [r.status for r in retries] == [DagsterRunStatus.SUCCESS], retries
                 assert retries[0].tags[RAY_NODE_TAG] in head_node
-            else:
-                assert status == DagsterRunStatus.SUCCESS, (run_id, status)
+            elif status != DagsterRunStatus.SUCCESS:
+                pytest.fail(
+                    f"run {run_id} on the head: {status}\n" + "\n".join(_errors(instance, run_id))
+                )
 
         # Every step of a successful run ran in its Ray job's driver (one pid, one node, as
         # recorded), and Ray's own record of each job agrees on the node.
