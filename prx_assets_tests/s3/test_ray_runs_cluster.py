@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -93,20 +94,19 @@ def _landing(folder: Path) -> Path:
     return folder
 
 
-def _local_reference(data_root: Path, monkeypatch) -> dict[str, str]:  # noqa: ANN001
-    """The four partitions on the default path, in this process: the reference bytes."""
+def _local_reference(data_root: Path) -> dict[str, str]:
+    """The four partitions on the default path, in process: the reference bytes. Runs in a
+    thread while the cluster starts (the environment holds no PRX_* setting: the caller
+    removed them)."""
     from prx_assets.definitions import build_defs
     from prx_assets.defs.partitions import BATCHES
 
-    with monkeypatch.context() as mp:
-        for var in ("PRX_EXECUTOR", "PRX_LANDING_URI", "PRX_LAB_URI", "PRX_SHARDS_URI"):
-            mp.delenv(var, raising=False)
-        mp.setenv("PRX_WORKERS", "1")
-        job = build_defs(str(data_root)).resolve_job_def("batch_pipeline")
-        with instance_for_test() as instance:
-            instance.add_dynamic_partitions(BATCHES.name, KEYS)
-            for key in KEYS:
-                assert job.execute_in_process(partition_key=key, instance=instance).success
+    job = build_defs(str(data_root)).resolve_job_def("batch_pipeline")
+    # set_dagster_home=False: the test's thread sets DAGSTER_HOME for the cluster's instance.
+    with instance_for_test(set_dagster_home=False) as instance:
+        instance.add_dynamic_partitions(BATCHES.name, KEYS)
+        for key in KEYS:
+            assert job.execute_in_process(partition_key=key, instance=instance).success
     tree = _tree(data_root / "shards")
     assert sum(p.endswith(".mds") for p in tree) >= len(KEYS), tree
     return tree
@@ -196,9 +196,12 @@ def test_partitions_spread_over_ray_nodes_and_a_lost_node_costs_a_retry(
 
     landing = _landing(tmp_path / "landing")
     shutil.copytree(landing, tmp_path / "local" / "landing")
-    reference = _local_reference(tmp_path / "local", monkeypatch)
     upload_landing(landing, f"{s3_prefix}/landing")
-    mark("local reference run done, landing uploaded")
+    for var in ("PRX_EXECUTOR", "PRX_WORKERS", "PRX_LANDING_URI", "PRX_LAB_URI", "PRX_SHARDS_URI"):
+        monkeypatch.delenv(var, raising=False)
+    # The local reference runs while the cluster and Dagster start (mostly waiting).
+    background = ThreadPoolExecutor(max_workers=1)
+    reference_run = background.submit(_local_reference, tmp_path / "local")
 
     hold = tmp_path / "hold"
     hold.mkdir()
@@ -338,10 +341,12 @@ def test_partitions_spread_over_ray_nodes_and_a_lost_node_costs_a_retry(
         assert ACCESS_KEY not in jobs and SECRET_KEY not in jobs
 
         # The shards on S3 are the local run's bytes, file for file.
+        reference = reference_run.result(timeout=600)
         assert _remote_tree(f"{s3_prefix}/shards") == {
             p: h for p, h in reference.items() if p.startswith("mds/")
         }
     finally:
+        background.shutdown(wait=True)
         if daemon is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(daemon.pid, signal.SIGKILL)
