@@ -43,6 +43,7 @@ from prx_assets.core.ray_job import current_placement
 
 RAY_NODE_TAG = "prx/ray_node_id"
 RAY_SUBMISSION_TAG = "prx/ray_submission_id"
+PLACEMENT_MESSAGE = "Steps run in this run worker"  # the engine event naming the node
 
 GPU_STEPS = ("captions", "caption_classes")
 KNOWN_STEPS = frozenset(
@@ -103,9 +104,10 @@ class RayRunExecutor(InProcessExecutor):
             plan_context.instance.add_run_tags(
                 plan_context.run_id, {RAY_NODE_TAG: node, RAY_SUBMISSION_TAG: submission}
             )
+        where = f"Ray job {submission} on Ray node {node}" if placement else "not in a Ray job"
         yield DagsterEvent.engine_event(
             plan_context,
-            f"Steps run in this Ray job's driver (pid {os.getpid()}) on Ray node {node}",
+            f"{PLACEMENT_MESSAGE} (pid {os.getpid()}): {where}",
             event_specific_data=EngineEventData(
                 metadata={
                     "ray_node_id": MetadataValue.text(node),

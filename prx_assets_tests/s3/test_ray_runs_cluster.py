@@ -39,7 +39,7 @@ from prx_assets.core.ingest.remote_landing import upload_landing
 from prx_assets.core.ray_local import LocalRayCluster
 from prx_assets.core.shards.remote import live_partitions, read_live
 from prx_assets.core.storage import open_store
-from prx_assets.defs.executors import RAY_NODE_TAG, RAY_SUBMISSION_TAG
+from prx_assets.defs.executors import PLACEMENT_MESSAGE, RAY_NODE_TAG, RAY_SUBMISSION_TAG
 from prx_assets.demo.photo_batch import write_photo_batch
 from prx_assets.instance import ensure_instance
 from prx_assets_tests.ops.conftest import postgres_server  # noqa: F401 - a fixture
@@ -140,11 +140,11 @@ def _home(root: Path, jobs_address: str) -> Path:
 
 
 def _placement_events(instance: DagsterInstance, run_id: str) -> list[dict]:
-    """The metadata of the run's "Steps run in this Ray job's driver" engine events."""
+    """The metadata of the run's placement engine events (``PLACEMENT_MESSAGE``)."""
     out = []
     for record in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT):
         event = record.dagster_event
-        if event and event.message and event.message.startswith("Steps run in this Ray job"):
+        if event and event.message and event.message.startswith(PLACEMENT_MESSAGE):
             out.append({k: v.value for k, v in event.engine_event_data.metadata.items()})
     return out
 
