@@ -68,7 +68,12 @@ def _chain() -> None:
         previous = step.alias(f"step_{i}")(previous)
 
 
-@job(executor_def=ray_executor.configured({"ray": {"address": {"env": ADDRESS_ENV}}}))
+@job(
+    executor_def=ray_executor.configured(
+        # each step's Ray job resolves this config again: it gets the address too
+        {"ray": {"address": {"env": ADDRESS_ENV}, "env_vars": [ADDRESS_ENV]}}
+    )
+)
 def chain_ray_executor() -> None:
     _chain()
 
@@ -175,12 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     per_step = {k: statistics.median(v) for k, v in results.items()}
     base = per_step["multiprocess"]
     summary = {
+        "command": "python -m benchmarks.bench_ray_runs" + (" --quick" if args.quick else ""),
+        "host": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end",
         "steps_per_run": STEPS,
         "repeat": repeat,
         "per_step_s": per_step,
         "ray_runs_launch_per_run_s": statistics.median(launch),
     }
     print(json.dumps(summary, indent=2))
+    out = REPO / "benchmarks" / "results" / f"bench_ray_runs{'_quick' if args.quick else ''}.json"
+    out.write_text(json.dumps(summary, indent=2) + "\n")
     for name, value in per_step.items():
         print(f"{name}: {value:.3f} s fixed cost per step ({value / base:.2f}x multiprocess)")
     print(f"ray_runs launch per run (Ray job + interpreter): {statistics.median(launch):.2f} s")
