@@ -151,8 +151,27 @@ def ensure_instance(
             # Dagster's sqlite storage prints its progress: keep stdout for the command's own.
             with contextlib.redirect_stdout(sys.stderr):
                 instance.upgrade()
+            initialise_pools(instance)
             _write_marker(home)
         return instance
+
+
+def initialise_pools(instance: DagsterInstance) -> None:
+    """Create the project's op-concurrency pools (``gpu``) at the configured default limit.
+
+    Why: Dagster creates a pool's row on the first step that claims it; on PostgreSQL two
+    runs claiming a fresh pool at once race (the loser's INSERT fails inside its
+    transaction, its UPDATE then fails with ``InFailedSqlTransaction``, and the run fails).
+    Found with four partitions starting at once on a Ray cluster
+    (``prx_assets_tests/s3/test_ray_runs_cluster.py``). Made once here, under the init lock,
+    the row exists before any run. No default limit: nothing to create.
+    """
+    from prx_assets.defs.captions.resources import GPU_POOL
+
+    if instance.global_op_concurrency_default_limit is None:
+        return
+    for pool in (GPU_POOL,):
+        instance.event_log_storage.initialize_concurrency_limit_to_default(pool)
 
 
 def config_warnings(dagster_home: Path) -> list[str]:

@@ -37,14 +37,26 @@ Points (the writer, then the step just completed):
 - ``storage.stale_removed``: one superseded remote object was deleted;
 - ``storage.generation_staged``: a directory's new sidecars are all on the remote;
 - ``storage.manifest_put``: a directory's new ``skiplists.json`` is on the remote (live).
+
+Holding instead of dying: with ``PRX_HOLD_AT=<name>:<n>:<dir>`` the ``n``-th visit of
+``<name>`` writes ``<dir>/held.<pid>`` and waits there until ``<dir>/release`` exists (at most
+``HOLD_LIMIT_S``), then goes on; with ``release`` already present it does not stop. A test
+uses it to do something to the process *from outside* at a known point of its work, e.g.
+kill the Ray node a run is on while that run is in the middle of a step
+(``prx_assets_tests/s3/test_ray_runs_cluster.py``); a rerun after ``release`` passes through.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
+from pathlib import Path
 
 ENV_VAR = "PRX_CRASH_AT"
+HOLD_ENV = "PRX_HOLD_AT"
+RELEASE_FILE = "release"
+HOLD_LIMIT_S = 600.0
 CRASHPOINTS: tuple[str, ...] = (
     "mds.sample_written",
     "mds.tmp_written",
@@ -87,7 +99,11 @@ def parse_spec(spec: str) -> tuple[str, int]:
 
 
 def crashpoint(name: str) -> None:
-    """Die by SIGKILL here if ``PRX_CRASH_AT`` names this point and this is its n-th visit."""
+    """Die by SIGKILL here if ``PRX_CRASH_AT`` names this point and this is its n-th visit
+    (or wait here, if ``PRX_HOLD_AT`` does)."""
+    hold = os.environ.get(HOLD_ENV)
+    if hold:
+        _hold(name, hold)
     spec = os.environ.get(ENV_VAR)
     if not spec:
         return
@@ -101,6 +117,32 @@ def crashpoint(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+_held: dict[str, int] = {}
+
+
+def _hold(name: str, spec: str) -> None:
+    target, sep, rest = spec.partition(":")
+    count, sep2, folder = rest.partition(":")
+    if not (sep and sep2 and folder and count.isdigit() and int(count) >= 1):
+        raise ValueError(f"{HOLD_ENV}={spec!r}: expected '<crashpoint>:<n>:<directory>'")
+    if target not in CRASHPOINTS:
+        raise ValueError(f"{HOLD_ENV}={spec!r}: unknown crashpoint {target!r}")
+    if target != name:
+        return
+    _held[name] = _held.get(name, 0) + 1
+    release = Path(folder) / RELEASE_FILE
+    if _held[name] != int(count) or release.exists():
+        return
+    marker = Path(folder) / f"held.{os.getpid()}"
+    staged = marker.with_name(f".{marker.name}.tmp")
+    staged.write_text(name)
+    staged.rename(marker)  # seen whole or not at all
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def reset() -> None:
     """Forget the visits counted so far (a forked child starts from its parent's counts)."""
     _reached.clear()
+    _held.clear()

@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 
 MARKER_ENV = "PRX_LOCAL_RAY_CLUSTER"
+NODE_ENV = "PRX_LOCAL_RAY_NODE"  # <marker>:<index>: 0 the head, 1.. the worker nodes
 DEFAULT_OBJECT_STORE_BYTES = 100 * 1024 * 1024
 
 
@@ -79,6 +80,7 @@ class LocalRayCluster:
         self._groups: list[int] = []  # process groups of the `ray start` sessions
 
     def _start(self, *args: str) -> None:
+        index = len(self._groups)  # 0: the head; every process of a node inherits its mark
         command = [
             _ray_cli(),
             "start",
@@ -91,7 +93,7 @@ class LocalRayCluster:
         ]
         proc = subprocess.Popen(
             command,
-            env=self.env,
+            env={**self.env, NODE_ENV: f"{self.marker}:{index}"},
             cwd=self.temp_dir,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -144,6 +146,39 @@ class LocalRayCluster:
             if group in self._groups or f"{MARKER_ENV}={self.marker}".encode() in environ:
                 mine.append(pid)
         return sorted(mine)
+
+    def node_of(self, pid: int) -> int | None:
+        """Which node of this cluster ``pid`` belongs to (0 the head, 1.. worker nodes, in
+        the order they joined), from the mark every process of a node inherits; None for a
+        process that is not this cluster's."""
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            return None
+        prefix = f"{NODE_ENV}={self.marker}:".encode()
+        for entry in environ:
+            if entry.startswith(prefix):
+                return int(entry[len(prefix) :])
+        return None
+
+    def kill_node(self, index: int) -> list[int]:
+        """SIGKILL every process of node ``index`` at once (its raylet, its Ray workers and
+        job drivers and whatever they started): a machine lost, not a clean shutdown.
+        Returns the pids killed."""
+        if index == 0:
+            raise ValueError("node 0 is the head: killing it ends the cluster")
+        killed: list[int] = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # again: a dying raylet may have forked a worker
+            left = [pid for pid in self.pids() if self.node_of(pid) == index]
+            if not left:
+                break
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            killed += [pid for pid in left if pid not in killed]
+            time.sleep(0.05)
+        return killed
 
     def busy_workers(self, task_name: str) -> list[int]:
         """Ray worker processes of this cluster running ``task_name`` now (Ray titles a

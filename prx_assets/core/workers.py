@@ -24,9 +24,9 @@ Contract (every backend, ``prx_assets.core.ray_pool.RayPool`` included):
 process that has imported the task modules once and done nothing else, never from the
 Dagster/Lance process with its open datasets and busy threads); ``inline``: the calling
 process (what ``workers == 1`` always uses: no pickling, no extra process); ``ray``: the Ray
-backend, imported only when asked for. The Dagster executor kinds ``multiprocess`` and
-``k8s`` that the same variable selects (``defs/executors.py``) mean ``process`` here: a step's
-process or pod maps its images over its own cores. ``workers`` None = the CPUs this process
+backend, imported only when asked for. The Dagster executor kinds ``multiprocess``, ``k8s``
+and ``ray_runs`` that the same variable selects (``defs/executors.py``) mean ``process``
+here: a step's process, pod or Ray-job run maps its images over its own cores. ``workers`` None = the CPUs this process
 may use (``available_cpus``: its ``os.sched_getaffinity`` mask, so a ``taskset``/cpuset-pinned
 process uses its share, capped by its cgroup CPU quota, so a Kubernetes pod with a CPU limit
 of 2 gets 2 workers, not one per core of its node).
@@ -55,7 +55,7 @@ EXECUTOR_ENV = "PRX_EXECUTOR"
 POOL_KINDS = ("process", "inline", "ray")
 # The Dagster executor kinds of the same variable (defs/executors.py): per-image work in
 # one step's process (or pod) runs on a process pool.
-_DAGSTER_KINDS = {"multiprocess": "process", "k8s": "process"}
+_DAGSTER_KINDS = {"multiprocess": "process", "k8s": "process", "ray_runs": "process"}
 ERROR_CHARS = 500  # an ItemFailed message quotes at most this much of the exception
 # Imported once in the forkserver, so every forked worker starts with them loaded: the
 # stages' task modules (their imports, Lance's included, cost ~1 s per fresh process).

@@ -10,12 +10,40 @@ per-image work to the Ray cluster ``RAY_ADDRESS`` names, as Ray tasks from the c
 (``core/workers.py``, ``core/ray_pool.py``); Ray is not imported to build the Definitions.
 dagster-ray's executor is not used: it submits every step as a Ray *job*, which needs the
 Ray dashboard's job server and a run storage every node reaches.
+
+``PRX_EXECUTOR=ray_runs`` spreads *partitions* over the cluster's nodes: the instance's run
+launcher is dagster-ray's ``RayRunLauncher`` (``dagster_ray_cluster.yaml``), so each run
+(one partition) is a Ray job whose driver runs on whichever node has the CPUs the launcher
+reserves, and this executor runs that run's steps in that process, one after another
+(``ray_run_executor``). Dagster keeps the graph, lineage and run queue (PostgreSQL, which
+every node reaches); Ray places runs. A step costs no job, no process and no node probe:
+that is the measured choice (``benchmarks/bench_ray_runs.py``: a Ray job per step, as
+dagster-ray's executor does, costs seconds; a step inside a run costs its own work). The
+per-image work of a step runs on the node's process pool (``core/workers.py``, sized by
+``PRX_WORKERS``, which should match the launcher's ``num_cpus``). The run records where it
+ran: tags ``prx/ray_node_id`` and ``prx/ray_submission_id`` and an engine event with the
+run worker's pid, the pid every step event of the run carries.
 """
 
 import os
+from collections.abc import Iterator
 
-from dagster import ExecutorDefinition, multiprocess_executor
+from dagster import ExecutorDefinition, MetadataValue, executor, multiprocess_executor
+from dagster._core.definitions.executor_definition import (
+    IN_PROC_CONFIG,
+    _core_in_process_executor_creation,
+)
+from dagster._core.events import DagsterEvent, EngineEventData
+from dagster._core.execution.context.system import PlanOrchestrationContext
+from dagster._core.execution.plan.plan import ExecutionPlan
+from dagster._core.executor.in_process import InProcessExecutor
 from dagster_k8s import k8s_job_executor
+
+from prx_assets.core.ray_job import current_placement
+
+RAY_NODE_TAG = "prx/ray_node_id"
+RAY_SUBMISSION_TAG = "prx/ray_submission_id"
+PLACEMENT_MESSAGE = "Steps run in this run worker"  # the engine event naming the node
 
 GPU_STEPS = ("captions", "caption_classes")
 KNOWN_STEPS = frozenset(
@@ -63,6 +91,46 @@ def k8s_executor() -> ExecutorDefinition:
     return k8s_job_executor.configured(k8s_executor_config(), name="k8s_job_executor")
 
 
+class RayRunExecutor(InProcessExecutor):
+    """The in-process executor, plus a record of the Ray node and job the run ran in."""
+
+    def execute(
+        self, plan_context: PlanOrchestrationContext, execution_plan: ExecutionPlan
+    ) -> Iterator[DagsterEvent]:
+        placement = current_placement()
+        node = (placement.node_id if placement else None) or "unknown"
+        submission = placement.submission_id if placement else "not a Ray job"
+        if placement is not None:
+            plan_context.instance.add_run_tags(
+                plan_context.run_id, {RAY_NODE_TAG: node, RAY_SUBMISSION_TAG: submission}
+            )
+        where = f"Ray job {submission} on Ray node {node}" if placement else "not in a Ray job"
+        yield DagsterEvent.engine_event(
+            plan_context,
+            f"{PLACEMENT_MESSAGE} (pid {os.getpid()}): {where}",
+            event_specific_data=EngineEventData(
+                metadata={
+                    "ray_node_id": MetadataValue.text(node),
+                    "ray_submission_id": MetadataValue.text(submission),
+                    "pid": MetadataValue.int(os.getpid()),
+                    "steps": MetadataValue.json(list(execution_plan.step_keys_to_execute)),
+                }
+            ),
+        )
+        yield from super().execute(plan_context, execution_plan)
+
+
+@executor(name="ray_run", config_schema=IN_PROC_CONFIG)
+def ray_run_executor(init_context) -> RayRunExecutor:  # noqa: ANN001 - Dagster's init context
+    """Steps in the run's own process (a Ray job's driver under ``RayRunLauncher``)."""
+    base = _core_in_process_executor_creation(init_context.executor_config)
+    return RayRunExecutor(
+        retries=base.retries,
+        step_dependency_config=base.step_dependency_config,
+        marker_to_close=base.marker_to_close,
+    )
+
+
 def configured_executor() -> ExecutorDefinition:
     kind = os.environ.get("PRX_EXECUTOR", "multiprocess")
     if kind == "k8s":
@@ -73,4 +141,8 @@ def configured_executor() -> ExecutorDefinition:
         if not os.environ.get("RAY_ADDRESS"):
             raise ValueError("PRX_EXECUTOR=ray needs RAY_ADDRESS naming a running Ray cluster")
         return multiprocess_executor.configured({"max_concurrent": 2}, name="multiprocess_ray")
-    raise ValueError(f"PRX_EXECUTOR must be 'multiprocess', 'k8s' or 'ray', not {kind!r}")
+    if kind == "ray_runs":
+        return ray_run_executor
+    raise ValueError(
+        f"PRX_EXECUTOR must be 'multiprocess', 'k8s', 'ray' or 'ray_runs', not {kind!r}"
+    )

@@ -66,15 +66,31 @@ class LabResource(ConfigurableResource):
 LANDING_URI_VAR = "PRX_LANDING_URI"
 LAB_URI_VAR = "PRX_LAB_URI"
 SHARDS_URI_VAR = "PRX_SHARDS_URI"
+WORKERS_VAR = "PRX_WORKERS"
+
+
+def workers_from_env() -> int | None:
+    """``PRX_WORKERS``: processes for a run's per-image work (unset: every CPU the run may
+    use). Where several runs share a node (``PRX_EXECUTOR=ray_runs``, the launcher's
+    ``num_cpus`` below the node's cores) it is that ``num_cpus``, so the runs placed on a
+    node do not oversubscribe it. Anything but a positive integer is refused."""
+    raw = os.environ.get(WORKERS_VAR, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{WORKERS_VAR} must be a positive integer, not {raw!r}")
+    return int(raw)
 
 
 def lab_resource(data_root: str) -> LabResource:
     """The lab resource of a deployment: ``data_root``, with the landing zone, the lab and
     the shard tree moved wherever ``PRX_LANDING_URI`` / ``PRX_LAB_URI`` / ``PRX_SHARDS_URI``
-    say (local paths or ``s3://`` URIs; credentials stay in the environment)."""
+    say (local paths or ``s3://`` URIs; credentials stay in the environment), and the
+    per-image pool sized by ``PRX_WORKERS``."""
     return LabResource(
         data_root=data_root,
         landing_dir=os.environ.get(LANDING_URI_VAR) or None,
         lab_uri=os.environ.get(LAB_URI_VAR) or None,
         shards_uri=os.environ.get(SHARDS_URI_VAR) or None,
+        workers=workers_from_env(),
     )

@@ -144,3 +144,76 @@ def test_gpu_bound_assets_are_in_the_gpu_pool():
     pools = {k.to_user_string(): graph.get(k).pools for k in graph.get_all_asset_keys()}
     assert not pools["captions"] and pools["caption_classes"] == {"gpu"}
     assert not pools["raw_images"] and not pools["mds_shards"]
+
+
+def _ray_run_chain():
+    """Two ops on the ray_runs executor, at module level: execute_job reconstructs it."""
+    import os
+
+    from dagster import job, op
+
+    from prx_assets.defs.executors import ray_run_executor
+
+    @op
+    def one():
+        return os.getpid()
+
+    @op
+    def two(pid):
+        return pid
+
+    @job(executor_def=ray_run_executor)
+    def chain():
+        two(one())
+
+    return chain
+
+
+def test_definitions_load_with_the_ray_runs_executor_and_run_steps_in_process(
+    tmp_path, monkeypatch
+):
+    """``PRX_EXECUTOR=ray_runs``: the steps of a run execute in the run's own process (on a
+    cluster, a Ray job's driver); outside a Ray job the run says so and gets no Ray tags."""
+    import os
+
+    from dagster import DagsterEventType, execute_job, instance_for_test, reconstructable
+
+    from prx_assets.definitions import build_defs
+    from prx_assets.defs.executors import RAY_NODE_TAG
+
+    monkeypatch.setenv("PRX_EXECUTOR", "ray_runs")
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    ray_defs = build_defs(str(tmp_path))
+    Definitions.validate_loadable(ray_defs)
+    assert ray_defs.resolve_job_def("batch_pipeline").executor_def.name == "ray_run"
+
+    with instance_for_test() as instance:
+        with execute_job(reconstructable(_ray_run_chain), instance=instance) as result:
+            assert result.success
+            run_id = result.run_id
+        assert RAY_NODE_TAG not in instance.get_run_by_id(run_id).tags
+        messages = [
+            r.dagster_event.message or ""
+            for r in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT)
+        ]
+        assert any(m.endswith(": not in a Ray job") for m in messages), messages
+        pids = {
+            r.dagster_event.pid
+            for r in instance.all_logs(run_id, of_type=DagsterEventType.STEP_START)
+        }
+        assert pids == {os.getpid()}  # both steps in the run's own process
+
+
+def test_prx_workers_sizes_the_per_image_pool_and_refuses_nonsense(monkeypatch):
+    import pytest
+
+    from prx_assets.defs.resources import lab_resource
+
+    monkeypatch.delenv("PRX_WORKERS", raising=False)
+    assert lab_resource("data").workers is None
+    monkeypatch.setenv("PRX_WORKERS", "3")
+    assert lab_resource("data").workers == 3
+    for bad in ("0", "-1", "two", "1.5"):
+        monkeypatch.setenv("PRX_WORKERS", bad)
+        with pytest.raises(ValueError, match="PRX_WORKERS"):
+            lab_resource("data")
