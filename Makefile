@@ -15,7 +15,7 @@ STAMP := $(VENV)/.prx-installed-$(LOCK_HASH)
 UI_PORT ?= 3000
 BROWSER_PORT ?= 8765
 
-.PHONY: venv instance sysdeps demo test ui browser lint format bench fuzz lock clean-data
+.PHONY: venv instance sysdeps demo test test-cluster ui browser lint format bench fuzz lock clean-data
 
 # The editable install points at one checkout; a venv shared by several clones (CI keeps
 # one per lock outside the clone) is re-pointed at this one when it differs. It also builds
@@ -56,6 +56,11 @@ test: venv sysdeps instance
 	$(VENV)/bin/ruff check prx_assets prx_assets_tests benchmarks
 	$(VENV)/bin/ruff format --check prx_assets prx_assets_tests benchmarks
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+## The multi-node cluster test (head + worker Ray nodes, PostgreSQL, S3; ~4 min): kept out of
+## the 15-minute suite, run by CI after it.
+test-cluster: venv sysdeps instance
+	$(PY) -m pytest -m cluster $(PYTEST_ARGS)
 
 ## The Dagster UI on 127.0.0.1 (never on a public interface by default).
 ui: venv instance

@@ -181,7 +181,7 @@ def _batch_runs(instance: DagsterInstance) -> list:
     return [r for r in instance.get_runs() if r.job_name == "batch_pipeline"]
 
 
-@pytest.mark.slow
+@pytest.mark.cluster
 def test_partitions_spread_over_ray_nodes_and_a_lost_node_costs_a_retry(
     tmp_path,
     s3_server,
