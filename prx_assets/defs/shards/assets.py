@@ -124,7 +124,9 @@ class MDSShardsConfig(Config):
     # v4: JPEG sources resampled and encoded on their own YCbCr planes (other bytes).
     # v5: index.json published for prx_assets.loader only (plain streaming refuses it), so
     # directories written before are rewritten; the loader refuses them until then.
-    code_version="mds_shards-v5",
+    # v6: shards written per worker piece (core/shards/pieces.py: at most `piece_samples`
+    # = 64 samples per shard, the index merged by the step), so shard boundaries differ.
+    code_version="mds_shards-v6",
     description=(
         "Every assigned image resized to its bucket, JPEG q92, written as MDS under "
         "<shards_root>/mds/<tier>/<H>x<W>/<batch>/ together with its first skip-list "
