@@ -20,9 +20,10 @@ for inline, process and Ray pools, on local disk and on object storage; a render
 only leaves its sample out of its own piece.
 
 Fallback: a pool whose workers cannot reach the step's disk (Ray with a local lab or a
-local shard tree) gets the source bytes in the task and/or the shard bytes back
-(``PieceSink`` with neither location): correct everywhere, and counted by
-``bench_scaleout`` as bytes through the step process.
+local shard tree, unless ``PRX_SHARED_FILESYSTEM=1`` says every node mounts them at the
+same paths) gets the source bytes in the task and/or the shard bytes back (``PieceSink``
+with neither location): correct everywhere, and counted by ``bench_scaleout`` as bytes
+through the step process.
 """
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ from prx_assets.core.workers import ItemFailed, ProcessPool, WorkerPool
 #: shard boundaries (and so the bytes), never what a sample holds.
 PIECE_SAMPLES = 64
 SHARD_HASHES = ("sha256",)  # recorded per shard in index.json: the dir_digest commits to bytes
+
+
+SHARED_FS_ENV = "PRX_SHARED_FILESYSTEM"
+
+
+def shared_filesystem() -> bool:
+    """Whether every worker node sees this machine's lab and shard tree at the same paths
+    (``PRX_SHARED_FILESYSTEM=1``: an NFS/Lustre mount on every Ray node, or a one-machine
+    cluster). Then Ray workers read local blobs and write staged shards like local ones. A
+    wrong setting fails the step (the staging directory is checked before any render),
+    never a silent loss."""
+    return os.environ.get(SHARED_FS_ENV, "") == "1"
 
 
 class SourceBlobs(Protocol):
@@ -319,9 +332,10 @@ class PiecePlanner:
         self.jpeg: dict[str, tuple[str, int]] = {}
         self.failures: dict[str, str] = {}
         self.blobs: SourceBlobs | None = None
+        self.reaches_here = pool.same_machine or shared_filesystem()
         if images is not None:
             local = images.local_blobs(IMAGES.name, "image")
-            if local is not None and pool.same_machine:
+            if local is not None and self.reaches_here:
                 self.blobs = local
             else:
                 self.blobs = images.lab.remote_blobs(IMAGES, "image")
@@ -332,7 +346,7 @@ class PiecePlanner:
         if self.tree.remote:
             rel = relative_partition_dir(tier, shape, self.batch)
             return PieceSink(store_uri=self.tree.staging_uri(rel, staged.token))
-        if self.pool.same_machine:
+        if self.reaches_here:
             return PieceSink(directory=str(staged.staging(tier, shape)))
         return PieceSink()  # workers elsewhere, tree here: the bytes come back
 
