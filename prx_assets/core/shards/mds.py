@@ -41,6 +41,13 @@ Determinism: samples are written sorted by key, with no compression, and MDSWrit
 timestamps or paths into shards or ``index.json`` (its JSON is key-sorted), so rewriting the
 same samples gives byte-identical files.
 
+Written by workers (``StagedPartition``, ``write_piece_shards``; what ``mds_shards`` uses,
+``core/shards/pieces.py``): each worker encodes a piece of a bucket's samples into its own
+shard file(s) inside the directory's staging location (``.<batch>.tmp/<token>/``); the step
+renames them to ``shard.NNNNN.mds`` in piece order, writes the merged ``index.json`` (the
+entries MDSWriter made, the same bytes as one MDSWriter would write for those shards) and
+then follows the same rules as above: screened, fsynced, renamed into place.
+
 Not for concurrent writers of the same partition (one run per partition at a time).
 """
 

@@ -22,10 +22,15 @@ atomic PUT.
 
 Writes (``RemoteShardTree``):
 
-- ``mds_shards``: every directory is written locally first (``core/shards/mds.py``, with
-  its first skip-list generation), then per directory: shards, sidecars, ``index.json``
-  and ``skiplists.json`` are uploaded into the version prefix, then the pointer is put,
-  then superseded versions are deleted. A directory the partition no longer has loses its
+- ``mds_shards``: the workers upload their pieces' shard files into a staging prefix of
+  the run, ``<rel>/_staging/<token>/`` (``core/shards/pieces.py``: no shard byte passes
+  through the step); each directory's ``index.json`` and first skip-list generation are
+  written locally (``core/shards/mds.py``, ``StagedPartition``), then per directory: the
+  staged shards are copied server side into the version prefix (``CopyObject``; shards
+  of a directory written locally are uploaded), then sidecars, ``index.json`` and
+  ``skiplists.json`` are uploaded, then the pointer is put, then superseded versions and
+  the staging prefix are deleted (a killed run's staging is swept the same way by the next
+  publish: no pointer ever names it). A directory the partition no longer has loses its
   pointer first (invisible at once), then its objects. A kill anywhere leaves each
   directory's pointer on its old or its new complete version (or, for a directory being
   removed, none): never a partial one; the rerun sweeps what the killed writer left.
