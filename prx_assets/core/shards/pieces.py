@@ -416,9 +416,11 @@ class PiecePlanner:
         if not order:
             return {}
         sent: deque[PieceTask] = deque()
-        results = self.pool.map_ordered(
-            render_piece, self._tasks(staged, sent), window=2 * self.pool.workers
-        )
+        # Pieces in flight: two per worker when tasks are references; one per worker (and
+        # one more) when they carry their sources (up to piece_samples images each).
+        workers = self.pool.workers
+        window = 2 * workers if self.blobs is not None else workers + 1
+        results = self.pool.map_ordered(render_piece, self._tasks(staged, sent), window=window)
         committed: dict[str, CommittedDir] = {}
         for tier, shape in order:
             shards: list[StagedShardRef] = []
