@@ -143,8 +143,11 @@ class Boundary:
         def map_ordered(pool, fn, items, *, window=None):  # noqa: ANN001, ANN202
             crosses = kind != "inline"
 
+            images: list[int] = []  # images per item, in order (a piece holds several)
+
             def counted() -> Iterator[Any]:
                 for item in items:
+                    images.append(len(getattr(item, "samples", None) or (None,)))
                     boundary.tasks[kind] = boundary.tasks.get(kind, 0) + 1
                     if crosses:
                         n = boundary._size(item)
@@ -169,7 +172,7 @@ class Boundary:
                 if crosses and n_out:
                     spent = cpu_self() - cpu0 - (boundary.instrument_cpu - instrumented0)
                     boundary.map_cpu_s += spent
-                    boundary.map_items += n_out
+                    boundary.map_items += sum(images[:n_out])  # images, not tasks
 
         cls.map_ordered = map_ordered
 

@@ -83,6 +83,27 @@ def shared_filesystem() -> bool:
     return os.environ.get(SHARED_FS_ENV, "") == "1"
 
 
+#: What a worker needs of a ``bucket_assignments`` row (``tables.assignment_from_row``):
+#: the task carries these, not the whole row (its key, batch and table digest).
+ASSIGNMENT_FIELDS = (
+    "tier",
+    "shape",
+    "height",
+    "width",
+    "source_width",
+    "source_height",
+    "scale",
+    "resize_width",
+    "resize_height",
+    "crop_left",
+    "crop_top",
+    "crop_right",
+    "crop_bottom",
+    "outside_aspect_range",
+    "upscaled",
+)
+
+
 class SourceBlobs(Protocol):
     """Where a worker reads a source image by its blob reference (checked on read)."""
 
@@ -99,7 +120,7 @@ class PieceSample:
     """
 
     key: str
-    row: dict[str, Any]  # the bucket_assignments row
+    row: dict[str, Any]  # the bucket_assignments row's ASSIGNMENT_FIELDS
     facts: SourceFacts | None
     fields: dict[str, Any]
     ref: str | None = None
@@ -188,7 +209,11 @@ def _render(task: PieceTask, s: PieceSample) -> tuple[bytes | None, str | None]:
         if s.missing or not data:
             return None, "image_missing: no bytes for this key in the images table"
         jpeg = render_jpeg(
-            data, assignment_from_row(s.row), task.max_pixels, task.resample, s.facts
+            data,
+            assignment_from_row({**s.row, "key": s.key}),
+            task.max_pixels,
+            task.resample,
+            s.facts,
         )
         return jpeg, None
     except Exception as exc:  # noqa: BLE001 - recorded as this image's failure
@@ -380,7 +405,7 @@ class PiecePlanner:
                     samples.append(
                         PieceSample(
                             key=r["key"],
-                            row=dict(r),
+                            row={c: r[c] for c in ASSIGNMENT_FIELDS},
                             facts=_facts(image) if image is not None else None,
                             fields=sample_fields(r, image, self.plan.captions[r["key"]]),
                             ref=value if self.blobs is not None else None,
