@@ -12,6 +12,7 @@ that is trained on without a decision.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 
@@ -190,8 +191,11 @@ class BatchShards:
     """Render every assigned image of a batch into its bucket's MDS directory, screened.
 
     Reads the batch's assignments and captions, decides the whole partition's first
-    skip-lists once (``ShardScreener``), streams each bucket's samples through the atomic
-    MDS writer, then records every sample's place in ``shard_samples``.
+    skip-lists once (``ShardScreener``), has the pool's workers render and write each
+    bucket's shards piece by piece (``core/shards/pieces.py``: tasks carry references,
+    results carry index entries and digests), commits each bucket directory atomically
+    (``mds.StagedPartition``; on object storage, ``RemoteShardTree.publish_shards``), then
+    records every sample's place in ``shard_samples``.
     """
 
     def __init__(
@@ -259,8 +263,11 @@ class BatchShards:
             committed = pieces.write(staged, screener)
             staged.finish()
         except BaseException:
-            staged.discard()
-            tree.discard_staging(staged.token)
+            # Best effort (the next run sweeps what is left): the original error is the one
+            # to report, not a second one from an unreachable store.
+            with contextlib.suppress(Exception):
+                staged.discard()
+                tree.discard_staging(staged.token)
             raise
         tree.publish_shards(
             {
