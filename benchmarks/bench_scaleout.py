@@ -1,13 +1,18 @@
 """What caps a cluster on the current code path: the step process (the "driver") per image.
 
 For each per-image stage (``raw_images`` ingest validation, ``image_hashes``, ``mds_shards``
-rendering) and three configurations, each stage is materialised through Dagster as a user
+rendering: since mds_shards-v6 a worker task renders and writes a whole piece of a bucket's
+shards, ``core/shards/pieces.py``, so the step gets back shard entries, not JPEGs) and three
+configurations, each stage is materialised through Dagster as a user
 runs it (``batch_pipeline``'s assets, ``execute_in_process`` for one partition of real
 photographs from ``prx_assets.demo.photo_batch``), one step at a time:
 
 - ``local``: ``PRX_EXECUTOR`` unset (the process pool on this machine's cores), local files;
 - ``ray``: ``PRX_EXECUTOR=ray`` on a real local Ray cluster (``LocalRayCluster``: ``ray
-  start --head`` + one worker node on 127.0.0.1, one CPU each), local files;
+  start --head`` + one worker node on 127.0.0.1, one CPU each), local files, with
+  ``PRX_SHARED_FILESYSTEM=1`` (the nodes share this disk, as on a shared mount: the
+  ``mds_shards`` workers read the lab's blobs and write their shard pieces there; without
+  it a Ray worker gets the source bytes and returns the shard bytes);
 - ``ray_s3``: the same cluster, with the landing zone, the lab and the shard tree on a real
   S3 server (``moto_server``, a process of its own on 127.0.0.1; ``PRX_LANDING_URI`` /
   ``PRX_LAB_URI`` / ``PRX_SHARDS_URI`` / ``AWS_ENDPOINT_URL`` as in docs/deploy.md).
@@ -138,8 +143,11 @@ class Boundary:
         def map_ordered(pool, fn, items, *, window=None):  # noqa: ANN001, ANN202
             crosses = kind != "inline"
 
+            images: list[int] = []  # images per item, in order (a piece holds several)
+
             def counted() -> Iterator[Any]:
                 for item in items:
+                    images.append(len(getattr(item, "samples", None) or (None,)))
                     boundary.tasks[kind] = boundary.tasks.get(kind, 0) + 1
                     if crosses:
                         n = boundary._size(item)
@@ -164,7 +172,7 @@ class Boundary:
                 if crosses and n_out:
                     spent = cpu_self() - cpu0 - (boundary.instrument_cpu - instrumented0)
                     boundary.map_cpu_s += spent
-                    boundary.map_items += n_out
+                    boundary.map_items += sum(images[:n_out])  # images, not tasks
 
         cls.map_ordered = map_ordered
 
@@ -410,7 +418,18 @@ def work_cpu_per_image(folder: Path, repeat: int = 2) -> dict[str, float]:
     from prx_assets.core.dedup.phash import fast_thumbnail_task, hash_results
     from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS
     from prx_assets.core.ingest.runner import _check_or_skip
-    from prx_assets.core.shards.render import RenderTask, render_task
+    from prx_assets.core.shards.mds import _columns
+    from prx_assets.core.shards.pieces import (
+        PIECE_SAMPLES,
+        SHARD_HASHES,
+        PieceSample,
+        PieceSink,
+        PieceTask,
+        render_piece,
+        sample_fields,
+    )
+    from prx_assets.core.shards.plan import CaptionInfo
+    from prx_assets.core.shards.render import MDS_EXTRA_COLUMNS
     from prx_assets.core.shards.resize import RESAMPLE
     from prx_assets.core.shards.tables import assignment_rows
 
@@ -429,10 +448,26 @@ def work_cpu_per_image(folder: Path, repeat: int = 2) -> dict[str, float]:
         }
     )
     rows = {r["key"]: r for r in assignment_rows(resolution).to_pylist()}
-    renders = [
-        RenderTask(b, rows[k], None, DEFAULT_MAX_PIXELS, RESAMPLE)
-        for k, b in zip(keys, blobs, strict=True)
-    ]
+    caption = CaptionInfo("a caption of typical length " * 4, False, "b", "m", "v", "f")
+    by_bucket: dict[tuple[int, str], list[PieceSample]] = {}
+    for k, b in sorted(zip(keys, blobs, strict=True)):
+        r = rows[k]
+        sample = PieceSample(k, r, None, sample_fields(r, {}, caption), data=b)
+        by_bucket.setdefault((int(r["tier"]), r["shape"]), []).append(sample)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-scaleout-pieces-"))
+
+    def pieces() -> None:
+        # What a worker does for mds_shards (core/shards/pieces.py): render every sample of
+        # a piece and write its shard file (into a local staging directory).
+        for (tier, shape), samples in by_bucket.items():
+            for i in range(0, len(samples), PIECE_SAMPLES):
+                render_piece(
+                    PieceTask(
+                        tier, shape, i, tuple(samples[i : i + PIECE_SAMPLES]), None,
+                        PieceSink(directory=str(scratch)), _columns(MDS_EXTRA_COLUMNS),
+                        128 << 20, SHARD_HASHES, DEFAULT_MAX_PIXELS, RESAMPLE,
+                    )
+                )  # fmt: skip
 
     def hashes() -> None:
         hash_results([fast_thumbnail_task(b) for b in blobs])
@@ -440,7 +475,7 @@ def work_cpu_per_image(folder: Path, repeat: int = 2) -> dict[str, float]:
     work = {
         "raw_images": lambda: [_check_or_skip((b, DEFAULT_MAX_PIXELS, None)) for b in blobs],
         "image_hashes": hashes,
-        "mds_shards": lambda: [render_task(t) for t in renders],
+        "mds_shards": pieces,
     }
     out = {}
     for stage, fn in work.items():
@@ -450,6 +485,7 @@ def work_cpu_per_image(folder: Path, repeat: int = 2) -> dict[str, float]:
             fn()
             best = min(best, time.process_time() - t)
         out[stage] = best / len(blobs)
+    shutil.rmtree(scratch, ignore_errors=True)
     return out
 
 
@@ -833,7 +869,9 @@ def main() -> int:
 
         plan = {
             "local": ({}, None, None),
-            "ray": ({"PRX_EXECUTOR": "ray"}, None, ray_why),
+            # The one-machine cluster shares this disk, as a cluster with the lab and the
+            # shard tree on a shared mount does: mds_shards' workers read and write there.
+            "ray": ({"PRX_EXECUTOR": "ray", "PRX_SHARED_FILESYSTEM": "1"}, None, ray_why),
             "ray_s3": ({"PRX_EXECUTOR": "ray"}, s3, ray_why or s3_why),
         }
         for name in CONFIGS:

@@ -26,6 +26,7 @@ import pytest
 
 from prx_assets.core.lab import Lab
 from prx_assets.core.ray_local import LocalRayCluster
+from prx_assets.core.shards.pieces import PIECE_SAMPLES
 from prx_assets.core.shards.runner import BatchShards, ShardOutcome
 from prx_assets.core.tables import BY_NAME, SHARD_SAMPLES
 from prx_assets.core.workers import InlinePool, ItemFailed
@@ -130,11 +131,12 @@ def test_a_batch_on_ray_gives_the_local_paths_bytes_and_rows(local_run, ray_run)
     (local, _), (on_ray, tasks) = local_run, ray_run
     samples = Lab(on_ray / "lab").count(SHARD_SAMPLES.name)
     assert samples == PHOTOS
-    # Ingest validation and the shard renders ran as tasks on the cluster's workers (each
-    # stage joins the cluster with its own pool, so each brings its own worker processes;
-    # image_hashes reuses ingest's stored thumbnails and has no per-image task here).
-    assert sum(tasks.values()) >= 2 * samples and len(tasks) >= 2, tasks
+    # Ingest validation (a task per image) and the shard pieces (a task per piece of a
+    # bucket: core/shards/pieces.py) ran on the cluster's workers (each stage joins the
+    # cluster with its own pool, so each brings its own worker processes; image_hashes
+    # reuses ingest's stored thumbnails and has no per-image task here).
     shards = _tree(local / "shards")
+    assert sum(tasks.values()) >= samples + _pieces(shards) and len(tasks) >= 2, tasks
     assert shards and any(p.endswith(".mds") for p in shards)
     assert _tree(on_ray / "shards") == shards
     local_lab, ray_lab = Lab(local / "lab"), Lab(on_ray / "lab")
@@ -143,6 +145,13 @@ def test_a_batch_on_ray_gives_the_local_paths_bytes_and_rows(local_run, ray_run)
     assert names == sorted(p.name.removesuffix(".lance") for p in (on_ray / "lab").glob("*.lance"))
     for name in names:
         assert _rows(ray_lab, name) == _rows(local_lab, name), name
+
+
+def _pieces(shards: dict[str, str]) -> int:
+    """Worker tasks mds_shards ran for a tree: one per bucket directory here (none holds
+    more than the 24 photos, fewer than a piece's 64 samples)."""
+    assert PHOTOS <= PIECE_SAMPLES
+    return sum(p.endswith("/index.json") for p in shards)
 
 
 def _rerun_shards(root: Path) -> BatchShards:
@@ -198,7 +207,7 @@ def test_a_worker_killed_mid_step_is_retried_and_the_partition_completes(
     # The killed worker had started a task; the retry ran it again elsewhere.
     tasks = _delta(before, cluster.tasks_run(TASK))
     assert tasks.get(killed, 0) >= 1, tasks
-    assert sum(tasks.values()) >= PHOTOS + 1, tasks
+    assert sum(tasks.values()) >= _pieces(reference_shards) + 1, tasks
     assert killed not in cluster.pids()
     assert _tree(root / "shards") == reference_shards
     assert _rows(Lab(root / "lab"), SHARD_SAMPLES.name) == reference_rows

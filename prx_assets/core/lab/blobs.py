@@ -205,6 +205,12 @@ class RemoteBlobs:
             raise OSError(f"{self.table}: bytes hash to {ref}, not the expected {sha256}")
         return ref, written
 
+    def get(self, ref: str) -> bytes:
+        """The bytes of ``ref``, read from the object store and checked against it (a
+        missing or altered blob raises ``BlobError``): what a shard worker on any node
+        reads its sources with (``core/shards/pieces.py``), so the step never holds them."""
+        return _store_for(self.lab_root).get(self.table, ref)
+
 
 class BlobStore:
     """``<lab root>/_blobs/<table>/``: one immutable file per distinct value, named by its

@@ -41,6 +41,13 @@ Determinism: samples are written sorted by key, with no compression, and MDSWrit
 timestamps or paths into shards or ``index.json`` (its JSON is key-sorted), so rewriting the
 same samples gives byte-identical files.
 
+Written by workers (``StagedPartition``, ``write_piece_shards``; what ``mds_shards`` uses,
+``core/shards/pieces.py``): each worker encodes a piece of a bucket's samples into its own
+shard file(s) inside the directory's staging location (``.<batch>.tmp/<token>/``); the step
+renames them to ``shard.NNNNN.mds`` in piece order, writes the merged ``index.json`` (the
+entries MDSWriter made, the same bytes as one MDSWriter would write for those shards) and
+then follows the same rules as above: screened, fsynced, renamed into place.
+
 Not for concurrent writers of the same partition (one run per partition at a time).
 """
 
@@ -52,6 +59,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -513,26 +521,33 @@ def _stream_bucket(
         # never becomes visible unscreened.
         write_partition_skiplists(tmp, skips_for(placements))
         crashpoint("mds.tmp_screened")
-        if final.exists():
-            old = _superseded_dir(bucket, batch)
-            os.rename(final, old)
-            crashpoint("mds.old_moved_away")
-            try:
-                os.rename(tmp, final)
-            except BaseException:
-                os.rename(old, final)  # put the complete previous version back
-                raise
-            fsync_path(bucket)
-            crashpoint("mds.dir_in_place")
-            _discard(old, final)
-        else:
-            os.rename(tmp, final)
-            fsync_path(bucket)
-            crashpoint("mds.dir_in_place")
+        _swap_in(tmp, final)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
     return placements
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Rename a complete, screened, fsynced directory into place (the previous version
+    renamed away first, deleted after the new one is in; module docstring)."""
+    bucket, batch = final.parent, final.name
+    if final.exists():
+        old = _superseded_dir(bucket, batch)
+        os.rename(final, old)
+        crashpoint("mds.old_moved_away")
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            os.rename(old, final)  # put the complete previous version back
+            raise
+        fsync_path(bucket)
+        crashpoint("mds.dir_in_place")
+        _discard(old, final)
+    else:
+        os.rename(tmp, final)
+        fsync_path(bucket)
+        crashpoint("mds.dir_in_place")
 
 
 def write_bucket_partition(
@@ -711,3 +726,227 @@ def partition_digest(directory: str | os.PathLike[str]) -> str:
 def directory_bytes(directory: str | os.PathLike[str]) -> int:
     """Bytes of the regular files directly inside ``directory`` (shards, index, skip-lists)."""
     return sum(p.stat().st_size for p in Path(directory).iterdir() if p.is_file())
+
+
+# --------------------------------------------------------------------------- worker pieces
+
+
+def write_piece_shards(
+    out: Path,
+    samples: Iterable[MDSSample],
+    columns: dict[str, str],
+    size_limit: int,
+    hashes: Sequence[str],
+) -> list[tuple[dict[str, Any], int]]:
+    """Encode one piece's samples (strictly increasing keys) as MDS shard files in the new
+    directory ``out``, exactly as MDSWriter encodes a directory; each shard's index entry
+    and sample count, in order (no ``index.json`` is kept: the step merges the entries).
+
+    Run by a worker (``core/shards/pieces.py``); a sample too large for a whole shard is
+    refused (``ValueError``), as by the step's writer.
+    """
+    if size_limit <= 0:
+        raise ValueError(f"size_limit must be positive, got {size_limit}")
+    extra_names = set(columns) - set(BASE_COLUMNS)
+    writer = _bounded_writer_class()(
+        out=str(out), columns=columns, compression=None, hashes=list(hashes), size_limit=size_limit
+    )
+    writer.executor.shutdown(wait=False)
+    writer.executor = _InlineUploads()
+    last: str | None = None
+    n = 0
+    try:
+        for s in samples:
+            if last is not None and s.key <= last:
+                raise ValueError(
+                    f"sample keys must be strictly increasing: {s.key!r} after {last!r} "
+                    "(duplicate sample key or unsorted stream)"
+                )
+            writer.write(_row(s, extra_names))
+            last = s.key
+            n += 1
+    except BaseException:
+        writer.cancel_future_jobs()
+        raise
+    if n == 0:
+        writer.cancel_future_jobs()
+        return []
+    writer.finish()
+    return [(dict(entry), int(entry["samples"])) for entry in writer.shards]
+
+
+def published_index_bytes(entries: Sequence[Mapping[str, Any]]) -> bytes:
+    """The ``index.json`` of a directory with these shard entries, as ``mark_published``
+    leaves MDSWriter's (key-sorted JSON, the published version): the same bytes."""
+    from prx_assets.core.shards.published import PUBLISHED_INDEX_VERSION
+
+    return json.dumps(
+        {"shards": list(entries), "version": PUBLISHED_INDEX_VERSION}, sort_keys=True
+    ).encode()
+
+
+def shard_name(number: int) -> str:
+    """A committed shard's file name: numbered through the directory, as MDSWriter names."""
+    return f"shard.{number:05}.mds"
+
+
+@dataclass(frozen=True)
+class StagedShardRef:
+    """A shard a worker staged (name in the staging location) and what the index says."""
+
+    staged: str
+    samples: int
+    entry: Mapping[str, Any]
+    data: bytes | None = None  # the bytes, when the worker could not reach the staging
+
+
+@dataclass
+class CommittedDir:
+    """One directory ``StagedPartition.commit`` put in place."""
+
+    placements: list[Placement]
+    shards: dict[str, str]  # committed name -> staged name (what object storage copies)
+    shard_bytes: int
+
+
+class StagedPartition:
+    """One partition's bucket directories, written by workers and committed here, one by one.
+
+    Staging: for every planned bucket, ``<bucket>/.<batch>.tmp/<token>/`` (``token`` new per
+    run), the directory that is renamed into place. Workers put their piece shards there
+    (``staging(tier, shape)``), or, for a tree on object storage, in a staging prefix of
+    the remote while this local directory gets only the index and skip-lists. ``commit``
+    renames the staged files to ``shard.NNNNN.mds`` in piece order, writes the merged
+    ``index.json`` and the first skip-list generation, fsyncs and renames the directory
+    into place (``_swap_in``: the crash contract of the module docstring). ``finish``
+    removes the directories of the batch no bucket wrote.
+
+    A killed run leaves ``.<batch>.tmp``: the next run's ``recover_partition`` deletes it,
+    and a worker of the killed run still writing finds its staging directory gone (workers
+    never create it) instead of writing into the rerun's.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        batch: str,
+        buckets: Iterable[tuple[int, str]],
+        *,
+        extra_columns: Mapping[str, str] | None = None,
+        size_limit: int = DEFAULT_SIZE_LIMIT,
+    ) -> None:
+        _check_batch(batch)
+        if size_limit <= 0:
+            raise ValueError(f"size_limit must be positive, got {size_limit}")
+        self.root = root
+        self.batch = batch
+        self.columns = _columns(extra_columns)
+        self.size_limit = size_limit
+        self.token = uuid.uuid4().hex[:16]
+        self.taken: set[str] = set()
+        self.written: set[tuple[int, str]] = set()
+        recover_partition(root, batch)
+        self._staging: dict[tuple[int, str], Path] = {}
+        for tier, shape in bucket_order(buckets):
+            bucket = bucket_dir(root, tier, shape)
+            _makedirs_durable(bucket)
+            tmp = _temporary_dir(bucket, batch)
+            tmp.mkdir()
+            (tmp / self.token).mkdir()
+            self._staging[(int(tier), shape)] = tmp / self.token
+
+    def staging(self, tier: int, shape: str) -> Path:
+        return self._staging[(int(tier), shape)]
+
+    def commit(
+        self,
+        tier: int,
+        shape: str,
+        shards: Sequence[StagedShardRef],
+        keys: Sequence[str],
+        *,
+        skips_for: SkipsFor,
+        local_shards: bool = True,
+    ) -> CommittedDir:
+        """Put one bucket directory in place from its staged shards (piece order) and the
+        keys they hold (in order); an empty one removes the directory.
+
+        ``local_shards`` False: the shard files are on object storage (this directory gets
+        the index and skip-lists only; ``RemoteShardTree.publish_shards`` copies them).
+        """
+        tier = int(tier)
+        tmp = self.staging(tier, shape)
+        final = partition_dir(self.root, tier, shape, self.batch)
+        try:
+            self._check_keys(tier, shape, keys)
+            if sum(s.samples for s in shards) != len(keys):
+                raise RuntimeError(
+                    f"bucket {tier}/{shape}: the staged shards hold "
+                    f"{sum(s.samples for s in shards)} samples, the pieces reported {len(keys)}"
+                )
+            if not keys:
+                if final.exists():
+                    _remove_atomically(final)
+                return CommittedDir([], {}, 0)
+            names: dict[str, str] = {}
+            entries = []
+            for number, s in enumerate(shards):
+                name = shard_name(number)
+                names[name] = s.staged
+                entry = json.loads(json.dumps(s.entry))
+                entry["raw_data"]["basename"] = name
+                entries.append(entry)
+                if s.data is not None:
+                    with open(tmp / name, "wb") as fh:  # the fallback: bytes came back
+                        fh.write(s.data)
+                elif local_shards:
+                    os.rename(tmp / s.staged, tmp / name)
+            self._drop_leftovers(tmp, set(names) if local_shards else set())
+            (tmp / "index.json").write_bytes(published_index_bytes(entries))
+            fsync_tree(tmp)
+            crashpoint("mds.tmp_written")
+            placements = _placements(tmp, list(keys), tier, shape, self.batch)
+            write_partition_skiplists(tmp, skips_for(placements))
+            crashpoint("mds.tmp_screened")
+            _swap_in(tmp, final)
+            self.taken.update(keys)
+            self.written.add((tier, shape))
+            size = sum(int(e["raw_data"]["bytes"]) for e in entries)
+            return CommittedDir(placements, names, size)
+        finally:
+            shutil.rmtree(tmp.parent, ignore_errors=True)
+
+    def _check_keys(self, tier: int, shape: str, keys: Sequence[str]) -> None:
+        for prev, key in zip(keys, keys[1:], strict=False):
+            if key <= prev:
+                raise ValueError(
+                    f"sample keys must be strictly increasing: {key!r} after {prev!r} "
+                    "(duplicate sample key or unsorted stream)"
+                )
+        for key in keys:
+            if key in self.taken:
+                raise ValueError(
+                    f"sample key {key!r} appears in more than one bucket (again in {tier}/{shape})"
+                )
+
+    @staticmethod
+    def _drop_leftovers(tmp: Path, keep: Set[str]) -> None:
+        """What a retried or abandoned piece attempt left in the staging directory."""
+        for p in tmp.iterdir():
+            if p.name in keep:
+                continue
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+
+    def finish(self) -> None:
+        """Remove the batch's directories that this run did not write (stale buckets)."""
+        for d in list_partition_dirs(self.root, self.batch):
+            if (d.tier, d.shape) not in self.written:
+                _remove_atomically(d.path)
+
+    def discard(self) -> None:
+        """Delete every staging directory left (a failed run); the rerun would too."""
+        for tmp in self._staging.values():
+            shutil.rmtree(tmp.parent, ignore_errors=True)

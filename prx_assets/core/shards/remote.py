@@ -22,10 +22,15 @@ atomic PUT.
 
 Writes (``RemoteShardTree``):
 
-- ``mds_shards``: every directory is written locally first (``core/shards/mds.py``, with
-  its first skip-list generation), then per directory: shards, sidecars, ``index.json``
-  and ``skiplists.json`` are uploaded into the version prefix, then the pointer is put,
-  then superseded versions are deleted. A directory the partition no longer has loses its
+- ``mds_shards``: the workers upload their pieces' shard files into a staging prefix of
+  the run, ``<rel>/_staging/<token>/`` (``core/shards/pieces.py``: no shard byte passes
+  through the step); each directory's ``index.json`` and first skip-list generation are
+  written locally (``core/shards/mds.py``, ``StagedPartition``), then per directory: the
+  staged shards are copied server side into the version prefix (``CopyObject``; shards
+  of a directory written locally are uploaded), then sidecars, ``index.json`` and
+  ``skiplists.json`` are uploaded, then the pointer is put, then superseded versions and
+  the staging prefix are deleted (a killed run's staging is swept the same way by the next
+  publish: no pointer ever names it). A directory the partition no longer has loses its
   pointer first (invisible at once), then its objects. A kill anywhere leaves each
   directory's pointer on its old or its new complete version (or, for a directory being
   removed, none): never a partial one; the rerun sweeps what the killed writer left.
@@ -47,7 +52,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +76,7 @@ POINTER_BASENAME = "_live.json"
 POINTER_FORMAT = "prx-mds-pointer"
 POINTER_VERSION = 1
 VERSION_PREFIX = "v-"
+STAGING_DIR = "_staging"  # <rel>/_staging/<token>/: shards a run's workers staged
 _VERSION_CHARS = 16
 
 
@@ -173,6 +179,21 @@ def resolve_live(mds_uri: str, relpath: str) -> str:
     return join(mds_uri, relpath, version)
 
 
+@dataclass(frozen=True)
+class StagedShards:
+    """One directory's shards as its workers staged them on the remote: the staging key
+    prefix and committed name -> staged name (``mds.CommittedDir.shards``)."""
+
+    key: str
+    shards: Mapping[str, str]
+
+
+def _indexed_sizes(directory: Path) -> dict[str, int]:
+    """Shard name -> bytes, as ``index.json`` records them."""
+    shards = json.loads((directory / INDEX_BASENAME).read_bytes())["shards"]
+    return {s["raw_data"]["basename"]: int(s["raw_data"]["bytes"]) for s in shards}
+
+
 def _upload_order(names: Sequence[str]) -> list[str]:
     """Shards, then sidecars, then ``index.json``, then the manifest (last inside a version)."""
     shards = sorted(n for n in names if not n.endswith(SIDECAR_SUFFIX) and n.startswith("shard."))
@@ -224,13 +245,39 @@ class RemoteShardTree:
 
     # -- mds_shards -------------------------------------------------------------------------
 
-    def publish_shards(self) -> list[LiveDir]:
-        """Push every local directory of the batch, then remove the remote ones it lacks."""
+    def staging_key(self, relative_dir: str, token: str) -> str:
+        """Where a run's workers put one directory's shards on the remote (``pieces.py``):
+        ``<rel>/_staging/<token>``, which no pointer names; ``publish_shards`` copies them
+        into the version prefix and deletes it with the directory's other stale objects (a
+        killed run's is swept by the next publish of the batch)."""
+        return f"{relative_dir}/{STAGING_DIR}/{token}"
+
+    def staging_uri(self, relative_dir: str, token: str) -> str:
+        return join(self.shards_root, self.staging_key(relative_dir, token))
+
+    def discard_staging(self, token: str) -> None:
+        """Delete a failed run's staged shards (best effort: the next publish sweeps them)."""
+        if not self.remote:
+            return
+        store = self._store()
+        for bucket in _bucket_prefixes(store):
+            self._delete(store, store.list(self.staging_key(f"{bucket}/{self.batch}", token)))
+
+    def publish_shards(self, staged: Mapping[str, StagedShards] | None = None) -> list[LiveDir]:
+        """Push every local directory of the batch, then remove the remote ones it lacks.
+
+        ``staged``: per relative directory, the shards its workers put on the remote (the
+        local directory then holds only the index and skip-lists): they are copied server
+        side into the version prefix, never through this process.
+        """
         if not self.remote:
             return []
         store = self._store()
         local = {d.relative_dir: d for d in list_partition_dirs(self.local_root, self.batch)}
-        published = [self._publish_dir(store, d) for _, d in sorted(local.items())]
+        staged = staged or {}
+        published = [
+            self._publish_dir(store, d, staged.get(rel)) for rel, d in sorted(local.items())
+        ]
         for live in self.live_dirs():
             if live.relative_dir not in local:
                 store.delete([f"{live.relative_dir}/{POINTER_BASENAME}"])  # invisible first
@@ -239,18 +286,36 @@ class RemoteShardTree:
         self._sweep_unpointed(store)
         return published
 
-    def _publish_dir(self, store: ObjectStore, d: PartitionDir) -> LiveDir:
+    def _publish_dir(
+        self, store: ObjectStore, d: PartitionDir, staged: StagedShards | None = None
+    ) -> LiveDir:
         version = version_of(d.path)
         prefix = f"{d.relative_dir}/{version}"
-        names = [p.name for p in d.path.iterdir() if p.is_file()]
+        sizes = {p.name: p.stat().st_size for p in d.path.iterdir() if p.is_file()}
+        remote_shards: dict[str, str] = {}
+        if staged is not None:
+            indexed = _indexed_sizes(d.path)
+            for name, staged_name in staged.shards.items():
+                if name not in sizes:
+                    remote_shards[name] = f"{staged.key}/{staged_name}"
+                    sizes[name] = indexed[name]
+        names = list(sizes)
         present = {k.rsplit("/", 1)[-1]: store.size(k) for k in store.list(prefix)}
         for name in _upload_order(names):
-            size = (d.path / name).stat().st_size
+            size = sizes[name]
             # Inside a version prefix every name but the manifest is content-determined
             # (the version commits to shards and index; sidecars are content addressed).
             if name != MANIFEST_BASENAME and present.get(name) == size:
                 continue
-            store.put_file(f"{prefix}/{name}", d.path / name)
+            if name in remote_shards:
+                store.copy(remote_shards[name], f"{prefix}/{name}")  # server side
+                if store.size(f"{prefix}/{name}") != size:
+                    raise StorageError(
+                        f"{join(store.uri, prefix, name)}: the staged shard is not the size "
+                        "its index entry records (a worker's upload was replaced?)"
+                    )
+            else:
+                store.put_file(f"{prefix}/{name}", d.path / name)
             crashpoint("storage.object_uploaded")
         crashpoint("storage.shards_uploaded")
         index_sha = hashlib.sha256((d.path / INDEX_BASENAME).read_bytes()).hexdigest()

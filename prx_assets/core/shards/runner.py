@@ -12,6 +12,8 @@ that is trained on without a decision.
 
 from __future__ import annotations
 
+import contextlib
+import json
 from dataclasses import dataclass, field
 
 from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS
@@ -19,16 +21,22 @@ from prx_assets.core.lab import Lab, sql_literal
 from prx_assets.core.shards.buckets import BucketTable, bucket_table
 from prx_assets.core.shards.mds import (
     DEFAULT_SIZE_LIMIT,
+    CommittedDir,
     PartitionDir,
+    StagedPartition,
     directory_bytes,
     list_partition_dirs,
     partition_digest,
     relative_partition_dir,
-    write_partition_streams,
+)
+from prx_assets.core.shards.pieces import (  # noqa: F401 - SHARD_HASHES re-exported
+    PIECE_SAMPLES,
+    SHARD_HASHES,
+    PiecePlanner,
 )
 from prx_assets.core.shards.plan import CAPTION_COLUMNS, ShardPlan, plan_shards
-from prx_assets.core.shards.remote import RemoteShardTree
-from prx_assets.core.shards.render import MDS_EXTRA_COLUMNS, BucketRenderer
+from prx_assets.core.shards.remote import RemoteShardTree, StagedShards
+from prx_assets.core.shards.render import MDS_EXTRA_COLUMNS
 from prx_assets.core.shards.resize import RESAMPLE
 from prx_assets.core.shards.screening import ShardScreener
 from prx_assets.core.shards.small_buckets import small_bucket_problems
@@ -45,7 +53,6 @@ from prx_assets.core.skiplists.sidecars import current_generation
 from prx_assets.core.tables import BUCKET_ASSIGNMENTS, CAPTIONS, RESOLUTION, SHARD_SAMPLES
 from prx_assets.core.workers import WorkerPool, make_pool
 
-SHARD_HASHES = ("sha256",)  # recorded per shard in index.json: the dir_digest commits to bytes
 _TOTALS_COLUMNS = ["tier", "shape", "relative_dir", "shard"]
 
 # --------------------------------------------------------------------------- assignments
@@ -110,7 +117,8 @@ class ShardSettings:
 
     ``workers``: processes rendering the partition's images (None: every CPU this process
     may use); ``executor``: the pool kind (None: ``$PRX_EXECUTOR``, see ``core/workers.py``).
-    Neither changes a byte of the output.
+    Neither changes a byte of the output. ``piece_samples`` does: it is how many consecutive
+    samples of a bucket one worker task renders into its own shard file(s).
     """
 
     size_limit: int = DEFAULT_SIZE_LIMIT
@@ -122,6 +130,9 @@ class ShardSettings:
     max_pixels: int = DEFAULT_MAX_PIXELS
     canonical_nodes: int = 64  # the small-bucket rule: loader canonical nodes ...
     device_batch_size: int = 1  # ... and per-device batch size it is judged against
+    # Samples per worker task, and at most per shard (core/shards/pieces.py): this one is
+    # part of the output layout (shard boundaries), unlike workers and executor.
+    piece_samples: int = PIECE_SAMPLES
 
 
 class ScreeningRefused(RuntimeError):
@@ -180,8 +191,11 @@ class BatchShards:
     """Render every assigned image of a batch into its bucket's MDS directory, screened.
 
     Reads the batch's assignments and captions, decides the whole partition's first
-    skip-lists once (``ShardScreener``), streams each bucket's samples through the atomic
-    MDS writer, then records every sample's place in ``shard_samples``.
+    skip-lists once (``ShardScreener``), has the pool's workers render and write each
+    bucket's shards piece by piece (``core/shards/pieces.py``: tasks carry references,
+    results carry index entries and digests), commits each bucket directory atomically
+    (``mds.StagedPartition``; on object storage, ``RemoteShardTree.publish_shards``), then
+    records every sample's place in ``shard_samples``.
     """
 
     def __init__(
@@ -216,47 +230,57 @@ class BatchShards:
     def _run(self, pool: WorkerPool) -> ShardOutcome:
         s, batch = self.settings, self.batch
         plan = self.plan()
-        renderer = BucketRenderer(
-            self.lab.view() if plan.buckets else None,
-            batch,
-            plan.captions,
-            chunk_size=s.read_chunk,
-            pool=pool,
-            max_pixels=s.max_pixels,
-            resample=s.resample,
-            max_failures=s.max_render_failures,
-        )
         keys = {bucket: [r["key"] for r in rows] for bucket, rows in plan.buckets.items()}
         try:
             screener = ShardScreener(self.lab, batch, self.policy, keys, plan.uncaptioned)
         except SkipPolicyError as exc:
             raise ScreeningRefused(f"{batch}: cannot decide its skip-lists: {exc}") from None
-        # On object storage the directories are written to a local work copy, then pushed
-        # (versions first, one pointer each last: core/shards/remote.py).
+        # On object storage the directories' indexes and skip-lists are written to a local
+        # work copy, the workers put the shards in a staging prefix, and each directory is
+        # then published (versions first, one pointer each last: core/shards/remote.py).
         with RemoteShardTree(self.shards_root, batch) as tree:
-            return self._write(tree, plan, renderer, screener)
+            pieces = PiecePlanner(
+                self.lab.view() if plan.buckets else None, batch, plan, s, pool, tree
+            )
+            return self._write(tree, plan, pieces, screener)
 
     def _write(
         self,
         tree: RemoteShardTree,
         plan: ShardPlan,
-        renderer: BucketRenderer,
+        pieces: PiecePlanner,
         screener: ShardScreener,
     ) -> ShardOutcome:
         s, batch = self.settings, self.batch
-        placements = write_partition_streams(
+        staged = StagedPartition(
             tree.local_root,
             batch,
-            renderer.bucket_streams(plan.buckets),
-            skips_for=screener,
+            plan.buckets,
             extra_columns=MDS_EXTRA_COLUMNS,
             size_limit=s.size_limit,
-            hashes=SHARD_HASHES,
         )
-        tree.publish_shards()
+        try:
+            committed = pieces.write(staged, screener)
+            staged.finish()
+        except BaseException:
+            # Best effort (the next run sweeps what is left): the original error is the one
+            # to report, not a second one from an unreachable store.
+            with contextlib.suppress(Exception):
+                staged.discard()
+                tree.discard_staging(staged.token)
+            raise
+        tree.publish_shards(
+            {
+                rel: StagedShards(tree.staging_key(rel, staged.token), c.shards)
+                for rel, c in committed.items()
+            }
+            if tree.remote
+            else None
+        )
+        placements = [p for c in committed.values() for p in c.placements]
         dirs = list_partition_dirs(tree.local_root, batch)
         digests = {d.relative_dir: partition_digest(d.path) for d in dirs}
-        rows = placement_rows(placements, batch, digests, renderer.log.jpeg, plan.captions)
+        rows = placement_rows(placements, batch, digests, pieces.jpeg, plan.captions)
         written = self.lab.replace_partition(SHARD_SAMPLES, batch, rows)
 
         mine = bucket_totals(rows)
@@ -264,11 +288,11 @@ class BatchShards:
             batch=batch,
             assigned=plan.planned,
             written=len(placements),
-            failures=dict(renderer.log.failures),
+            failures=dict(pieces.failures),
             uncaptioned=dict(plan.uncaptioned),
             decisions=screener.decisions(),
             policy_fingerprint=self.policy.fingerprint(),
-            directories=self._directories(mine, {d.relative_dir: d for d in dirs}),
+            directories=self._directories(mine, {d.relative_dir: d for d in dirs}, committed),
             hazards_all_batches=self._hazards_all_batches(mine),
             version=written["version"],
             settings=s,
@@ -283,11 +307,25 @@ class BatchShards:
         )
 
     def _directories(
-        self, mine: dict[tuple[int, str], BucketTotals], dirs: dict[str, PartitionDir]
+        self,
+        mine: dict[tuple[int, str], BucketTotals],
+        dirs: dict[str, PartitionDir],
+        committed: dict[str, CommittedDir],
     ) -> tuple[WrittenDir, ...]:
         out = []
         for (tier, shape), totals in mine.items():
             d = dirs[relative_partition_dir(tier, shape, self.batch)]
+            c = committed[d.relative_dir]
+            local = {p.name for p in d.path.iterdir()}  # on object storage: no shard here
+            remote_bytes = (
+                sum(
+                    int(e["raw_data"]["bytes"])
+                    for e in json.loads((d.path / "index.json").read_bytes())["shards"]
+                    if e["raw_data"]["basename"] not in local
+                )
+                if c.shards
+                else 0
+            )
             out.append(
                 WrittenDir(
                     relative_dir=d.relative_dir,
@@ -295,7 +333,7 @@ class BatchShards:
                     shape=shape,
                     samples=totals.samples,
                     shards=totals.shards,
-                    bytes=directory_bytes(d.path),
+                    bytes=directory_bytes(d.path) + remote_bytes,
                     generation=current_generation(d.path),
                     hazards=tuple(self._rule(totals)),
                 )

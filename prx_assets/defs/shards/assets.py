@@ -11,6 +11,7 @@ from pydantic import Field
 
 from prx_assets.core.plots import bar_chart
 from prx_assets.core.shards.mds import DEFAULT_SIZE_LIMIT
+from prx_assets.core.shards.pieces import PIECE_SAMPLES
 from prx_assets.core.shards.resize import (
     JPEG_QUALITY,
     JPEG_SUBSAMPLING,
@@ -68,7 +69,8 @@ def bucket_assignments(context: AssetExecutionContext, lab: LabResource) -> Mate
 
 
 class MDSShardsConfig(Config):
-    """Run settings of ``mds_shards``; shard size and resample change what is written."""
+    """Run settings of ``mds_shards``; shard size, piece size and resample change what is
+    written."""
 
     shard_size_limit: int = Field(
         default=DEFAULT_SIZE_LIMIT,
@@ -89,7 +91,15 @@ class MDSShardsConfig(Config):
         description="Images that may fail to render (skipped, reported) before the run fails.",
     )
     read_chunk: int = Field(
-        default=32, description="Images whose source bytes are read from Lance at once."
+        default=32, description="Images whose lab rows are read from Lance at once."
+    )
+    piece_samples: int = Field(
+        default=PIECE_SAMPLES,
+        description=(
+            "Samples one worker task renders into its own shard file(s): the most a shard "
+            "holds (fewer when shard_size_limit cuts first). Changes the shard layout; more "
+            "samples per piece means fewer, larger shards and coarser work units."
+        ),
     )
     canonical_nodes: int = Field(
         default=64,
@@ -109,6 +119,7 @@ class MDSShardsConfig(Config):
             max_pixels=max_pixels,
             canonical_nodes=self.canonical_nodes,
             device_batch_size=self.device_batch_size,
+            piece_samples=self.piece_samples,
         )
 
 
@@ -124,7 +135,9 @@ class MDSShardsConfig(Config):
     # v4: JPEG sources resampled and encoded on their own YCbCr planes (other bytes).
     # v5: index.json published for prx_assets.loader only (plain streaming refuses it), so
     # directories written before are rewritten; the loader refuses them until then.
-    code_version="mds_shards-v5",
+    # v6: shards written per worker piece (core/shards/pieces.py: at most `piece_samples`
+    # = 64 samples per shard, the index merged by the step), so shard boundaries differ.
+    code_version="mds_shards-v6",
     description=(
         "Every assigned image resized to its bucket, JPEG q92, written as MDS under "
         "<shards_root>/mds/<tier>/<H>x<W>/<batch>/ together with its first skip-list "
