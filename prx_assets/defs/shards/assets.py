@@ -136,7 +136,7 @@ class MDSShardsConfig(Config):
     # v5: index.json published for prx_assets.loader only (plain streaming refuses it), so
     # directories written before are rewritten; the loader refuses them until then.
     # v6: shards written per worker piece (core/shards/pieces.py: at most `piece_samples`
-    # = 64 samples per shard, the index merged by the step), so shard boundaries differ.
+    # = 256 samples per shard, the index merged by the step), so shard boundaries differ.
     code_version="mds_shards-v6",
     description=(
         "Every assigned image resized to its bucket, JPEG q92, written as MDS under "
