@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from prx_assets_tests.forkservers import _stop_forkserver
+
 BUCKET = "prx-test"
 ACCESS_KEY = "AKIAPRXTESTKEY0SECRET"
 SECRET_KEY = "prx-secret-9b7f3c2e-never-logged"
@@ -88,6 +90,10 @@ def s3_server() -> Iterator[S3Server]:
     info = S3Server(endpoint=f"http://{host}:{port}", bucket=BUCKET)
     saved = {k: os.environ.get(k) for k in info.env}
     os.environ.update(info.env)
+    # A process pool's workers fork from one forkserver per process, which keeps the
+    # environment of its first start: restart it so workers that read the lab themselves
+    # (shard pieces, ingest on S3) see this server's endpoint and keys.
+    _stop_forkserver()
     try:
         info.client().create_bucket(Bucket=BUCKET)
         yield info
@@ -97,6 +103,7 @@ def s3_server() -> Iterator[S3Server]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        _stop_forkserver()
         server.stop()
 
 

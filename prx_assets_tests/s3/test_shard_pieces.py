@@ -340,3 +340,19 @@ def test_an_image_that_kills_its_worker_costs_that_image_not_the_partition(
     assert list(out.failures) == [victim] and out.failures[victim].startswith("worker_died")
     assert out.written == out.assigned - 1
     assert _tree(root / "shards") == _tree(altered / "shards")
+
+
+def test_storage_trouble_fails_the_step_and_is_never_an_image_failure(world, tmp_path, monkeypatch):
+    """A blob that cannot be read (here: a directory where its file should be, an I/O
+    error rather than absence) fails the piece and the step: which images a shard holds
+    must never depend on whether storage answered. ``shard_samples`` is not touched (each
+    bucket directory already written is screened, as after any failed run)."""
+    victim = world[1][5]
+    root = _copy(world, tmp_path / "flaky")
+    path = _blob_path(root / "lab", victim)
+    path.unlink()
+    path.mkdir()  # open() raises IsADirectoryError: an OSError that is not FileNotFoundError
+    rows = _rows(str(root / "lab"))
+    with pytest.raises(Exception, match="could not be read"):
+        _run(monkeypatch, str(root / "lab"), str(root / "shards"), InlinePool())
+    assert _rows(str(root / "lab")) == rows

@@ -7,7 +7,7 @@ policy that keeps every operation's cost independent of the number of batches, `
 what a table is. Import from here; the module split is an implementation detail.
 """
 
-from prx_assets.core.lab.blobs import BlobError
+from prx_assets.core.lab.blobs import BlobError, BlobUnavailable
 from prx_assets.core.lab.maintenance import (
     DEFAULT_POLICY,
     MANUAL,
@@ -29,6 +29,7 @@ __all__ = [
     "TARGET_ROWS_PER_FRAGMENT",
     "VERSION_PINS",
     "BlobError",
+    "BlobUnavailable",
     "Lab",
     "LabView",
     "MaintenancePolicy",

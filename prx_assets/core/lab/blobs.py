@@ -45,6 +45,20 @@ class BlobError(RuntimeError):
     """A referenced blob is missing or its bytes do not match its address."""
 
 
+class BlobUnavailable(BlobError):
+    """A blob could not be read for a reason other than its absence (an unreachable
+    endpoint, refused credentials, an I/O error): storage trouble, possibly passing, so a
+    caller must fail rather than record it as the image's own fault. Output must never
+    depend on whether the store answered."""
+
+
+def _read_error(table: str, ref: str, exc: OSError) -> BlobError:
+    """``BlobError`` for a blob that is not there, ``BlobUnavailable`` for any other failure."""
+    if isinstance(exc, FileNotFoundError):
+        return BlobError(f"{table}: blob {ref} is missing ({type(exc).__name__})")
+    return BlobUnavailable(f"{table}: blob {ref} could not be read: {type(exc).__name__}: {exc}")
+
+
 def is_blob_ref(field: pa.Field) -> bool:
     """Whether a stored field holds blob references (sha256 strings) instead of bytes."""
     return bool(field.metadata) and field.metadata.get(b"prx.blob") == b"sha256"
@@ -160,7 +174,7 @@ class LocalBlobs:
             with open(self._path(ref), "rb") as fh:
                 data = fh.read()
         except OSError as exc:
-            raise BlobError(f"{self.table}: blob {ref} is missing ({type(exc).__name__})") from exc
+            raise _read_error(self.table, ref, exc) from exc
         if hashlib.sha256(data).hexdigest() != ref:
             raise BlobError(
                 f"{self.table}: blob {ref} does not match its address (altered or torn)"
@@ -280,8 +294,8 @@ class BlobStore:
         try:
             with self._fs.open_input_file(path) as fh:
                 data = fh.read()
-        except (FileNotFoundError, OSError) as exc:
-            raise BlobError(f"{table}: blob {ref} is missing ({type(exc).__name__})") from exc
+        except OSError as exc:
+            raise _read_error(table, ref, exc) from exc
         if hashlib.sha256(data).hexdigest() != ref:
             raise BlobError(f"{table}: blob {ref} does not match its address (altered or torn)")
         return data

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from prx_assets.core.shards.runner import ShardSettings
 
 from prx_assets.core.durable import fsync_path
-from prx_assets.core.lab import LabView, in_list, sql_literal
+from prx_assets.core.lab import BlobUnavailable, LabView, in_list, sql_literal
 from prx_assets.core.shards.mds import (
     CommittedDir,
     MDSSample,
@@ -217,6 +217,8 @@ def _render(task: PieceTask, s: PieceSample) -> tuple[bytes | None, str | None]:
             s.facts,
         )
         return jpeg, None
+    except BlobUnavailable:  # storage trouble, not the image's: fail the piece (the step)
+        raise
     except Exception as exc:  # noqa: BLE001 - recorded as this image's failure
         return None, f"{type(exc).__name__}: {exc}"
 
