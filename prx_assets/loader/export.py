@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from prx_assets.core.durable import fsync_path, fsync_tree
-from prx_assets.core.shards.mds import DEFAULT_SIZE_LIMIT, MDS_DIRNAME, _InlineUploads
+from prx_assets.core.shards.mds import DEFAULT_SIZE_LIMIT, MDS_DIRNAME
+from prx_assets.core.shards.mds_format import MDSShardWriter
 from prx_assets.core.skiplists.sidecars import MANIFEST_BASENAME, parse_manifest
 from prx_assets.loader.discover import discover_streams
 
@@ -87,7 +88,6 @@ def _live_generation(stream: Any) -> str | None:
 
 def _export_directory(bucket: Any, dest: Path, size_limit: int) -> ExportedDirectory:
     """Write one stream's kept samples to ``dest`` (a plain MDS directory)."""
-    from streaming import MDSWriter
     from streaming.base.constant import DEFAULT_TIMEOUT
     from streaming.base.world import World
 
@@ -103,26 +103,14 @@ def _export_directory(bucket: Any, dest: Path, size_limit: int) -> ExportedDirec
         }
     )
     readers = stream.get_shards(World.detect(), allow_unsafe_types=False)  # kept shards only
-    writer = MDSWriter(
-        out=str(dest),
-        columns=_columns(readers, stream.local_dir),
-        compression=None,
-        hashes=["sha256"],
-        size_limit=size_limit,
-    )
-    writer.executor.shutdown(wait=False)
-    writer.executor = _InlineUploads()  # no remote: nothing to upload, no 1 s wait
+    writer = MDSShardWriter(dest, _columns(readers, stream.local_dir), ["sha256"], size_limit)
     written = 0
-    try:
-        for reader in readers:
-            stream.prepare_shard(reader)  # a remote stream's copy, checked against its sha256
-            for i in range(reader.samples):  # kept rows only (FilteredShard maps them)
-                writer.write(reader.get_item(i))
-                written += 1
-    except BaseException:
-        writer.cancel_future_jobs()
-        raise
-    writer.finish()
+    for reader in readers:
+        stream.prepare_shard(reader)  # a remote stream's copy, checked against its sha256
+        for i in range(reader.samples):  # kept rows only (FilteredShard maps them)
+            writer.write(reader.get_item(i))
+            written += 1
+    writer.finish(write_index=True)
     if written != stream.kept_samples:
         raise ExportError(
             f"{stream.local_dir}: wrote {written} samples, the skip-lists keep {stream.kept_samples}"

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import streaming
 from PIL import Image
 
 from prx_assets.core.shards.buckets import assign_bucket
@@ -27,6 +26,7 @@ from prx_assets.core.shards.mds import (
     write_partition_buckets,
     write_partition_streams,
 )
+from prx_assets.core.shards.mds_format import MDSShardWriter
 from prx_assets.core.shards.resize import encode_jpeg, resize_to_bucket
 from prx_assets.core.shards.small_buckets import small_bucket_problems
 from prx_assets_tests.core.stage_inputs import read_mds_dir, streaming_memory_released
@@ -192,7 +192,7 @@ def test_crash_in_writer_loop_keeps_previous_version(
     )
     before = _hashes(final)
 
-    real_write = streaming.MDSWriter.write
+    real_write = MDSShardWriter.write
     calls = []
 
     def failing_write(self, sample):  # noqa: ANN001, ANN202
@@ -201,7 +201,7 @@ def test_crash_in_writer_loop_keeps_previous_version(
             raise RuntimeError("disk full")
         return real_write(self, sample)
 
-    monkeypatch.setattr(streaming.MDSWriter, "write", failing_write)
+    monkeypatch.setattr(MDSShardWriter, "write", failing_write)
     with pytest.raises(RuntimeError, match="disk full"):
         write_bucket_partition(
             tmp_path, "b", tier, shape, bucket, size_limit=100_000, skips_for=skip_nothing

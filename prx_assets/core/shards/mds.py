@@ -53,7 +53,6 @@ Not for concurrent writers of the same partition (one run per partition at a tim
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -61,13 +60,13 @@ import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prx_assets.core.crashpoints import crashpoint
 from prx_assets.core.durable import fsync_path, fsync_tree
+from prx_assets.core.shards.mds_format import MDSShardWriter
 from prx_assets.core.shards.published import mark_published
 from prx_assets.core.skiplists.sidecars import write_partition_skiplists
 from prx_assets.core.snapshots.pins import discard_directory
@@ -380,59 +379,6 @@ def _placements(
     return out
 
 
-class _InlineUploads:
-    """MDSWriter's per-shard "uploads", run in the calling thread.
-
-    Writing to a local directory they are no-ops, but streaming 0.13 queues each on a thread
-    pool and its ``finish()`` sleeps a whole second whenever one is still queued, which it
-    usually is: a second per bucket directory for nothing. Run inline, none is ever queued.
-    """
-
-    class _EmptyQueue:
-        def qsize(self) -> int:
-            return 0
-
-    _work_queue = _EmptyQueue()  # what MDSWriter polls before writing index.json
-
-    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as exc:  # noqa: BLE001 - reported through the future, as before
-            future.set_exception(exc)
-        return future
-
-    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
-        return None
-
-
-@functools.cache
-def _bounded_writer_class() -> type:
-    """``MDSWriter`` that refuses a sample too large for a whole shard, as it encodes it.
-
-    Why a subclass: ``MDSWriter.write`` encodes the sample and caches it, and would start a
-    shard for an oversized one; checking before ``write`` meant encoding (copying) every
-    image twice. Built on first use: streaming imports torch (seconds), which listing and
-    cleanup never need.
-    """
-    from streaming import MDSWriter
-
-    class BoundedMDSWriter(MDSWriter):
-        def encode_sample(self, sample: dict[str, Any]) -> bytes:
-            encoded = super().encode_sample(sample)
-            if self.size_limit and (
-                len(encoded) + self.extra_bytes_per_sample + self.extra_bytes_per_shard
-                > self.size_limit
-            ):
-                raise ValueError(
-                    f"sample {sample['key']!r} encodes to {len(encoded)} bytes, more than "
-                    f"the shard size limit {self.size_limit}"
-                )
-            return encoded
-
-    return BoundedMDSWriter
-
-
 def _write_mds(
     out: Path,
     samples: Iterable[MDSSample],
@@ -449,40 +395,27 @@ def _write_mds(
     ``taken``: keys already written to another bucket of the partition (refused).
     """
     extra_names = set(columns) - set(BASE_COLUMNS)
-    writer = _bounded_writer_class()(
-        out=str(out),
-        columns=columns,
-        compression=None,  # JPEG bytes do not compress; keeps shards readable by mmap
-        hashes=list(hashes),
-        size_limit=size_limit,
-    )
-    if writer.remote is None:
-        writer.executor.shutdown(wait=False)
-        writer.executor = _InlineUploads()
+    # JPEG bytes do not compress: no compression keeps shards readable by mmap
+    writer = MDSShardWriter(out, columns, hashes, size_limit)
     keys: list[str] = []
-    try:
-        for s in samples:
-            if s.tier != tier or s.shape != shape:
-                raise ValueError(
-                    f"sample {s.key!r} is for bucket {s.tier}/{s.shape}, not {tier}/{shape}"
-                )
-            if s.key in taken:
-                raise ValueError(
-                    f"sample key {s.key!r} appears in more than one bucket "
-                    f"(again in {tier}/{shape})"
-                )
-            if keys and s.key <= keys[-1]:
-                raise ValueError(
-                    f"sample keys must be strictly increasing: {s.key!r} after {keys[-1]!r} "
-                    "(duplicate sample key or unsorted stream)"
-                )
-            writer.write(_row(s, extra_names))  # refuses a sample larger than a shard
-            keys.append(s.key)
-            crashpoint("mds.sample_written")
-    except BaseException:
-        writer.cancel_future_jobs()
-        raise
-    writer.finish()
+    for s in samples:
+        if s.tier != tier or s.shape != shape:
+            raise ValueError(
+                f"sample {s.key!r} is for bucket {s.tier}/{s.shape}, not {tier}/{shape}"
+            )
+        if s.key in taken:
+            raise ValueError(
+                f"sample key {s.key!r} appears in more than one bucket (again in {tier}/{shape})"
+            )
+        if keys and s.key <= keys[-1]:
+            raise ValueError(
+                f"sample keys must be strictly increasing: {s.key!r} after {keys[-1]!r} "
+                "(duplicate sample key or unsorted stream)"
+            )
+        writer.write(_row(s, extra_names))  # refuses a sample larger than a shard
+        keys.append(s.key)
+        crashpoint("mds.sample_written")
+    writer.finish(write_index=True)
     if keys:
         mark_published(out)  # plain streaming refuses it from here on (core/shards/published.py)
     return keys
@@ -739,7 +672,7 @@ def write_piece_shards(
     hashes: Sequence[str],
 ) -> list[tuple[dict[str, Any], int]]:
     """Encode one piece's samples (strictly increasing keys) as MDS shard files in the new
-    directory ``out``, exactly as MDSWriter encodes a directory; each shard's index entry
+    directory ``out``, exactly as MDSWriter encodes a directory (``mds_format``); each shard's index entry
     and sample count, in order (no ``index.json`` is kept: the step merges the entries).
 
     Run by a worker (``core/shards/pieces.py``); a sample too large for a whole shard is
@@ -748,31 +681,17 @@ def write_piece_shards(
     if size_limit <= 0:
         raise ValueError(f"size_limit must be positive, got {size_limit}")
     extra_names = set(columns) - set(BASE_COLUMNS)
-    writer = _bounded_writer_class()(
-        out=str(out), columns=columns, compression=None, hashes=list(hashes), size_limit=size_limit
-    )
-    writer.executor.shutdown(wait=False)
-    writer.executor = _InlineUploads()
+    writer = MDSShardWriter(out, columns, hashes, size_limit)
     last: str | None = None
-    n = 0
-    try:
-        for s in samples:
-            if last is not None and s.key <= last:
-                raise ValueError(
-                    f"sample keys must be strictly increasing: {s.key!r} after {last!r} "
-                    "(duplicate sample key or unsorted stream)"
-                )
-            writer.write(_row(s, extra_names))
-            last = s.key
-            n += 1
-    except BaseException:
-        writer.cancel_future_jobs()
-        raise
-    if n == 0:
-        writer.cancel_future_jobs()
-        return []
-    writer.finish()
-    return [(dict(entry), int(entry["samples"])) for entry in writer.shards]
+    for s in samples:
+        if last is not None and s.key <= last:
+            raise ValueError(
+                f"sample keys must be strictly increasing: {s.key!r} after {last!r} "
+                "(duplicate sample key or unsorted stream)"
+            )
+        writer.write(_row(s, extra_names))
+        last = s.key
+    return [(dict(entry), int(entry["samples"])) for entry in writer.finish()]
 
 
 def published_index_bytes(entries: Sequence[Mapping[str, Any]]) -> bytes:
