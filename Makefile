@@ -51,11 +51,13 @@ demo: venv instance
 sysdeps:
 	@bash .ci/system-deps
 
-## The test suite (what CI runs).
+## The test suite (what CI runs): on TEST_PROCESSES processes, a test module per process
+## at a time (its module fixtures built once).
+TEST_PROCESSES ?= 2
 test: venv sysdeps instance
 	$(VENV)/bin/ruff check prx_assets prx_assets_tests benchmarks
 	$(VENV)/bin/ruff format --check prx_assets prx_assets_tests benchmarks
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadscope $(PYTEST_ARGS)
 
 ## The multi-node cluster test (head + worker Ray nodes, PostgreSQL, S3; ~4 min): kept out of
 ## the 15-minute suite, run by CI after it.

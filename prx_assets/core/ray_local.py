@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -37,6 +39,9 @@ def free_port() -> int:
 
 def _ray_cli() -> str:
     return str(Path(sys.executable).with_name("ray"))
+
+
+MAX_TEMP_DIR_CHARS = 36  # + "/session_<date>_<time>_<pid>/sockets/dash_MetricsHead" <= 107
 
 
 class LocalRayCluster:
@@ -59,6 +64,14 @@ class LocalRayCluster:
         dashboard: bool = True,
     ) -> None:
         self.temp_dir = Path(temp_dir)
+        if len(str(self.temp_dir)) > MAX_TEMP_DIR_CHARS:
+            # Ray puts AF_UNIX sockets under <temp_dir>/session_<date>_<pid>/sockets/, and
+            # such a path cannot exceed 107 bytes: a long temp dir fails `ray start` (its
+            # dashboard modules). A short directory of its own instead.
+            self.temp_dir = Path(tempfile.mkdtemp(prefix="prx-ray-", dir="/tmp"))
+            self._own_temp_dir = True
+        else:
+            self._own_temp_dir = False
         self.dashboard = dashboard
         self.worker_nodes = worker_nodes
         self.cpus_per_node = cpus_per_node
@@ -217,7 +230,9 @@ class LocalRayCluster:
                 time.sleep(0.1)
                 pids = self.pids()
             if not pids:
-                return
+                break
+        if self._own_temp_dir:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalRayCluster:
         return self.start()
