@@ -70,10 +70,14 @@ def refresh_skiplists(skips_by_dir: Mapping[str, Mapping[str, Mapping[int, list[
 def ingest_batch(lab_root: str, landing: str, batch: str, rows_per_record_batch: int) -> None:
     """``raw_images``' writes: the batch's ``images`` rows, then its ``rejects`` rows."""
     ingest.ROWS_PER_RECORD_BATCH = rows_per_record_batch  # several batches per fragment write
+    ingest.INGEST_CHUNK = rows_per_record_batch  # several chunks (fragments) per batch
     ref = resolve_batch(Path(landing), batch)
-    run = ingest.BatchIngest(ref)
     store = Lab(lab_root)
-    store.replace_partition(IMAGES, ref.key, run.image_batches())
+    # As raw_images writes: blobs stored and rows written by the (here: inline) worker, one
+    # fragment per chunk, then one commit.
+    run = ingest.BatchIngest(ref, workers=1, blob_sink=store.local_blobs(IMAGES, "image"))
+    fragments = store.partition_fragments(IMAGES, ref.key, stored_blobs=run.stored_blobs)
+    store.commit_partition(IMAGES, ref.key, run.write_images(fragments))
     store.replace_partition(REJECTS, ref.key, run.rejects)
 
 

@@ -26,6 +26,8 @@ Points (the writer, then the step just completed):
 - ``skiplists.stale_removed``: one file no manifest names was swept;
 - ``lab.fragment_batch``: one record batch streamed into new Lance fragment files;
 - ``lab.fragments_written``: a partition's new fragments are complete, not committed;
+- ``ingest.chunk_written``: an ingest worker wrote its chunk's rows as a fragment (not
+  committed; only workers reach it, the step never);
 - ``lab.committed``: the partition's replacement is committed, indexes not yet refreshed;
 - ``snapshots.pinned``: one directory of a training snapshot pinned (nothing committed);
 - ``snapshots.file_written``: a snapshot's manifest file is staged, its lab row not yet;
@@ -73,6 +75,7 @@ CRASHPOINTS: tuple[str, ...] = (
     "lab.fragment_batch",
     "lab.fragments_written",
     "lab.committed",
+    "ingest.chunk_written",
     "snapshots.pinned",
     "snapshots.file_written",
     "snapshots.recorded",

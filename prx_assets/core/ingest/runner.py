@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from prx_assets.core.crashpoints import crashpoint
 from prx_assets.core.dedup.gallery import preview_of_decoded
 from prx_assets.core.dedup.phash import (
     FAST_DRAFT_TARGET,
@@ -44,9 +45,10 @@ from prx_assets.core.ingest.sources import (
 from prx_assets.core.ingest.tables import ALIAS_REASON, ensure_usage_signals_column
 from prx_assets.core.lab import Lab
 from prx_assets.core.lab.blobs import LocalBlobs, RemoteBlobs
+from prx_assets.core.lab.fragments import PartitionFragments, WrittenFragments
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.core.text import bound_text, quote_bounded
-from prx_assets.core.workers import ItemFailed, make_pool
+from prx_assets.core.workers import ItemFailed, ProcessPool, WorkerPool, make_pool
 
 ROWS_PER_RECORD_BATCH = 256
 BYTES_PER_RECORD_BATCH = 8 * 1024 * 1024  # a record batch also ends at this many image bytes
@@ -227,6 +229,143 @@ def _check_or_skip(
     return None if item is None else check_and_store(item)
 
 
+#: Candidates per worker task when the workers write the rows themselves (one Lance
+#: fragment each): the task then carries references and row metadata, the result a
+#: fragment's metadata and each file's check, never its thumbnail or preview.
+INGEST_CHUNK = 256
+
+
+def _image_row(
+    batch: str,
+    c: Candidate | RowMeta,
+    key: str,
+    info: ImageInfo,
+    thumb: bytes | None,
+    preview: bytes | None,
+    nbytes: int,
+    image: bytes | str,
+) -> dict:
+    """An accepted file's ``images`` row (the same whoever writes it: worker or step)."""
+    return {
+        "key": key,
+        "batch": batch,
+        "source": c.source,
+        "license": c.license,
+        "alt_text": c.alt_text,
+        "url": c.url,
+        "source_id": c.source_id,
+        "path": c.path,
+        "format": info.format,
+        "width": info.width,
+        "height": info.height,
+        "mode": info.mode,
+        "conversion": info.conversion,
+        "orientation": info.orientation,
+        "n_frames": info.n_frames,
+        "file_size": nbytes,
+        "image": image,
+        "usage_signals": c.usage_signals,
+        "phash_thumbnail": thumb,
+        "phash_thumbnail_version": THUMBNAIL_VERSION if thumb is not None else None,
+        "preview": preview,
+    }
+
+
+@dataclass(frozen=True)
+class RowMeta:
+    """What a candidate's row holds besides its check (a worker writes the row)."""
+
+    path: str
+    source: str | None
+    license: str | None
+    alt_text: str | None
+    url: str | None
+    source_id: str | None
+    usage_signals: str | None
+
+    @classmethod
+    def of(cls, c: Candidate) -> RowMeta:
+        return cls(c.path, c.source, c.license, c.alt_text, c.url, c.source_id, c.usage_signals)
+
+
+@dataclass(frozen=True)
+class ChunkTask:
+    """Up to ``INGEST_CHUNK`` consecutive candidates (None: nothing to check) for one
+    worker, which checks and stores each and writes the rows of those it stored."""
+
+    items: tuple[tuple[bytes | FileRead | RemoteRead, RowMeta] | None, ...]
+    max_pixels: int
+    sink: LocalBlobs | RemoteBlobs
+    fragments: PartitionFragments
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    """Each candidate's check (thumbnail and preview left out where the row is written),
+    the fragments holding the written rows, and which positions they are, in order."""
+
+    checked: tuple[FileChecked | None, ...]
+    written: WrittenFragments | None
+    positions: tuple[int, ...]
+
+
+def check_store_and_write(task: ChunkTask) -> ChunkResult:
+    """``check_and_store`` each candidate of the chunk, then write the rows of the ones
+    stored as one fragment (picklable; run by a worker, which reaches the lab itself).
+
+    A repeat of a key or path earlier in the chunk is not written (the step refuses it as
+    an alias or a duplicate path); the step decides every file as before and, where it
+    refuses a row written here (a repeat of a file in an earlier chunk), keeps the others
+    (``PartitionFragments.keep_rows``).
+    """
+    checked: list[FileChecked | None] = []
+    rows: list[dict] = []
+    positions: list[int] = []
+    keys: set[str] = set()
+    paths: set[str] = set()
+    for i, item in enumerate(task.items):
+        if item is None:
+            checked.append(None)
+            continue
+        source, meta = item
+        out = check_and_store((source, task.max_pixels, task.sink))
+        key, result, stored, nbytes = out
+        first = key not in keys and meta.path not in paths
+        if key is not None and stored and first and isinstance(result[0], ImageInfo):
+            info, thumb, preview = result  # type: ignore[misc]
+            rows.append(
+                _image_row(task.fragments.batch, meta, key, info, thumb, preview, nbytes, key)
+            )
+            positions.append(i)
+            keys.add(key)
+            paths.add(meta.path)
+            out = (key, (info, None, None), stored, nbytes)
+        checked.append(out)
+    written = None
+    if rows:
+        written = task.fragments.write(pa.Table.from_pylist(rows, schema=_stored_image_schema()))
+        crashpoint("ingest.chunk_written")
+    return ChunkResult(tuple(checked), written, tuple(positions))
+
+
+def _isolate_chunk(task: ChunkTask) -> ChunkResult:
+    """A chunk whose worker failed (a decoder that kills its process, a write refused):
+    each file is checked alone in a pool of its own, one that kills its worker is that
+    file's failure (``validation_failed``, as when files were tasks), and the step writes
+    the rows of the others itself."""
+    singles = [None if it is None else (it[0], task.max_pixels, task.sink) for it in task.items]
+    with ProcessPool(1) as alone:
+        checked = list(alone.map_ordered(_check_or_skip, singles))
+    return ChunkResult(tuple(checked), None, ())  # type: ignore[arg-type]
+
+
+def _stored_image_schema() -> pa.Schema:
+    """``images``' schema with the image given as its blob reference."""
+    schema = IMAGES.schema
+    at = schema.get_field_index("image")
+    return schema.set(at, pa.field("image", pa.string(), nullable=True))
+
+
 class BatchIngest:
     """Validate and describe every file of a batch (reads files, writes nothing).
 
@@ -306,6 +445,36 @@ class BatchIngest:
             }
         )
 
+    def _worker_sink(self, pool: WorkerPool) -> LocalBlobs | RemoteBlobs | None:
+        """The blob sink workers store into: only where they share this machine's
+        filesystem, or where the lab is on object storage (None: this process stores)."""
+        remote_sink = isinstance(self.blob_sink, RemoteBlobs)
+        return self.blob_sink if pool.same_machine or remote_sink else None
+
+    def _candidates(
+        self, pool: WorkerPool, defer: bool, spool_dir: str | None
+    ) -> Iterator[tuple[Candidate, bytes | FileRead | RemoteRead | None]]:
+        """Every candidate in order with what a worker checks (None: nothing to check)."""
+        for c in iter_candidates(
+            self.ref, self.max_file_bytes, defer_reads=defer, spool_dir=spool_dir
+        ):
+            if isinstance(c.deferred, FileRead) and c.deferred.path in self.remote_reads:
+                c.deferred = self.remote_reads[c.deferred.path]  # a placeholder's object
+            elif c.deferred is not None and not pool.same_machine:
+                # Only object storage is reachable from another node: read here.
+                try:
+                    c.data = c.deferred.read()
+                except FileRefused as exc:
+                    c.error = (exc.reason, bound_text(exc.detail))
+            source = c.data if c.data is not None else c.deferred
+            yield c, (None if c.error is not None else source)
+
+    @staticmethod
+    def _done_with(c: Candidate) -> None:
+        if c.deferred is not None and c.deferred.temporary:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(c.deferred.path)
+
     def _checked(self) -> Iterator[tuple[Candidate, FileChecked | ItemFailed | None]]:
         """Every candidate in order with its hash and validation (None: no bytes to check)."""
         pending: deque[Candidate] = deque()
@@ -314,43 +483,112 @@ class BatchIngest:
         # Workers store blobs only where they share this machine's filesystem, or where the
         # lab is on object storage; there they read the files themselves too (landing
         # objects: ``remote_reads``), so the parent neither reads nor ships the images.
-        remote_sink = isinstance(self.blob_sink, RemoteBlobs)
-        sink = self.blob_sink if pool.same_machine or remote_sink else None
+        sink = self._worker_sink(pool)
         defer = sink is not None if pool.same_machine else bool(self.remote_reads)
         # Big archive members are copied here rather than into memory (sources.spool_member),
         # each deleted once checked; the directory goes when the run ends, however it ends.
         spool_dir = tempfile.mkdtemp(prefix="prx-ingest-") if defer else None
 
         def tasks() -> Iterator[tuple | None]:
-            for c in iter_candidates(
-                self.ref, self.max_file_bytes, defer_reads=defer, spool_dir=spool_dir
-            ):
-                if isinstance(c.deferred, FileRead) and c.deferred.path in self.remote_reads:
-                    c.deferred = self.remote_reads[c.deferred.path]  # a placeholder's object
-                elif c.deferred is not None and not pool.same_machine:
-                    # Only object storage is reachable from another node: read here.
-                    try:
-                        c.data = c.deferred.read()
-                    except FileRefused as exc:
-                        c.error = (exc.reason, bound_text(exc.detail))
+            for c, source in self._candidates(pool, defer, spool_dir):
                 pending.append(c)
-                source = c.data if c.data is not None else c.deferred
-                if c.error is not None or source is None:
-                    yield None
-                else:
-                    yield source, self.max_pixels, sink
+                yield None if source is None else (source, self.max_pixels, sink)
 
         try:
             for out in pool.map_ordered(_check_or_skip, tasks()):
                 c = pending.popleft()
                 yield c, out
-                if c.deferred is not None and c.deferred.temporary:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(c.deferred.path)
+                self._done_with(c)
         finally:
             pool.close()
             if spool_dir is not None:
                 shutil.rmtree(spool_dir, ignore_errors=True)
+
+    def write_images(self, fragments: PartitionFragments) -> list[WrittenFragments]:
+        """Every accepted row written as new fragments of ``fragments``' partition, to
+        commit with ``Lab.commit_partition`` (``rejects`` and ``stats`` complete after).
+
+        Where workers store the blobs (on this machine, or anywhere when the lab is on
+        object storage) they write the rows too, ``INGEST_CHUNK`` files per fragment: the
+        images, thumbnails and previews never pass through this process, which decides
+        every file in batch order as before and commits the fragments' metadata. Otherwise
+        (Ray workers with a local lab) this process writes the rows it builds.
+        """
+        self._first_path_of_key = {}
+        pool = make_pool(self.executor, self.workers)
+        sink = self._worker_sink(pool)
+        if sink is None:
+            pool.close()
+            return [fragments.write(self.image_batches())]
+        written: list[WrittenFragments] = []
+        schema = _stored_image_schema()
+        defer = pool.same_machine or bool(self.remote_reads)  # as in ``_checked``
+        spool_dir = tempfile.mkdtemp(prefix="prx-ingest-")
+        try:
+            for cands, result in self._checked_chunks(pool, sink, defer, spool_dir, fragments):
+                accepted: list[tuple[int, dict]] = []
+                for pos, (c, checked) in enumerate(zip(cands, result.checked, strict=True)):
+                    row = self._decide(c, checked)
+                    if row is not None:
+                        accepted.append((pos, row))
+                    self._done_with(c)
+                index = {p: j for j, p in enumerate(result.positions)}
+                keep = [index[p] for p, _ in accepted if p in index]
+                extra = [row for p, row in accepted if p not in index]
+                if result.written is not None and keep:
+                    if keep == list(range(len(result.positions))):
+                        written.append(result.written)
+                    else:  # a repeat of a file in an earlier chunk: refused, the rest kept
+                        written.append(fragments.keep_rows(result.written, keep))
+                if extra:  # stored here (the worker's store failed, or it died)
+                    written.append(fragments.write(pa.Table.from_pylist(extra, schema=schema)))
+        finally:
+            pool.close()
+            shutil.rmtree(spool_dir, ignore_errors=True)
+        self.stats.check()
+        self._done = True
+        return written
+
+    def _checked_chunks(
+        self,
+        pool: WorkerPool,
+        sink: LocalBlobs | RemoteBlobs,
+        defer: bool,
+        spool_dir: str,
+        fragments: PartitionFragments,
+    ) -> Iterator[tuple[list[Candidate], ChunkResult]]:
+        """The candidates in chunks, each checked, stored and written by one worker."""
+        pending: deque[list[Candidate]] = deque()
+        sent: deque[ChunkTask] = deque()
+
+        def chunk(cands: list[Candidate], items: list) -> ChunkTask:
+            task = ChunkTask(tuple(items), self.max_pixels, sink, fragments)
+            pending.append(cands)
+            sent.append(task)
+            return task
+
+        def tasks() -> Iterator[ChunkTask]:
+            cands: list[Candidate] = []
+            items: list = []
+            held = 0  # bytes of the chunk's files held here (archive members)
+            for c, source in self._candidates(pool, defer, spool_dir):
+                cands.append(c)
+                items.append(None if source is None else (source, RowMeta.of(c)))
+                held += len(c.data) if c.data is not None else 0
+                if len(items) >= INGEST_CHUNK or held >= BYTES_PER_RECORD_BATCH:
+                    yield chunk(cands, items)
+                    cands, items, held = [], [], 0
+            if items:
+                yield chunk(cands, items)
+
+        # One chunk per worker and one more in flight: chunks may hold archive members.
+        window = pool.workers + 1
+        for out in pool.map_ordered(check_store_and_write, tasks(), window=window):
+            cands = pending.popleft()
+            task = sent.popleft()
+            if isinstance(out, ItemFailed):
+                out = _isolate_chunk(task)
+            yield cands, out
 
     def _key_of(self, c: Candidate) -> str | None:
         """The sha256 of a candidate's bytes, read here if need be (None: unreadable now)."""
@@ -378,85 +616,71 @@ class BatchIngest:
         return None
 
     def _accepted_rows(self) -> Iterator[dict]:
-        stats = self.stats
-        first_path_of_key: dict[str, str] = {}
+        self._first_path_of_key: dict[str, str] = {}
         for c, checked in self._checked():
-            stats.seen += 1
-            if c.error is not None or (c.data is None and c.deferred is None):
-                reason, detail = c.error or ("unreadable", "no bytes")
-                self._reject(c, reason, detail)
-                continue
-            if isinstance(checked, ItemFailed) or checked is None:
-                # The check itself failed (it only raises on a bug or a dead worker): the file
-                # is refused with why, never accepted unvalidated.
-                why = checked.error if checked is not None else "no result"
-                self._reject(c, "validation_failed", why, self._key_of(c))
-                continue
-            key, result, stored, nbytes = checked
-            if key is None:  # the deferred read was refused: as if read here
-                reason, detail = result  # type: ignore[misc]
-                self._reject(c, str(reason), str(detail))
-                continue
-            if key in first_path_of_key:
-                self._reject(
-                    c,
-                    ALIAS_REASON,  # its url / source id / path become the kept copy's aliases
-                    f"same bytes as {quote_bounded(first_path_of_key[key])} in this batch",
-                    key,
-                )
-                continue
-            if c.path in self._seen_paths:
-                self._reject(
-                    c, "duplicate_path", f"{quote_bounded(c.path)} appears twice in the batch", key
-                )
-                continue
-            if not isinstance(result[0], ImageInfo):
-                self._reject(c, str(result[0]), str(result[1]), key)
-                continue
-            info, thumb, preview = result
-            image: bytes | str
-            if self.blob_sink is not None:
-                if not stored:  # a Ray worker, or the worker's store failed: stored here
-                    why = self._store_here(c, key)
-                    if why is not None:
-                        self._reject(c, "unreadable", why, key)
-                        continue
-                image = key  # the blob's reference: the same sha256
-            else:
-                assert c.data is not None  # reads are deferred only with a blob sink
-                image = c.data
-            self._seen_paths.add(c.path)
-            first_path_of_key[key] = c.path
-            stats.accepted += 1
-            stats.bytes_accepted += nbytes
-            stats.formats[info.format] += 1
-            stats.conversions[info.conversion] += 1
-            stats.animated += int(info.animated)
-            yield {
-                "key": key,
-                "batch": self.ref.key,
-                "source": c.source,
-                "license": c.license,
-                "alt_text": c.alt_text,
-                "url": c.url,
-                "source_id": c.source_id,
-                "path": c.path,
-                "format": info.format,
-                "width": info.width,
-                "height": info.height,
-                "mode": info.mode,
-                "conversion": info.conversion,
-                "orientation": info.orientation,
-                "n_frames": info.n_frames,
-                "file_size": nbytes,
-                "image": image,
-                "usage_signals": c.usage_signals,
-                "phash_thumbnail": thumb,
-                "phash_thumbnail_version": THUMBNAIL_VERSION if thumb is not None else None,
-                "preview": preview,
-            }
-        stats.check()
+            row = self._decide(c, checked)
+            if row is not None:
+                yield row
+        self.stats.check()
         self._done = True
+
+    def _decide(self, c: Candidate, checked: FileChecked | ItemFailed | None) -> dict | None:
+        """One candidate accepted (its row) or rejected (recorded; None), in batch order:
+        everything order-dependent (repeats, accounting) is decided here."""
+        stats = self.stats
+        first_path_of_key = self._first_path_of_key
+        stats.seen += 1
+        if c.error is not None or (c.data is None and c.deferred is None):
+            reason, detail = c.error or ("unreadable", "no bytes")
+            self._reject(c, reason, detail)
+            return None
+        if isinstance(checked, ItemFailed) or checked is None:
+            # The check itself failed (it only raises on a bug or a dead worker): the file
+            # is refused with why, never accepted unvalidated.
+            why = checked.error if checked is not None else "no result"
+            self._reject(c, "validation_failed", why, self._key_of(c))
+            return None
+        key, result, stored, nbytes = checked
+        if key is None:  # the deferred read was refused: as if read here
+            reason, detail = result  # type: ignore[misc]
+            self._reject(c, str(reason), str(detail))
+            return None
+        if key in first_path_of_key:
+            self._reject(
+                c,
+                ALIAS_REASON,  # its url / source id / path become the kept copy's aliases
+                f"same bytes as {quote_bounded(first_path_of_key[key])} in this batch",
+                key,
+            )
+            return None
+        if c.path in self._seen_paths:
+            self._reject(
+                c, "duplicate_path", f"{quote_bounded(c.path)} appears twice in the batch", key
+            )
+            return None
+        if not isinstance(result[0], ImageInfo):
+            self._reject(c, str(result[0]), str(result[1]), key)
+            return None
+        info, thumb, preview = result
+        image: bytes | str
+        if self.blob_sink is not None:
+            if not stored:  # a Ray worker, or the worker's store failed: stored here
+                why = self._store_here(c, key)
+                if why is not None:
+                    self._reject(c, "unreadable", why, key)
+                    return None
+            image = key  # the blob's reference: the same sha256
+        else:
+            assert c.data is not None  # reads are deferred only with a blob sink
+            image = c.data
+        self._seen_paths.add(c.path)
+        first_path_of_key[key] = c.path
+        stats.accepted += 1
+        stats.bytes_accepted += nbytes
+        stats.formats[info.format] += 1
+        stats.conversions[info.conversion] += 1
+        stats.animated += int(info.animated)
+        return _image_row(self.ref.key, c, key, info, thumb, preview, nbytes, image)
 
     @property
     def stored_blobs(self) -> tuple[str, ...]:
@@ -464,8 +688,5 @@ class BatchIngest:
         return ("image",) if self.blob_sink is not None else ()
 
     def image_batches(self) -> Iterator[pa.RecordBatch]:
-        schema = IMAGES.schema
-        if self.blob_sink is not None:
-            at = schema.get_field_index("image")
-            schema = schema.set(at, pa.field("image", pa.string(), nullable=True))
+        schema = _stored_image_schema() if self.blob_sink is not None else IMAGES.schema
         return _record_batches(self._accepted_rows(), schema)

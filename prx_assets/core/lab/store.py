@@ -29,13 +29,13 @@ from prx_assets.core.crashpoints import crashpoint
 from prx_assets.core.lab import maintenance as mx
 from prx_assets.core.lab.blob_gc import BlobSweep, sweep_blobs
 from prx_assets.core.lab.blobs import (
-    BlobError,
     BlobStore,
     LocalBlobs,
     RemoteBlobs,
     is_blob_ref,
     stored_schema,
 )
+from prx_assets.core.lab.fragments import CountingBatches, PartitionFragments, WrittenFragments
 from prx_assets.core.lab.io import open_dataset, seen, storage_options
 from prx_assets.core.lab.maintenance import (
     DEFAULT_POLICY,
@@ -48,87 +48,6 @@ from prx_assets.core.lab.readers import held_versions
 from prx_assets.core.lab.spec import TableSpec, sql_literal
 from prx_assets.core.lab.view import LabView, _has_index
 from prx_assets.core.storage import check_bucket
-
-
-class _CountingBatches:
-    """Pass record batches through, counting rows and refusing rows of another batch; blob
-    columns are stored in the blob store and passed on as references."""
-
-    def __init__(
-        self,
-        batches: Iterable[pa.RecordBatch],
-        spec: TableSpec,
-        batch: str,
-        stored: pa.Schema,
-        blobs: BlobStore,
-        stored_blobs: Sequence[str] = (),
-    ) -> None:
-        self._batches = batches
-        self._spec = spec
-        self._batch = batch
-        self._stored = stored
-        self._blobs = blobs
-        refs = [c for c in spec.blobs if is_blob_ref(stored.field(c))]
-        if set(stored_blobs) - set(refs):
-            raise ValueError(
-                f"{spec.name}: stored_blobs {sorted(set(stored_blobs) - set(refs))} are not "
-                "blob-reference columns of the stored table"
-            )
-        self._prestored = list(stored_blobs)
-        self._blob_columns = [c for c in refs if c not in stored_blobs]
-        # Columns given as references are cast to the stored (string) type, never to bytes.
-        self._schema = pa.schema(
-            [stored.field(f.name) if f.name in stored_blobs else f for f in spec.schema]
-        )
-        self.rows = 0
-        self.blob_bytes_written = 0
-        self.error: Exception | None = None
-
-    def __iter__(self) -> Iterator[pa.RecordBatch]:
-        """The checked batches; any exception on the way (ours, or the producer's: a dead
-        Ray cluster, a lost worker, an object store refusing a blob) is kept in ``error``,
-        because Lance reports an exception raised inside its reader only as an opaque
-        ``OSError: LanceError(Arrow): C Data interface error`` and ``replace_partition``
-        re-raises the original instead."""
-        try:
-            yield from self._checked()
-        except Exception as exc:
-            if self.error is None:
-                self.error = exc
-            raise
-
-    def _checked(self) -> Iterator[pa.RecordBatch]:
-        schema = self._schema
-        for rb in self._batches:
-            for name in self._prestored:
-                if not pa.types.is_string(rb.schema.field(name).type):
-                    self.error = ValueError(
-                        f"{self._spec.name}.{name}: stored_blobs needs sha256 references, "
-                        f"got {rb.schema.field(name).type}"
-                    )
-                    raise self.error
-            rb = pa.Table.from_batches([rb]).select(schema.names).cast(schema)
-            for part in rb.to_batches():
-                batch_values = set(part.column("batch").unique().to_pylist())
-                if batch_values - {self._batch}:
-                    self.error = ValueError(
-                        f"rows for batch {self._batch!r} include other batches: {batch_values}"
-                    )
-                    raise self.error
-                for name in self._prestored:
-                    try:
-                        self._blobs.check_present(self._spec.name, part.column(name).to_pylist())
-                    except BlobError as exc:
-                        self.error = exc
-                        raise
-                self.rows += part.num_rows
-                if self._blob_columns:
-                    part, written = self._blobs.to_stored(
-                        self._spec.name, part, self._blob_columns, self._stored
-                    )
-                    self.blob_bytes_written += written
-                yield part
-                crashpoint("lab.fragment_batch")
 
 
 class Lab(VersionPins):
@@ -267,7 +186,7 @@ class Lab(VersionPins):
         ds = self.ensure(spec)
         stored = pa.schema([ds.schema.field(n) for n in spec.schema.names])
         batches = data.to_batches() if isinstance(data, pa.Table) else data
-        counted = _CountingBatches(batches, spec, batch, stored, self.blobs, stored_blobs)
+        counted = CountingBatches(batches, spec, batch, stored, self.blobs, stored_blobs)
         reader = pa.RecordBatchReader.from_batches(stored, iter(counted))
         try:
             # On the opened dataset, not its URI: Lance would list every kept manifest to
@@ -278,13 +197,47 @@ class Lab(VersionPins):
             if counted.error is not None:  # raised inside Lance's reader: surface the original
                 raise counted.error from None
             raise
+        return self._commit_new_rows(
+            spec, batch, new_fragments, counted.rows, counted.blob_bytes_written, attempts
+        )
+
+    def partition_fragments(
+        self, spec: TableSpec, batch: str, stored_blobs: Sequence[str] = ()
+    ) -> PartitionFragments:
+        """Where worker processes (on any node that reaches the lab) write rows of
+        ``batch`` as uncommitted fragment files; ``commit_partition`` makes them the batch's
+        rows. Creates the table if missing, so the workers find it."""
+        ds = self.ensure(spec)
+        stored = pa.schema([ds.schema.field(n) for n in spec.schema.names])
+        return PartitionFragments(self.root, spec, batch, stored, tuple(stored_blobs))
+
+    def commit_partition(
+        self, spec: TableSpec, batch: str, written: Sequence[WrittenFragments], attempts: int = 8
+    ) -> dict[str, Any]:
+        """Replace every row of ``batch`` with the rows of ``written`` (fragments workers
+        wrote through ``partition_fragments``) in one Lance commit: the same commit, locks,
+        retries and maintenance as ``replace_partition``."""
+        fragments = [f for w in written for f in w.metadata()]
+        rows = sum(w.rows for w in written)
+        blob_bytes = sum(w.blob_bytes_written for w in written)
+        return self._commit_new_rows(spec, batch, fragments, rows, blob_bytes, attempts)
+
+    def _commit_new_rows(
+        self,
+        spec: TableSpec,
+        batch: str,
+        new_fragments: list,
+        rows: int,
+        blob_bytes_written: int,
+        attempts: int,
+    ) -> dict[str, Any]:
         crashpoint("lab.fragments_written")
         predicate = f"batch = {sql_literal(batch)}"
         with self._partition_lock(spec.name, batch):
             result, committed = self._commit_replacement(
-                spec, predicate, new_fragments, counted.rows, attempts
+                spec, predicate, new_fragments, rows, attempts
             )
-        result["blob_bytes_written"] = counted.blob_bytes_written
+        result["blob_bytes_written"] = blob_bytes_written
         result["maintenance"] = self.after_commit(spec, committed)
         return result
 

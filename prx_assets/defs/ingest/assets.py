@@ -16,7 +16,7 @@ from prx_assets.defs.resources import LabResource
     group_name="ingest",
     kinds={"lance"},
     # v3: captures opt-out headers (usage_signals); v4: rejects carry url/source_id (aliases)
-    code_version="raw_images-v4",
+    code_version="raw_images-v4",  # workers writing the rows (same rows) is no new version
     description=(
         "Every file of the batch validated by the decoding policy: accepted images "
         "(with original bytes) in Lance `images`, every refusal with its reason in `rejects`."
@@ -42,9 +42,9 @@ def raw_images(context: AssetExecutionContext, lab: LabResource) -> MaterializeR
             blob_sink=store.local_blobs(IMAGES, "image") or remote_sink,
             remote_reads=remote_reads,
         )
-        written = store.replace_partition(
-            IMAGES, ref.key, run.image_batches(), stored_blobs=run.stored_blobs
-        )
+        # Workers write the rows too where they reach the lab; one commit here.
+        fragments = store.partition_fragments(IMAGES, ref.key, stored_blobs=run.stored_blobs)
+        written = store.commit_partition(IMAGES, ref.key, run.write_images(fragments))
         rejected = store.replace_partition(REJECTS, ref.key, run.rejects)
     stats = run.stats
     context.log.info(

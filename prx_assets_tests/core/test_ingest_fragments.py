@@ -1,0 +1,171 @@
+"""Ingest workers write the ``images`` rows themselves (one Lance fragment per chunk of
+files) and the step commits once: the same table as the step's own write, the rows never
+through the step, a repeat across chunks still refused, a killed worker costing nothing."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from prx_assets.core.ingest import runner as ingest
+from prx_assets.core.ingest.runner import BatchIngest, ChunkTask, RowMeta, check_store_and_write
+from prx_assets.core.ingest.sources import FileRead, resolve_batch
+from prx_assets.core.lab import MANUAL, Lab
+from prx_assets.core.tables import IMAGES, REJECTS
+
+
+def _jpeg(i: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (96 + i, 64), (30 * i % 255, 90, 200 - 10 * i)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def _landing(root: Path) -> Path:
+    """One folder batch: 11 photos, a truncated file, and byte-identical repeats of a photo
+    both inside one chunk of 4 and across chunks (aliases)."""
+    b = root / "landing" / "s" / "000"
+    b.mkdir(parents=True)
+    for i in range(11):
+        (b / f"p{i:02d}.jpg").write_bytes(_jpeg(i))
+    (b / "a_broken.jpg").write_bytes(_jpeg(3)[:-20])
+    (b / "p00_copy.jpg").write_bytes(_jpeg(0))  # right after p00: same chunk
+    (b / "zz_copy.jpg").write_bytes(_jpeg(1))  # last: another chunk than p01
+    (b / "_SUCCESS").write_text("")
+    return root / "landing"
+
+
+def _table(lab: Lab) -> tuple[list[dict], list[dict]]:
+    images = sorted(lab.read(IMAGES.name).to_pylist(), key=lambda r: r["key"])
+    rejects = sorted(lab.read(REJECTS.name).to_pylist(), key=lambda r: r["path"])
+    return images, rejects
+
+
+def _by_step(landing: Path, lab: Lab) -> None:
+    run = BatchIngest(
+        resolve_batch(landing, "s.000"), workers=2, blob_sink=lab.local_blobs(IMAGES, "image")
+    )
+    lab.replace_partition(IMAGES, "s.000", run.image_batches(), stored_blobs=run.stored_blobs)
+    lab.replace_partition(REJECTS, "s.000", run.rejects)
+
+
+def _by_workers(landing: Path, lab: Lab, workers: int = 2) -> dict:
+    run = BatchIngest(
+        resolve_batch(landing, "s.000"),
+        workers=workers,
+        blob_sink=lab.local_blobs(IMAGES, "image"),
+    )
+    fragments = lab.partition_fragments(IMAGES, "s.000", stored_blobs=run.stored_blobs)
+    written = run.write_images(fragments)
+    result = lab.commit_partition(IMAGES, "s.000", written)
+    lab.replace_partition(REJECTS, "s.000", run.rejects)
+    result["fragments"] = sum(len(w.fragments) for w in written)
+    return result
+
+
+def test_workers_write_the_same_table_as_the_step_and_repeats_are_still_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ingest, "INGEST_CHUNK", 4)  # 14 files: 4 chunks, 4 fragments
+    landing = _landing(tmp_path)
+    step = Lab(tmp_path / "lab-step", policy=MANUAL)
+    _by_step(landing, step)
+    workers = Lab(tmp_path / "lab-workers", policy=MANUAL)
+    result = _by_workers(landing, workers)
+
+    assert result["rows_written"] == 11
+    assert result["fragments"] == 4  # a fragment per chunk: none written by the step
+    assert _table(workers) == _table(step)  # every column: thumbnails, previews, aliases
+    images, rejects = _table(workers)
+    assert {r["path"]: r["reason"] for r in rejects} == {
+        "a_broken.jpg": "truncated",
+        "p00_copy.jpg": "duplicate_bytes_in_batch",
+        "zz_copy.jpg": "duplicate_bytes_in_batch",
+    }
+    assert all(r["preview"] and r["phash_thumbnail"] for r in images)
+    # A rerun replaces the batch's rows with the same rows.
+    again = _by_workers(landing, workers)
+    assert again["rows_replaced"] == 11
+    assert _table(workers) == _table(step)
+
+
+def test_a_chunk_result_carries_references_not_pixels(tmp_path: Path) -> None:
+    landing = _landing(tmp_path)
+    lab = Lab(tmp_path / "lab", policy=MANUAL)
+    fragments = lab.partition_fragments(IMAGES, "s.000", stored_blobs=("image",))
+    folder = landing / "s" / "000"
+    names = ["p00.jpg", "p00_copy.jpg", "a_broken.jpg", "p01.jpg"]
+    items = tuple(
+        (FileRead(os.fsencode(folder / n), 10 << 20), RowMeta(n, "s", None, None, None, None, None))
+        for n in names
+    )
+    task = ChunkTask(items, 40_000_000, lab.local_blobs(IMAGES, "image"), fragments)
+    out = check_store_and_write(task)
+    assert out.positions == (0, 3)  # the in-chunk repeat and the broken file not written
+    assert out.written is not None and out.written.rows == 2
+    for pos in out.positions:
+        key, (info, thumb, preview), stored, _ = out.checked[pos]
+        assert stored and thumb is None and preview is None  # they went into the fragment
+    assert out.checked[2][1][0] == "truncated"
+    assert out.checked[1][1][2] is not None  # not written here: the step gets its preview
+
+    # What the step receives for files written here: their checks and the fragment's
+    # metadata, a few hundred bytes each, not their thumbnails and previews.
+    names = [f"p{i:02d}.jpg" for i in range(8)]
+    items = tuple(
+        (FileRead(os.fsencode(folder / n), 10 << 20), RowMeta(n, "s", None, None, None, None, None))
+        for n in names
+    )
+    out = check_store_and_write(ChunkTask(items, 40_000_000, task.sink, fragments))
+    assert out.positions == tuple(range(8))
+    pixels = BatchIngest(resolve_batch(landing, "s.000"), workers=1)
+    previews = {
+        r["path"]: len(r["preview"]) + len(r["phash_thumbnail"])
+        for b in pixels.image_batches()
+        for r in b.to_pylist()
+    }
+    per_file = len(pickle.dumps(out, protocol=5)) / len(names)
+    assert per_file < 400, per_file
+    assert per_file < min(previews[n] for n in names) / 4
+
+
+def test_a_worker_killed_after_writing_its_fragment_costs_nothing(tmp_path: Path) -> None:
+    """kill -9 of each worker right after its first fragment is written (crashpoint, in a
+    fresh process so the pool's workers inherit it): the step checks those chunks' files
+    again, writes their rows itself, and commits the same table; the dead workers' files
+    are orphans, never rows."""
+    landing = _landing(tmp_path)
+    reference = Lab(tmp_path / "lab-ref", policy=MANUAL)
+    _by_step(landing, reference)
+    code = (
+        "import sys; from pathlib import Path\n"
+        "from prx_assets.core.ingest import runner as ingest\n"
+        "from prx_assets.core.lab import MANUAL, Lab\n"
+        "from prx_assets_tests.core.test_ingest_fragments import _by_workers\n"
+        "ingest.INGEST_CHUNK = 4\n"
+        "lab = Lab(sys.argv[2], policy=MANUAL)\n"
+        "print(_by_workers(Path(sys.argv[1]), lab)['rows_written'])\n"
+    )
+    env = {**os.environ, "PRX_CRASH_AT": "ingest.chunk_written:1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(landing), str(tmp_path / "lab")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "11"
+    lab = Lab(tmp_path / "lab", policy=MANUAL)
+    assert _table(lab) == _table(reference)
+    data = Path(lab.uri(IMAGES.name)) / "data"
+    committed = {
+        f.path for frag in lab.dataset(IMAGES.name).get_fragments() for f in frag.data_files()
+    }
+    assert len(list(data.iterdir())) > len(committed)  # the killed workers' files: orphans
