@@ -18,8 +18,9 @@ import pytest
 from dagster import instance_for_test, materialize
 
 from prx_assets.core.ingest.remote_landing import upload_landing
-from prx_assets.core.ingest.runner import BatchIngest
+from prx_assets.core.ingest.runner import BatchIngest, ChunkTask
 from prx_assets.core.lab import Lab
+from prx_assets.core.lab.fragments import PartitionFragments
 from prx_assets.core.ray_local import LocalRayCluster
 from prx_assets.core.tables import BY_NAME, IMAGES, REJECTS
 from prx_assets.defs.ingest.assets import raw_images
@@ -84,6 +85,7 @@ def test_ray_tasks_carry_references_and_workers_store_the_blobs(
     from prx_assets.core.ray_pool import RayPool
 
     sizes: list[int] = []
+    files: list[int] = []
     leaked: list[bytes] = []
     original = RayPool.map_ordered
 
@@ -92,6 +94,7 @@ def test_ray_tasks_carry_references_and_workers_store_the_blobs(
             for item in items:
                 blob = pickle.dumps(item)
                 sizes.append(len(blob))
+                files.append(len(item.items) if isinstance(item, ChunkTask) else 0)
                 leaked.extend(s for s in (ACCESS_KEY.encode(), SECRET_KEY.encode()) if s in blob)
                 yield item
 
@@ -106,14 +109,23 @@ def test_ray_tasks_carry_references_and_workers_store_the_blobs(
         return store_here(self, c, key)
 
     monkeypatch.setattr(BatchIngest, "_store_here", storing_here)
+    written_here: list[int] = []
+    write = PartitionFragments.write
+
+    def writing_here(self, data):  # noqa: ANN001, ANN202
+        written_here.append(1)
+        return write(self, data)
+
+    monkeypatch.setattr(PartitionFragments, "write", writing_here)
     monkeypatch.setenv("PRX_EXECUTOR", "ray")
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
     before = cluster.tasks_run("run_prx_item")
     _ingest(tmp_path / "ray", landing_dir=landing, lab_uri=lab_uri)
     ran = sum(cluster.tasks_run("run_prx_item").values()) - sum(before.values())
 
-    assert len(sizes) == 6 and ran >= 6, (sizes, ran)  # every file went through a Ray task
-    assert max(sizes) < 4096, sizes  # references, not image bytes
+    # Every file went through a Ray task (a chunk of files per task: their references).
+    assert sum(files) == 6 and ran >= 1, (files, sizes, ran)
+    assert max(sizes) < 4096, sizes  # references and the table's schema, not image bytes
     assert leaked == []  # no credentials in any task's arguments
 
     ref, on_s3 = Lab(tmp_path / "ref" / "lab"), Lab(lab_uri)
@@ -121,7 +133,9 @@ def test_ray_tasks_carry_references_and_workers_store_the_blobs(
     assert _rows(on_s3, REJECTS.name) == _rows(ref, REJECTS.name)
     reasons = sorted(r["reason"] for r in _rows(on_s3, REJECTS.name))
     assert len(_rows(on_s3, IMAGES.name)) == 4 and len(reasons) == 2, reasons
-    # The blobs were stored by the Ray workers: this process put none of them.
+    # The blobs were stored and the rows written by the Ray workers: this process put no
+    # blob and wrote no fragment (it committed the workers' fragments).
     assert stored_here == []
+    assert written_here == []
     blobs = s3_server.objects(f"{lab_uri[len('s3://' + s3_server.bucket) + 1 :]}/_blobs")
     assert len(blobs) == 4
