@@ -18,6 +18,37 @@ PHOTOS = Path(__file__).resolve().parents[1] / "prx_assets" / "demo" / "photos"
 # (see prx_assets.loader.locks). Removed when the session starts and after each test.
 
 
+# The longest modules first (measured with --durations): `make test` runs the suite on two
+# processes a module at a time (`--dist loadscope`), and a long module started last leaves
+# the other process idle at the end. No test depends on this order.
+LONGEST_MODULES = (
+    "s3/test_kill_s3.py",
+    "s3/test_demo_on_s3.py",
+    "test_kill.py",
+    "test_end_to_end.py",
+    "ops/test_dagster_ui.py",
+    "ops/test_run_monitoring.py",
+    "test_automation.py",
+    "test_snapshots.py",
+    "defs/test_audit.py",
+    "test_ray_executor.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_MODULES)}
+    here = Path(__file__).resolve().parent
+
+    def first(item: pytest.Item) -> int:
+        try:
+            name = Path(str(item.path)).resolve().relative_to(here).as_posix()
+        except ValueError:
+            return len(rank)
+        return rank.get(name, len(rank))
+
+    items.sort(key=first)  # stable: the rest keep their order
+
+
 def pytest_configure(config: pytest.Config) -> None:
     from prx_assets.loader.locks import remove_dead_streaming_locks
 
