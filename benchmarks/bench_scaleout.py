@@ -143,11 +143,13 @@ class Boundary:
         def map_ordered(pool, fn, items, *, window=None):  # noqa: ANN001, ANN202
             crosses = kind != "inline"
 
-            images: list[int] = []  # images per item, in order (a piece holds several)
+            # images per item, in order (a shard piece or an ingest chunk holds several)
+            images: list[int] = []
 
             def counted() -> Iterator[Any]:
                 for item in items:
-                    images.append(len(getattr(item, "samples", None) or (None,)))
+                    several = getattr(item, "samples", None) or getattr(item, "items", None)
+                    images.append(len(several) if isinstance(several, tuple) else 1)
                     boundary.tasks[kind] = boundary.tasks.get(kind, 0) + 1
                     if crosses:
                         n = boundary._size(item)
