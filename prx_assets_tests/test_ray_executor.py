@@ -318,3 +318,58 @@ def test_steps_share_one_ray_job_probe_each_node_once_and_show_in_the_state_api(
             time.sleep(0.5)
     assert seen, "Ray's state API lists no run_prx_item task"
     assert {t.name for t in seen} == {TASK}
+
+
+def test_with_a_shared_mount_ray_workers_write_the_ingest_rows(
+    tmp_path, landing, cluster, local_run, monkeypatch
+):
+    """``PRX_SHARED_FILESYSTEM=1`` (the nodes share this disk, as on a shared mount): the
+    ``raw_images`` tasks are chunks of file references, the Ray workers read the files,
+    store the blobs and write the rows, and this process only commits; the rows are the
+    local path's."""
+    import pickle
+
+    from prx_assets.core.ingest.runner import BatchIngest, ChunkTask
+    from prx_assets.core.ingest.sources import resolve_batch
+    from prx_assets.core.lab.fragments import PartitionFragments
+    from prx_assets.core.ray_pool import RayPool
+    from prx_assets.core.tables import IMAGES
+
+    root = _data_root(tmp_path, landing)
+    sizes: list[int] = []
+    files: list[int] = []
+    original = RayPool.map_ordered
+
+    def spying(self, fn, items, **kw):  # noqa: ANN001, ANN202 - the pool's own signature
+        def watched():
+            for item in items:
+                assert isinstance(item, ChunkTask), type(item)
+                sizes.append(len(pickle.dumps(item)))
+                files.append(len(item.items))
+                yield item
+
+        return original(self, fn, watched(), **kw)
+
+    here: list[str] = []
+    write, store_here = PartitionFragments.write, BatchIngest._store_here
+    monkeypatch.setattr(RayPool, "map_ordered", spying)
+    monkeypatch.setattr(
+        PartitionFragments, "write", lambda self, data: here.append("rows") or write(self, data)
+    )
+    monkeypatch.setattr(
+        BatchIngest, "_store_here", lambda self, c, k: here.append("blob") or store_here(self, c, k)
+    )
+    monkeypatch.setenv("PRX_EXECUTOR", "ray")
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    monkeypatch.setenv("PRX_SHARED_FILESYSTEM", "1")
+    lab = Lab(root / "lab")
+    run = BatchIngest(
+        resolve_batch(root / "landing", KEY), blob_sink=lab.local_blobs(IMAGES, "image")
+    )
+    fragments = lab.partition_fragments(IMAGES, KEY, stored_blobs=run.stored_blobs)
+    lab.commit_partition(IMAGES, KEY, run.write_images(fragments))
+
+    assert sum(files) == PHOTOS and max(sizes) < 16_384, (files, sizes)  # references only
+    assert here == []  # every blob stored and every row written by the Ray workers
+    local, _ = local_run
+    assert _rows(lab, IMAGES.name) == _rows(Lab(local / "lab"), IMAGES.name)

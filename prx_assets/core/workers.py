@@ -56,6 +56,7 @@ POOL_KINDS = ("process", "inline", "ray")
 # The Dagster executor kinds of the same variable (defs/executors.py): per-image work in
 # one step's process (or pod) runs on a process pool.
 _DAGSTER_KINDS = {"multiprocess": "process", "k8s": "process", "ray_runs": "process"}
+SHARED_FS_ENV = "PRX_SHARED_FILESYSTEM"
 ERROR_CHARS = 500  # an ItemFailed message quotes at most this much of the exception
 # Imported once in the forkserver, so every forked worker starts with them loaded: the
 # stages' task modules (their imports, Lance's included, cost ~1 s per fresh process).
@@ -68,6 +69,15 @@ _PRELOAD = [
     "prx_assets.core.dedup.phash",
     "prx_assets.core.shards.render",
 ]
+
+
+def shared_filesystem() -> bool:
+    """Whether every worker node sees this machine's lab, landing zone and shard tree at
+    the same paths (``PRX_SHARED_FILESYSTEM=1``: an NFS/Lustre mount on every Ray node, or a
+    one-machine cluster). Then Ray workers read and write them like local workers. A wrong
+    setting fails the step (each worker first checks a path the step just made: the
+    shard staging directory, ingest's probe file), never a silent loss."""
+    return os.environ.get(SHARED_FS_ENV, "") == "1"
 
 
 @dataclass(frozen=True)

@@ -169,3 +169,25 @@ def test_a_worker_killed_after_writing_its_fragment_costs_nothing(tmp_path: Path
         f.path for frag in lab.dataset(IMAGES.name).get_fragments() for f in frag.data_files()
     }
     assert len(list(data.iterdir())) > len(committed)  # the killed workers' files: orphans
+
+
+def test_a_worker_that_does_not_see_the_shared_mount_refuses_its_chunk(tmp_path: Path) -> None:
+    """``PRX_SHARED_FILESYSTEM=1`` set wrongly (a Ray node without the mount): the worker
+    does not see the probe file the step just made, and refuses the chunk before touching
+    any file (``write_images`` then fails the step on that refusal, rather than record the
+    files as unreadable or commit rows stored on another machine)."""
+    landing = _landing(tmp_path)
+    lab = Lab(tmp_path / "lab", policy=MANUAL)
+    fragments = lab.partition_fragments(IMAGES, "s.000", stored_blobs=("image",))
+    folder = landing / "s" / "000"
+    items = (
+        (
+            FileRead(os.fsencode(folder / "p00.jpg"), 10 << 20),
+            RowMeta("p00.jpg", "s", None, None, None, None, None),
+        ),
+    )
+    sink = lab.local_blobs(IMAGES, "image")
+    task = ChunkTask(items, 40_000_000, sink, fragments, probe=str(tmp_path / "elsewhere"))
+    with pytest.raises(FileNotFoundError, match=ingest.NOT_SHARED):
+        check_store_and_write(task)
+    assert not [p for p in Path(sink.directory).rglob("*") if p.is_file()]  # nothing stored

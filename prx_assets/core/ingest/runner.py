@@ -48,7 +48,14 @@ from prx_assets.core.lab.blobs import LocalBlobs, RemoteBlobs
 from prx_assets.core.lab.fragments import PartitionFragments, WrittenFragments
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.core.text import bound_text, quote_bounded
-from prx_assets.core.workers import ItemFailed, ProcessPool, WorkerPool, make_pool
+from prx_assets.core.workers import (
+    SHARED_FS_ENV,
+    ItemFailed,
+    ProcessPool,
+    WorkerPool,
+    make_pool,
+    shared_filesystem,
+)
 
 ROWS_PER_RECORD_BATCH = 256
 BYTES_PER_RECORD_BATCH = 8 * 1024 * 1024  # a record batch also ends at this many image bytes
@@ -229,6 +236,8 @@ def _check_or_skip(
     return None if item is None else check_and_store(item)
 
 
+NOT_SHARED = "shared filesystem not seen by this worker:"
+
 #: Candidates per worker task when the workers write the rows themselves (one Lance
 #: fragment each): the task then carries references and row metadata, the result a
 #: fragment's metadata and each file's check, never its thumbnail or preview.
@@ -297,6 +306,9 @@ class ChunkTask:
     max_pixels: int
     sink: LocalBlobs | RemoteBlobs
     fragments: PartitionFragments
+    # A file the step made just before (a local lab on a shared mount): a worker that does
+    # not see it is on a node without the mount, and refuses the chunk (the step fails).
+    probe: str | None = None
 
 
 @dataclass(frozen=True)
@@ -318,6 +330,8 @@ def check_store_and_write(task: ChunkTask) -> ChunkResult:
     refuses a row written here (a repeat of a file in an earlier chunk), keeps the others
     (``PartitionFragments.keep_rows``).
     """
+    if task.probe is not None and not os.path.exists(task.probe):
+        raise FileNotFoundError(f"{NOT_SHARED} {task.probe}")
     checked: list[FileChecked | None] = []
     rows: list[dict] = []
     positions: list[int] = []
@@ -445,14 +459,16 @@ class BatchIngest:
             }
         )
 
-    def _worker_sink(self, pool: WorkerPool) -> LocalBlobs | RemoteBlobs | None:
+    def _worker_sink(
+        self, pool: WorkerPool, shared: bool = False
+    ) -> LocalBlobs | RemoteBlobs | None:
         """The blob sink workers store into: only where they share this machine's
         filesystem, or where the lab is on object storage (None: this process stores)."""
         remote_sink = isinstance(self.blob_sink, RemoteBlobs)
-        return self.blob_sink if pool.same_machine or remote_sink else None
+        return self.blob_sink if pool.same_machine or shared or remote_sink else None
 
     def _candidates(
-        self, pool: WorkerPool, defer: bool, spool_dir: str | None
+        self, pool: WorkerPool, defer: bool, spool_dir: str | None, shared: bool = False
     ) -> Iterator[tuple[Candidate, bytes | FileRead | RemoteRead | None]]:
         """Every candidate in order with what a worker checks (None: nothing to check)."""
         for c in iter_candidates(
@@ -460,7 +476,7 @@ class BatchIngest:
         ):
             if isinstance(c.deferred, FileRead) and c.deferred.path in self.remote_reads:
                 c.deferred = self.remote_reads[c.deferred.path]  # a placeholder's object
-            elif c.deferred is not None and not pool.same_machine:
+            elif c.deferred is not None and not (pool.same_machine or shared):
                 # Only object storage is reachable from another node: read here.
                 try:
                     c.data = c.deferred.read()
@@ -516,16 +532,28 @@ class BatchIngest:
         """
         self._first_path_of_key = {}
         pool = make_pool(self.executor, self.workers)
-        sink = self._worker_sink(pool)
+        # A local lab on a mount every Ray node shares (``PRX_SHARED_FILESYSTEM=1``): Ray
+        # workers read the landing files and write blobs and fragments like local ones.
+        shared = shared_filesystem() and isinstance(self.blob_sink, LocalBlobs)
+        sink = self._worker_sink(pool, shared)
         if sink is None:
             pool.close()
             return [fragments.write(self.image_batches())]
         written: list[WrittenFragments] = []
         schema = _stored_image_schema()
-        defer = pool.same_machine or bool(self.remote_reads)  # as in ``_checked``
-        spool_dir = tempfile.mkdtemp(prefix="prx-ingest-")
+        defer = pool.same_machine or shared or bool(self.remote_reads)  # as in ``_checked``
+        # Archive members are spooled where the workers read them: with a shared mount,
+        # next to the lab's blobs (the local temp dir is this node's only).
+        spool_dir = tempfile.mkdtemp(
+            prefix="prx-ingest-", dir=sink.staging_dir() if shared else None
+        )
+        probe = None
+        if shared:
+            probe = os.path.join(spool_dir, "probe")
+            open(probe, "wb").close()
         try:
-            for cands, result in self._checked_chunks(pool, sink, defer, spool_dir, fragments):
+            chunks = self._checked_chunks(pool, sink, defer, spool_dir, fragments, shared, probe)
+            for cands, result in chunks:
                 accepted: list[tuple[int, dict]] = []
                 for pos, (c, checked) in enumerate(zip(cands, result.checked, strict=True)):
                     row = self._decide(c, checked)
@@ -556,13 +584,15 @@ class BatchIngest:
         defer: bool,
         spool_dir: str,
         fragments: PartitionFragments,
+        shared: bool = False,
+        probe: str | None = None,
     ) -> Iterator[tuple[list[Candidate], ChunkResult]]:
         """The candidates in chunks, each checked, stored and written by one worker."""
         pending: deque[list[Candidate]] = deque()
         sent: deque[ChunkTask] = deque()
 
         def chunk(cands: list[Candidate], items: list) -> ChunkTask:
-            task = ChunkTask(tuple(items), self.max_pixels, sink, fragments)
+            task = ChunkTask(tuple(items), self.max_pixels, sink, fragments, probe)
             pending.append(cands)
             sent.append(task)
             return task
@@ -571,7 +601,7 @@ class BatchIngest:
             cands: list[Candidate] = []
             items: list = []
             held = 0  # bytes of the chunk's files held here (archive members)
-            for c, source in self._candidates(pool, defer, spool_dir):
+            for c, source in self._candidates(pool, defer, spool_dir, shared):
                 cands.append(c)
                 items.append(None if source is None else (source, RowMeta.of(c)))
                 held += len(c.data) if c.data is not None else 0
@@ -587,6 +617,11 @@ class BatchIngest:
             cands = pending.popleft()
             task = sent.popleft()
             if isinstance(out, ItemFailed):
+                if NOT_SHARED in out.error:  # a wrong setting fails the step, loses nothing
+                    raise RuntimeError(
+                        f"{SHARED_FS_ENV}=1, but a worker does not see this machine's lab: "
+                        f"{out.error}"
+                    )
                 out = _isolate_chunk(task)
             yield cands, out
 

@@ -142,6 +142,12 @@ class LocalBlobs:
         ref = sha256 if sha256 is not None else hashlib.sha256(view).hexdigest()
         return ref, _put_local(self._path(ref), view)
 
+    def staging_dir(self) -> str:
+        """The ``.staging/`` directory (created), on the same filesystem as the blobs."""
+        staging = Path(self.directory) / STAGING_DIR
+        staging.mkdir(parents=True, exist_ok=True)
+        return str(staging)
+
     def staging_path(self) -> str:
         """A new, unused path in this directory's ``.staging/`` (same filesystem as the
         blobs) for a value written in chunks and then put with ``put_staged``. Why: a big

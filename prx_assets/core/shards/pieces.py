@@ -62,7 +62,13 @@ from prx_assets.core.shards.resize import RESAMPLE_CHOICES, SourceFacts, render_
 from prx_assets.core.shards.tables import assignment_from_row
 from prx_assets.core.storage import open_store
 from prx_assets.core.tables import IMAGES
-from prx_assets.core.workers import ItemFailed, ProcessPool, WorkerPool
+from prx_assets.core.workers import (  # noqa: F401 - SHARED_FS_ENV: re-exported
+    SHARED_FS_ENV,
+    ItemFailed,
+    ProcessPool,
+    WorkerPool,
+    shared_filesystem,
+)
 
 #: Samples per piece: the unit of work of one task and the largest a shard gets (fewer when
 #: ``size_limit`` cuts it first). Part of the output layout: changing it changes the
@@ -70,18 +76,6 @@ from prx_assets.core.workers import ItemFailed, ProcessPool, WorkerPool
 PIECE_SAMPLES = 256  # ~40-75 MB at 1024 px: the shard size streaming is built for, ~4 M
 # shards per 10^9 samples (64 gave ~16 M); a 100k-image batch still makes ~400 pieces
 SHARD_HASHES = ("sha256",)  # recorded per shard in index.json: the dir_digest commits to bytes
-
-
-SHARED_FS_ENV = "PRX_SHARED_FILESYSTEM"
-
-
-def shared_filesystem() -> bool:
-    """Whether every worker node sees this machine's lab and shard tree at the same paths
-    (``PRX_SHARED_FILESYSTEM=1``: an NFS/Lustre mount on every Ray node, or a one-machine
-    cluster). Then Ray workers read local blobs and write staged shards like local ones. A
-    wrong setting fails the step (the staging directory is checked before any render),
-    never a silent loss."""
-    return os.environ.get(SHARED_FS_ENV, "") == "1"
 
 
 #: What a worker needs of a ``bucket_assignments`` row (``tables.assignment_from_row``):
