@@ -25,6 +25,8 @@ def _run_partition(instance, key: str, data_root: str) -> bool:
     earlier batch's image would leave that earlier copy in training. So the reruns the
     sensor would request run here too, until nothing is stale (bounded; see settle.py).
     """
+    from dagster import AssetCheckSeverity
+
     from prx_assets.definitions import DOWNSTREAM_OF_DEDUP, build_defs
     from prx_assets.defs.dedup.settle import describe_settle, settle_dedup_in_process
     from prx_assets.instance import local_run_tags
@@ -35,9 +37,19 @@ def _run_partition(instance, key: str, data_root: str) -> bool:
         partition_key=key, instance=instance, raise_on_error=False, tags=local_run_tags()
     )
     print(f"{key}: {'materialised' if result.success else 'FAILED (see the run in the UI)'}")
+    # A run whose ERROR-severity checks failed succeeded as a run, not as a result: say so
+    # and exit non-zero (a WARN check is printed and does not fail the command).
+    failed = [e for e in result.get_asset_check_evaluations() if not e.passed]
+    for e in failed:
+        print(
+            f"{key}: check {e.check_name} on {e.asset_key.to_user_string()} FAILED "
+            f"({e.severity.value})",
+            file=sys.stderr,
+        )
+    errors = [e for e in failed if e.severity == AssetCheckSeverity.ERROR]
     report = settle_dedup_in_process(defs, instance, DOWNSTREAM_OF_DEDUP, tags=local_run_tags())
     print(describe_settle(report))
-    return result.success and report.settled
+    return result.success and not errors and report.settled
 
 
 def register_batch(args: argparse.Namespace) -> int:
@@ -115,7 +127,9 @@ def snapshot(args: argparse.Namespace) -> int:
     lab = resource.lab()
     try:
         if args.action == "create":
-            out = create_snapshot(lab, resource.shards_root, args.name)
+            out = create_snapshot(
+                lab, resource.shards_root, args.name, allow_empty=args.allow_empty
+            )
             m = out.manifest
             verb = "created" if out.created else "exists (unchanged)"
             print(
@@ -280,6 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         q = snap.add_parser(action)
         q.add_argument("name")
         q.add_argument("--data-root", default=None)
+        if action == "create":
+            q.add_argument(
+                "--allow-empty",
+                action="store_true",
+                help="freeze a training set with no sample in it (refused otherwise)",
+            )
     q = snap.add_parser("list")
     q.add_argument("--data-root", default=None)
     q = snap.add_parser("diff", help="samples added/removed/changed from A to B, by reason")

@@ -133,3 +133,33 @@ def test_settling_is_bounded_in_rounds_when_reruns_change_nothing(tmp_path):
     assert report.rounds == 2 and [r.batch for r in report.reruns] == ["web.a", "web.a"]
     assert not report.settled and report.still_stale == ["web.a"]
     assert report.reruns[0].assets == ("phash_clusters",)
+
+
+def test_register_batch_materialize_exits_non_zero_when_an_error_check_fails(
+    tmp_path, monkeypatch, capsys
+):
+    """Photos without alt text and no VLM captioner: every image is skipped as no_caption
+    and ``skip_lists_caption_coverage`` (severity ERROR) fails. The run itself succeeds;
+    the command says which check failed and exits 1, not 0."""
+    data_root = tmp_path / "data"
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PRX_DATA_ROOT", str(data_root))
+    folder = data_root / "landing" / "web" / "000"
+    folder.mkdir(parents=True)
+    (folder / "camera.jpg").write_bytes(_photo("camera.png"))
+    (folder / "astronaut.jpg").write_bytes(_photo("astronaut.png"))
+    (folder / "_SUCCESS").write_text("")
+    args = ["register-batch", str(folder), "--data-root", str(data_root), "--materialize"]
+    assert cli_main(args) == 1
+    captured = capsys.readouterr()
+    assert "web.000: materialised" in captured.out  # the run succeeded as a run
+    assert "check skip_lists_caption_coverage on skip_lists FAILED (ERROR)" in captured.err
+
+    # Nothing is in training: a snapshot of that is refused unless asked for.
+    snap = ["snapshot", "create", "empty", "--data-root", str(data_root)]
+    assert cli_main(snap) == 2
+    assert "0 of 2 samples are in training" in capsys.readouterr().err
+    assert cli_main(["snapshot", "list", "--data-root", str(data_root)]) == 0
+    assert "empty" not in capsys.readouterr().out  # nothing was frozen
+    assert cli_main([*snap, "--allow-empty"]) == 0
+    assert "0 of 2 samples in training" in capsys.readouterr().out

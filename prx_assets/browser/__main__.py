@@ -22,6 +22,17 @@ from prx_assets.browser.thumbs import ThumbnailCache
 from prx_assets.core.lab import Lab, no_lab_at
 
 
+def _port(text: str) -> int:
+    """A TCP port (0: any free one); anything else is a usage error, not a traceback."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text[:40]!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 0-65535")
+    return port
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m prx_assets.browser", description=__doc__)
     p.add_argument("--data-root", default=os.environ.get("PRX_DATA_ROOT", "data"))
@@ -32,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the shard tree the loader reads, for audit verdicts (default: <data-root>/shards)",
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8765, help="0: any free port")
+    p.add_argument("--port", type=_port, default=8765, help="0: any free port")
     p.add_argument(
         "--allow-host",
         action="append",
@@ -87,7 +98,14 @@ def main(argv: list[str] | None = None) -> int:
         ThumbnailCache(args.thumb_cache_mb * 1024 * 1024),
         allowed_hosts=LOOPBACK_HOSTS | frozenset(args.allow_host),
     )
-    server = make_server(app, args.host, args.port, quiet=args.quiet)
+    try:
+        server = make_server(app, args.host, args.port, quiet=args.quiet)
+    except OSError as exc:  # the port is taken, the host is not this machine's, ...
+        print(
+            f"error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 2
     host, port = server.server_address[:2]
     shown = f"[{host}]" if ":" in str(host) else host
     print(f"curation browser on http://{shown}:{port}/  (lab {lab_root}; Ctrl-C stops)", flush=True)

@@ -175,8 +175,13 @@ def create_snapshot(
     snapshot_id: str,
     *,
     now: datetime | None = None,
+    allow_empty: bool = False,
 ) -> SnapshotOutcome:
-    """Freeze the effective training set as snapshot ``snapshot_id`` (see the module doc)."""
+    """Freeze the effective training set as snapshot ``snapshot_id`` (see the module doc).
+
+    A training set with no sample kept is refused unless ``allow_empty``: freezing "0 of N
+    samples in training" is almost always a mistake (an unsettled pipeline, a policy that
+    skips everything) that should not pass as a snapshot made."""
     pins.check_snapshot_id(snapshot_id)
     root = Path(shards_root)
     path = manifest_path(root, snapshot_id)
@@ -272,6 +277,13 @@ def create_snapshot(
         if not directories:
             raise SnapshotError(
                 f"no bucket x batch directory under {root / 'mds'}: nothing to freeze"
+            )
+        if not allow_empty and not members:
+            total = sum(d.samples for d in directories)
+            raise SnapshotError(
+                f"0 of {total} samples are in training (every one is skipped): nothing "
+                "frozen; to record an empty training set on purpose, allow it explicitly "
+                "(`snapshot create NAME --allow-empty`)"
             )
         fingerprints = {
             "policy": _distinct(view, "skip_audit", "policy_fingerprint"),

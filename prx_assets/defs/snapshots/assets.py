@@ -36,6 +36,9 @@ class SnapshotConfig(Config):
     """The snapshot's name (a file name: letters, digits, '.', '_', '-'); empty: a UTC time."""
 
     name: str = ""
+    # A training set with no sample kept is refused unless this is set (almost always a
+    # mistake: an unsettled pipeline, a policy that skips everything).
+    allow_empty: bool = False
 
 
 def diff_metadata(lab, a: str, b: str) -> dict:
@@ -60,7 +63,7 @@ def training_snapshots(
     name = config.name or datetime.now(UTC).strftime("snap-%Y%m%dT%H%M%SZ")
     before = [s["snapshot_id"] for s in list_snapshots(store) if s["status"] == "live"]
     try:
-        out = create_snapshot(store, lab.shards_root, name)
+        out = create_snapshot(store, lab.shards_root, name, allow_empty=config.allow_empty)
     except (SnapshotError, ValueError) as exc:
         raise Failure(description=f"snapshot {name[:80]!r} refused: {exc}") from None
     m = out.manifest
