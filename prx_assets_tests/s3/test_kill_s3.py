@@ -180,15 +180,16 @@ def mds_states(s3_server, tiles, tmp_path_factory) -> States:  # noqa: F811
     return state
 
 
+# Every point once, and the first and last of the repeated ones: the middle ones
+# (object_uploaded:4, pointer_published:2) were dropped for the suite's 15 minutes; they
+# checked the same property at one more intermediate state.
 MDS_CRASHES = [
     "mds.sample_written:7",  # still staging locally: the remote is untouched
     "storage.object_uploaded:1",
-    "storage.object_uploaded:4",
     "storage.object_uploaded:9",
     "storage.shards_uploaded:1",  # a version complete, its pointer not put
     "storage.shards_uploaded:3",
     "storage.pointer_published:1",
-    "storage.pointer_published:2",
     "storage.pointer_published:3",
     "storage.stale_removed:1",
     "storage.stale_pointer_removed:1",  # Z invisible, its objects still there
