@@ -191,3 +191,20 @@ def test_a_worker_that_does_not_see_the_shared_mount_refuses_its_chunk(tmp_path:
     with pytest.raises(FileNotFoundError, match=ingest.NOT_SHARED):
         check_store_and_write(task)
     assert not [p for p in Path(sink.directory).rglob("*") if p.is_file()]  # nothing stored
+
+
+def test_fragments_whose_files_are_missing_are_never_committed(tmp_path: Path) -> None:
+    """A worker's fragment whose file this lab cannot see (written on a node without the
+    mount, or removed) fails the commit; the batch keeps its previous rows."""
+    landing = _landing(tmp_path)
+    lab = Lab(tmp_path / "lab", policy=MANUAL)
+    _by_workers(landing, lab)
+    before = _table(lab)
+    run = BatchIngest(resolve_batch(landing, "s.000"), blob_sink=lab.local_blobs(IMAGES, "image"))
+    fragments = lab.partition_fragments(IMAGES, "s.000", stored_blobs=run.stored_blobs)
+    written = run.write_images(fragments)
+    gone = written[0].metadata()[0].data_files()[0].path
+    (Path(lab.uri(IMAGES.name)) / "data" / gone).unlink()
+    with pytest.raises(FileNotFoundError, match="not in the lab"):
+        lab.commit_partition(IMAGES, "s.000", written)
+    assert _table(lab) == before

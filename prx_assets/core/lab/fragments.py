@@ -119,11 +119,7 @@ class WrittenFragments:
     blob_bytes_written: int = 0
 
     def metadata(self) -> list[FragmentMetadata]:
-        return [FragmentMetadata.from_json(_json_text(f)) for f in self.fragments]
-
-
-def _json_text(fragment: dict[str, Any]) -> str:
-    return json.dumps(fragment)
+        return [FragmentMetadata.from_json(json.dumps(f)) for f in self.fragments]
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from typing import Any
 
 import lance
 import pyarrow as pa
+import pyarrow.fs as pafs
 from lance.commit import CommitConflictError
 from lance.fragment import write_fragments
 
@@ -36,7 +37,7 @@ from prx_assets.core.lab.blobs import (
     stored_schema,
 )
 from prx_assets.core.lab.fragments import CountingBatches, PartitionFragments, WrittenFragments
-from prx_assets.core.lab.io import open_dataset, seen, storage_options
+from prx_assets.core.lab.io import arrow_filesystem, open_dataset, seen, storage_options
 from prx_assets.core.lab.maintenance import (
     DEFAULT_POLICY,
     ORPHAN_MIN_AGE,
@@ -216,8 +217,20 @@ class Lab(VersionPins):
     ) -> dict[str, Any]:
         """Replace every row of ``batch`` with the rows of ``written`` (fragments workers
         wrote through ``partition_fragments``) in one Lance commit: the same commit, locks,
-        retries and maintenance as ``replace_partition``."""
+        retries and maintenance as ``replace_partition``.
+
+        Every data file the fragments name must be there (one stat each): a worker that
+        wrote them somewhere this lab cannot see (a node without the mount) fails the
+        commit, never commits rows whose files are missing."""
         fragments = [f for w in written for f in w.metadata()]
+        fs, base = arrow_filesystem(self.uri(spec.name))
+        paths = [f"{base}/data/{d.path}" for f in fragments for d in f.data_files()]
+        missing = [i.path for i in fs.get_file_info(paths) if i.type == pafs.FileType.NotFound]
+        if missing:
+            raise FileNotFoundError(
+                f"{spec.name}: {len(missing)} fragment file(s) of batch {batch[:120]!r} are "
+                f"not in the lab (written where this lab cannot see?), e.g. {missing[0]}"
+            )
         rows = sum(w.rows for w in written)
         blob_bytes = sum(w.blob_bytes_written for w in written)
         return self._commit_new_rows(spec, batch, fragments, rows, blob_bytes, attempts)
