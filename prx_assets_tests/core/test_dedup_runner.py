@@ -32,6 +32,7 @@ from prx_assets.core.tables import (
     PHASH_CLUSTERS,
     RESOLUTION,
 )
+from prx_assets.core.workers import InlinePool
 from prx_assets_tests.conftest import PHOTOS
 
 S0 = DedupSettings()
@@ -138,6 +139,61 @@ def test_batch_hashes_hashes_every_profiled_image_and_verifies_what_it_stored(tm
     before = sorted_rows(lab, IMAGE_HASHES)
     BatchHashes(lab, batch, S0).run()
     assert sorted_rows(lab, IMAGE_HASHES).equals(before)
+
+
+def test_workers_write_the_hash_rows_and_a_failed_chunk_is_written_by_the_step(
+    tmp_path, monkeypatch
+):
+    """Process workers read their chunk's thumbnails and write the rows as fragments (the
+    step commits them once); the rows are the step path's, bit for bit. A chunk whose
+    worker fails is hashed and written by the step: the same rows, none lost."""
+    from prx_assets.core.dedup import runner
+
+    lab = Lab(tmp_path / "lab")
+    files = {f"{i}.png": png(name, level=i) for i, name in enumerate(["astronaut.png", "rocket.jpg", "coffee.png"])}  # fmt: skip
+    batch = land_and_ingest(lab, tmp_path / "landing", "000", files)
+
+    monkeypatch.setattr(BatchHashes, "_workers_write", lambda self, pool: False)
+    BatchHashes(lab, batch, S0, read_chunk=2).run()
+    by_step = sorted_rows(lab, IMAGE_HASHES)
+    monkeypatch.undo()
+
+    lab.delete(IMAGE_HASHES.name, "batch IS NOT NULL")
+    run = BatchHashes(lab, batch, S0, read_chunk=2, workers=2, executor="process")
+    assert run._workers_write(runner.make_pool("process", 1))
+    out = run.run()
+    assert out.coverage.complete and out.hashed == 3
+    assert sorted_rows(lab, IMAGE_HASHES).equals(by_step)
+
+    calls: list[int] = []
+    real = runner.hash_and_write
+
+    def first_fails(task):
+        calls.append(len(task.keys))
+        if len(calls) == 1:
+            raise ConnectionError("worker lost")
+        return real(task)
+
+    monkeypatch.setattr(runner, "hash_and_write", first_fails)
+    out = BatchHashes(lab, batch, S0, read_chunk=2, executor="inline").run()
+    assert calls == [2, 2, 1]  # the failed chunk again (in the step), then the last one
+    assert out.coverage.complete and sorted_rows(lab, IMAGE_HASHES).equals(by_step)
+
+
+def test_reference_mode_and_ray_workers_without_the_lab_hash_in_the_step(tmp_path, monkeypatch):
+    """The yardstick mode, and workers on other nodes that cannot reach a local lab, leave
+    reading and writing to the step."""
+
+    class OtherNodes:
+        same_machine = False
+
+    lab = Lab(tmp_path / "lab")
+    monkeypatch.delenv("PRX_SHARED_FILESYSTEM", raising=False)
+    assert not BatchHashes(lab, "b", S0)._workers_write(OtherNodes())
+    monkeypatch.setenv("PRX_SHARED_FILESYSTEM", "1")
+    assert BatchHashes(lab, "b", S0)._workers_write(OtherNodes())
+    reference = DedupSettings(phash_mode="reference")
+    assert not BatchHashes(lab, "b", reference)._workers_write(InlinePool())
 
 
 def test_batch_hashes_refuses_without_its_inputs(tmp_path):

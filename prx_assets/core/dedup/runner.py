@@ -22,9 +22,10 @@ that no other write overlapped reads the corpus once, the full scan at radius > 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import pyarrow as pa
 
@@ -58,8 +59,17 @@ from prx_assets.core.dedup.phash import (
 from prx_assets.core.dedup.reruns import state_row
 from prx_assets.core.ingest.decode import DecodeRejected
 from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
+from prx_assets.core.lab.fragments import PartitionFragments, WrittenFragments
+from prx_assets.core.lab.view import TableAt
 from prx_assets.core.tables import DEDUP_STATE, IMAGE_HASHES, IMAGES, PHASH_CLUSTERS, RESOLUTION
-from prx_assets.core.workers import InlinePool, ItemFailed, WorkerPool, make_pool
+from prx_assets.core.workers import (
+    InlinePool,
+    ItemFailed,
+    WorkerPool,
+    call_guarded,
+    make_pool,
+    shared_filesystem,
+)
 
 DEFAULT_READ_CHUNK = 256
 _THUMB_COLUMNS = ("phash_thumbnail", "phash_thumbnail_version")  # ingest's, see _fast
@@ -80,6 +90,132 @@ class InputNotReady(RuntimeError):
 
 
 # --------------------------------------------------------------------------- image_hashes
+
+
+def read_hash_inputs(
+    read: Callable[[Sequence[str], str], pa.Table],
+    batch: str,
+    chunk: Sequence[str],
+    thumbs_stored: bool,
+) -> list[dict]:
+    """The ``images`` rows of ``chunk`` (in its order) with what hashing needs: ingest's
+    thumbnail where it stored a current one, the image's bytes otherwise."""
+    columns = ["key", "file_size", "width", "height"]
+    columns += list(_THUMB_COLUMNS) if thumbs_stored else ["image"]
+    where = f"batch = {sql_literal(batch)} AND {in_list('key', chunk)}"
+    rows = {r["key"]: r for r in read(columns, where).to_pylist()}
+    chunk_rows = [rows[k] for k in chunk]
+    if thumbs_stored:  # the bytes only of rows without a current thumbnail
+        version = phash_version("fast")
+        need = [r["key"] for r in chunk_rows if not _current_thumbnail(r, version)]
+        if need:
+            where = f"batch = {sql_literal(batch)} AND {in_list('key', need)}"
+            for r in read(["key", "image"], where).to_pylist():
+                rows[r["key"]]["image"] = r["image"]
+    return chunk_rows
+
+
+def hash_fast(
+    rows: list[dict],
+    decode: Callable[[Iterable[bytes | None]], Iterable[Any]],
+    low_info_threshold: float,
+) -> tuple[list[dict], list, dict[str, str]]:
+    """Thumbnails (ingest's, or decoded by ``decode``), then one batched DCT per chunk:
+    the rows hashed, their results, and why each other row was not.
+
+    A thumbnail ingest stored for this pHash version is the one ``fast_thumbnail`` makes
+    from these bytes (same steps from the same decode), so it is used as it is; any other
+    row's bytes are decoded. The same hashes wherever this runs (step or worker).
+    """
+    version = phash_version("fast")
+    ready = {
+        r["key"]: thumbnail_from_bytes(r["phash_thumbnail"])
+        for r in rows
+        if _current_thumbnail(r, version)
+    }
+    todo = [r for r in rows if r["key"] not in ready]
+    decoded = dict(zip((r["key"] for r in todo), decode(r.get("image") for r in todo), strict=True))
+    good, thumbs, rejected = [], [], {}
+    for row in rows:
+        out = ready[row["key"]] if row["key"] in ready else decoded[row["key"]]
+        if isinstance(out, ItemFailed):
+            rejected[row["key"]] = f"hash_failed: {out.error}"
+        elif isinstance(out, tuple):
+            rejected[row["key"]] = f"{out[0]}: {out[1]}"
+        else:
+            good.append(row)
+            thumbs.append(out)
+    return good, hash_results(thumbs, low_info_threshold), rejected
+
+
+def hash_record_batch(batch: str, good: list[dict], results: list) -> pa.RecordBatch:
+    """The ``image_hashes`` rows of the hashed ``good`` rows."""
+    return pa.RecordBatch.from_pylist(
+        [
+            {
+                "key": row["key"],
+                "batch": batch,
+                "phash": hash_to_int64(res.hash),
+                "phash_mode": res.mode,
+                "phash_version": res.version,
+                "ac_energy": res.ac_energy,
+                "low_information": res.low_information,
+                "pixels": int(row["width"]) * int(row["height"]),
+                "file_size": int(row["file_size"]),
+            }
+            for row, res in zip(good, results, strict=True)
+        ],
+        schema=IMAGE_HASHES.schema,
+    )
+
+
+@dataclass(frozen=True)
+class HashChunk:
+    """One chunk of a batch's keys for a worker: it reads their thumbnails (or bytes) from
+    ``images`` at the step's version, hashes them and writes their ``image_hashes`` rows as
+    one uncommitted fragment, so no thumbnail passes through the step (keys out, counts and
+    a fragment's metadata back)."""
+
+    images: TableAt
+    batch: str
+    keys: tuple[str, ...]
+    thumbs_stored: bool
+    low_info_threshold: float
+    fragments: PartitionFragments
+
+
+@dataclass(frozen=True)
+class HashedChunk:
+    """What a worker hashed and wrote for one :class:`HashChunk`."""
+
+    written: WrittenFragments | None
+    hashed: int
+    low_information: int
+    bytes_read: int
+    rejected: tuple[tuple[str, str], ...]  # (key, why), in chunk order
+
+
+def hash_and_write(task: HashChunk) -> HashedChunk:
+    """Hash one chunk and write its rows (picklable; run by a worker that reaches the lab,
+    or by the step itself when a worker failed: the same rows either way)."""
+    rows = read_hash_inputs(task.images.read, task.batch, task.keys, task.thumbs_stored)
+    good, results, rejected = hash_fast(
+        rows,
+        lambda datas: [call_guarded(fast_thumbnail_task, d) for d in datas],
+        task.low_info_threshold,
+    )
+    written = None
+    if good:
+        written = task.fragments.write(
+            pa.Table.from_batches([hash_record_batch(task.batch, good, results)])
+        )
+    return HashedChunk(
+        written,
+        len(good),
+        sum(r.low_information for r in results),
+        sum(len(r.get("image") or b"") for r in rows),
+        tuple((k, rejected[k]) for k in task.keys if k in rejected),
+    )
 
 
 @dataclass(frozen=True)
@@ -156,85 +292,40 @@ class BatchHashes:
             )
         return keys, ineligible
 
+    def _thumbs_stored(self, view: LabView) -> bool:
+        """Whether ``images`` has ingest's thumbnail columns (fast mode uses them)."""
+        schema = view.schema(IMAGES.name)
+        return (
+            self.settings.phash_mode == "fast"
+            and schema is not None
+            and set(_THUMB_COLUMNS) <= set(schema.names)
+        )
+
     def record_batches(self, view: LabView, keys: list[str]) -> Iterator[pa.RecordBatch]:
         """The hash rows, one record batch per chunk of images (one batched DCT each)."""
-        fast = self.settings.phash_mode == "fast"
-        schema = view.schema(IMAGES.name)
-        thumbs_stored = fast and schema is not None and set(_THUMB_COLUMNS) <= set(schema.names)
-        columns = ["key", "file_size", "width", "height"]
-        columns += list(_THUMB_COLUMNS) if thumbs_stored else ["image"]
+        thumbs_stored = self._thumbs_stored(view)
         kw = {
             "mode": self.settings.phash_mode,
             "low_info_threshold": self.settings.low_info_threshold,
         }
-        version = phash_version("fast")
+        def read(columns: Sequence[str], where: str) -> pa.Table:
+            return view.read(IMAGES.name, columns, where)
+
         for chunk in chunked(keys, self.read_chunk):
-            where = f"batch = {sql_literal(self.batch)} AND {in_list('key', chunk)}"
-            rows = {r["key"]: r for r in view.read(IMAGES.name, columns, where).to_pylist()}
-            chunk_rows = [rows[k] for k in chunk]
-            if thumbs_stored:  # the bytes only of rows without a current thumbnail
-                need = [r["key"] for r in chunk_rows if not _current_thumbnail(r, version)]
-                if need:
-                    where = f"batch = {sql_literal(self.batch)} AND {in_list('key', need)}"
-                    for r in view.read(IMAGES.name, ["key", "image"], where).to_pylist():
-                        rows[r["key"]]["image"] = r["image"]
+            chunk_rows = read_hash_inputs(read, self.batch, chunk, thumbs_stored)
             self.bytes_read += sum(len(r.get("image") or b"") for r in chunk_rows)
             if self.settings.phash_mode == "fast":
-                good, results = self._fast(chunk_rows)
+                good, results, rejected = hash_fast(
+                    chunk_rows,
+                    lambda datas: self.pool.map_ordered(fast_thumbnail_task, datas),
+                    self.settings.low_info_threshold,
+                )
+                self.rejected.update(rejected)
             else:
                 good, results = self._reference(chunk_rows, kw)
             self.hashed += len(good)
             self.low_information += sum(r.low_information for r in results)
-            yield pa.RecordBatch.from_pylist(
-                [
-                    {
-                        "key": row["key"],
-                        "batch": self.batch,
-                        "phash": hash_to_int64(res.hash),
-                        "phash_mode": res.mode,
-                        "phash_version": res.version,
-                        "ac_energy": res.ac_energy,
-                        "low_information": res.low_information,
-                        "pixels": int(row["width"]) * int(row["height"]),
-                        "file_size": int(row["file_size"]),
-                    }
-                    for row, res in zip(good, results, strict=True)
-                ],
-                schema=IMAGE_HASHES.schema,
-            )
-
-    def _fast(self, rows: list[dict]) -> tuple[list[dict], list]:
-        """Thumbnails (ingest's, or decoded on the pool), then one batched DCT per chunk.
-
-        A thumbnail ingest stored for this pHash version is the one ``fast_thumbnail`` makes
-        from these bytes (same steps from the same decode), so it is used as it is; any
-        other row's bytes are decoded here.
-        """
-        version = phash_version("fast")
-        ready = {
-            r["key"]: thumbnail_from_bytes(r["phash_thumbnail"])
-            for r in rows
-            if _current_thumbnail(r, version)
-        }
-        todo = [r for r in rows if r["key"] not in ready]
-        decoded = dict(
-            zip(
-                (r["key"] for r in todo),
-                self.pool.map_ordered(fast_thumbnail_task, (r.get("image") for r in todo)),
-                strict=True,
-            )
-        )
-        good, thumbs = [], []
-        for row in rows:
-            out = ready[row["key"]] if row["key"] in ready else decoded[row["key"]]
-            if isinstance(out, ItemFailed):
-                self.rejected[row["key"]] = f"hash_failed: {out.error}"
-            elif isinstance(out, tuple):
-                self.rejected[row["key"]] = f"{out[0]}: {out[1]}"
-            else:
-                good.append(row)
-                thumbs.append(out)
-        return good, hash_results(thumbs, self.settings.low_info_threshold)
+            yield hash_record_batch(self.batch, good, results)
 
     def _reference(self, rows: list[dict], kw: dict) -> tuple[list[dict], list]:
         """The yardstick mode, inline (imagehash's steps on the full decode)."""
@@ -250,18 +341,63 @@ class BatchHashes:
                     self.rejected[row["key"]] = f"{exc.reason}: {exc.detail}"
             return good, results
 
+    def _workers_write(self, pool: WorkerPool) -> bool:
+        """Whether the workers read ``images`` and write the hash rows themselves: in fast
+        mode, where they reach the lab (this machine, a mount every node shares, or object
+        storage). Otherwise (Ray workers and a local lab) this process reads and writes."""
+        reach = pool.same_machine or shared_filesystem() or "://" in self.lab.root
+        return self.settings.phash_mode == "fast" and reach
+
+    def write_chunks(self, view: LabView, keys: list[str]) -> list[WrittenFragments]:
+        """Every chunk hashed and written by a worker as one fragment of the batch's new
+        rows (``Lab.commit_partition`` makes them the batch's rows). A chunk whose worker
+        failed (a lost node, a worker that cannot see the lab) is hashed and written here
+        instead: the same rows, so a failure costs time, never a row."""
+        images = view.table_at(IMAGES.name)
+        if images is None:
+            raise InputNotReady(f"no images table: materialise raw_images for {self.batch}")
+        fragments = self.lab.partition_fragments(IMAGE_HASHES, self.batch)
+        thumbs_stored = self._thumbs_stored(view)
+        tasks = [
+            HashChunk(
+                images,
+                self.batch,
+                tuple(chunk),
+                thumbs_stored,
+                self.settings.low_info_threshold,
+                fragments,
+            )
+            for chunk in chunked(keys, self.read_chunk)
+        ]
+        written: list[WrittenFragments] = []
+        for task, out in zip(tasks, self.pool.map_ordered(hash_and_write, tasks), strict=True):
+            if isinstance(out, ItemFailed):
+                out = hash_and_write(task)
+            self.hashed += out.hashed
+            self.low_information += out.low_information
+            self.bytes_read += out.bytes_read
+            self.rejected.update(out.rejected)
+            if out.written is not None:
+                written.append(out.written)
+        return written
+
     def run(self) -> HashOutcome:
         view = self.lab.view()  # resolution and images opened once for the whole run
         keys, ineligible = self.keys_to_hash(view)
         t0 = time.perf_counter()
         self.pool = make_pool(self.executor, self.workers)
         try:
-            written = self.lab.replace_partition(
-                IMAGE_HASHES, self.batch, self.record_batches(view, keys)
-            )
+            if self._workers_write(self.pool):
+                chunks = self.write_chunks(view, keys)
+                written = self.lab.commit_partition(IMAGE_HASHES, self.batch, chunks)
+            else:
+                written = self.lab.replace_partition(
+                    IMAGE_HASHES, self.batch, self.record_batches(view, keys)
+                )
         finally:
             self.pool.close()
             self.pool = InlinePool()
+            view.close()
         seconds = time.perf_counter() - t0
         stored = self.lab.read_batch(IMAGE_HASHES.name, self.batch, ["key", "phash_version"])
         return HashOutcome(

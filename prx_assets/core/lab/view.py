@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import lance
 import pyarrow as pa
 from lance.query import FullTextOperator, MatchQuery
 
-from prx_assets.core.lab.blobs import LocalBlobs, is_blob_ref, logical_schema
+from prx_assets.core.lab.blobs import BlobStore, LocalBlobs, is_blob_ref, logical_schema
+from prx_assets.core.lab.io import open_dataset
 from prx_assets.core.lab.readers import ReaderHold, hold_version
 
 if TYPE_CHECKING:
@@ -91,6 +93,11 @@ class LabView:
     def version(self, table: str) -> int | None:
         ds = self._ds(table)
         return None if ds is None else ds.version
+
+    def table_at(self, table: str) -> TableAt | None:
+        """``table`` at the version this view reads, for worker processes (None: absent)."""
+        version = self.version(table)
+        return None if version is None else TableAt(self.lab.root, table, version)
 
     def schema(self, table: str) -> pa.Schema | None:
         ds = self._ds(table)
@@ -208,3 +215,26 @@ def full_text_query(text: str, column: str, *, all_terms: bool = True) -> Any:
     """
     operator = FullTextOperator.AND if all_terms else FullTextOperator.OR
     return MatchQuery(text, column, operator=operator)
+
+
+@dataclass(frozen=True)
+class TableAt:
+    """One table of the lab at one version, for worker processes on any node that reaches
+    the lab (picklable: the lab's URI, a table name and a version; credentials come from
+    the worker's own environment, never from here). Made by ``LabView.table_at``.
+
+    Why a version: a step hands its workers the version its own view read, so every chunk
+    of one step sees the same rows whatever commits meanwhile; the step's view holds that
+    version (``readers.hold_version``) while the step runs, so retention keeps its files.
+    """
+
+    lab_root: str
+    table: str
+    version: int
+
+    def read(self, columns: Sequence[str], filter: str) -> pa.Table:
+        """A pushed-down read of ``columns`` of the rows matching ``filter``; blob columns
+        come back as their bytes."""
+        ds = open_dataset(f"{self.lab_root}/{self.table}.lance", self.version)
+        rows = ds.to_table(columns=list(columns), filter=filter)
+        return BlobStore(self.lab_root).resolve(self.table, rows, ds.schema)
