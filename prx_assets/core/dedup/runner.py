@@ -308,6 +308,7 @@ class BatchHashes:
             "mode": self.settings.phash_mode,
             "low_info_threshold": self.settings.low_info_threshold,
         }
+
         def read(columns: Sequence[str], where: str) -> pa.Table:
             return view.read(IMAGES.name, columns, where)
 
