@@ -15,7 +15,7 @@ STAMP := $(VENV)/.prx-installed-$(LOCK_HASH)
 UI_PORT ?= 3000
 BROWSER_PORT ?= 8765
 
-.PHONY: venv instance sysdeps demo test test-cluster ui browser lint format bench fuzz lock clean-data
+.PHONY: venv instance sysdeps demo test test-cluster ui browser pictures lint format bench fuzz lock clean-data
 
 # The editable install points at one checkout; a venv shared by several clones (CI keeps
 # one per lock outside the clone) is re-pointed at this one when it differs. It also builds
@@ -72,6 +72,14 @@ ui: venv instance
 ## The curation browser on 127.0.0.1 (after `make demo`): search, filters, audit trail.
 browser: venv
 	$(PY) -m prx_assets.browser --data-root $(PRX_DATA_ROOT) --port $(BROWSER_PORT)
+
+## The README's pictures (docs/img/), drawn from a fresh demo run in a temporary data
+## root (chromium for the browser screenshot: `make sysdeps`).
+pictures: venv instance sysdeps
+	@rm -rf $(CURDIR)/.pictures-data
+	$(VENV)/bin/prx-assets demo --data-root $(CURDIR)/.pictures-data > /dev/null
+	$(PY) -m prx_assets.demo.pictures --data-root $(CURDIR)/.pictures-data --out docs/img --browser
+	@rm -rf $(CURDIR)/.pictures-data
 
 lint: venv
 	$(VENV)/bin/ruff check prx_assets prx_assets_tests benchmarks

@@ -1,4 +1,5 @@
-"""Command line: the demo, registering a batch by hand, and (later) audits."""
+"""Command line: the demo, registering a batch by hand, audits, training snapshots, opt-out
+compliance, export and bucket creation (`prx-assets --help`; the browser has its own)."""
 
 from __future__ import annotations
 
@@ -263,16 +264,31 @@ def make_buckets(args: argparse.Namespace) -> int:
     return 0
 
 
+DATA_ROOT_HELP = (
+    "the data root holding landing/, lab/ and shards/ (default: $PRX_DATA_ROOT or data)"
+)
+JSON_HELP = "the same answer as JSON on stdout (exit codes unchanged)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prx-assets", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="build the demo landing zone and materialise every stage")
-    p.add_argument("--data-root", default=os.environ.get("PRX_DATA_ROOT", "data"))
-    p.add_argument("--size", choices=("full", "small"), default="full")
+    p.add_argument(
+        "--data-root",
+        default=os.environ.get("PRX_DATA_ROOT", "data"),
+        help="where the demo builds its landing zone, lab and shards (default: $PRX_DATA_ROOT or data)",
+    )
+    p.add_argument(
+        "--size",
+        choices=("full", "small"),
+        default="full",
+        help="full: 4 batches of every input kind; small: fewer photos, for a quick look",
+    )
     p.set_defaults(func=demo)
     p = sub.add_parser("register-batch", help="register one landing entry as a partition")
     p.add_argument("path", help="<landing>/<source>/<chunk> folder, archive or manifest")
-    p.add_argument("--data-root", default=None)
+    p.add_argument("--data-root", default=None, help=DATA_ROOT_HELP)
     p.add_argument(
         "--materialize",
         action="store_true",
@@ -285,39 +301,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "query", help="content key, URL, source:id, <source>/<chunk>/<path> or path in batch"
     )
-    p.add_argument("--data-root", default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--data-root", default=None, help=DATA_ROOT_HELP)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=audit)
     p = sub.add_parser("snapshot", help="training snapshots: create, list, diff, retire")
     snap = p.add_subparsers(dest="action", required=True)
-    for action in ("create", "retire"):
-        q = snap.add_parser(action)
-        q.add_argument("name")
-        q.add_argument("--data-root", default=None)
+    for action, what in (
+        ("create", "freeze what the loader trains on now under NAME"),
+        ("retire", "release a snapshot's pinned files and Lance versions"),
+    ):
+        q = snap.add_parser(action, help=what)
+        q.add_argument("name", help="the snapshot's name")
+        q.add_argument("--data-root", default=None, help=DATA_ROOT_HELP)
         if action == "create":
             q.add_argument(
                 "--allow-empty",
                 action="store_true",
                 help="freeze a training set with no sample in it (refused otherwise)",
             )
-    q = snap.add_parser("list")
-    q.add_argument("--data-root", default=None)
+    q = snap.add_parser("list", help="every snapshot with its date, size and status")
+    q.add_argument("--data-root", default=None, help=DATA_ROOT_HELP)
     q = snap.add_parser("diff", help="samples added/removed/changed from A to B, by reason")
     q.add_argument("a")
     q.add_argument("b")
-    q.add_argument("--data-root", default=None)
-    q.add_argument("--json", action="store_true")
+    q.add_argument("--data-root", default=None, help=DATA_ROOT_HELP)
+    q.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=snapshot)
     p = sub.add_parser("compliance", help="an opt-out list's images and the snapshots holding them")
     p.add_argument("list", help="list id, file name or path as recorded in opt_out_lists")
-    p.add_argument("--data-root", default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--data-root", default=None, help=DATA_ROOT_HELP)
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.set_defaults(func=compliance)
     p = sub.add_parser(
         "export", help="the training samples (skip-lists applied) as a plain MDS tree"
     )
     p.add_argument("--out", required=True, help="new directory (never overwritten)")
-    p.add_argument("--data-root", default=None)
+    p.add_argument("--data-root", default=None, help=DATA_ROOT_HELP)
     p.add_argument("--root", default=None, help="shards root (default: the data root's)")
     p.add_argument("--cache-dir", default=None, help="local cache, for a URL root")
     p.add_argument("--tier", action="append", help="only this tier (repeatable)")

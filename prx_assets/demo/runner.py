@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 from pathlib import Path
 
 from prx_assets.demo.build import build_demo_landing
 
 # Keep the demo's console to warnings; every event is still in the instance (see the UI).
 QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+
+
+def make_variables(data_root: Path, cwd: Path | None = None) -> str:
+    """What ``make ui`` and ``make browser`` need to show this run: its data root and
+    Dagster home where they are not the Makefile's defaults (else another instance shows)."""
+    cwd = (cwd or Path.cwd()).resolve()
+    out = ""
+    if data_root.resolve() != cwd / "data":
+        out += f" PRX_DATA_ROOT={shlex.quote(str(data_root))}"
+    home = os.environ.get("DAGSTER_HOME")
+    if home and Path(home).resolve() != cwd / ".dagster_home":
+        out += f" DAGSTER_HOME={shlex.quote(home)}"
+    return out
 
 
 def run_demo(data_root: Path, instance, size: str = "full") -> int:
@@ -22,9 +37,12 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
     from prx_assets.defs.ingest.sensors import landing_sensor
     from prx_assets.defs.partitions import BATCHES
     from prx_assets.defs.resources import lab_resource
+    from prx_assets.defs.skiplists.config import DEFAULT_OPTOUTS_DIRNAME
     from prx_assets.instance import local_run_tags
 
     lab = lab_resource(str(data_root))  # PRX_LANDING_URI / _LAB_URI / _SHARDS_URI: s3://
+    # Where opt-out lists go (the opt-out sensor watches it), so a user finds it ready.
+    (data_root / DEFAULT_OPTOUTS_DIRNAME).mkdir(parents=True, exist_ok=True)
     print(f"Building the demo landing zone in {lab.landing_uri} ...")
     if is_remote(lab.landing_uri):  # built locally, then put the way a producer must
         manifest = build_demo_landing(data_root / "landing-upload", size=size)
@@ -170,8 +188,10 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
         "PRX_CAPTION_MODEL=/path/to/Qwen3-VL-8B-Instruct make demo"
     )
     print(f"\nLance lab: {store.root}")
-    print("Open the Dagster UI with `make ui`, then http://127.0.0.1:3000 (assets, partitions,")
-    print("metadata such as the resolution histogram).")
+    where = make_variables(data_root)
+    print(f"Open the Dagster UI with `make ui{where}`, then http://127.0.0.1:3000 (assets,")
+    print("partitions, metadata such as the resolution histogram); the curation browser with")
+    print(f"`make browser{where}`, then http://127.0.0.1:8765.")
     if failed:
         print(f"\nFAILED partitions: {', '.join(failed)}")
         return 1
