@@ -61,6 +61,7 @@ ERROR_CHARS = 500  # an ItemFailed message quotes at most this much of the excep
 # Imported once in the forkserver, so every forked worker starts with them loaded: the
 # stages' task modules (their imports, Lance's included, cost ~1 s per fresh process).
 _PRELOAD = [
+    "prx_assets.core.forkserver_init",  # first: quiets Lance's fork warning there only
     "numpy",
     "PIL.Image",
     "simplejpeg",

@@ -114,10 +114,12 @@ def test_caption_stage_on_one_batch(instance, lab_resource):
     assert ALT_TEXT_NOTE in by_key[AssetKey("captions")].descriptions_by_key[AssetKey("captions")]
     assert by_key[AssetKey("captions")].code_versions_by_key[AssetKey("captions")].endswith(fp)
 
-    # The window check is reported (WARN), per partition, with counts: not silently passed.
+    # The window is the VLM prompt's: on alt-text fallbacks the check says it does not
+    # apply (a permanent warning would say nothing), still with the counts.
     check = _check(result, "captions_length_window")
-    assert check.passed is False and check.severity == AssetCheckSeverity.WARN
-    assert check.partition == KEY
+    assert check.passed is True and check.severity == AssetCheckSeverity.WARN
+    assert check.description.startswith("not applicable: fallback captions")
+    assert check.partition == KEY and check.metadata["applies"].value is False
     assert check.metadata["outside_window"].value == outside
     assert ALT_TEXT_NOTE in check.metadata["note"].value
 
@@ -449,3 +451,14 @@ def test_only_in_process_models_take_the_gpu_pool(captioner, classifier, expecte
     clf = ClassifierResource(backend=classifier, base_url="http://fleet-b:8000/v1")
     assets = {a.key.to_user_string(): a for a in build_caption_assets(cap, clf, EmbedderResource())}
     assert (assets["captions"].op.pool, assets["caption_classes"].op.pool) == expected
+
+
+def test_the_length_window_fails_vlm_captions_outside_it():
+    from prx_assets.core.captions.tables import CaptionStats
+    from prx_assets.defs.captions.checks import length_window_result
+
+    stats = CaptionStats(captions=4, empty=0, fallback=0, too_short=1, too_long=0)
+    check = length_window_result(stats, is_fallback=False)
+    assert check.passed is False and check.metadata["applies"].value is True
+    assert check.description == "1 of 4 captions outside 100-200 words"
+    assert length_window_result(stats, is_fallback=True).passed is True

@@ -3,6 +3,7 @@
 import hashlib
 import io
 import json
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -138,6 +139,9 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
     assert md_a["upscaled"].value == sum(r["upscaled"] for r in assigned.values())
     assert md_a["fill_tier_1024"].value.startswith("![bucket fill, tier 1024](data:image/png")
     tiers_used = {r["tier"] for r in assigned.values()}
+    table = md_a["images_per_tier"].value
+    listed = [int(t) for t in re.findall(r"\| `(\d+)` \|", table)]
+    assert listed == sorted(tiers_used)  # numeric order: 512 before 1024, not as text
     for tier in tiers_used:
         total = sum(r["tier"] == tier for r in assigned.values())
         assert (

@@ -58,8 +58,10 @@ def bucket_assignments(context: AssetExecutionContext, lab: LabResource) -> Mate
             "outside_aspect_range": s.outside_aspect_range,
             "upscaled": s.upscaled,
             "mean_crop_fraction": round(s.mean_crop_fraction, 4),
-            "images_per_tier": counts_table(
-                {str(t): sum(shapes.values()) for t, shapes in s.fill.items()}, "tier"
+            "images_per_tier": counts_table(  # 512 before 1024: numeric order
+                {str(t): sum(s.fill[t].values()) for t in sorted(s.fill, key=int)},
+                "tier",
+                sort=False,
             ),
             "bucket_fill": _fill_markdown(s.fill),
             **_fill_pictures(out),
