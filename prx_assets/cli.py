@@ -19,7 +19,7 @@ def _instance():
     return ensure_instance()
 
 
-def _run_partition(instance, key: str, data_root: str) -> bool:
+def _run_partition(instance, key: str, data_root: str, verbose: bool = False) -> bool:
     """Materialise every stage of one partition here, then settle cross-batch dedup.
 
     Without a daemon nobody ticks ``dedup_sensor``: a batch holding a bigger copy of an
@@ -30,12 +30,17 @@ def _run_partition(instance, key: str, data_root: str) -> bool:
 
     from prx_assets.definitions import DOWNSTREAM_OF_DEDUP, build_defs
     from prx_assets.defs.dedup.settle import describe_settle, settle_dedup_in_process
+    from prx_assets.defs.run_requests import console_logs
     from prx_assets.instance import local_run_tags
 
     defs = build_defs(data_root)
     job = defs.resolve_job_def("batch_pipeline")
     result = job.execute_in_process(
-        partition_key=key, instance=instance, raise_on_error=False, tags=local_run_tags()
+        partition_key=key,
+        instance=instance,
+        raise_on_error=False,
+        tags=local_run_tags(),
+        run_config=console_logs(verbose),  # the steps' lines and progress; -v: every event
     )
     print(f"{key}: {'materialised' if result.success else 'FAILED (see the run in the UI)'}")
     # A run whose ERROR-severity checks failed succeeded as a run, not as a result: say so
@@ -71,7 +76,7 @@ def register_batch(args: argparse.Namespace) -> int:
         instance.add_dynamic_partitions(BATCHES.name, [ref.key])
         print(f"{ref.key}: registered ({ref.kind} at {ref.path})")
     if args.materialize:
-        ok = _run_partition(instance, ref.key, lab.data_root)
+        ok = _run_partition(instance, ref.key, lab.data_root, args.verbose)
         from prx_assets.core.skiplists.decisions import caption_coverage
 
         cov = caption_coverage(lab.lab(), ref.key)
@@ -238,7 +243,7 @@ def export(args: argparse.Namespace) -> int:
 def demo(args: argparse.Namespace) -> int:
     from prx_assets.demo.runner import run_demo
 
-    return run_demo(Path(args.data_root), _instance(), size=args.size)
+    return run_demo(Path(args.data_root), _instance(), size=args.size, verbose=args.verbose)
 
 
 def make_buckets(args: argparse.Namespace) -> int:
@@ -268,6 +273,7 @@ DATA_ROOT_HELP = (
     "the data root holding landing/, lab/ and shards/ (default: $PRX_DATA_ROOT or data)"
 )
 JSON_HELP = "the same answer as JSON on stdout (exit codes unchanged)"
+VERBOSE_HELP = "print every Dagster event of the runs (default: the steps' own lines and progress)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         "--size",
         choices=("full", "small"),
         default="full",
-        help="full: 4 batches of every input kind; small: fewer photos, for a quick look",
+        help="full: every bundled photo with 12 variants; small: 4 photos with 2 (a quick look)",
     )
+    p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=demo)
     p = sub.add_parser("register-batch", help="register one landing entry as a partition")
     p.add_argument("path", help="<landing>/<source>/<chunk> folder, archive or manifest")
@@ -294,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run its stages now, then the dedup reruns other partitions need",
     )
+    p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     p.set_defaults(func=register_batch)
     p = sub.add_parser("browser", help="the curation browser on 127.0.0.1", add_help=False)
     p.set_defaults(func=None)

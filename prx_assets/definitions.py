@@ -29,7 +29,7 @@ from prx_assets.defs.skiplists.config import (
     OptOutResource,
     SkipPolicyResource,
 )
-from prx_assets.defs.skiplists.intake import opt_out_lists
+from prx_assets.defs.skiplists.intake import opt_out_lists, usage_policy
 from prx_assets.defs.skiplists.jobs import opt_out_intake_job, opt_out_skip_lists_job
 from prx_assets.defs.skiplists.sensors import (
     build_opt_out_sensor,
@@ -102,6 +102,7 @@ def build_defs(
             mds_shards,
             *build_skiplist_assets(skip_policy),
             opt_out_lists,
+            usage_policy,
             training_snapshots,
         ],
         asset_checks=[opt_out_compliance],

@@ -154,6 +154,12 @@ def test_register_batch_materialize_exits_non_zero_when_an_error_check_fails(
     captured = capsys.readouterr()
     assert "web.000: materialised" in captured.out  # the run succeeded as a run
     assert "check skip_lists_caption_coverage on skip_lists FAILED (ERROR)" in captured.err
+    # Quiet by default: the steps' own lines (summaries, progress), no Dagster event
+    # (-v prints those), no Lance fork warning from the pool's forkserver.
+    assert "web.000: seen 2, accepted 2, rejected 0" in captured.err
+    assert " - DEBUG - " not in captured.err and "STEP_START" not in captured.err
+    assert "fork-safe" not in captured.err
+    assert len(captured.err.splitlines()) < 30, captured.err
 
     # Nothing is in training: a snapshot of that is refused unless asked for.
     snap = ["snapshot", "create", "empty", "--data-root", str(data_root)]

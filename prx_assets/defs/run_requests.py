@@ -13,6 +13,13 @@ from dagster import (
 QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
 
+def console_logs(verbose: bool = False) -> dict:
+    """Run config for a run in this process: by default the console shows the steps' own
+    lines (summaries and progress: count, rate, ETA) and warnings; ``verbose`` also every
+    Dagster event (DEBUG: ~60 lines per batch). Every event is in the instance either way."""
+    return {"loggers": {"console": {"config": {"log_level": "DEBUG" if verbose else "INFO"}}}}
+
+
 def evaluate_sensor(
     defs: Definitions, instance: DagsterInstance, name: str, cursor: str | None = None
 ) -> tuple[list[RunRequest], str | None]:

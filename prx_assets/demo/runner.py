@@ -8,9 +8,6 @@ from pathlib import Path
 
 from prx_assets.demo.build import build_demo_landing
 
-# Keep the demo's console to warnings; every event is still in the instance (see the UI).
-QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
-
 
 def make_variables(data_root: Path, cwd: Path | None = None) -> str:
     """What ``make ui`` and ``make browser`` need to show this run: its data root and
@@ -25,7 +22,7 @@ def make_variables(data_root: Path, cwd: Path | None = None) -> str:
     return out
 
 
-def run_demo(data_root: Path, instance, size: str = "full") -> int:
+def run_demo(data_root: Path, instance, size: str = "full", verbose: bool = False) -> int:
     data_root = data_root.resolve()
     from dagster import build_sensor_context
 
@@ -37,6 +34,7 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
     from prx_assets.defs.ingest.sensors import landing_sensor
     from prx_assets.defs.partitions import BATCHES
     from prx_assets.defs.resources import lab_resource
+    from prx_assets.defs.run_requests import console_logs
     from prx_assets.defs.skiplists.config import DEFAULT_OPTOUTS_DIRNAME
     from prx_assets.instance import local_run_tags
 
@@ -71,7 +69,7 @@ def run_demo(data_root: Path, instance, size: str = "full") -> int:
             partition_key=key,
             instance=instance,
             raise_on_error=False,
-            run_config=QUIET,
+            run_config=console_logs(verbose),  # step summaries and progress; -v: events
             tags=local_run_tags(),
         )
         if not res.success:

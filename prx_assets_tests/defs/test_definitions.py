@@ -18,8 +18,8 @@ def test_every_stage_is_partitioned_by_batch():
     graph = defs.resolve_asset_graph()
     for key in graph.get_all_asset_keys():
         pdef = graph.get(key).partitions_def
-        if key == AssetKey("training_snapshots"):  # one snapshot spans every batch
-            assert pdef is None
+        if key in (AssetKey("training_snapshots"), AssetKey("usage_policy")):
+            assert pdef is None  # one snapshot spans every batch; one policy file
             continue
         assert isinstance(pdef, DynamicPartitionsDefinition), key
         # The opt-out intake is partitioned by list (one partition per list received).
@@ -30,6 +30,28 @@ def test_every_stage_is_partitioned_by_batch():
 def test_lineage_resolution_profile_reads_raw_images():
     graph = defs.resolve_asset_graph()
     assert AssetKey("raw_images") in graph.get(AssetKey("resolution_profile")).parent_keys
+
+
+def test_lineage_draws_what_feeds_training():
+    """Opt-out intake and the usage policy feed skip_lists; shards and skip-lists feed
+    snapshots. Every list reaches every batch's partition (the mapping), so the graph never
+    understates what a skip-list decision read; the sensors still pick the reruns."""
+    from dagster import AllPartitionMapping
+
+    graph = defs.resolve_asset_graph()
+    skip, snap = graph.get(AssetKey("skip_lists")), graph.get(AssetKey("training_snapshots"))
+    assert {AssetKey("opt_out_lists"), AssetKey("usage_policy")} <= skip.parent_keys
+    assert {AssetKey("mds_shards"), AssetKey("skip_lists")} <= snap.parent_keys
+    mapping = graph.get_partition_mapping(AssetKey("skip_lists"), AssetKey("opt_out_lists"))
+    assert isinstance(mapping, AllPartitionMapping)
+    for parent in ("mds_shards", "skip_lists"):
+        mapping = graph.get_partition_mapping(AssetKey("training_snapshots"), AssetKey(parent))
+        assert isinstance(mapping, AllPartitionMapping)
+    policy = graph.get(AssetKey("usage_policy"))
+    assert policy.is_external and not policy.is_materializable  # a file edited by hand
+    assert "only the batches holding a copy" in skip.description
+    # Lineage is not automation: no asset here is materialised by a condition.
+    assert all(graph.get(k).automation_condition is None for k in graph.get_all_asset_keys())
 
 
 # Every per-batch stage, by the asset the README names for it.

@@ -422,6 +422,8 @@ def test_policy_change_reruns_only_skip_lists_with_new_decisions(instance, lab_r
         AssetKey("mds_shards"),
         AssetKey("caption_classes"),
         AssetKey("phash_clusters"),
+        AssetKey("opt_out_lists"),  # lineage: every list feeds every batch's decision
+        AssetKey("usage_policy"),  # lineage: the header policy file
     }
     assert default.partitions_def == BATCHES and spec.group_name == "skiplists"
 

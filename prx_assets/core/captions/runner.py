@@ -49,6 +49,7 @@ from prx_assets.core.captions.tables import (
 )
 from prx_assets.core.captions.verify import SyncReport, classes_sync, embeddings_sync
 from prx_assets.core.lab import Lab, in_list, sql_literal
+from prx_assets.core.progress import Progress
 from prx_assets.core.tables import CAPTION_CLASSES, CAPTION_EMBEDDINGS, CAPTIONS, IMAGES, RESOLUTION
 from prx_assets.core.workers import WorkerPool
 
@@ -198,12 +199,13 @@ class BatchCaptions:
     ) -> list[CaptionResult]:
         results: list[CaptionResult] = []
         inputs = self._stream_inputs(keys)
+        progress = Progress(f"{self.batch}: captioned", len(keys), self.log)
         for r in stream(inputs, pool=pool) if pool is not None else stream(inputs):
             if len(results) >= len(keys) or r.key != keys[len(results)]:
                 raise CaptionStageError("the captioner returned results out of order")
             results.append(r)
-            if len(results) % self.chunk_size == 0 or len(results) == len(keys):
-                self.log(f"{self.batch}: captioned {len(results)}/{len(keys)}")
+            progress.advance()
+        progress.finish(always=True)
         return results
 
     def _caption(self, captioner: Captioner, keys: list[str]) -> list[CaptionResult]:
@@ -225,12 +227,14 @@ class BatchCaptions:
                         f"{identity.kind} returned {len(results)} captions for {len(keys)} images"
                     )
             else:
+                progress = Progress(f"{self.batch}: captioned", len(keys), self.log)
                 for chunk in chunked(keys, self.chunk_size):
                     out = captioner.caption(self._inputs(chunk))
                     if [r.key for r in out] != list(chunk):
                         raise CaptionStageError(f"{identity.kind} returned results out of order")
                     results.extend(out)
-                    self.log(f"{self.batch}: captioned {len(results)}/{len(keys)}")
+                    progress.advance(len(out))
+                progress.finish(always=True)
         except BackendError as exc:
             failure = _failed(f"captioning {self.batch}", identity, exc, self.backend, captioner)
             raise CaptionStageError(

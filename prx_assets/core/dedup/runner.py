@@ -61,6 +61,7 @@ from prx_assets.core.ingest.decode import DecodeRejected
 from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
 from prx_assets.core.lab.fragments import PartitionFragments, WrittenFragments
 from prx_assets.core.lab.view import TableAt
+from prx_assets.core.progress import Progress, Report
 from prx_assets.core.tables import DEDUP_STATE, IMAGE_HASHES, IMAGES, PHASH_CLUSTERS, RESOLUTION
 from prx_assets.core.workers import (
     InlinePool,
@@ -253,9 +254,11 @@ class BatchHashes:
         read_chunk: int = DEFAULT_READ_CHUNK,
         workers: int | None = None,
         executor: str | None = None,
+        report: Report | None = None,
     ) -> None:
         if read_chunk < 1:
             raise ValueError(f"read_chunk must be >= 1, got {read_chunk}")
+        self.report = report  # progress lines (count, rate, ETA) while the workers run
         self.lab, self.batch, self.settings, self.read_chunk = lab, batch, settings, read_chunk
         self.workers, self.executor = workers, executor
         self.pool: WorkerPool = InlinePool()
@@ -371,15 +374,18 @@ class BatchHashes:
             for chunk in chunked(keys, self.read_chunk)
         ]
         written: list[WrittenFragments] = []
+        progress = Progress(f"{self.batch}: hashed", len(keys), self.report)
         for task, out in zip(tasks, self.pool.map_ordered(hash_and_write, tasks), strict=True):
             if isinstance(out, ItemFailed):
                 out = hash_and_write(task)
+            progress.advance(len(task.keys))
             self.hashed += out.hashed
             self.low_information += out.low_information
             self.bytes_read += out.bytes_read
             self.rejected.update(out.rejected)
             if out.written is not None:
                 written.append(out.written)
+        progress.finish()
         return written
 
     def run(self) -> HashOutcome:

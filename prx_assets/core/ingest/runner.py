@@ -46,6 +46,7 @@ from prx_assets.core.ingest.tables import ALIAS_REASON, ensure_usage_signals_col
 from prx_assets.core.lab import Lab
 from prx_assets.core.lab.blobs import LocalBlobs, RemoteBlobs
 from prx_assets.core.lab.fragments import PartitionFragments, WrittenFragments
+from prx_assets.core.progress import Progress, Report
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.core.text import bound_text, quote_bounded
 from prx_assets.core.workers import (
@@ -413,7 +414,9 @@ class BatchIngest:
         executor: str | None = None,
         blob_sink: LocalBlobs | RemoteBlobs | None = None,
         remote_reads: dict[bytes, RemoteRead] | None = None,
+        report: Report | None = None,
     ) -> None:
+        self.report = report  # progress lines (count, rate) while the workers run
         if remote_reads and blob_sink is None:
             # The rows would need bytes this process never read: refused, not guessed at.
             raise ValueError("remote_reads need a blob_sink (Lab.remote_blobs/local_blobs)")
@@ -551,9 +554,11 @@ class BatchIngest:
         if shared:
             probe = os.path.join(spool_dir, "probe")
             open(probe, "wb").close()
+        progress = Progress(f"{self.ref.key}: checked", None, self.report)
         try:
             chunks = self._checked_chunks(pool, sink, defer, spool_dir, fragments, shared, probe)
             for cands, result in chunks:
+                progress.advance(len(cands))
                 accepted: list[tuple[int, dict]] = []
                 for pos, (c, checked) in enumerate(zip(cands, result.checked, strict=True)):
                     row = self._decide(c, checked)
@@ -573,6 +578,7 @@ class BatchIngest:
         finally:
             pool.close()
             shutil.rmtree(spool_dir, ignore_errors=True)
+        progress.finish()
         self.stats.check()
         self._done = True
         return written

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 from prx_assets.core.durable import fsync_path
 from prx_assets.core.lab import BlobUnavailable, LabView, in_list, sql_literal
+from prx_assets.core.progress import no_progress
 from prx_assets.core.shards.mds import (
     CommittedDir,
     MDSSample,
@@ -353,6 +354,7 @@ class PiecePlanner:
         self.tree = tree
         self.jpeg: dict[str, tuple[str, int]] = {}
         self.failures: dict[str, str] = {}
+        self.progress = no_progress()  # the runner sets one that reports
         self.blobs: SourceBlobs | None = None
         self.reaches_here = pool.same_machine or shared_filesystem()
         if images is not None:
@@ -453,6 +455,7 @@ class PiecePlanner:
                 if isinstance(out, ItemFailed):
                     out = self._isolate(task, out)
                 keys += self._taken(out)
+                self.progress.advance(len(task.samples))
                 shards += [StagedShardRef(x.name, x.samples, x.entry, x.data) for x in out.shards]
             done = staged.commit(
                 tier,
@@ -464,6 +467,7 @@ class PiecePlanner:
             )
             if done.placements:
                 committed[relative_partition_dir(tier, shape, self.batch)] = done
+        self.progress.finish()
         return committed
 
     def _taken(self, out: PieceResult) -> list[str]:

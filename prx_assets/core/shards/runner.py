@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS
 from prx_assets.core.lab import Lab, sql_literal
+from prx_assets.core.progress import Progress, Report
 from prx_assets.core.shards.buckets import BucketTable, bucket_table
 from prx_assets.core.shards.mds import (
     DEFAULT_SIZE_LIMIT,
@@ -205,7 +206,9 @@ class BatchShards:
         batch: str,
         policy: SkipPolicy,
         settings: ShardSettings | None = None,
+        report: Report | None = None,
     ) -> None:
+        self.report = report  # progress lines (count, rate, ETA) while pieces render
         self.lab = lab
         self.shards_root = shards_root
         self.batch = batch
@@ -242,6 +245,7 @@ class BatchShards:
             pieces = PiecePlanner(
                 self.lab.view() if plan.buckets else None, batch, plan, s, pool, tree
             )
+            pieces.progress = Progress(f"{batch}: rendered", plan.planned, self.report)
             return self._write(tree, plan, pieces, screener)
 
     def _write(

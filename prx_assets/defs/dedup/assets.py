@@ -79,7 +79,12 @@ def _image_hashes(
     store, settings = lab.lab(), dedup.settings()
     with _upstream_required():
         out = BatchHashes(
-            store, context.partition_key, settings, dedup.read_chunk, workers=lab.workers
+            store,
+            context.partition_key,
+            settings,
+            dedup.read_chunk,
+            workers=lab.workers,
+            report=context.log.info,
         ).run()
     context.log.info(
         f"{out.batch}: hashed {out.hashed}/{out.to_hash} ({out.ineligible} not eligible for "

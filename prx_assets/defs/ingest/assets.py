@@ -41,6 +41,7 @@ def raw_images(context: AssetExecutionContext, lab: LabResource) -> MaterializeR
             # workers store the bytes they hold
             blob_sink=store.local_blobs(IMAGES, "image") or remote_sink,
             remote_reads=remote_reads,
+            report=context.log.info,
         )
         # Workers write the rows too where they reach the lab; one commit here.
         fragments = store.partition_fragments(IMAGES, ref.key, stored_blobs=run.stored_blobs)

@@ -162,7 +162,12 @@ def mds_shards(
     except SkipPolicyError as exc:
         raise Failure(description=f"invalid skip policy: {exc}") from None
     run = BatchShards(
-        lab.lab(), lab.shards_root, batch, policy, config.settings(lab.max_pixels, lab.workers)
+        lab.lab(),
+        lab.shards_root,
+        batch,
+        policy,
+        config.settings(lab.max_pixels, lab.workers),
+        report=context.log.info,
     )
     try:
         out = run.run()

@@ -12,6 +12,8 @@ partition under eager automation; the opt-out sensor requests the affected parti
 from typing import Any
 
 from dagster import (
+    AllPartitionMapping,
+    AssetDep,
     AssetExecutionContext,
     AssetsDefinition,
     Failure,
@@ -32,6 +34,7 @@ from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
 from prx_assets.defs.skiplists.checks import caption_coverage_result, caption_coverage_spec
 from prx_assets.defs.skiplists.config import SkipPolicyResource
+from prx_assets.defs.skiplists.intake import OPT_OUT_LISTS_ASSET, USAGE_POLICY_ASSET
 
 SKIP_LISTS_ASSET = "skip_lists"
 GROUP = "skiplists"
@@ -130,7 +133,13 @@ def build_skiplist_assets(policy: SkipPolicyResource | None = None) -> list[Asse
     @asset(
         name=SKIP_LISTS_ASSET,
         partitions_def=BATCHES,
-        deps=list(UPSTREAM),
+        deps=[
+            *UPSTREAM,
+            # Lineage only (what feeds the decision): the sensors choose which partitions
+            # rerun, see the description.
+            AssetDep(OPT_OUT_LISTS_ASSET, partition_mapping=AllPartitionMapping()),
+            USAGE_POLICY_ASSET,
+        ],
         group_name=GROUP,
         kinds={"json", "lance"},
         code_version=f"skip_lists-v2-{fp}",
@@ -148,8 +157,12 @@ def build_skiplist_assets(policy: SkipPolicyResource | None = None) -> list[Asse
             f"{what['excluded_classes']}, duplicates "
             f"{'skipped' if what['skip_duplicates'] else 'kept'}, low-information images "
             f"{'skipped' if what['skip_low_information'] else 'kept'}, no caption skipped; "
-            "opt-outs always. Reads `opt_outs` and other batches' facts at run time (not "
-            "dependencies): the opt-out and skip_dirty sensors request affected partitions."
+            "opt-outs always. Every opt_out_lists partition and usage_policy feed each "
+            "partition (the lineage edges), so after a new list the UI shows every partition "
+            "as having a changed upstream; only the batches holding a copy of a listed image "
+            "change, and the opt-out sensor reruns exactly those (the list's `batches`), as "
+            "skip_dirty_sensor does for batches whose training copy other batches' facts "
+            "changed. `PENDING` in `prx-assets compliance` says which are still to run."
         ),
     )
     def skip_lists(

@@ -11,6 +11,7 @@ from typing import Any
 
 from dagster import (
     AssetExecutionContext,
+    AssetSpec,
     DynamicPartitionsDefinition,
     Failure,
     MaterializeResult,
@@ -33,6 +34,22 @@ OPT_OUT_LISTS_ASSET = "opt_out_lists"
 INTAKE_GROUP = "optouts"
 OPT_OUT_LISTS = DynamicPartitionsDefinition(name="opt_out_lists")
 MAX_BATCHES_LISTED = 50
+USAGE_POLICY_ASSET = "usage_policy"
+
+#: ``<data_root>/usage_policy.json`` in the lineage graph: edited by hand, never
+#: materialised here; ``skip_lists`` depends on it and ``skip_policy_sensor`` reruns
+#: ``skip_lists`` when its fingerprint changes.
+usage_policy = AssetSpec(
+    USAGE_POLICY_ASSET,
+    group_name=INTAKE_GROUP,
+    kinds={"json"},
+    description=(
+        "`<data_root>/usage_policy.json`: which opt-out headers captured at ingest each "
+        "source honours (X-Robots-Tag, tdm-reservation, Content-Usage) and how a malformed "
+        "one is read. Edited by hand (not materialised here); part of the skip policy's "
+        "fingerprint, so skip_policy_sensor reruns skip_lists after an edit."
+    ),
+)
 
 
 def _metadata(out: IntakeOutcome) -> dict[str, Any]:

@@ -9,8 +9,10 @@ refuses a tree it cannot freeze (unscreened, stale, or a sample an opt-out names
 from datetime import UTC, datetime
 
 from dagster import (
+    AllPartitionMapping,
     AssetCheckResult,
     AssetCheckSeverity,
+    AssetDep,
     AssetExecutionContext,
     Config,
     Failure,
@@ -55,7 +57,22 @@ def diff_metadata(lab, a: str, b: str) -> dict:
     return out
 
 
-@asset(group_name=GROUP, description="An immutable, named snapshot of the training set.")
+@asset(
+    group_name=GROUP,
+    # Lineage: a snapshot freezes the shards and the skip-list generations of every batch.
+    # Taken on request (CLI, UI, a schedule), never because a batch changed.
+    deps=[
+        AssetDep("mds_shards", partition_mapping=AllPartitionMapping()),
+        AssetDep("skip_lists", partition_mapping=AllPartitionMapping()),
+    ],
+    description=(
+        "An immutable, named snapshot of the training set: every bucket x batch directory "
+        "with its index digest and live skip-list generation (from mds_shards and "
+        "skip_lists of every batch), the Lance versions it derives from, and the policy, "
+        "model and code fingerprints. Made on request, never by automation, so a changed "
+        "upstream partition is news for the next snapshot, not a stale one."
+    ),
+)
 def training_snapshots(
     context: AssetExecutionContext, config: SnapshotConfig, lab: LabResource
 ) -> MaterializeResult:
