@@ -26,8 +26,8 @@ import pytest
 
 from prx_assets.core.lab import Lab
 from prx_assets.core.ray_local import LocalRayCluster
-from prx_assets.core.shards.pieces import PIECE_SAMPLES
 from prx_assets.core.shards.runner import BatchShards, ShardOutcome
+from prx_assets.core.shards.settings import PIECE_SAMPLES
 from prx_assets.core.tables import BY_NAME, SHARD_SAMPLES
 from prx_assets.core.workers import InlinePool, ItemFailed
 from prx_assets.demo.photo_batch import write_photo_batch

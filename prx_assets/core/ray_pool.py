@@ -48,7 +48,7 @@ import ray
 from ray.exceptions import NodeDiedError, RayTaskError, WorkerCrashedError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from prx_assets.core.workers import ItemFailed, call_guarded
+from prx_assets.core.pool_items import ItemFailed, call_guarded
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -44,9 +44,10 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
+
+from prx_assets.core.pool_items import ItemFailed, call_guarded
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -57,7 +58,6 @@ POOL_KINDS = ("process", "inline", "ray")
 # one step's process (or pod) runs on a process pool.
 _DAGSTER_KINDS = {"multiprocess": "process", "k8s": "process", "ray_runs": "process"}
 SHARED_FS_ENV = "PRX_SHARED_FILESYSTEM"
-ERROR_CHARS = 500  # an ItemFailed message quotes at most this much of the exception
 # Imported once in the forkserver, so every forked worker starts with them loaded: the
 # stages' task modules (their imports, Lance's included, cost ~1 s per fresh process).
 _PRELOAD = [
@@ -79,13 +79,6 @@ def shared_filesystem() -> bool:
     setting fails the step (each worker first checks a path the step just made: the
     shard staging directory, ingest's probe file), never a silent loss."""
     return os.environ.get(SHARED_FS_ENV, "") == "1"
-
-
-@dataclass(frozen=True)
-class ItemFailed:
-    """``fn`` raised on one item, or its worker died: recorded as that item's failure."""
-
-    error: str
 
 
 class WorkerPool(Protocol):
@@ -180,21 +173,6 @@ def available_cpus(cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGR
     if limit is not None:
         cpus = min(cpus, math.ceil(limit))
     return max(1, cpus)
-
-
-def _failure(exc: BaseException) -> ItemFailed:
-    message = f"{type(exc).__name__}: {exc}"
-    if len(message) > ERROR_CHARS:
-        message = f"{message[:ERROR_CHARS]}... ({len(message) - ERROR_CHARS} more characters)"
-    return ItemFailed(message)
-
-
-def call_guarded(fn: Callable[[T], R], item: T) -> R | ItemFailed:
-    """``fn(item)``, or its exception as :class:`ItemFailed` (the same inline and in a worker)."""
-    try:
-        return fn(item)
-    except Exception as exc:  # noqa: BLE001 - one bad item must not sink the partition
-        return _failure(exc)
 
 
 def _window(window: int | None, workers: int) -> int:

@@ -47,9 +47,10 @@ from prx_assets.loader.dataset import (
     UnscreenedDataWarning,
     small_bucket_problems,
 )
-from prx_assets.loader.discover import BucketStream, discover_streams, group_by_shape
+from prx_assets.loader.discover import discover_streams, group_by_shape
 from prx_assets.loader.export import export_training_samples
 from prx_assets.loader.shape_loader import ShapeBatchedLoader, collate_samples
+from prx_assets.loader.streams import BucketStream
 
 __all__ = [
     "IGNORE_SKIPLISTS_UNSAFE",

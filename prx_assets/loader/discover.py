@@ -37,14 +37,11 @@ the old way, through its index and sidecars.
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import os
-import re
 import urllib.parse
 import warnings
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from prx_assets.core.shards.mds import (
@@ -69,7 +66,6 @@ from prx_assets.core.skiplists.sidecars import (
 from prx_assets.loader.dataset import (
     IGNORE_SKIPLISTS_UNSAFE,
     REQUIRE_SKIPLISTS,
-    SkipListStream,
     check_skiplists_mode,
     read_whole_file,
     warn_unscreened,
@@ -80,96 +76,17 @@ from prx_assets.loader.remote import (
     remote_version,
     resolve_remote_partition,
 )
-
-_SHAPE_RE = re.compile(r"^(\d+)x(\d+)$")
-
-
-@dataclass(frozen=True)
-class BucketStream:
-    """One ``<tier>/<H>x<W>/<batch>`` partition, ready to become a ``SkipListStream``.
-
-    A spec, not a ``Stream``: streaming mutates the weights of the streams it is given, so
-    each dataset gets fresh ones from ``to_stream``. ``counts`` is known for local roots.
-    """
-
-    relpath: str
-    tier: str
-    height: int
-    width: int
-    batch: str
-    local: str
-    remote: str | None = None
-    repeat: float | None = None
-    source: str | None = None
-    counts: PartitionCounts | None = None
-    # The manifest discovery read and verified (bytes, parsed): the stream re-reads the
-    # file at construction and skips the parse only when the bytes are the same.
-    manifest: tuple[bytes, Manifest] | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.height, self.width)
-
-    @property
-    def shape_name(self) -> str:
-        return f"{self.height}x{self.width}"
-
-    def to_stream(self, skiplists: str = REQUIRE_SKIPLISTS) -> SkipListStream:
-        return SkipListStream(
-            remote=self.remote,
-            local=self.local,
-            repeat=self.repeat,
-            skiplists=skiplists,
-            known_manifest=self.manifest if skiplists == REQUIRE_SKIPLISTS else None,
-        )
-
-
-def parse_shape(name: str) -> tuple[int, int]:
-    """``"<H>x<W>"`` → (H, W); the directory naming convention of the MDS layout."""
-    m = _SHAPE_RE.match(name)
-    if not m:
-        raise ValueError(f"bucket directory {name!r} is not named <H>x<W>")
-    return int(m.group(1)), int(m.group(2))
+from prx_assets.loader.streams import (
+    BucketStream,
+    PartitionFilter,
+    natural_order,
+    parse_shape,
+    repeat_for,
+)
 
 
 def _is_url(root: str) -> bool:
     return bool(urllib.parse.urlparse(root).scheme) and not os.path.exists(root)
-
-
-def _shape_filter(shapes: Collection[str | tuple[int, int]] | None) -> set[tuple[int, int]] | None:
-    if shapes is None:
-        return None
-    return {parse_shape(s) if isinstance(s, str) else (int(s[0]), int(s[1])) for s in shapes}
-
-
-@dataclass(frozen=True)
-class PartitionFilter:
-    """Which ``<tier>/<H>x<W>/<batch>`` partitions the ``tiers``/``shapes``/``batches``
-    arguments select (None: any); one rule for discovery, refusals and snapshots."""
-
-    tiers: set[str] | None
-    shapes: set[tuple[int, int]] | None
-    batches: set[str] | None
-
-    @classmethod
-    def of(
-        cls,
-        tiers: Collection[int | str] | None,
-        shapes: Collection[str | tuple[int, int]] | None,
-        batches: Collection[str] | None,
-    ) -> PartitionFilter:
-        return cls(
-            None if tiers is None else {str(t) for t in tiers},
-            _shape_filter(shapes),
-            None if batches is None else {str(b) for b in batches},
-        )
-
-    def selects(self, tier: str, shape_name: str, batch: str) -> bool:
-        return (
-            (self.tiers is None or tier in self.tiers)
-            and (self.shapes is None or parse_shape(shape_name) in self.shapes)
-            and (self.batches is None or batch in self.batches)
-        )
 
 
 def _subdirs(path: str) -> list[str]:
@@ -254,19 +171,6 @@ def _local_counts(
     manifest = parse_manifest(data, source)
     counts = manifest_counts(manifest)
     return (counts if counts is not None else partition_counts(where)), (data, manifest)
-
-
-def _natural(name: str) -> tuple[int, int, str]:
-    return (0, int(name), "") if name.isdigit() else (1, 0, name)
-
-
-def _repeat_for(relpath: str, weights: Mapping[str, float] | None) -> float | None:
-    for pattern, repeat in (weights or {}).items():
-        if fnmatch.fnmatchcase(relpath, pattern):
-            if repeat < 0:
-                raise ValueError(f"weight for {pattern!r} must be >= 0, got {repeat}")
-            return float(repeat)
-    return None
 
 
 def discover_streams(
@@ -378,7 +282,7 @@ def discover_streams(
                 batch=batch,
                 local=local,
                 remote=remote,
-                repeat=_repeat_for(relpath, weights),
+                repeat=repeat_for(relpath, weights),
                 source=source,
                 counts=counts,
                 manifest=manifest if cache_dir is None else None,
@@ -386,7 +290,15 @@ def discover_streams(
         )
     if relpaths and not matched and (tiers, shapes, batches) != (None, None, None):
         raise ValueError(_nothing_matched(mds_root_str, relpaths, tiers, shapes, batches))
-    out.sort(key=lambda b: (_natural(b.tier), b.height, b.width, _natural(b.batch), b.source or ""))
+    out.sort(
+        key=lambda b: (
+            natural_order(b.tier),
+            b.height,
+            b.width,
+            natural_order(b.batch),
+            b.source or "",
+        )
+    )
     return out
 
 
@@ -410,9 +322,9 @@ def _nothing_matched(
 ) -> str:
     parts = [p.strip("/").split("/") for p in relpaths]
     have = {
-        "tiers": sorted({p[0] for p in parts if len(p) == 3}, key=_natural),
+        "tiers": sorted({p[0] for p in parts if len(p) == 3}, key=natural_order),
         "shapes": sorted({p[1] for p in parts if len(p) == 3}),
-        "batches": sorted({p[2] for p in parts if len(p) == 3}, key=_natural),
+        "batches": sorted({p[2] for p in parts if len(p) == 3}, key=natural_order),
     }
     asked = {"tiers": tiers, "shapes": shapes, "batches": batches}
     wanted = ", ".join(f"{k}={sorted(map(str, v))}" for k, v in asked.items() if v is not None)

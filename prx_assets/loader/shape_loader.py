@@ -45,7 +45,8 @@ from prx_assets.loader.dataset import (
     default_num_canonical_nodes,
     snapshot_of,
 )
-from prx_assets.loader.discover import BucketStream, group_by_shape
+from prx_assets.loader.discover import group_by_shape
+from prx_assets.loader.streams import BucketStream
 
 STATE_FORMAT = "prx-shape-loader"
 STATE_VERSION = 1

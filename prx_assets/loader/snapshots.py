@@ -55,12 +55,12 @@ from prx_assets.loader.dataset import (
     check_resume_snapshot,
     snapshot_of,
 )
-from prx_assets.loader.discover import (
+from prx_assets.loader.streams import (
     BucketStream,
     PartitionFilter,
-    _natural,
-    _repeat_for,
+    natural_order,
     parse_shape,
+    repeat_for,
 )
 
 __all__ = ["SnapshotChanged", "check_resume_snapshot", "snapshot_of", "snapshot_streams"]
@@ -226,7 +226,7 @@ def snapshot_streams(
                 width=w,
                 batch=batch,
                 local=str(local),
-                repeat=_repeat_for(d.partition, weights),
+                repeat=repeat_for(d.partition, weights),
                 counts=PartitionCounts(d.samples, d.kept_samples, len(d.shards), len(d.shards)),
                 snapshot=snapshot,
                 pinned=d,
@@ -237,5 +237,5 @@ def snapshot_streams(
     for b in empty:
         warnings.warn(f"{b.local}: all samples are skipped; partition left out", stacklevel=3)
     out = [b for b in out if b not in empty]
-    out.sort(key=lambda b: (_natural(b.tier), b.height, b.width, _natural(b.batch)))
+    out.sort(key=lambda b: (natural_order(b.tier), b.height, b.width, natural_order(b.batch)))
     return out

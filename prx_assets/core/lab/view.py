@@ -6,18 +6,34 @@ import contextlib
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import lance
 import pyarrow as pa
 from lance.query import FullTextOperator, MatchQuery
 
-from prx_assets.core.lab.blobs import BlobStore, LocalBlobs, is_blob_ref, logical_schema
+from prx_assets.core.lab.blobs import (
+    BlobStore,
+    LocalBlobs,
+    RemoteBlobs,
+    is_blob_ref,
+    logical_schema,
+)
 from prx_assets.core.lab.io import open_dataset
 from prx_assets.core.lab.readers import ReaderHold, hold_version
+from prx_assets.core.lab.spec import TableSpec
 
-if TYPE_CHECKING:
-    from prx_assets.core.lab.store import Lab
+
+class Tables(Protocol):
+    """What a view needs of its lab (``store.Lab`` is one). A protocol rather than the
+    class, so that this module, which ``store`` imports, does not import ``store``."""
+
+    root: str
+    blobs: BlobStore
+
+    def _open(self, table: str, version: int | None = None) -> lance.LanceDataset | None: ...
+
+    def remote_blobs(self, spec: TableSpec, column: str) -> RemoteBlobs | None: ...
 
 
 def _has_index(ds: lance.LanceDataset, column: str, kinds: Iterable[str]) -> bool:
@@ -44,7 +60,7 @@ class LabView:
     view reads them. Use it as a context manager, or ``close`` it, to let them go early.
     """
 
-    def __init__(self, lab: Lab, versions: Mapping[str, int] | None = None) -> None:
+    def __init__(self, lab: Tables, versions: Mapping[str, int] | None = None) -> None:
         self.lab = lab
         self.versions: dict[str, int] = dict(versions or {})
         self._open: dict[str, lance.LanceDataset | None] = {}

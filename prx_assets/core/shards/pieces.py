@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from prx_assets.core.shards.remote import RemoteShardTree
-    from prx_assets.core.shards.runner import ShardSettings
 
 from prx_assets.core.durable import fsync_path
 from prx_assets.core.lab import BlobUnavailable, LabView, in_list, sql_literal
@@ -60,6 +59,7 @@ from prx_assets.core.shards.mds import (
 from prx_assets.core.shards.plan import CaptionInfo, ShardPlan
 from prx_assets.core.shards.render import _FACT_COLUMNS, RenderFailures, _facts
 from prx_assets.core.shards.resize import RESAMPLE_CHOICES, SourceFacts, render_jpeg
+from prx_assets.core.shards.settings import ShardSettings
 from prx_assets.core.shards.tables import assignment_from_row
 from prx_assets.core.storage import open_store
 from prx_assets.core.tables import IMAGES
@@ -71,11 +71,6 @@ from prx_assets.core.workers import (  # noqa: F401 - SHARED_FS_ENV: re-exported
     shared_filesystem,
 )
 
-#: Samples per piece: the unit of work of one task and the largest a shard gets (fewer when
-#: ``size_limit`` cuts it first). Part of the output layout: changing it changes the
-#: shard boundaries (and so the bytes), never what a sample holds.
-PIECE_SAMPLES = 256  # ~40-75 MB at 1024 px: the shard size streaming is built for, ~4 M
-# shards per 10^9 samples (64 gave ~16 M); a 100k-image batch still makes ~400 pieces
 SHARD_HASHES = ("sha256",)  # recorded per shard in index.json: the dir_digest commits to bytes
 
 

@@ -16,12 +16,10 @@ import contextlib
 import json
 from dataclasses import dataclass, field
 
-from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS
 from prx_assets.core.lab import Lab, sql_literal
 from prx_assets.core.progress import Progress, Report
 from prx_assets.core.shards.buckets import BucketTable, bucket_table
 from prx_assets.core.shards.mds import (
-    DEFAULT_SIZE_LIMIT,
     CommittedDir,
     PartitionDir,
     StagedPartition,
@@ -31,15 +29,14 @@ from prx_assets.core.shards.mds import (
     relative_partition_dir,
 )
 from prx_assets.core.shards.pieces import (  # noqa: F401 - SHARD_HASHES re-exported
-    PIECE_SAMPLES,
     SHARD_HASHES,
     PiecePlanner,
 )
 from prx_assets.core.shards.plan import CAPTION_COLUMNS, ShardPlan, plan_shards
 from prx_assets.core.shards.remote import RemoteShardTree, StagedShards
 from prx_assets.core.shards.render import MDS_EXTRA_COLUMNS
-from prx_assets.core.shards.resize import RESAMPLE
 from prx_assets.core.shards.screening import ShardScreener
+from prx_assets.core.shards.settings import ShardSettings  # noqa: F401 - re-exported
 from prx_assets.core.shards.small_buckets import small_bucket_problems
 from prx_assets.core.shards.tables import (
     AssignmentSummary,
@@ -110,30 +107,6 @@ class BatchAssignment:
 
 
 # --------------------------------------------------------------------------- shards
-
-
-@dataclass(frozen=True)
-class ShardSettings:
-    """How shards are written (size, resample, reads, workers) and judged (hazard rule).
-
-    ``workers``: processes rendering the partition's images (None: every CPU this process
-    may use); ``executor``: the pool kind (None: ``$PRX_EXECUTOR``, see ``core/workers.py``).
-    Neither changes a byte of the output. ``piece_samples`` does: it is how many consecutive
-    samples of a bucket one worker task renders into its own shard file(s).
-    """
-
-    size_limit: int = DEFAULT_SIZE_LIMIT
-    resample: str = RESAMPLE
-    max_render_failures: int = 20
-    read_chunk: int = 32
-    workers: int | None = None
-    executor: str | None = None
-    max_pixels: int = DEFAULT_MAX_PIXELS
-    canonical_nodes: int = 64  # the small-bucket rule: loader canonical nodes ...
-    device_batch_size: int = 1  # ... and per-device batch size it is judged against
-    # Samples per worker task, and at most per shard (core/shards/pieces.py): this one is
-    # part of the output layout (shard boundaries), unlike workers and executor.
-    piece_samples: int = PIECE_SAMPLES
 
 
 class ScreeningRefused(RuntimeError):

@@ -58,15 +58,14 @@ import hashlib
 import json
 import os
 import re
-import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from prx_assets.core.crashpoints import crashpoint
-from prx_assets.core.durable import fsync_path
+from prx_assets.core.durable import atomic_write_bytes, canonical_json, fsync_path
 from prx_assets.core.snapshots.pins import PinError, directory_lock, pinned_sidecars
 
 SKIPLIST_FORMAT = "prx-skiplist"
@@ -198,16 +197,6 @@ class Generation:
     @property
     def generation(self) -> str:
         return self.manifest.generation
-
-
-# ``json.dumps`` with these options, without building an encoder per call (the loader hashes
-# a manifest per directory: 10,000 at a time).
-_CANONICAL_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-
-
-def canonical_json(obj: object) -> bytes:
-    """The byte form every hash in this module is taken over."""
-    return _CANONICAL_ENCODER.encode(obj).encode()
 
 
 def _sha256(data: bytes) -> str:
@@ -608,29 +597,6 @@ def current_generation(partition_dir: str | os.PathLike[str]) -> str | None:
 
 
 # -- writing ---------------------------------------------------------------------------------
-
-
-def atomic_write_bytes(
-    path: str | os.PathLike[str], data: bytes, before_rename: Callable[[], None] | None = None
-) -> None:
-    """tmp + fsync + rename (+ fsync of the directory): readers see old or new, never half.
-
-    ``before_rename`` runs once the temporary file is durable (a crashpoint hook).
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if before_rename is not None:
-            before_rename()
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    fsync_path(path.parent)
 
 
 def _is_ours(entry: str) -> bool:

@@ -31,6 +31,8 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from prx_assets.core.durable import atomic_write_bytes, canonical_json
+
 PINS_DIRNAME = "snapshot_pins"
 RETAINED_DIRNAME = "retained"
 SNAPSHOT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -106,8 +108,6 @@ def write_pin(
     ``durable=False`` skips the per-file fsyncs (tmp + rename still make it atomic): for a
     caller that pins thousands of directories and then makes them durable at once
     (``os.sync()``) before its commit point, as ``create_snapshot`` does."""
-    from prx_assets.core.skiplists.sidecars import atomic_write_bytes, canonical_json
-
     check_snapshot_id(snapshot_id)
     pins = Path(directory) / PINS_DIRNAME
     pins.mkdir(exist_ok=True)

@@ -11,7 +11,6 @@ from pydantic import Field
 
 from prx_assets.core.plots import bar_chart
 from prx_assets.core.shards.mds import DEFAULT_SIZE_LIMIT
-from prx_assets.core.shards.pieces import PIECE_SAMPLES
 from prx_assets.core.shards.resize import (
     JPEG_QUALITY,
     JPEG_SUBSAMPLING,
@@ -27,6 +26,7 @@ from prx_assets.core.shards.runner import (
     ShardOutcome,
     ShardSettings,
 )
+from prx_assets.core.shards.settings import PIECE_SAMPLES
 from prx_assets.core.skiplists.policy import SkipPolicyError
 from prx_assets.defs.metadata import counts_table, md_table, png_markdown
 from prx_assets.defs.partitions import BATCHES
