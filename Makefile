@@ -58,6 +58,7 @@ TEST_PROCESSES ?= 3
 test: venv sysdeps instance
 	$(VENV)/bin/ruff check prx_assets prx_assets_tests benchmarks
 	$(VENV)/bin/ruff format --check prx_assets prx_assets_tests benchmarks
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/dg check defs --use-active-venv
 	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadscope $(PYTEST_ARGS)
 
 ## The multi-node cluster test (head + worker Ray nodes, PostgreSQL, S3; ~4 min): kept out of
@@ -67,7 +68,7 @@ test-cluster: venv sysdeps instance
 
 ## The Dagster UI on 127.0.0.1 (never on a public interface by default).
 ui: venv instance
-	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p $(UI_PORT)
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/dg dev --use-active-venv --host 127.0.0.1 --port $(UI_PORT)
 
 ## The curation browser on 127.0.0.1 (after `make demo`): search, filters, audit trail.
 browser: venv
