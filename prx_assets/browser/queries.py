@@ -79,6 +79,14 @@ SKIP_CHOICES: tuple[str, ...] = (*SKIP_STATES, *REASON_CODES)
 
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 _SHAPE_RE = re.compile(r"^[0-9]{1,5}x[0-9]{1,5}$")
+
+
+def _shape_order(shape: str) -> tuple[int, int, str]:
+    """``<H>x<W>`` by height, then width, as numbers (``704x1408`` before ``1024x1024``)."""
+    h, _, w = shape.partition("x")
+    return (int(h), int(w), shape) if h.isdigit() and w.isdigit() else (1 << 30, 0, shape)
+
+
 _BATCH_RE = re.compile(r"^[A-Za-z0-9_-]{1,120}\.[A-Za-z0-9_-]{1,120}$")  # sources.batch_key
 _MAX_VALUE_CHARS = 200
 
@@ -498,7 +506,7 @@ class LabQueries:
             "sources": self._distinct(IMAGES, "source"),
             "labels": list(LABELS),
             "tiers": self._distinct(BUCKETS, "tier"),
-            "shapes": self._distinct(BUCKETS, "shape"),
+            "shapes": sorted(self._distinct(BUCKETS, "shape"), key=_shape_order),
             "skip": list(SKIP_CHOICES),
             "snapshots": self._snapshot_ids(),
             "disabled": disabled,

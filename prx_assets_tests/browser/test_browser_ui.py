@@ -193,6 +193,26 @@ def test_filters_narrow_the_results_in_the_page(server, driver):
     assert {labels[c.get_attribute("data-key")] for c in cards} == {"text"}
     screenshot(driver, "browser-filtered")
 
+    # A filter the server refuses (400): the error, and no card of the earlier query left
+    # under it to be read as its answer.
+    side = driver.find_element(By.ID, "min_side")
+    side.send_keys("-1", Keys.TAB)
+    deadline = time.time() + 30
+    while "min_side" not in driver.find_element(By.ID, "status").text:
+        assert time.time() < deadline, "the refused filter was never reported"
+        time.sleep(0.2)
+    assert "error" in driver.find_element(By.ID, "status").get_attribute("class")
+    assert driver.find_elements(By.CSS_SELECTOR, "#results .card") == []
+    side.clear()
+    side.send_keys(Keys.TAB)
+    assert _cards(driver)  # a valid query shows cards again
+    shapes = [
+        i.get_attribute("value")
+        for i in driver.find_elements(By.CSS_SELECTOR, 'fieldset[data-filter="shape"] input')
+    ]
+    dims = [tuple(int(x) for x in s.split("x")) for s in shapes]
+    assert dims == sorted(dims)  # numeric order, not text
+
 
 def test_http_guards(server):
     url, port, lab, hostile_key = server

@@ -551,3 +551,16 @@ def test_out_of_range_and_malformed_numbers_are_400_with_a_message(indexed_lab):
     assert ok.status == 200
     hits = json.loads(ok.body)["hits"]
     assert hits and len(hits) <= 5
+
+
+def test_shapes_are_offered_in_numeric_order():
+    from prx_assets.browser.queries import _shape_order
+
+    shapes = ["2048x2048", "1024x1024", "704x1408", "512x512", "1408x704"]
+    assert sorted(shapes, key=_shape_order) == [
+        "512x512",
+        "704x1408",
+        "1024x1024",
+        "1408x704",
+        "2048x2048",
+    ]

@@ -142,7 +142,7 @@ def test_make_targets_initialise_the_instance_before_any_dagster_process(tmp_pat
 
     for target, starts in (
         ("demo", "prx-assets demo"),
-        ("ui", "dagster dev"),
+        ("ui", "dg dev"),
         ("test", "-m pytest"),
     ):
         # -n prints the plan without running it (the venv path only has to be absent).

@@ -6,6 +6,10 @@ const KEY_RE = /^[0-9a-f]{64}$/;
 const LIST_FILTERS = ["batch", "source", "label", "tier", "shape", "skip", "snapshot"];
 const NUMBER_FILTERS = ["min_side", "max_side", "min_mp", "max_mp"];
 let lastQuery = null; // {kind: "search"|"similar", key?}
+// Each request gets the next number; a response that is not the latest one's is dropped, so
+// a slow earlier answer never replaces the cards of a later query or audit.
+let querySeq = 0;
+let detailSeq = 0;
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -137,6 +141,26 @@ function renderResults(payload) {
   setStatus(`${payload.hits.length} results · ${what} · ${payload.ms.toFixed(0)} ms${more}`);
 }
 
+function clearResults() {
+  // An error leaves no card of an earlier query under it: they would read as its answer.
+  document.getElementById("results").replaceChildren();
+  renderSteps([]);
+}
+
+async function runQuery(url, waiting) {
+  const seq = ++querySeq;
+  setStatus(waiting);
+  try {
+    const payload = await getJSON(url);
+    if (seq === querySeq) renderResults(payload);
+  } catch (err) {
+    if (seq === querySeq) {
+      clearResults();
+      setStatus(err.message, true);
+    }
+  }
+}
+
 async function runSearch() {
   const params = filterParams();
   const q = document.getElementById("q").value.trim();
@@ -145,12 +169,7 @@ async function runSearch() {
     params.set("match", document.getElementById("match").value);
   }
   lastQuery = { kind: "search" };
-  setStatus("Searching…");
-  try {
-    renderResults(await getJSON(`/api/search?${params}`));
-  } catch (err) {
-    setStatus(err.message, true);
-  }
+  await runQuery(`/api/search?${params}`, "Searching…");
 }
 
 async function runSimilar(key) {
@@ -158,12 +177,7 @@ async function runSimilar(key) {
   const params = filterParams();
   params.set("key", key);
   lastQuery = { kind: "similar", key };
-  setStatus("Finding similar captions…");
-  try {
-    renderResults(await getJSON(`/api/similar?${params}`));
-  } catch (err) {
-    setStatus(err.message, true);
-  }
+  await runQuery(`/api/similar?${params}`, "Finding similar captions…");
 }
 
 function rerun() {
@@ -208,10 +222,12 @@ async function openDetail(key, node) {
   document.getElementById("detail-key").textContent = key;
   const box = document.getElementById("audit");
   box.replaceChildren(el("p", { text: "Loading audit trail…" }));
+  const seq = ++detailSeq;
   try {
-    renderAudit(await getJSON(`/api/audit/${encodeURIComponent(key)}`));
+    const trail = await getJSON(`/api/audit/${encodeURIComponent(key)}`);
+    if (seq === detailSeq) renderAudit(trail);
   } catch (err) {
-    box.replaceChildren(el("p", { class: "note", text: err.message }));
+    if (seq === detailSeq) box.replaceChildren(el("p", { class: "note", text: err.message }));
   }
 }
 
