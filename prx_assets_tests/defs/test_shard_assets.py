@@ -242,6 +242,11 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
     assert "4:4:4" in md["jpeg_subsampling_reason"].value
     # Every bucket of this tiny batch is far under 64 samples: all flagged as hazards.
     assert set(md["small_bucket_hazards"].value) == set(md["tree"].value)
+    # The bucket table flags each row briefly; the rule is stated once, not on every row.
+    rows = [r for r in md["buckets"].value.splitlines() if r.startswith("| `")]
+    assert len(rows) == len(dirs) and all("few samples, few shards" in r for r in rows)
+    assert not any("canonical nodes" in r for r in rows)
+    assert "canonical_nodes x device_batch_size" in md["hazard_rule"].value
     written_mb = sum(f.stat().st_size for d in dirs for f in d.iterdir()) / 1e6
     assert md["mb_written"].value == pytest.approx(written_mb, abs=0.01)
 

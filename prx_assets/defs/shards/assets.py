@@ -223,8 +223,22 @@ def _by_cause(uncaptioned: dict[str, str]) -> dict[str, list[str]]:
 
 def _shard_metadata(out: ShardOutcome, shards_root: str) -> dict[str, Any]:
     s = out.settings
+    floor = s.canonical_nodes * s.device_batch_size
+
+    def hazard(samples: int, shards: int) -> str:
+        # Short flags per row; the rule is stated once (hazard_rule), the full sentences
+        # per directory are in small_bucket_hazards.
+        flags = ["few samples"] * (samples < floor) + ["few shards"] * (shards < s.canonical_nodes)
+        return ", ".join(flags)
+
     buckets = [
-        (f"{d.tier}/{d.shape}", d.samples, d.shards, round(d.bytes / 1e6, 2), "; ".join(d.hazards))
+        (
+            f"{d.tier}/{d.shape}",
+            d.samples,
+            d.shards,
+            round(d.bytes / 1e6, 2),
+            hazard(d.samples, d.shards),
+        )
         for d in out.directories
     ]
     return {
