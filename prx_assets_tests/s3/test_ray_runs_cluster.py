@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import multiprocessing
 import os
 import shutil
 import signal
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -96,8 +97,8 @@ def _landing(folder: Path) -> Path:
 
 def _local_reference(data_root: Path) -> dict[str, str]:
     """The four partitions on the default path, in process: the reference bytes. Runs in a
-    thread while the cluster starts (the environment holds no PRX_* setting: the caller
-    removed them)."""
+    spawned process while the cluster starts (the environment it inherits holds no PRX_*
+    setting: the caller removed them)."""
     from prx_assets.definitions import build_defs
     from prx_assets.defs.partitions import BATCHES
 
@@ -200,7 +201,10 @@ def test_partitions_spread_over_ray_nodes_and_a_lost_node_costs_a_retry(
     for var in ("PRX_EXECUTOR", "PRX_WORKERS", "PRX_LANDING_URI", "PRX_LAB_URI", "PRX_SHARDS_URI"):
         monkeypatch.delenv(var, raising=False)
     # The local reference runs while the cluster and Dagster start (mostly waiting).
-    background = ThreadPoolExecutor(max_workers=1)
+    # In a process of its own, not a thread: its runs initialise a sqlite event log per run
+    # through alembic, whose module-level state two upgrades in one process share (seen:
+    # `KeyError: 'script'` in this process's PostgreSQL upgrade below).
+    background = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     reference_run = background.submit(_local_reference, tmp_path / "local")
 
     hold = tmp_path / "hold"
