@@ -10,15 +10,20 @@ import pyarrow as pa
 import pytest
 from PIL import Image
 
+from prx_assets.core.captions.models.prompts import caption_word_count
+from prx_assets.core.captions.tables import CAPTIONS
 from prx_assets.core.lab import Lab
 from prx_assets.core.shards.buckets import assign_bucket, bucket_table, bucket_table_json
 from prx_assets.core.shards.mds import Placement
+from prx_assets.core.shards.pieces import PlanMismatch, read_piece_samples
 from prx_assets.core.shards.plan import (
     CAPTION_EMPTY,
     CAPTION_MISSING,
     NO_USABLE_CAPTION,
     CaptionInfo,
+    plan_by_reference,
     plan_shards,
+    planned_caption,
 )
 from prx_assets.core.shards.render import BucketRenderer, RenderFailures
 from prx_assets.core.shards.tables import (
@@ -135,11 +140,104 @@ def test_plan_writes_every_assigned_image_and_names_why_one_has_no_caption():
     assert set(nothing.uncaptioned) == {f"k{i}" for i in range(6)}
 
 
-def test_placement_rows_locate_each_sample_and_mark_those_without_a_caption():
-    captions = {
-        "a": CaptionInfo("x", False, "openai", "m", "v", "fp-a"),
-        "b": NO_USABLE_CAPTION,
+def _caption_table(texts: dict[str, str | None]) -> pa.Table:
+    rows = [
+        {
+            "key": k,
+            "batch": "b0",
+            "caption": t,
+            "word_count": None if t is None else caption_word_count(t),
+            "backend_fingerprint": f"fp-{k}",
+        }
+        for k, t in texts.items()
+    ]
+    return pa.Table.from_pylist(rows, schema=CAPTIONS.schema)
+
+
+def test_plan_by_reference_is_plan_shards_from_fewer_columns(tmp_path: Path) -> None:
+    """Same plan without the texts: only captions without a word (blank, or "...") are
+    read to tell blank from not, with every character Python's ``str.strip`` removes."""
+    assignments = assignment_rows(_resolution())
+    spaces = "".join(chr(c) for c in range(0x3001) if chr(c).isspace())
+    texts = {"k0": "a dog", "k1": spaces, "k3": "...", "k4": None}
+    lab = Lab(tmp_path / "lab")
+    lab.replace_partition(CAPTIONS, "b0", _caption_table(texts))
+    view = lab.view()
+    where = "batch = 'b0'"
+    asked: list[list[str]] = []
+
+    def read_texts(keys):  # noqa: ANN001, ANN202
+        asked.append(sorted(keys))
+        return {k: texts[k] for k in keys}
+
+    captions = view.read(CAPTIONS.name, ["key", "backend_fingerprint", "word_count"], where)
+    by_ref = plan_by_reference(assignments.select(["key", "tier", "shape"]), captions, read_texts)
+    assert asked == [["k1", "k3", "k4"]]  # never "a dog"
+    full = plan_shards(assignments, view.read(CAPTIONS.name, None, where))
+    assert (
+        by_ref.uncaptioned
+        == full.uncaptioned
+        == {
+            "k1": CAPTION_EMPTY,
+            "k2": CAPTION_MISSING,
+            "k4": CAPTION_EMPTY,
+            "k5": CAPTION_MISSING,
+        }
+    )
+    assert by_ref.fingerprints == full.fingerprints
+    assert by_ref.fingerprints["k3"] == "fp-k3" and by_ref.fingerprints["k1"] is None
+    assert {b: [r["key"] for r in rows] for b, rows in by_ref.buckets.items()} == {
+        b: [r["key"] for r in rows] for b, rows in full.buckets.items()
     }
+    with pytest.raises(ValueError, match="two caption rows"):
+        plan_by_reference(assignments, pa.concat_tables([captions, captions]), read_texts)
+    with pytest.raises(ValueError, match="not the rows planned"):
+        plan_by_reference(assignments, captions, lambda keys: {})
+
+
+def test_a_caption_that_disagrees_with_the_plan_is_refused() -> None:
+    row = _caption("k", "a dog")
+    assert planned_caption(row, True).caption == "a dog"
+    with pytest.raises(ValueError, match="not blank, planned as unusable"):
+        planned_caption(row, False)
+    with pytest.raises(ValueError, match="blank, planned as usable"):
+        planned_caption(_caption("k", "\u2028"), True)
+    with pytest.raises(ValueError, match="no caption row"):
+        planned_caption(None, True)
+    assert planned_caption(None, False) == NO_USABLE_CAPTION
+
+
+def test_piece_rows_that_disagree_with_the_plan_fail_the_piece() -> None:
+    """A worker reads its piece's rows itself; rows that contradict the step's plan (made
+    from the same versions) fail the piece instead of writing an undecided sample."""
+    assigned = assignment_rows(_resolution()).to_pylist()
+    images = [{"key": r["key"], "image": f"ref-{r['key']}", "source": "s"} for r in assigned]
+
+    def read(keys, uncaptioned, captions):  # noqa: ANN001, ANN202
+        return read_piece_samples(
+            "b0",
+            keys,
+            uncaptioned,
+            lambda c, f: [r for r in assigned if r["key"] in keys],
+            lambda c, f: [_caption(k, t) for k, t in captions.items() if k in keys],
+            lambda c, f: [r for r in images if r["key"] in keys],
+            by_ref=True,
+        )
+
+    (good, bare) = read(["k0", "k1"], {"k1"}, {"k0": "a dog"})
+    assert good.fields["caption"] == "a dog" and good.ref == "ref-k0" and good.data is None
+    assert bare.fields["caption"] == "" and not bare.missing
+    with pytest.raises(PlanMismatch, match="'k0': its caption's text disagrees"):
+        read(["k0"], {"k0"}, {"k0": "a dog"})
+    with pytest.raises(PlanMismatch, match="'k0': planned with a usable caption"):
+        read(["k0"], set(), {})
+    assigned = assigned[1:]
+    with pytest.raises(PlanMismatch, match="'k0' is planned but has no bucket_assignments"):
+        read(["k0"], {"k0"}, {})
+
+
+def test_placement_rows_locate_each_sample_and_mark_those_without_a_caption():
+    captions = {"a": "fp-a", "b": None}  # ShardPlan.fingerprints: None = no usable caption
     placements = [
         Placement("b", 1024, "32x32", "b0", "shard.00001.mds", 0, 3),
         Placement("a", 512, "16x24", "b0", "shard.00000.mds", 2, 2),

@@ -10,6 +10,7 @@ decoder that kills its worker costs that image, not the partition).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import pickle
@@ -162,7 +163,12 @@ def test_tasks_carry_references_and_results_no_image_bytes(world, tmp_path, monk
     # Several pieces per bucket: the cut is by sample count, not by bucket.
     assert len(pool.tasks) > len(out.directories)
     # No source bytes out, no JPEG or shard bytes back: references and small typed results.
-    assert all(s.data is None and s.ref for t in pool.tasks for s in t.samples)
+    # The workers read their rows themselves (assignment, caption, blob reference) at the
+    # versions the step planned from: a task is its keys and those tables' references.
+    assert all(t.rows is not None and not t.samples and t.keys for t in pool.tasks)
+    assert {t.rows.assignments.version for t in pool.tasks} == {
+        Lab(root / "lab").view().version("bucket_assignments")
+    }
     assert all(x.data is None for r in pool.results for x in r.shards)
     jpeg_bytes = sum(size for r in pool.results for _, _, size in r.written)
     sources = Lab(root / "lab").read_batch(IMAGES.name, KEY, ["file_size"]).column("file_size")
@@ -170,7 +176,13 @@ def test_tasks_carry_references_and_results_no_image_bytes(world, tmp_path, monk
     per_image_back = pool.result_bytes / out.written
     per_image_out = pool.task_bytes / out.written
     assert per_image_back < 1024, per_image_back  # key, sha256, size + shard entries
-    assert per_image_out < 2048, per_image_out  # assignment row, caption, blob reference
+    assert per_image_out < 2048, per_image_out  # one sample per task here: mostly settings
+    # What grows with a piece's samples is their keys alone (rows read by the worker).
+    for t in pool.tasks:
+        per_key = len(pickle.dumps(t, protocol=5)) - len(
+            pickle.dumps(dataclasses.replace(t, keys=()), protocol=5)
+        )
+        assert per_key <= sum(len(k) + 8 for k in t.keys), (per_key, t.keys)
     assert pool.result_bytes < jpeg_bytes / 50 and pool.task_bytes < source_bytes / 50
     # What the worker wrote is what the index and shard_samples say.
     for d in out.directories:

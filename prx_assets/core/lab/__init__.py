@@ -19,7 +19,7 @@ from prx_assets.core.lab.maintenance import (
 )
 from prx_assets.core.lab.spec import TableSpec, in_list, sql_literal
 from prx_assets.core.lab.store import Lab, no_lab_at
-from prx_assets.core.lab.view import LabView, full_text_query
+from prx_assets.core.lab.view import LabView, TableAt, full_text_query
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -33,6 +33,7 @@ __all__ = [
     "Lab",
     "LabView",
     "MaintenancePolicy",
+    "TableAt",
     "TableSpec",
     "full_text_query",
     "in_list",

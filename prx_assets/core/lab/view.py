@@ -248,9 +248,10 @@ class TableAt:
     table: str
     version: int
 
-    def read(self, columns: Sequence[str], filter: str) -> pa.Table:
+    def read(self, columns: Sequence[str], filter: str, blob_refs: bool = False) -> pa.Table:
         """A pushed-down read of ``columns`` of the rows matching ``filter``; blob columns
-        come back as their bytes."""
+        come back as their bytes, or (``blob_refs``) as their references, for a worker
+        that reads each blob when it needs it rather than a chunk's all at once."""
         ds = open_dataset(f"{self.lab_root}/{self.table}.lance", self.version)
         rows = ds.to_table(columns=list(columns), filter=filter)
-        return BlobStore(self.lab_root).resolve(self.table, rows, ds.schema)
+        return rows if blob_refs else BlobStore(self.lab_root).resolve(self.table, rows, ds.schema)

@@ -35,7 +35,7 @@ import shutil
 import tempfile
 import uuid
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from prx_assets.core.shards.remote import RemoteShardTree
 
 from prx_assets.core.durable import fsync_path
-from prx_assets.core.lab import BlobUnavailable, LabView, in_list, sql_literal
+from prx_assets.core.lab import BlobUnavailable, LabView, TableAt, in_list, sql_literal
 from prx_assets.core.progress import no_progress
 from prx_assets.core.shards.mds import (
     CommittedDir,
@@ -56,13 +56,18 @@ from prx_assets.core.shards.mds import (
     relative_partition_dir,
     write_piece_shards,
 )
-from prx_assets.core.shards.plan import CaptionInfo, ShardPlan
+from prx_assets.core.shards.plan import (
+    CAPTION_COLUMNS,
+    CaptionInfo,
+    ShardPlan,
+    planned_caption,
+)
 from prx_assets.core.shards.render import _FACT_COLUMNS, RenderFailures, _facts
 from prx_assets.core.shards.resize import RESAMPLE_CHOICES, SourceFacts, render_jpeg
 from prx_assets.core.shards.settings import ShardSettings
 from prx_assets.core.shards.tables import assignment_from_row
 from prx_assets.core.storage import open_store
-from prx_assets.core.tables import IMAGES
+from prx_assets.core.tables import BUCKET_ASSIGNMENTS, CAPTIONS, IMAGES
 from prx_assets.core.workers import (  # noqa: F401 - SHARED_FS_ENV: re-exported
     SHARED_FS_ENV,
     ItemFailed,
@@ -134,8 +139,25 @@ class PieceSink:
 
 
 @dataclass(frozen=True)
+class PieceRows:
+    """Where a worker reads its piece's rows itself: the tables at the versions the step
+    planned from (``TableAt``), and which of the piece's keys the plan found without a
+    usable caption (the worker checks each caption's text agrees: ``planned_caption``)."""
+
+    batch: str
+    assignments: TableAt
+    captions: TableAt | None  # None: no captions table (every sample is uncaptioned)
+    images: TableAt
+    uncaptioned: frozenset[str]
+
+
+@dataclass(frozen=True)
 class PieceTask:
-    """One piece to render and write (picklable: references, rows and settings)."""
+    """One piece to render and write (picklable: references, keys and settings).
+
+    ``rows`` set: the worker reads the piece's rows (``read_piece_samples``) and
+    ``samples`` is empty; else the step read them and ``samples`` carries them.
+    """
 
     tier: int
     shape: str
@@ -149,6 +171,8 @@ class PieceTask:
     max_pixels: int
     resample: str
     excluded: Mapping[str, str] = field(default_factory=dict)  # key -> why (not rendered)
+    keys: tuple[str, ...] = ()  # the piece's keys, in plan order
+    rows: PieceRows | None = None
 
 
 @dataclass(frozen=True)
@@ -189,6 +213,78 @@ def cut_pieces(n: int, piece_samples: int) -> list[range]:
     return [range(i, min(i + piece_samples, n)) for i in range(0, n, piece_samples)]
 
 
+Read = Callable[[Sequence[str], str], list[dict[str, Any]]]
+
+_IMAGE_COLUMNS = ("key", "image", "source", "license", *_FACT_COLUMNS)
+
+
+class PlanMismatch(RuntimeError):
+    """A piece's rows do not match the plan the step made from the same table versions
+    (a planned key without its assignment row, a caption whose text disagrees with the
+    plan's verdict): the piece fails, never writes a sample the skip-lists did not decide."""
+
+
+def read_piece_samples(
+    batch: str,
+    keys: Sequence[str],
+    uncaptioned: Collection[str],
+    assignments: Read,
+    captions: Read,
+    images: Read,
+    by_ref: bool,
+) -> tuple[PieceSample, ...]:
+    """A piece's samples, in ``keys`` order, from its rows in the three tables.
+
+    The same function in the step (a pool that cannot read the lab: ``by_ref`` False puts
+    the source bytes in the sample) and in a worker (``PieceRows``: by reference), so both
+    write the same samples. ``images`` reads blob columns as references when ``by_ref``.
+    """
+    where = f"batch = {sql_literal(batch)} AND {in_list('key', keys)}"
+    assigned = {r["key"]: r for r in assignments(["key", *ASSIGNMENT_FIELDS], where)}
+    caption_rows = {r["key"]: r for r in captions(list(CAPTION_COLUMNS), where)}
+    image_rows = {r["key"]: r for r in images(list(_IMAGE_COLUMNS), where)}
+    out = []
+    for key in keys:
+        row = assigned.get(key)
+        if row is None:
+            raise PlanMismatch(f"{key!r} is planned but has no {BUCKET_ASSIGNMENTS.name} row")
+        try:
+            caption = planned_caption(caption_rows.get(key), key not in uncaptioned)
+        except ValueError as exc:
+            raise PlanMismatch(f"{key!r}: {exc}") from None
+        image = image_rows.get(key)
+        value = image.get("image") if image is not None else None
+        out.append(
+            PieceSample(
+                key=key,
+                row={c: row[c] for c in ASSIGNMENT_FIELDS},
+                facts=_facts(image) if image is not None else None,
+                fields=sample_fields(row, image, caption),
+                ref=value if by_ref else None,
+                data=None if by_ref else value,
+                missing=image is None,
+            )
+        )
+    return tuple(out)
+
+
+def _worker_samples(task: PieceTask) -> tuple[PieceSample, ...]:
+    """The task's samples: carried, or read by this worker (``task.rows``)."""
+    rows = task.rows
+    if rows is None:
+        return task.samples
+    cap = rows.captions
+    return read_piece_samples(
+        rows.batch,
+        task.keys,
+        rows.uncaptioned,
+        lambda c, f: rows.assignments.read(c, f).to_pylist(),
+        (lambda c, f: cap.read(c, f).to_pylist()) if cap is not None else (lambda c, f: []),
+        lambda c, f: rows.images.read(c, f, blob_refs=True).to_pylist(),
+        by_ref=True,
+    )
+
+
 def _render(task: PieceTask, s: PieceSample) -> tuple[bytes | None, str | None]:
     """(JPEG, None) or (None, why): one bad image must not sink the piece."""
     if s.key in task.excluded:
@@ -218,9 +314,10 @@ def render_piece(task: PieceTask) -> PieceResult:
     module-level function: picklable for every pool)."""
     written: list[tuple[str, str, int]] = []
     failures: list[tuple[str, str]] = []
+    planned = _worker_samples(task)
 
     def samples() -> Any:
-        for s in task.samples:
+        for s in planned:
             jpeg, why = _render(task, s)
             if jpeg is None:
                 failures.append((s.key, why or "unknown"))
@@ -369,49 +466,64 @@ class PiecePlanner:
             return PieceSink(directory=str(staged.staging(tier, shape)))
         return PieceSink()  # workers elsewhere, tree here: the bytes come back
 
-    def _read(self, keys: Sequence[str]) -> dict[str, dict[str, Any]]:
-        assert self.images is not None
-        out: dict[str, dict[str, Any]] = {}
+    def _rows_here(self) -> PieceRows | None:
+        """What a worker needs to read its piece's rows itself, when it can reach the lab
+        (``blobs`` set: this machine, a shared mount, or a lab on object storage)."""
+        view = self.images
+        if view is None or self.blobs is None:
+            return None
+        assignments, images = view.table_at(BUCKET_ASSIGNMENTS.name), view.table_at(IMAGES.name)
+        if assignments is None or images is None:
+            return None
+        return PieceRows(
+            self.batch,
+            assignments,
+            view.table_at(CAPTIONS.name),
+            images,
+            frozenset(self.plan.uncaptioned),
+        )
+
+    def _read(self, keys: Sequence[str]) -> tuple[PieceSample, ...]:
+        """A piece's samples read here, through the step's view (a pool that cannot read
+        the lab gets them in its tasks, with the source bytes)."""
+        view = self.images
+        assert view is not None
+        out: list[PieceSample] = []
         chunk = self.settings.read_chunk
         for start in range(0, len(keys), chunk):
-            part = keys[start : start + chunk]
-            rows = self.images.take_matching_rows(
-                IMAGES.name,
-                columns=["key", "image", "source", "license", *_FACT_COLUMNS],
-                filter=f"batch = {sql_literal(self.batch)} AND {in_list('key', part)}",
-                blob_refs=self.blobs is not None,
+            out += read_piece_samples(
+                self.batch,
+                keys[start : start + chunk],
+                self.plan.uncaptioned,
+                lambda c, f: view.read(BUCKET_ASSIGNMENTS.name, c, f).to_pylist(),
+                lambda c, f: view.read(CAPTIONS.name, c, f).to_pylist(),
+                lambda c, f: view.take_matching_rows(
+                    IMAGES.name, c, f, blob_refs=self.blobs is not None
+                ),
+                by_ref=self.blobs is not None,
             )
-            out.update((r["key"], r) for r in rows)
-        return out
+        return tuple(out)
 
     def _tasks(self, staged: StagedPartition, sent: deque[PieceTask]) -> Iterator[PieceTask]:
         s = self.settings
+        by_ref = self._rows_here()
         for tier, shape in bucket_order(self.plan.buckets):
             rows = self.plan.buckets[(tier, shape)]
             sink = self._sink(staged, tier, shape)
             for number, span in enumerate(cut_pieces(len(rows), s.piece_samples)):
-                chunk = rows[span.start : span.stop]
-                images = self._read([r["key"] for r in chunk])
-                samples = []
-                for r in chunk:
-                    image = images.get(r["key"])
-                    value = image.get("image") if image is not None else None
-                    samples.append(
-                        PieceSample(
-                            key=r["key"],
-                            row={c: r[c] for c in ASSIGNMENT_FIELDS},
-                            facts=_facts(image) if image is not None else None,
-                            fields=sample_fields(r, image, self.plan.captions[r["key"]]),
-                            ref=value if self.blobs is not None else None,
-                            data=None if self.blobs is not None else value,
-                            missing=image is None,
-                        )
+                keys = tuple(r["key"] for r in rows[span.start : span.stop])
+                rows_of = None
+                if by_ref is not None:  # the worker reads them: only its keys' verdicts go
+                    rows_of = dataclasses.replace(
+                        by_ref, uncaptioned=by_ref.uncaptioned.intersection(keys)
                     )
                 task = PieceTask(
                     tier=int(tier),
                     shape=shape,
                     piece=number,
-                    samples=tuple(samples),
+                    samples=() if rows_of is not None else self._read(keys),
+                    keys=keys,
+                    rows=rows_of,
                     blobs=self.blobs,
                     sink=sink,
                     columns=dict(staged.columns),
@@ -450,7 +562,7 @@ class PiecePlanner:
                 if isinstance(out, ItemFailed):
                     out = self._isolate(task, out)
                 keys += self._taken(out)
-                self.progress.advance(len(task.samples))
+                self.progress.advance(len(task.keys))
                 shards += [StagedShardRef(x.name, x.samples, x.entry, x.data) for x in out.shards]
             done = staged.commit(
                 tier,
@@ -491,6 +603,7 @@ class PiecePlanner:
                 f"piece {task.piece} of bucket {task.tier}/{task.shape} of batch "
                 f"{self.batch!r} could not be written: {failed.error}"
             )
+        task = dataclasses.replace(task, samples=task.samples or self._read(task.keys), rows=None)
         with ProcessPool(1) as alone:
             singles = [dataclasses.replace(task, samples=(s,)) for s in task.samples]
             excluded = {

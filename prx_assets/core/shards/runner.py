@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from prx_assets.core.lab import Lab, sql_literal
+import pyarrow as pa
+
+from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
 from prx_assets.core.progress import Progress, Report
 from prx_assets.core.shards.buckets import BucketTable, bucket_table
 from prx_assets.core.shards.mds import (
@@ -32,7 +35,7 @@ from prx_assets.core.shards.pieces import (  # noqa: F401 - SHARD_HASHES re-expo
     SHARD_HASHES,
     PiecePlanner,
 )
-from prx_assets.core.shards.plan import CAPTION_COLUMNS, ShardPlan, plan_shards
+from prx_assets.core.shards.plan import ShardPlan, plan_by_reference
 from prx_assets.core.shards.remote import RemoteShardTree, StagedShards
 from prx_assets.core.shards.render import MDS_EXTRA_COLUMNS
 from prx_assets.core.shards.screening import ShardScreener
@@ -50,8 +53,6 @@ from prx_assets.core.skiplists.policy import PartitionDecisions, SkipPolicy, Ski
 from prx_assets.core.skiplists.sidecars import current_generation
 from prx_assets.core.tables import BUCKET_ASSIGNMENTS, CAPTIONS, RESOLUTION, SHARD_SAMPLES
 from prx_assets.core.workers import WorkerPool, make_pool
-
-_TOTALS_COLUMNS = ["tier", "shape", "relative_dir", "shard"]
 
 # --------------------------------------------------------------------------- assignments
 
@@ -188,12 +189,26 @@ class BatchShards:
         self.policy = policy
         self.settings = settings or ShardSettings()
 
-    def plan(self) -> ShardPlan:
-        assignments = self.lab.read_batch(BUCKET_ASSIGNMENTS.name, self.batch)
+    def plan(self, view: LabView | None = None) -> ShardPlan:
+        """Which sample goes where, from the few columns that decide it: no assignment
+        geometry and no caption text but that of captions without a word (the workers read
+        the rest for their own samples)."""
+        view = view or self.lab.view()
+        where = f"batch = {sql_literal(self.batch)}"
+        assignments = view.read(BUCKET_ASSIGNMENTS.name, ["key", "tier", "shape"], where)
         if assignments.num_rows == 0:
-            assignments = BUCKET_ASSIGNMENTS.schema.empty_table()
-        captions = self.lab.read_batch(CAPTIONS.name, self.batch, columns=list(CAPTION_COLUMNS))
-        return plan_shards(assignments, captions)
+            assignments = pa.table({"key": [], "tier": [], "shape": []})
+        captions = view.read(CAPTIONS.name, ["key", "backend_fingerprint", "word_count"], where)
+
+        def texts(keys: Sequence[str]) -> dict[str, str | None]:
+            out: dict[str, str | None] = {}
+            for i in range(0, len(keys), 1024):
+                f = f"{where} AND {in_list('key', keys[i : i + 1024])}"
+                rows = view.read(CAPTIONS.name, ["key", "caption"], f).to_pylist()
+                out.update((r["key"], r["caption"]) for r in rows)
+            return out
+
+        return plan_by_reference(assignments, captions, texts)
 
     def run(self) -> ShardOutcome:
         s = self.settings
@@ -204,8 +219,12 @@ class BatchShards:
             pool.close()
 
     def _run(self, pool: WorkerPool) -> ShardOutcome:
+        with self.lab.view() as view:  # the versions the plan and every worker read
+            return self._run_at(pool, view)
+
+    def _run_at(self, pool: WorkerPool, view: LabView) -> ShardOutcome:
         s, batch = self.settings, self.batch
-        plan = self.plan()
+        plan = self.plan(view)
         keys = {bucket: [r["key"] for r in rows] for bucket, rows in plan.buckets.items()}
         try:
             screener = ShardScreener(self.lab, batch, self.policy, keys, plan.uncaptioned)
@@ -215,9 +234,7 @@ class BatchShards:
         # work copy, the workers put the shards in a staging prefix, and each directory is
         # then published (versions first, one pointer each last: core/shards/remote.py).
         with RemoteShardTree(self.shards_root, batch) as tree:
-            pieces = PiecePlanner(
-                self.lab.view() if plan.buckets else None, batch, plan, s, pool, tree
-            )
+            pieces = PiecePlanner(view if plan.buckets else None, batch, plan, s, pool, tree)
             pieces.progress = Progress(f"{batch}: rendered", plan.planned, self.report)
             return self._write(tree, plan, pieces, screener)
 
@@ -257,7 +274,7 @@ class BatchShards:
         placements = [p for c in committed.values() for p in c.placements]
         dirs = list_partition_dirs(tree.local_root, batch)
         digests = {d.relative_dir: partition_digest(d.path) for d in dirs}
-        rows = placement_rows(placements, batch, digests, pieces.jpeg, plan.captions)
+        rows = placement_rows(placements, batch, digests, pieces.jpeg, plan.fingerprints)
         written = self.lab.replace_partition(SHARD_SAMPLES, batch, rows)
 
         mine = bucket_totals(rows)
@@ -322,17 +339,22 @@ class BatchShards:
     ) -> dict[str, list[str]]:
         """The rule over every batch's samples of the buckets this batch wrote.
 
-        Reads only those buckets' rows, four columns of them (the ``tier``/``shape`` bitmap
-        indexes serve the filter), not the whole ``shard_samples`` table.
+        Reads what decides the rule, not the buckets: at 10^9 images a bucket holds ~10^7
+        rows, and reading them all made every step's cost grow with the corpus. A bucket's
+        samples are counted through the ``tier``/``shape`` bitmap indexes; its shards are
+        its samples at ``index_in_shard = 0`` (one per shard), read only up to the
+        threshold the rule compares them with (``canonical_nodes``): past it, the rule
+        holds whatever the exact number.
         """
-        if not mine:
-            return {}
-        where = " OR ".join(
-            f"(tier = {int(tier)} AND shape = {sql_literal(shape)})" for tier, shape in mine
-        )
-        everywhere = bucket_totals(self.lab.read(SHARD_SAMPLES.name, _TOTALS_COLUMNS, where))
-        return {
-            f"{tier}/{shape}": problems
-            for (tier, shape), totals in everywhere.items()
-            if (tier, shape) in mine and (problems := self._rule(totals))
-        }
+        out: dict[str, list[str]] = {}
+        need = self.settings.canonical_nodes
+        with self.lab.view() as view:
+            for tier, shape in mine:
+                where = f"tier = {int(tier)} AND shape = {sql_literal(shape)}"
+                samples = view.count(SHARD_SAMPLES.name, where)
+                firsts = view.read(
+                    SHARD_SAMPLES.name, ["key"], f"{where} AND index_in_shard = 0", limit=need
+                )
+                if problems := self._rule(BucketTotals(samples, firsts.num_rows, 0)):
+                    out[f"{tier}/{shape}"] = problems
+        return out

@@ -32,7 +32,6 @@ from prx_assets.core.shards.buckets import (
     bucket_table_json,
 )
 from prx_assets.core.shards.mds import Placement
-from prx_assets.core.shards.plan import CaptionInfo
 
 BUCKET_ASSIGNMENTS = TableSpec(
     name="bucket_assignments",
@@ -206,10 +205,12 @@ def placement_rows(
     batch: str,
     digests: Mapping[str, str],
     jpeg: Mapping[str, tuple[str, int]],
-    captions: Mapping[str, CaptionInfo],
+    fingerprints: Mapping[str, str | None],
 ) -> pa.Table:
     """``shard_samples`` rows; ``digests`` maps a placement's ``relative_dir`` to its digest,
-    ``jpeg`` a key to the sha256 and size of the bytes stored for it (``RenderLog.jpeg``)."""
+    ``jpeg`` a key to the sha256 and size of the bytes stored for it (``RenderLog.jpeg``),
+    ``fingerprints`` a key to its caption's fingerprint (None: written without a usable
+    caption, ``ShardPlan.fingerprints``)."""
     cols: dict[str, list[Any]] = {f.name: [] for f in SHARD_SAMPLES.schema}
     for p in sorted(placements, key=lambda p: p.key):
         if p.batch != batch:
@@ -227,7 +228,7 @@ def placement_rows(
             "dir_digest": digests[p.relative_dir],
             "jpeg_sha256": sha,
             "jpeg_bytes": size,
-            "caption_fingerprint": captions[p.key].fingerprint if captions[p.key].usable else None,
+            "caption_fingerprint": fingerprints[p.key],
         }
         for name, value in values.items():
             cols[name].append(value)
