@@ -18,6 +18,11 @@ _VARIANTS = (
     ImageOps.mirror,
     ImageOps.flip,
     lambda im: im.transpose(Image.Transpose.ROTATE_90),
+    # The rest of the square's symmetries: up to 8 distinct copies of each photo.
+    lambda im: im.transpose(Image.Transpose.ROTATE_180),
+    lambda im: im.transpose(Image.Transpose.ROTATE_270),
+    lambda im: im.transpose(Image.Transpose.TRANSPOSE),
+    lambda im: im.transpose(Image.Transpose.TRANSVERSE),
 )
 
 
