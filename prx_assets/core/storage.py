@@ -133,6 +133,7 @@ class ObjectStore(Protocol):
     def get(self, key: str, max_bytes: int = DEFAULT_MAX_READ_BYTES) -> bytes | None: ...
     def download(self, key: str, path: str | os.PathLike[str]) -> bool: ...
     def list(self, prefix: str = "") -> list[str]: ...
+    def list_sizes(self, prefix: str = "") -> dict[str, int]: ...
     def children(self, prefix: str = "") -> tuple[list[str], list[str]]: ...
     def delete(self, keys: Iterable[str]) -> int: ...
     def size(self, key: str) -> int | None: ...
@@ -207,6 +208,10 @@ class LocalStore:
             for p in base.rglob("*")
             if p.is_file()
         )
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """Every file under ``prefix`` and its size (what a listing tells on S3)."""
+        return {k: self._path(k).stat().st_size for k in self.list(prefix)}
 
     def children(self, prefix: str = "") -> tuple[list[str], list[str]]:
         base = self.root / prefix if prefix else self.root
@@ -373,6 +378,17 @@ class S3Store:
             self._rel(o["Key"])
             for page in self._pages(prefix, None)
             for o in page.get("Contents", [])
+        )
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """Every object under ``prefix`` and its size, from the listing itself: no request
+        per object (a ``HEAD`` each cost a landing batch ~2 round trips per image)."""
+        return dict(
+            sorted(
+                (self._rel(o["Key"]), int(o["Size"]))
+                for page in self._pages(prefix, None)
+                for o in page.get("Contents", [])
+            )
         )
 
     def children(self, prefix: str = "") -> tuple[list[str], list[str]]:

@@ -158,6 +158,11 @@ class RemoteRead:
         return hashlib.sha256(self.read()).hexdigest()
 
 
+#: A listed object at most this size is staged with one GET (``download_file`` asks its
+#: size first: a second round trip per sidecar); larger ones (archives) are downloaded.
+_ONE_GET_BYTES = 8 << 20
+
+
 def _stage(
     store: ObjectStore,
     key: str,
@@ -165,10 +170,12 @@ def _stage(
     max_file_bytes: int | None,
     remote_reads: dict[bytes, RemoteRead] | None = None,
     landing: str = "",
+    listed: int | None = None,
 ) -> None:
+    """Stage one object under ``dest``; ``listed``: its size from a listing (else asked)."""
     target = dest / _local_rel(key)
     target.parent.mkdir(parents=True, exist_ok=True)
-    size = store.size(key)
+    size = listed if listed is not None else store.size(key)
     if max_file_bytes is not None and size is not None and size > max_file_bytes:
         with open(target, "wb") as fh:  # sparse: refused as too_large, never read
             fh.truncate(size)
@@ -183,6 +190,11 @@ def _stage(
             fh.truncate(size)
         path = os.fsencode(target)
         remote_reads[path] = RemoteRead(landing, key, size, max_file_bytes, path)
+        return
+    if listed is not None and listed <= _ONE_GET_BYTES:
+        data = store.get(key, _ONE_GET_BYTES)
+        if data is not None:  # gone since listed: absent here too, as a failed download
+            target.write_bytes(data)
         return
     store.download(key, target)
 
@@ -217,8 +229,8 @@ def landing_batch(
         if store.size(f"{source}/{SOURCE_DEFAULTS_FILE}") is not None:
             _stage(store, f"{source}/{SOURCE_DEFAULTS_FILE}", dest, None)
         if remote.kind == "folder":
-            for k in store.list(f"{source}/{entry}"):
-                _stage(store, k, dest, max_file_bytes, remote_reads, text)
+            for k, size in store.list_sizes(f"{source}/{entry}").items():
+                _stage(store, k, dest, max_file_bytes, remote_reads, text, size)
         else:
             _stage(store, f"{source}/{entry}", dest, None)
         if remote.kind == "manifest":
