@@ -315,8 +315,9 @@ def test_cleanup_keeps_pinned_lance_versions_until_retired(platform):
         lab.dataset("skip_audit", version=version)
 
 
-def _intake_only(platform) -> None:
-    """Take new opt-out lists in without running their skip_lists (a sensor tick's first half)."""
+def _intake_only(platform, rejected: bool = False) -> None:
+    """Take new opt-out lists in without running their skip_lists (a sensor tick's first
+    half); ``rejected``: the lists are malformed, so their intake runs fail (recorded)."""
     defs = platform.defs()
     requests, platform.cursors["opt_out_sensor"] = evaluate_sensor(
         defs, platform.instance, "opt_out_sensor", platform.cursors.get("opt_out_sensor")
@@ -324,7 +325,7 @@ def _intake_only(platform) -> None:
     intake = [r for r in requests if r.job_name == "opt_out_intake"]
     assert intake
     for r in intake:
-        assert execute_run_request(defs, platform.instance, r, None)
+        assert execute_run_request(defs, platform.instance, r, None) is not rejected
 
 
 def test_the_asset_its_compliance_check_the_jobs_and_the_cli(platform, capsys):
@@ -394,7 +395,7 @@ def test_the_asset_its_compliance_check_the_jobs_and_the_cli(platform, capsys):
 
     # A rejected list was never applied: NOT APPLIED with intake's reason, and the check fails.
     _opt_out(platform, "bad.csv", ["key", "not-a-key"])
-    _intake_only(platform)
+    _intake_only(platform, rejected=True)
     assert main(["compliance", "bad.csv", "--data-root", platform.data_root]) == 4
     first_line = capsys.readouterr().out.splitlines()[0]
     assert first_line.startswith("**NOT APPLIED**: ") and "bad_identifier" in first_line

@@ -27,7 +27,7 @@ from prx_assets.defs.skiplists.assets import build_skiplist_assets
 from prx_assets.defs.skiplists.config import OptOutResource, SkipPolicyResource
 from prx_assets.defs.skiplists.intake import OPT_OUT_LISTS as LIST_PARTITIONS
 from prx_assets.defs.skiplists.intake import opt_out_lists
-from prx_assets.defs.skiplists.sensors import build_opt_out_sensor, opt_out_sensor
+from prx_assets.defs.skiplists.sensors import LISTS_TAG, build_opt_out_sensor, opt_out_sensor
 from prx_assets_tests.bounds import MIB, peak_rss_growth, sparse_file
 
 PUBLIC = "public-skimage.000"
@@ -81,7 +81,9 @@ class World:
                     raise_on_error=False,
                 )
             )
-            assert results[-1].success == ok, request
+            # A rejected list is recorded, and its partition fails (unmistakable in the UI).
+            status = self.lists().get(request.tags.get(LISTS_TAG), {}).get("status")
+            assert results[-1].success == (ok and status != "rejected"), (request, status)
         return results
 
     def cycle(self, cursor: str | None, optouts: OptOutResource | None = None):
@@ -247,7 +249,7 @@ def test_each_list_once_affected_partitions_only_and_bad_lists_do_not_block(worl
     assert sorted(w.instance.get_dynamic_partitions("opt_out_lists")) == sorted(w.lists())
 
 
-def test_the_intake_partition_shows_the_outcome_and_a_rejection_fails_its_check(world):
+def test_the_intake_partition_shows_the_outcome_and_a_rejection_fails_it(world):
     w = world
     w.drop("a-good.txt", w.images[STUDIO][0]["key"] + "\n")
     w.drop("b-bad.txt", "not an identifier\n")
@@ -260,12 +262,17 @@ def test_the_intake_partition_shows_the_outcome_and_a_rejection_fails_its_check(
     assert md["batches"].value == [STUDIO]
     (check,) = accepted.get_asset_check_evaluations()
     assert check.check_name == "opt_out_list_accepted" and check.passed
-    md = rejected.asset_materializations_for_node("opt_out_lists")[0].metadata
-    assert md["status"].value == "rejected"
-    assert md["reason"].value.startswith("bad_identifier: ") and md["identifiers"].value == 0
-    (check,) = rejected.get_asset_check_evaluations()
-    assert not check.passed and check.severity.value == "ERROR"
-    assert check.metadata["reason"].value == w.lists()[bad]["reason"]
+    # Finding: a rejected list showed as a green "Materialized" partition beside a failed
+    # check. It is recorded, and its run fails with the reason: red, not "applied".
+    assert not rejected.success
+    assert not rejected.asset_materializations_for_node("opt_out_lists")
+    (failure,) = rejected.get_step_failure_events()
+    data = failure.step_failure_data.user_failure_data
+    assert data.description.startswith(f"opt-out list {bad} was REJECTED and none of it")
+    assert data.metadata["status"].value == "rejected"
+    assert data.metadata["reason"].value == w.lists()[bad]["reason"]
+    assert w.lists()[bad]["reason"].startswith("bad_identifier: ")
+    assert data.metadata["identifiers"].value == 0
 
 
 def test_a_file_changed_before_its_intake_records_nothing_and_its_new_bytes_are_a_new_list(world):

@@ -73,8 +73,10 @@ def list_accepted_spec(asset: str, partitions_def: PartitionsDefinition) -> Asse
             asset=asset,
             partitions_def=partitions_def,
             description=(
-                "ERROR when the list was rejected (malformed, too large, changed while read): "
-                "nothing of it is applied until a corrected file is dropped as a new list."
+                "Passes when the list was accepted. A rejected list (malformed, too large, "
+                "changed while read) fails its partition's run instead, with the reason, so "
+                "this check does not run for it: nothing of it is applied until a corrected "
+                "file is dropped as a new list."
             ),
         )
 

@@ -83,8 +83,10 @@ def _metadata(out: IntakeOutcome) -> dict[str, Any]:
         "One opt-out list (partition: its id, file name @ sha256 prefix), parsed as a stream "
         "within the size caps and recorded: its `opt_out_lists` row (accepted, or rejected "
         "with the reason) and, when accepted, one `opt_outs` row per identifier and image it "
-        "names. Requested by the opt-out sensor, which then requests skip_lists for the "
-        "partitions holding any copy of those images."
+        "names. A rejected list is recorded as such and its partition FAILS (red), with "
+        "the reason: none of it is applied, and compliance says NOT APPLIED. Requested by "
+        "the opt-out sensor, which then requests skip_lists for the partitions holding any "
+        "copy of an accepted list's images."
     ),
 )
 def opt_out_lists(
@@ -101,13 +103,21 @@ def opt_out_lists(
         out = intake.run()
     except IntakeError as exc:
         raise Failure(description=bounded(str(exc), 2_000)) from None
-    if out.accepted:
-        context.log.info(
-            f"opt-out list {out.list_id}: {out.identifiers} identifier(s), "
-            f"{len(out.matched)} image(s) matched"
+    if not out.accepted:
+        # Recorded (``opt_out_lists``: rejected, with the reason; compliance says NOT
+        # APPLIED), and the partition fails: a green "Materialized" beside a failed check
+        # read as "applied" to a data lead, for a legal request that is not.
+        why = bounded(out.reason or "", 400)
+        context.log.error(f"opt-out list {out.list_id} rejected: {why}; none of it is applied")
+        raise Failure(
+            description=(
+                f"opt-out list {out.list_id} was REJECTED and none of it is applied: {why}. "
+                "Fix the file and drop it again: its new bytes are a new list."
+            ),
+            metadata=_metadata(out),
         )
-    else:
-        context.log.warning(
-            f"opt-out list {out.list_id} rejected: {bounded(out.reason or '', 400)}"
-        )
+    context.log.info(
+        f"opt-out list {out.list_id}: {out.identifiers} identifier(s), "
+        f"{len(out.matched)} image(s) matched"
+    )
     return MaterializeResult(metadata=_metadata(out), check_results=[list_accepted_result(out)])
