@@ -199,3 +199,48 @@ def _slanted(img: Image.Image, text: str, top_right: tuple[int, int], font) -> N
     mask = mask.rotate(45, expand=True, resample=Image.Resampling.BILINEAR)
     x, y = top_right
     img.paste(_INK, (x - mask.width, y), mask)
+
+
+def heat_map(
+    rows: Sequence[str],
+    columns: Sequence[str],
+    values: Sequence[Sequence[float]],
+    title: str,
+    xlabel: str = "",
+) -> bytes:
+    """A grid of cells shaded by value (log scale: bucket counts span orders of magnitude),
+    each with its value written in it, as a PNG; a zero cell is left white."""
+    rows = [s if len(s) <= _LABEL_CHARS else s[: _LABEL_CHARS - 1] + "…" for s in rows]
+    columns = [s if len(s) <= _LABEL_CHARS else s[: _LABEL_CHARS - 1] + "…" for s in columns]
+    if len(values) != len(rows) or any(len(v) != len(columns) for v in values):
+        raise ValueError("values must have one row per row label and one cell per column")
+    cell_w, cell_h, left, top = 46, 26, 70, 34
+    width = left + cell_w * len(columns) + 16
+    height = top + cell_h * len(rows) + 24 + (18 if xlabel else 0)
+    img = Image.new("RGB", (max(width, 240), height), _BACKGROUND)
+    draw = ImageDraw.Draw(img)
+    draw.text((img.width / 2, 6), title, fill=_INK, font=_font(12), anchor="mt")
+    peak = max((v for row in values for v in row), default=0.0)
+    scale = math.log1p(peak) or 1.0
+    font = _font(10)
+    for r, label in enumerate(rows):
+        y = top + r * cell_h
+        draw.text((left - 6, y + cell_h / 2), label, fill=_INK, font=font, anchor="rm")
+        for c, value in enumerate(values[r]):
+            x = left + c * cell_w
+            share = math.log1p(max(0.0, value)) / scale
+            fill = (
+                tuple(round(255 - share * (255 - b)) for b in _BLUE) if value > 0 else _BACKGROUND
+            )
+            draw.rectangle((x, y, x + cell_w - 1, y + cell_h - 1), fill=fill, outline=_GRID)
+            if value > 0:
+                ink = _BACKGROUND if share > 0.6 else _INK
+                text = _label(value)
+                draw.text((x + cell_w / 2, y + cell_h / 2), text, fill=ink, font=font, anchor="mm")
+    bottom = top + cell_h * len(rows)
+    for c, label in enumerate(columns):
+        x = left + c * cell_w + cell_w / 2
+        draw.text((x, bottom + 4), label, fill=_INK, font=font, anchor="mt")
+    if xlabel:
+        draw.text((img.width / 2, height - 4), xlabel, fill=_INK, font=_font(11), anchor="md")
+    return _png(img)

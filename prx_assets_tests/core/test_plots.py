@@ -5,9 +5,10 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from PIL import Image
 
-from prx_assets.core.plots import _ticks, bar_chart, resolution_histogram
+from prx_assets.core.plots import _ticks, bar_chart, heat_map, resolution_histogram
 
 BLUE = (64, 99, 216)
 
@@ -75,3 +76,21 @@ def test_a_long_label_is_shortened_not_drawn_whole():
     # Labels are data (a snapshot diff's reasons): a huge one must not make a huge picture.
     img = _open(bar_chart(["x" * 100_000, "b"], [1.0, 2.0], "t"))
     assert img.width < 1000 and img.height < 1000
+
+
+def _cell_blue(img: Image.Image, row: int, col: int) -> int:
+    """How far a heat-map cell's centre is from white towards bar blue (0..255)."""
+    r, g, b = img.getpixel((70 + col * 46 + 5, 34 + row * 26 + 5))  # off the written value
+    return 255 - r
+
+
+def test_heat_map_shades_cells_by_value_on_a_log_scale_and_leaves_zeros_white():
+    values = [[0.0, 1.0, 10.0], [100.0, 1000.0, 0.0]]
+    img = _open(heat_map(["4096", "512"], ["0.50", "1.00", "2.00"], values, "fill", "aspect"))
+    shade = [[_cell_blue(img, r, c) for c in range(3)] for r in range(2)]
+    assert shade[0][0] == 0 and shade[1][2] == 0  # empty buckets stay white
+    assert 0 < shade[0][1] < shade[0][2] < shade[1][0] < shade[1][1]  # more is darker
+    # Log scale: 10 and 100 are visibly apart though both are small next to 1000.
+    assert shade[1][0] - shade[0][2] > 20
+    with pytest.raises(ValueError, match="one row per row label"):
+        heat_map(["a"], ["x", "y"], [[1.0]], "bad")

@@ -138,6 +138,8 @@ def test_assignments_and_shards_end_to_end(instance, lab_resource, built) -> Non
     assert md_a["assigned"].value == len(eligible)
     assert md_a["upscaled"].value == sum(r["upscaled"] for r in assigned.values())
     assert md_a["fill_tier_1024"].value.startswith("![bucket fill, tier 1024](data:image/png")
+    # The fill at a glance: one heat map, tier x aspect.
+    assert md_a["bucket_fill_map"].value.startswith("![bucket fill: tier x aspect](data:image/")
     tiers_used = {r["tier"] for r in assigned.values()}
     table = md_a["images_per_tier"].value
     listed = [int(t) for t in re.findall(r"\| `(\d+)` \|", table)]

@@ -9,7 +9,7 @@ from typing import Any
 from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
-from prx_assets.core.plots import bar_chart
+from prx_assets.core.plots import bar_chart, heat_map
 from prx_assets.core.shards.mds import DEFAULT_SIZE_LIMIT
 from prx_assets.core.shards.resize import (
     JPEG_QUALITY,
@@ -197,7 +197,36 @@ def _fill_markdown(fill: dict[int, dict[str, int]]) -> MetadataValue:
     return MetadataValue.md(md_table(["shape (aspect order)", *map(str, tiers)], rows))
 
 
+def _aspect_label(shape: str) -> str:
+    """A bucket's aspect ratio (width / height) from its ``HxW`` name."""
+    h, _, w = shape.partition("x")
+    return f"{int(w) / int(h):.2f}"
+
+
+def _fill_heat_map(out: AssignmentOutcome) -> MetadataValue:
+    """The bucket fill at a glance: one row per tier, one column per aspect slot."""
+    fill = out.summary.fill
+    tiers = sorted(fill, key=int, reverse=True)  # the largest on top
+    slots = [_aspect_label(shape) for shape in fill[tiers[-1]]]
+    picture = heat_map(
+        [str(t) for t in tiers],
+        slots,
+        [[float(v) for v in fill[t].values()] for t in tiers],
+        f"{out.batch}: {sum(sum(f.values()) for f in fill.values())} images by tier x aspect",
+        "aspect (width / height), portrait to landscape",
+    )
+    return png_markdown(picture, "bucket fill: tier x aspect")
+
+
 def _fill_pictures(out: AssignmentOutcome) -> dict[str, MetadataValue]:
+    """The fill as one heat map (tier x aspect), and one bar chart per tier."""
+    return {
+        "bucket_fill_map": _fill_heat_map(out),
+        **_fill_bars(out),
+    }
+
+
+def _fill_bars(out: AssignmentOutcome) -> dict[str, MetadataValue]:
     """One bar chart of the bucket fill per tier."""
     return {
         f"fill_tier_{tier}": png_markdown(
