@@ -162,7 +162,7 @@ def test_workers_write_the_hash_rows_and_a_failed_chunk_is_written_by_the_step(
     run = BatchHashes(lab, batch, S0, read_chunk=2, workers=2, executor="process")
     assert run._workers_write(runner.make_pool("process", 1))
     out = run.run()
-    assert out.coverage.complete and out.hashed == 3
+    assert out.coverage.complete and out.hashed == 3 and out.chunks_hashed_by_step == 0
     assert sorted_rows(lab, IMAGE_HASHES).equals(by_step)
 
     calls: list[int] = []
@@ -175,9 +175,13 @@ def test_workers_write_the_hash_rows_and_a_failed_chunk_is_written_by_the_step(
         return real(task)
 
     monkeypatch.setattr(runner, "hash_and_write", first_fails)
-    out = BatchHashes(lab, batch, S0, read_chunk=2, executor="inline").run()
+    reported: list[str] = []
+    out = BatchHashes(lab, batch, S0, read_chunk=2, executor="inline", report=reported.append).run()
     assert calls == [2, 2, 1]  # the failed chunk again (in the step), then the last one
     assert out.coverage.complete and sorted_rows(lab, IMAGE_HASHES).equals(by_step)
+    # Not silent: a misconfigured shared mount or a lost node shows in the outcome and log.
+    assert out.chunks_hashed_by_step == 1 and "worker lost" in (out.first_worker_error or "")
+    assert any("the step hashes it" in line and "worker lost" in line for line in reported)
 
 
 def test_reference_mode_and_ray_workers_without_the_lab_hash_in_the_step(tmp_path, monkeypatch):

@@ -233,6 +233,10 @@ class HashOutcome:
     seconds: float  # hashing and writing
     lance_version: int
     coverage: HashCoverage
+    #: Chunks a worker failed, hashed by the step instead (the same rows, slower), and the
+    #: first worker error: a wrong ``PRX_SHARED_FILESYSTEM`` or a lost node shows here.
+    chunks_hashed_by_step: int = 0
+    first_worker_error: str | None = None
 
 
 class BatchHashes:
@@ -266,6 +270,8 @@ class BatchHashes:
         self.hashed = 0
         self.low_information = 0
         self.bytes_read = 0
+        self.chunks_by_step = 0
+        self.first_worker_error: str | None = None
 
     def keys_to_hash(self, view: LabView) -> tuple[list[str], int]:
         """Every profiled key of the batch, all present in ``images`` (else
@@ -377,6 +383,14 @@ class BatchHashes:
         progress = Progress(f"{self.batch}: hashed", len(keys), self.report)
         for task, out in zip(tasks, self.pool.map_ordered(hash_and_write, tasks), strict=True):
             if isinstance(out, ItemFailed):
+                self.chunks_by_step += 1
+                if self.first_worker_error is None:
+                    self.first_worker_error = out.error[:500]
+                    if self.report is not None:
+                        self.report(
+                            f"{self.batch}: a worker could not hash its chunk, the step "
+                            f"hashes it (and any other) itself: {self.first_worker_error}"
+                        )
                 out = hash_and_write(task)
             progress.advance(len(task.keys))
             self.hashed += out.hashed
@@ -418,6 +432,8 @@ class BatchHashes:
             seconds=seconds,
             lance_version=written["version"],
             coverage=hash_coverage(keys, stored, self.settings.phash_version, self.rejected),
+            chunks_hashed_by_step=self.chunks_by_step,
+            first_worker_error=self.first_worker_error,
         )
 
 

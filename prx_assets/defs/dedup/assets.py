@@ -35,7 +35,7 @@ from prx_assets.core.lab import Lab
 from prx_assets.core.tables import DEDUP_DIRTY, IMAGE_HASHES
 from prx_assets.defs.dedup.config import DedupConfigResource
 from prx_assets.defs.ingest.assets import raw_images
-from prx_assets.defs.metadata import counts_table, png_markdown
+from prx_assets.defs.metadata import bounded, counts_table, png_markdown
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.resources import LabResource
@@ -86,6 +86,11 @@ def _image_hashes(
             workers=lab.workers,
             report=context.log.info,
         ).run()
+    if out.chunks_hashed_by_step:
+        context.log.warning(
+            f"{out.batch}: {out.chunks_hashed_by_step} chunk(s) hashed by the step, not a "
+            f"worker (same rows, slower): {bounded(out.first_worker_error or '', 500)}"
+        )
     context.log.info(
         f"{out.batch}: hashed {out.hashed}/{out.to_hash} ({out.ineligible} not eligible for "
         f"training, hashed so an opt-out naming them reaches their copies) in {out.seconds:.1f} s"
@@ -102,6 +107,8 @@ def _image_hashes(
             "low_info_threshold": settings.low_info_threshold,
             "ms_per_image": 1e3 * out.seconds / max(1, out.to_hash),
             "mb_read": round(out.bytes_read / 1e6, 3),
+            "chunks_hashed_by_step": out.chunks_hashed_by_step,
+            "first_worker_error": MetadataValue.text(bounded(out.first_worker_error or "", 500)),
             "image_hashes_lance_version": out.lance_version,
             "lab": MetadataValue.path(store.uri(IMAGE_HASHES.name)),
         },
