@@ -189,11 +189,10 @@ class BatchShards:
         self.policy = policy
         self.settings = settings or ShardSettings()
 
-    def plan(self, view: LabView | None = None) -> ShardPlan:
+    def plan(self, view: LabView) -> ShardPlan:
         """Which sample goes where, from the few columns that decide it: no assignment
         geometry and no caption text but that of captions without a word (the workers read
         the rest for their own samples)."""
-        view = view or self.lab.view()
         where = f"batch = {sql_literal(self.batch)}"
         assignments = view.read(BUCKET_ASSIGNMENTS.name, ["key", "tier", "shape"], where)
         if assignments.num_rows == 0:
