@@ -29,6 +29,7 @@ from prx_assets.core.captions.models import (
 from prx_assets.core.captions.models.captioners import DEFAULT_VLM_ID
 from prx_assets.core.captions.models.classifiers import DEFAULT_LM_ID
 from prx_assets.core.captions.models.embeddings import MINILM_MODEL_ID
+from prx_assets.core.captions.models.openai_http import ClientOptions
 from prx_assets.core.captions.tables import VECTOR_INDEX_MIN_ROWS
 from prx_assets.core.workers import WorkerPool, make_pool
 
@@ -54,20 +55,36 @@ def _servers(base_url: str | None, base_urls: list[str] | None) -> str | list[st
 GPU_POOL = "gpu"
 
 
-def _fleet_options(resource: "CaptionerResource | ClassifierResource") -> dict[str, Any]:
-    return {
-        "window": resource.window,
-        "max_concurrency": resource.max_concurrency,
-        "timeout_s": resource.timeout_s,
-        "max_attempts": resource.max_attempts,
-        "backoff_base_s": resource.backoff_base_s,
-        "circuit_failures": resource.circuit_failures,
-        "circuit_cooldown_s": resource.circuit_cooldown_s,
-        "max_fleet_down_s": resource.max_fleet_down_s,
-    }
+class _ServerFleetConfig(ConfigurableResource):
+    """The client settings both model resources expose for OpenAI-compatible servers.
+
+    Declared once here and passed through as ``ClientOptions`` (the backends' ``**client``);
+    the resources differ only in their defaults for concurrency and timeout.
+    """
+
+    max_concurrency: int = 8  # per server
+    timeout_s: float = 120.0
+    max_attempts: int = 5
+    backoff_base_s: float = 0.5
+    circuit_failures: int = 3  # consecutive connection errors/timeouts/5xx that eject a server
+    circuit_cooldown_s: float = 5.0  # before an ejected server is probed (doubles, to 60 s)
+    max_fleet_down_s: float = 120.0  # every server out this long: the batch fails
+    window: int | None = None  # openai: items in the stream at once (None: 4 x fleet slots)
+
+    def client_options(self) -> ClientOptions:
+        return ClientOptions(
+            window=self.window,
+            max_concurrency=self.max_concurrency,
+            timeout_s=self.timeout_s,
+            max_attempts=self.max_attempts,
+            backoff_base_s=self.backoff_base_s,
+            circuit_failures=self.circuit_failures,
+            circuit_cooldown_s=self.circuit_cooldown_s,
+            max_fleet_down_s=self.max_fleet_down_s,
+        )
 
 
-class CaptionerResource(ConfigurableResource):
+class CaptionerResource(_ServerFleetConfig):
     """The captioning backend: ``alt_text`` (offline fallback), ``openai`` or ``transformers``.
 
     ``model`` defaults to Qwen3-VL-8B-Instruct for the model backends. ``openai`` talks to
@@ -90,13 +107,6 @@ class CaptionerResource(ConfigurableResource):
     # openai: "draft" halves preparation CPU; "server" sends the ingested JPEG for the
     # server's processor to resize (a few ms CPU per photo, more bytes on the wire).
     resize: Literal["lanczos", "draft", "server"] = "lanczos"
-    max_concurrency: int = 8  # per server
-    timeout_s: float = 120.0
-    max_attempts: int = 5
-    backoff_base_s: float = 0.5
-    circuit_failures: int = 3  # consecutive connection errors/timeouts/5xx that eject a server
-    circuit_cooldown_s: float = 5.0  # before an ejected server is probed (doubles, to 60 s)
-    max_fleet_down_s: float = 120.0  # every server out this long: the batch fails
     batch_size: int = 8
     device: str | None = None
     dtype: str | None = None
@@ -106,7 +116,6 @@ class CaptionerResource(ConfigurableResource):
     # or "pool": the per-image worker pool (PRX_EXECUTOR: processes, or Ray tasks on a
     # cluster), so the caption step itself only streams requests.
     prepare_on: Literal["threads", "pool"] = "threads"
-    window: int | None = None  # openai: images in the stream at once (None: 4 x fleet slots)
 
     @property
     def is_fallback(self) -> bool:
@@ -135,7 +144,7 @@ class CaptionerResource(ConfigurableResource):
                 jpeg_quality=self.jpeg_quality,
                 resize=self.resize,
                 prepare_workers=self.prepare_workers,
-                **_fleet_options(self),
+                **self.client_options(),
             )
         return TransformersCaptioner(
             model,
@@ -165,7 +174,7 @@ class CaptionerResource(ConfigurableResource):
         return self._make(secrets=True)
 
 
-class ClassifierResource(ConfigurableResource):
+class ClassifierResource(_ServerFleetConfig):
     """The caption classifier: ``embedding`` (offline fallback), ``transformers`` or ``openai``.
 
     ``model`` defaults to Qwen3-8B for the LM backends; the embedding backend always uses
@@ -183,19 +192,13 @@ class ClassifierResource(ConfigurableResource):
     mode: Literal["auto", "logprobs", "choice"] = "auto"  # openai
     top_logprobs: int = 10
     choice_field: Literal["structured_outputs", "guided_choice"] = "structured_outputs"
-    max_concurrency: int = 16  # per server
+    max_concurrency: int = 16  # per server (short prompts: more in flight than captioning)
     timeout_s: float = 60.0
-    max_attempts: int = 5
-    backoff_base_s: float = 0.5
-    circuit_failures: int = 3  # consecutive connection errors/timeouts/5xx that eject a server
-    circuit_cooldown_s: float = 5.0  # before an ejected server is probed (doubles, to 60 s)
-    max_fleet_down_s: float = 120.0  # every server out this long: the batch fails
     batch_size: int = 16
     device: str | None = None
     dtype: str | None = None
     embedding_model_path: str | None = None
     chunk_size: int = 512  # captions classified at a time in process
-    window: int | None = None  # openai: captions in the stream at once (None: 4 x fleet slots)
 
     @property
     def is_fallback(self) -> bool:
@@ -220,7 +223,7 @@ class ClassifierResource(ConfigurableResource):
                 mode=self.mode,
                 top_logprobs=self.top_logprobs,
                 choice_field=self.choice_field,
-                **_fleet_options(self),
+                **self.client_options(),
             )
         return TransformersClassifier(
             model,

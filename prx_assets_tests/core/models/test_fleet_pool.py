@@ -13,7 +13,12 @@ from collections import Counter
 import pytest
 
 from prx_assets.core.captions.models import BackendCancelledError
-from prx_assets.core.captions.models.fleet import Endpoint, EndpointPool, FleetDownError
+from prx_assets.core.captions.models.fleet import (
+    Endpoint,
+    EndpointPool,
+    FleetDownError,
+    FleetPolicy,
+)
 
 URLS = ("http://a:1/v1", "http://b:1/v1", "http://c:1/v1")
 
@@ -27,7 +32,7 @@ def pool(**kw: object) -> EndpointPool:
         "max_fleet_down_s": 100.0,
         **kw,
     }
-    return EndpointPool(URLS, clock=lambda: 0.0, **args)  # type: ignore[arg-type]
+    return EndpointPool(URLS, FleetPolicy(**args), clock=lambda: 0.0)  # type: ignore[arg-type]
 
 
 def take(p: EndpointPool, now: float = 0.0, avoid: tuple[int, ...] = ()) -> Endpoint:
@@ -157,7 +162,7 @@ def test_the_fleet_is_down_once_no_circuit_has_been_closed_for_the_limit():
 
 
 def test_acquire_waits_for_a_slot_and_sees_a_cancel():
-    p = EndpointPool(URLS[:1], max_concurrency=1)
+    p = EndpointPool(URLS[:1], FleetPolicy(max_concurrency=1))
     held = p.acquire()
     got: list[Endpoint] = []
     waiter = threading.Thread(target=lambda: got.append(p.acquire()))
@@ -180,6 +185,19 @@ def test_bad_pool_settings_are_refused():
         {"max_fleet_down_s": 0},
     ):
         with pytest.raises(ValueError):
-            EndpointPool(URLS, **kw)  # type: ignore[arg-type]
+            FleetPolicy(**kw)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="distinct"):
         EndpointPool([URLS[0], URLS[0]])
+
+
+def test_client_options_are_the_policy_fields():
+    """A backend's ``**client`` keywords and the policy they build are one list: a field
+    added to one and not the other would be refused at run time, or silently untyped."""
+    import dataclasses
+    import typing
+
+    from prx_assets.core.captions.models.openai_http import ClientOptions, ClientPolicy
+
+    fields = {f.name for f in dataclasses.fields(ClientPolicy)}
+    assert set(typing.get_type_hints(ClientOptions)) == fields
+    assert {f.name for f in dataclasses.fields(FleetPolicy)} < fields

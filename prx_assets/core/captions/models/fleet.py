@@ -115,6 +115,30 @@ class Endpoint:
         )
 
 
+@dataclass(frozen=True)
+class FleetPolicy:
+    """How a client spreads requests over its servers and takes a failing one out.
+
+    The one declaration of these settings (the HTTP client's :class:`ClientPolicy` extends
+    it with retries and timeouts); checked once, here, when it is made.
+    """
+
+    max_concurrency: int = 8  # requests in flight per server
+    circuit_failures: int = 3  # consecutive down failures that open a server's circuit
+    circuit_cooldown_s: float = 5.0  # first cool-down before a probe (doubles per failure)
+    circuit_cooldown_max_s: float = 60.0
+    max_retry_after_s: float = 60.0  # a server's Retry-After is honoured up to this
+    max_fleet_down_s: float = 120.0  # no server in service this long: FleetDownError
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency < 1 or self.circuit_failures < 1:
+            raise ValueError("max_concurrency and circuit_failures must be >= 1")
+        if self.circuit_cooldown_s <= 0 or self.circuit_cooldown_max_s < self.circuit_cooldown_s:
+            raise ValueError("need 0 < circuit_cooldown_s <= circuit_cooldown_max_s")
+        if self.max_fleet_down_s <= 0 or self.max_retry_after_s < 0:
+            raise ValueError("max_fleet_down_s must be > 0 and max_retry_after_s >= 0")
+
+
 class EndpointPool:
     """Chooses an endpoint per request and keeps each endpoint's health (thread-safe).
 
@@ -126,34 +150,19 @@ class EndpointPool:
     def __init__(
         self,
         base_urls: Sequence[str],
+        policy: FleetPolicy | None = None,
         *,
-        max_concurrency: int = 8,
-        circuit_failures: int = 3,
-        circuit_cooldown_s: float = 5.0,
-        circuit_cooldown_max_s: float = 60.0,
-        max_retry_after_s: float = 60.0,
-        max_fleet_down_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not base_urls:
             raise ValueError("an endpoint pool needs at least one base URL")
         if len(set(base_urls)) != len(base_urls):
             raise ValueError("base URLs must be distinct")
-        if max_concurrency < 1 or circuit_failures < 1:
-            raise ValueError("max_concurrency and circuit_failures must be >= 1")
-        if circuit_cooldown_s <= 0 or circuit_cooldown_max_s < circuit_cooldown_s:
-            raise ValueError("need 0 < circuit_cooldown_s <= circuit_cooldown_max_s")
-        if max_fleet_down_s <= 0 or max_retry_after_s < 0:
-            raise ValueError("max_fleet_down_s must be > 0 and max_retry_after_s >= 0")
+        self.policy = policy if policy is not None else FleetPolicy()
         self.endpoints = [
-            Endpoint(i, url, cooldown_s=circuit_cooldown_s) for i, url in enumerate(base_urls)
+            Endpoint(i, url, cooldown_s=self.policy.circuit_cooldown_s)
+            for i, url in enumerate(base_urls)
         ]
-        self.max_concurrency = max_concurrency
-        self.circuit_failures = circuit_failures
-        self.circuit_cooldown_s = circuit_cooldown_s
-        self.circuit_cooldown_max_s = circuit_cooldown_max_s
-        self.max_retry_after_s = max_retry_after_s
-        self.max_fleet_down_s = max_fleet_down_s
         self._clock = clock
         self._cond = threading.Condition()
         self._next = 0  # rotation for ties
@@ -168,14 +177,14 @@ class EndpointPool:
         if now < ep.not_before:
             return False
         if ep.state == "closed":
-            return ep.in_flight < self.max_concurrency
+            return ep.in_flight < self.policy.max_concurrency
         return ep.state == "open" and ep.in_flight == 0  # cool-down over: one probe
 
     def _fleet_check(self, now: float) -> None:
-        if self._down_since is not None and now - self._down_since >= self.max_fleet_down_s:
+        if self._down_since is not None and now - self._down_since >= self.policy.max_fleet_down_s:
             raise FleetDownError(
                 f"all {len(self.endpoints)} endpoint(s) out of service for "
-                f"{now - self._down_since:.1f}s (limit {self.max_fleet_down_s:g}s): "
+                f"{now - self._down_since:.1f}s (limit {self.policy.max_fleet_down_s:g}s): "
                 f"{self.summary()}",
                 attempts=0,
             )
@@ -225,7 +234,7 @@ class EndpointPool:
                 now = self._clock()
                 waits = [ep.not_before - now for ep in self.endpoints if ep.not_before > now]
                 if self._down_since is not None:
-                    waits.append(self._down_since + self.max_fleet_down_s - now)
+                    waits.append(self._down_since + self.policy.max_fleet_down_s - now)
                 self._cond.wait(timeout=max(0.001, min([0.05, *waits])))
 
     # -- accounting
@@ -243,22 +252,24 @@ class EndpointPool:
             ep.in_flight -= 1
             ep.outcomes[outcome] = ep.outcomes.get(outcome, 0) + 1
             if retry_after is not None:
-                ep.not_before = max(ep.not_before, now + min(retry_after, self.max_retry_after_s))
+                ep.not_before = max(
+                    ep.not_before, now + min(retry_after, self.policy.max_retry_after_s)
+                )
             if outcome == "aborted":
                 if ep.state == "half_open":  # the probe never finished: probe again
                     ep.state = "open"
             elif outcome in DOWN_OUTCOMES:
                 ep.consecutive_down += 1
                 if ep.state == "half_open":
-                    ep.cooldown_s = min(ep.cooldown_s * 2, self.circuit_cooldown_max_s)
+                    ep.cooldown_s = min(ep.cooldown_s * 2, self.policy.circuit_cooldown_max_s)
                     self._open(ep, now)
-                elif ep.state == "closed" and ep.consecutive_down >= self.circuit_failures:
+                elif ep.state == "closed" and ep.consecutive_down >= self.policy.circuit_failures:
                     self._open(ep, now)
             else:  # the server answered: it is alive
                 ep.consecutive_down = 0
                 if ep.state != "closed":
                     ep.state = "closed"
-                    ep.cooldown_s = self.circuit_cooldown_s
+                    ep.cooldown_s = self.policy.circuit_cooldown_s
             if any(e.state == "closed" for e in self.endpoints):
                 self._down_since = None
             elif self._down_since is None:

@@ -32,8 +32,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, ClassVar, Self, TypedDict, TypeVar
+from typing import Any, ClassVar, Self, TypedDict, TypeVar, Unpack
 from urllib.parse import urlsplit
 
 import httpx
@@ -53,6 +54,7 @@ from prx_assets.core.captions.models.fleet import (
     EndpointCounts,
     EndpointPool,
     FleetDownError,
+    FleetPolicy,
     Outcome,
 )
 
@@ -195,53 +197,16 @@ class OpenAIChatClient:
         self,
         base_urls: str | Sequence[str],
         api_key: Secret | None,
-        *,
-        timeout_s: float = 120.0,
-        connect_timeout_s: float = 10.0,
-        max_attempts: int = 5,
-        backoff_base_s: float = 0.5,
-        backoff_max_s: float = 30.0,
-        max_retry_after_s: float = 60.0,
-        max_concurrency: int = 8,
-        circuit_failures: int = 3,
-        circuit_cooldown_s: float = 5.0,
-        circuit_cooldown_max_s: float = 60.0,
-        max_fleet_down_s: float = 120.0,
-        window: int | None = None,
+        **options: Unpack[ClientOptions],
     ) -> None:
-        if max_attempts < 1:
-            raise BackendConfigError(f"max_attempts must be >= 1, got {max_attempts}")
-        if max_concurrency < 1:
-            raise BackendConfigError(f"max_concurrency must be >= 1, got {max_concurrency}")
-        if window is not None and window < 1:
-            raise BackendConfigError(f"window must be >= 1, got {window}")
-        if timeout_s <= 0 or connect_timeout_s <= 0:
-            raise BackendConfigError("timeouts must be positive")
-        if backoff_base_s < 0 or backoff_max_s < 0 or max_retry_after_s < 0:
-            raise BackendConfigError("backoff durations must be >= 0")
         urls = (base_urls,) if isinstance(base_urls, str) else tuple(base_urls)
         try:
-            self.pool = EndpointPool(
-                urls,
-                max_concurrency=max_concurrency,
-                circuit_failures=circuit_failures,
-                circuit_cooldown_s=circuit_cooldown_s,
-                circuit_cooldown_max_s=circuit_cooldown_max_s,
-                max_retry_after_s=max_retry_after_s,
-                max_fleet_down_s=max_fleet_down_s,
-            )
+            self.policy = ClientPolicy(**options)
+            self.pool = EndpointPool(urls, self.policy)
         except ValueError as exc:
             raise BackendConfigError(str(exc)) from None
         self.base_urls = urls
         self._api_key = api_key
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self.max_attempts = max_attempts
-        self.backoff_base_s = backoff_base_s
-        self.backoff_max_s = backoff_max_s
-        self.max_retry_after_s = max_retry_after_s
-        self.max_concurrency = max_concurrency
-        self.window = window  # items in a stream at once; None: four times the fleet's slots
         self._client: httpx.Client | None = None
         self._lock = threading.Lock()
 
@@ -254,9 +219,11 @@ class OpenAIChatClient:
     def _http(self) -> httpx.Client:
         with self._lock:
             if self._client is None:
-                slots = self.max_concurrency * len(self.base_urls)
+                slots = self.policy.max_concurrency * len(self.base_urls)
                 self._client = httpx.Client(
-                    timeout=httpx.Timeout(self.timeout_s, connect=self.connect_timeout_s),
+                    timeout=httpx.Timeout(
+                        self.policy.timeout_s, connect=self.policy.connect_timeout_s
+                    ),
                     limits=httpx.Limits(max_connections=slots, max_keepalive_connections=slots),
                 )
             return self._client
@@ -274,10 +241,10 @@ class OpenAIChatClient:
     # -- one request
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
-        delay = min(self.backoff_max_s, self.backoff_base_s * (2 ** (attempt - 1)))
+        delay = min(self.policy.backoff_max_s, self.policy.backoff_base_s * (2 ** (attempt - 1)))
         delay *= 0.5 + random.random() * 0.5  # jitter: spread synchronized retries
         if retry_after is not None:
-            delay = max(delay, min(retry_after, self.max_retry_after_s))
+            delay = max(delay, min(retry_after, self.policy.max_retry_after_s))
         return delay
 
     def _attempt(
@@ -354,7 +321,7 @@ class OpenAIChatClient:
         """
         last: _Retry | None = None
         failed_on: set[int] = set()
-        for attempt in range(1, self.max_attempts + 1):
+        for attempt in range(1, self.policy.max_attempts + 1):
             if cancel is not None and cancel.is_set():
                 raise BackendCancelledError(f"{label}: cancelled, another item failed")
             try:
@@ -370,14 +337,14 @@ class OpenAIChatClient:
             except _Retry as exc:
                 last = exc
                 failed_on.add(endpoint.index)
-                if attempt == self.max_attempts:
+                if attempt == self.policy.max_attempts:
                     break
                 delay = self._backoff(attempt, exc.retry_after)
                 log.warning(
                     "%s: attempt %d/%d failed (%s); retrying in %.2fs (endpoint %s)",
                     label,
                     attempt,
-                    self.max_attempts,
+                    self.policy.max_attempts,
                     exc.why,
                     delay,
                     endpoint.base_url,
@@ -396,14 +363,14 @@ class OpenAIChatClient:
             else f"over {len(self.pool)} endpoints "
             f"({self.pool.out_of_service()} out of service: {self.pool.summary()})"
         )
-        msg = f"{label}: failed after {self.max_attempts} attempts {where}; last: {last.why}"
+        msg = f"{label}: failed after {self.policy.max_attempts} attempts {where}; last: {last.why}"
         if last.why.startswith("empty"):
-            raise EmptyContentError(msg, attempts=self.max_attempts)
+            raise EmptyContentError(msg, attempts=self.policy.max_attempts)
         if last.outcome == "malformed":
-            raise MalformedResponseError(msg, attempts=self.max_attempts)
+            raise MalformedResponseError(msg, attempts=self.policy.max_attempts)
         if last.outcome == "timeout":
-            raise BackendTimeoutError(msg, attempts=self.max_attempts, status=last.status)
-        raise BackendUnavailableError(msg, attempts=self.max_attempts, status=last.status)
+            raise BackendTimeoutError(msg, attempts=self.policy.max_attempts, status=last.status)
+        raise BackendUnavailableError(msg, attempts=self.policy.max_attempts, status=last.status)
 
     # -- many requests
 
@@ -431,7 +398,7 @@ class OpenAIChatClient:
         Why a stream and not chunks: a chunk barrier (prepare a chunk, send it, wait for all
         of it) leaves the fleet idle while the next chunk is prepared and while the chunk's
         slowest request finishes. Here, up to ``window`` items (default
-        ``self.window``, else four times the fleet's slots) are in the pipeline at once:
+        ``self.policy.window``, else four times the fleet's slots) are in the pipeline at once:
         ``prepare`` runs ahead on ``prepare_workers`` threads (Pillow releases the GIL),
         each prepared item is sent as soon as it is ready, at most ``max_concurrency`` in
         flight per endpoint, and a slow request holds back only the items more than
@@ -444,8 +411,8 @@ class OpenAIChatClient:
         """
         if prepare_workers < 1:
             raise BackendConfigError(f"prepare_workers must be >= 1, got {prepare_workers}")
-        slots = self.max_concurrency * len(self.pool)
-        window = window or self.window or 4 * slots
+        slots = self.policy.max_concurrency * len(self.pool)
+        window = window or self.policy.window or 4 * slots
         if window < 1:
             raise BackendConfigError(f"window must be >= 1, got {window}")
         return self._stream(fn, iter(items), prepare, prepare_workers, window, slots)
@@ -547,10 +514,41 @@ def _cancelled() -> Future[Any]:
     return f
 
 
+@dataclass(frozen=True)
+class ClientPolicy(FleetPolicy):
+    """How a backend talks to its servers: deployment, so never part of its identity.
+
+    The fleet's balancing and circuit breaker (:class:`FleetPolicy`) plus one request's
+    timeouts and retries; checked once, when it is made (``ValueError`` naming the field).
+    """
+
+    timeout_s: float = 120.0
+    connect_timeout_s: float = 10.0
+    max_attempts: int = 5
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+    window: int | None = None  # items in a stream at once; None: four times the fleet's slots
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("timeouts must be positive")
+        if self.backoff_base_s < 0 or self.backoff_max_s < 0:
+            raise ValueError("backoff durations must be >= 0")
+
+
 class ClientOptions(TypedDict, total=False):
-    """How a backend talks to its servers: deployment, so never part of its identity."""
+    """:class:`ClientPolicy`'s fields as keyword arguments (a backend's ``**client``).
+
+    Kept equal to the dataclass's fields by ``test_client_options_are_the_policy_fields``.
+    """
 
     timeout_s: float
+    connect_timeout_s: float
     max_attempts: int
     backoff_base_s: float
     backoff_max_s: float
@@ -560,7 +558,7 @@ class ClientOptions(TypedDict, total=False):
     circuit_cooldown_s: float
     circuit_cooldown_max_s: float
     max_fleet_down_s: float
-    window: int  # items prepared, in flight or waiting to be yielded, at most (a stream)
+    window: int | None
 
 
 class OpenAIBackend:
