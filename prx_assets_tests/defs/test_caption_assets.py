@@ -462,3 +462,20 @@ def test_the_length_window_fails_vlm_captions_outside_it():
     assert check.passed is False and check.metadata["applies"].value is True
     assert check.description == "1 of 4 captions outside 100-200 words"
     assert length_window_result(stats, is_fallback=True).passed is True
+
+
+def test_fleet_settings_reach_the_client_policy_with_each_resources_defaults():
+    """The resources' fleet fields are passed by name to the client's policy: a configured
+    value arrives, each resource keeps its own default, and a bad value is refused."""
+    from prx_assets.core.captions.models import BackendConfigError
+    from prx_assets.defs.captions.resources import CaptionerResource, ClassifierResource
+
+    url = "http://127.0.0.1:9/v1"
+    captioner = CaptionerResource(backend="openai", base_url=url, max_concurrency=3).build()
+    assert captioner._client.policy.max_concurrency == 3
+    assert captioner._client.policy.timeout_s == 120.0
+    classifier = ClassifierResource(backend="openai", base_url=url, max_fleet_down_s=7.0).build()
+    assert classifier._client.policy.max_concurrency == 16
+    assert classifier._client.policy.max_fleet_down_s == 7.0
+    with pytest.raises(BackendConfigError, match="max_attempts"):
+        CaptionerResource(backend="openai", base_url=url, max_attempts=0).build()

@@ -9,7 +9,7 @@ are sent as a header and never reach metadata, identities or tables.
 """
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from dagster import ConfigurableResource, EnvVar
 
@@ -72,16 +72,8 @@ class _ServerFleetConfig(ConfigurableResource):
     window: int | None = None  # openai: items in the stream at once (None: 4 x fleet slots)
 
     def client_options(self) -> ClientOptions:
-        return ClientOptions(
-            window=self.window,
-            max_concurrency=self.max_concurrency,
-            timeout_s=self.timeout_s,
-            max_attempts=self.max_attempts,
-            backoff_base_s=self.backoff_base_s,
-            circuit_failures=self.circuit_failures,
-            circuit_cooldown_s=self.circuit_cooldown_s,
-            max_fleet_down_s=self.max_fleet_down_s,
-        )
+        """These fields, by name (each is a ``ClientPolicy`` field: a typo fails the build)."""
+        return cast(ClientOptions, {k: getattr(self, k) for k in _ServerFleetConfig.model_fields})
 
 
 class CaptionerResource(_ServerFleetConfig):
