@@ -47,7 +47,13 @@ its own on the Dagster host):
   only before, that growth showed as ~0.85 KB per image of mds_shards at 40 photos:
   4,465 B against 3,619 B bracketed), so a step's fixed cost (Dagster's
   run bookkeeping, joining Ray) is not spread over a small N. The all-in figure (``step(N) / N``) is in the
-  JSON too. The figure judged against the target is the larger of the marginal one and the
+  JSON too. A fifth partition, ``one_bucket`` (400 square crops of 768 px, all in one
+  bucket directory), splits ``mds_shards``' marginal in two: per image (against the 1-photo steps,
+  one directory each) and per bucket directory (the rest of the big step's marginal over
+  its directories less one): on object storage a directory's publish is ~10 requests
+  whatever its size (``PRX_BENCH_S3_REQUEST_LOG=FILE`` logs them), which at ~26
+  directories for 110 photos reads as kilobytes per image.
+  The figure judged against the target is the larger of the marginal one and the
   driver's CPU per item while the pool map ran (start of ``map_ordered`` to its last
   result, the consumer's per-item work included: a floor that leaves out what the step does
   per image after the map, e.g. its commit and uploads); both are in the JSON and printed.
@@ -99,6 +105,7 @@ RESULTS = REPO / "benchmarks" / "results" / "bench_scaleout.json"
 
 STAGES = ("raw_images", "image_hashes", "mds_shards")
 CONFIGS = ("local", "ray", "ray_s3")
+DRIVER_S3 = ("driver_sent", "driver_received")
 BUCKET = "prx-scaleout"
 NODE_CORES = 16
 LINK_BYTES_PER_S = 1.25e9  # 10 GbE
@@ -271,6 +278,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_REQUEST_LINE = re.compile(rb"^(GET|PUT|HEAD|POST|DELETE) (\S+) HTTP/1\.1\r$", re.M)
+_RANGE = re.compile(rb"^range: *(\S+)\r$", re.M | re.I)
+_STATUS = re.compile(rb"^HTTP/1\.1 (\d{3})[^\r]*\r$", re.M)
+_LENGTH = re.compile(rb"^content-length: *(\d+)\r$", re.M | re.I)
+
+
+def log_http_heads(log: Any, conn: str, key: str, data: bytes) -> None:
+    """One line per HTTP request or response head seen in ``data`` (a diagnosis aid for
+    ``PRX_BENCH_S3_REQUEST_LOG``: which objects a step reads, by whom, how many bytes).
+    Heads split across two reads are missed; a log line is a hint, the counts are exact."""
+    if key.endswith("_sent"):
+        for m in _REQUEST_LINE.finditer(data):
+            rng = _RANGE.search(data, m.end(), m.end() + 4096)
+            r = rng.group(1).decode() if rng else "-"
+            log.write(f"{conn} {m.group(1).decode()} {m.group(2).decode()[:300]} {r}\n")
+    else:
+        for m in _STATUS.finditer(data):
+            length = _LENGTH.search(data, m.end(), m.end() + 4096)
+            n = length.group(1).decode() if length else "-"
+            log.write(f"{conn} -> {m.group(1).decode()} {n}\n")
+
+
 def serve_s3(driver_pid: int) -> None:
     """Moto on a free port, a counting relay in front of it, a control port for the counts.
     Prints ``<relay port> <control port>``; exits when stdin closes (the benchmark ended)."""
@@ -299,12 +328,17 @@ def serve_s3(driver_pid: int) -> None:
     control = socket.create_server(("127.0.0.1", 0))
     relay_port = relay.getsockname()[1]
 
-    def pump(src: socket.socket, dst: socket.socket, key: str) -> None:
+    log_path = os.environ.get("PRX_BENCH_S3_REQUEST_LOG")
+    log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
+
+    def pump(src: socket.socket, dst: socket.socket, key: str, conn: str) -> None:
         with contextlib.suppress(OSError):
             while data := src.recv(1 << 16):
                 dst.sendall(data)
                 with lock:
                     counts[key] += len(data)
+                    if log is not None:
+                        log_http_heads(log, conn, key, data)
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
 
@@ -315,9 +349,10 @@ def serve_s3(driver_pid: int) -> None:
         with lock:
             counts[f"{who}_connections"] += 1
         upstream = socket.create_connection((host, moto_port))
-        back = threading.Thread(target=pump, args=(upstream, client, f"{who}_received"))
+        conn = f"{who}:{id(client):x}"  # one id for both directions of this connection
+        back = threading.Thread(target=pump, args=(upstream, client, f"{who}_received", conn))
         back.start()
-        pump(client, upstream, f"{who}_sent")
+        pump(client, upstream, f"{who}_sent", conn)
         back.join()
         client.close()
         upstream.close()
@@ -397,8 +432,21 @@ class S3:
 # ------------------------------------------------------------------------------ the photos
 
 
+#: Photos of the one-bucket partition: square crops, 768 px, all in one bucket directory.
+#: Many, so that what a step reads per file it opens (Lance reads a data file's last 64 KB
+#: for its footer: a whole small file) is not read as per-image traffic.
+ONE_BUCKET_PHOTOS = 400
+ONE_BUCKET_SIDE = 768
+
+
 def write_batches(root: Path, count: int, long_side: int) -> dict[str, Path]:
-    """Four landing folders of distinct photos: ``warm``, ``one``, ``big`` and ``after``."""
+    """Five landing folders of distinct photos: ``warm``, ``one``, ``big``, ``after`` and
+    ``one_bucket``: ``ONE_BUCKET_PHOTOS`` square crops of the photos, all in one bucket
+    directory; against the 1-photo steps (one directory each) its marginal is a per-image
+    figure with no per-directory cost in it (``big`` spreads over several)."""
+    from PIL import Image
+
+    from prx_assets.demo.jpegs import crop_to_aspect
     from prx_assets.demo.photo_batch import write_photo_batch
 
     scratch = root / "scratch"
@@ -414,12 +462,29 @@ def write_batches(root: Path, count: int, long_side: int) -> dict[str, Path]:
         folder = root / "landing" / "photos" / part
         folder.mkdir(parents=True)
         for name in chosen:
+            sidecar = name.replace(".jpg", ".txt")
+            shutil.copy(scratch / sidecar, folder / sidecar)
             shutil.copy(scratch / name, folder / name)
-            shutil.copy(
-                scratch / name.replace(".jpg", ".txt"), folder / name.replace(".jpg", ".txt")
-            )
         (folder / "_SUCCESS").write_bytes(b"")
         folders[part] = folder
+    folder = root / "landing" / "photos" / "one_bucket"
+    folder.mkdir(parents=True)
+    for i in range(ONE_BUCKET_PHOTOS):  # photo i % n, cropped at one of 5 places
+        name = names[i % len(names)]
+        with Image.open(scratch / name) as im:
+            square = crop_to_aspect(im.convert("RGB"), 1.0)
+        side = square.width
+        crop = round(side * 0.8)
+        x, y = [(0, 0), (1, 0), (0, 1), (1, 1), (0.5, 0.5)][(i // len(names)) % 5]
+        left, top = round(x * (side - crop)), round(y * (side - crop))
+        tile = square.crop((left, top, left + crop, top + crop))
+        stem = f"sq{i:04d}"
+        tile.resize((ONE_BUCKET_SIDE, ONE_BUCKET_SIDE), Image.BICUBIC).save(
+            folder / f"{stem}.jpg", quality=90
+        )
+        shutil.copy(scratch / name.replace(".jpg", ".txt"), folder / f"{stem}.txt")
+    (folder / "_SUCCESS").write_bytes(b"")
+    folders["one_bucket"] = folder
     shutil.rmtree(scratch)
     return folders
 
@@ -666,7 +731,7 @@ def run_config(
             shards_prefix = f"{base}/shards"
         else:
             shutil.copytree(landing, config.data_root / "landing")
-        keys = ["photos.warm", "photos.one", "photos.big", "photos.after"]
+        keys = ["photos.warm", "photos.one", "photos.big", "photos.one_bucket", "photos.after"]
         instance.add_dynamic_partitions(BATCHES.name, keys)
         defs = build_defs(str(config.data_root))
         job = defs.resolve_job_def("batch_pipeline")
@@ -694,10 +759,23 @@ def run_config(
             os.environ.pop(k, None)
 
     one, big, after = runs["photos.one"], runs["photos.big"], runs["photos.after"]
+    square = runs["photos.one_bucket"]
+    n_square = ONE_BUCKET_PHOTOS
+    dirs_big = sum(1 for rel in digests if rel.endswith("index.json"))
     stages = {}
     for stage in STAGES:
         b = big[stage]
         a = _bracket(one[stage], after[stage])
+        sq = square[stage]
+        per_image_sq = (sq["bytes_through"] - a["bytes_through"]) / (n_square - 1)
+        # What is left of the big step's marginal once its per-image traffic (the one-bucket
+        # figure) is taken out is what it does per bucket directory (it wrote dirs_big, the
+        # 1-photo steps one each).
+        per_dir = (
+            (b["bytes_through"] - a["bytes_through"] - (count - 1) * per_image_sq) / (dirs_big - 1)
+            if dirs_big > 1
+            else None
+        )
 
         def marginal(field: str, a: dict = a, b: dict = b) -> float:
             return (b[field] - a[field]) / (count - 1)
@@ -726,6 +804,17 @@ def run_config(
             ),
             "all_in_driver_cpu_per_image_s": b["driver_cpu_s"] / count,
             "all_in_bytes_through_per_image": b["bytes_through"] / count,
+            "one_bucket": {
+                "photos": n_square,
+                "bytes_through_per_image": per_image_sq,
+                "s3_driver_per_image": (
+                    sum(sq["s3"].get(k, 0) - a["s3"].get(k, 0) for k in DRIVER_S3) / (n_square - 1)
+                ),
+                "driver_cpu_per_image_s": (sq["driver_cpu_s"] - a["driver_cpu_s"]) / (n_square - 1),
+                "step": sq,
+            },
+            "bucket_directories_big": dirs_big,
+            "bytes_per_bucket_directory": per_dir,
             "one_photo_step": one[stage],
             "one_photo_step_after": after[stage],
             "n_photo_step": b,
@@ -751,7 +840,7 @@ def verdict(ok: bool) -> str:
 def headlines(result: dict[str, Any]) -> list[str]:
     lines = []
     work = result["work_cpu_per_image_s"]
-    for name in CONFIGS:
+    for name in result["configs"]:
         cfg = result["configs"][name]
         if cfg["status"] != "run":
             lines.append(f"{name}: NOT RUN ({cfg['why']})")
@@ -766,11 +855,13 @@ def headlines(result: dict[str, Any]) -> list[str]:
                     f"< 0: the step's fixed traffic varied more than its per-image traffic; "
                     f"all-in {all_in:.0f}) (target <= {TARGET_BYTES})"
                 )
+                lines.append(decomposed(name, stage, s, work[stage]))
                 continue
             lines.append(
                 f"driver bytes per image ({name}, {stage}): {b:.0f} (all-in {all_in:.0f}) "
                 f"(target <= {TARGET_BYTES}) {verdict(b <= TARGET_BYTES)}"
             )
+            lines.append(decomposed(name, stage, s, work[stage]))
         for stage in STAGES:
             s = cfg["stages"][stage]
             cpu = driver_cpu(s)
@@ -817,6 +908,41 @@ def headlines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def decomposed(name: str, stage: str, s: dict[str, Any], work: float) -> str:
+    """The stage's marginal at ``ONE_BUCKET_PHOTOS`` photos in one bucket directory (per
+    image, with nothing per directory in it) and, for ``mds_shards``, what the big step
+    did per bucket directory, and what the two make at a partition of 10^4 images over
+    every one of the 52 tier x shape directories (derived, said as such)."""
+    sq = s["one_bucket"]
+    b, cpu = sq["bytes_through_per_image"], sq["driver_cpu_per_image_s"]
+    noise = "NOT MEASURED (< 0: within the noise of the 1-photo steps)"
+    line = (
+        f"  at {sq['photos']} photos in one bucket directory ({name}, {stage}): "
+        + (
+            f"{b:.0f} B per image (S3 {sq['s3_driver_per_image']:.0f} B) "
+            f"(target <= {TARGET_BYTES}) {verdict(b <= TARGET_BYTES)}"
+            if b >= 0
+            else f"bytes per image {noise}"
+        )
+        + "; driver CPU "
+        + (
+            f"{1000 * cpu:.2f} ms = {100 * cpu / work:.1f} % of the big photos' work "
+            f"(target <= {100 * TARGET_CPU_SHARE:.0f} %) "
+            f"{verdict(cpu <= TARGET_CPU_SHARE * work)}"
+            if cpu > 0
+            else noise
+        )
+    )
+    per_dir, dirs = s["bytes_per_bucket_directory"], s["bucket_directories_big"]
+    if stage != "mds_shards" or per_dir is None:
+        return line
+    return (
+        f"{line}; per bucket directory {per_dir:.0f} B ({dirs} directories in the big "
+        f"partition); derived for 10^4 images over 52 directories: "
+        f"{b + 52 * per_dir / 10_000:.0f} B per image"
+    )
+
+
 def driver_cpu(s: dict[str, Any]) -> float:
     """The figure judged: the larger of the marginal driver CPU per image (unbiased, noisy
     at small N) and the driver's CPU per item while the pool map ran (a floor: it leaves out
@@ -852,6 +978,12 @@ def main() -> int:
     parser.add_argument("--images", type=int, default=None)
     parser.add_argument("--long-side", type=int, default=None)
     parser.add_argument("--repeat", type=int, default=None)
+    parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated subset of {','.join(CONFIGS)} (default: all; shard bytes are "
+        "compared across the ones run). PRX_BENCH_S3_REQUEST_LOG=FILE logs the S3 requests.",
+    )
     parser.add_argument("--serve-s3", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_s3 is not None:
@@ -868,6 +1000,9 @@ def main() -> int:
             "--images must be 2..117 (per-image figures are marginal over N - 1; the "
             "bundled photos give 120 distinct copies, 3 of them the 1-photo partitions)"
         )
+    chosen = [c for c in args.configs.split(",") if c]
+    if not chosen or set(chosen) - set(CONFIGS):
+        parser.error(f"--configs: choose from {', '.join(CONFIGS)}")
     os.environ.setdefault("DAGSTER_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -913,7 +1048,7 @@ def main() -> int:
             "ray": ({"PRX_EXECUTOR": "ray", "PRX_SHARED_FILESYSTEM": "1"}, None, ray_why),
             "ray_s3": ({"PRX_EXECUTOR": "ray"}, s3, ray_why or s3_why),
         }
-        for name in CONFIGS:
+        for name in chosen:
             env, s3_for, why = plan[name]
             if why:
                 configs[name] = {"status": "not run", "why": why}
@@ -939,6 +1074,8 @@ def main() -> int:
             else:
                 configs[name] = {"status": "not run", "why": " | ".join(failures)}
     finally:
+        if "ray" in sys.modules:  # this process's driver, before its cluster goes away
+            sys.modules["ray"].shutdown()
         if cluster is not None:
             cluster.stop()
         if s3 is not None:
@@ -952,7 +1089,8 @@ def main() -> int:
         "benchmark": "bench_scaleout",
         "command": "python -m benchmarks.bench_scaleout"
         + (" --quick" if args.quick else "")
-        + f" --images {count} --long-side {long_side} --repeat {repeat}",
+        + f" --images {count} --long-side {long_side} --repeat {repeat}"
+        + (f" --configs {','.join(chosen)}" if chosen != list(CONFIGS) else ""),
         "images": count,
         "source_megapixels_per_image": round(megapixels / count, 2),
         "source_bytes_per_image": round(source_bytes / count),
@@ -981,8 +1119,10 @@ def main() -> int:
         "elapsed_s": round(time.perf_counter() - started, 1),
     }
     result["headlines"] = headlines(result)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2, default=float) + "\n")
+    # A subset of the configurations is a diagnosis: its own file, the full results stay.
+    out = RESULTS if chosen == list(CONFIGS) else RESULTS.with_name(f"{RESULTS.stem}_partial.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, default=float) + "\n")
     print("\n".join(result["headlines"]))
     return 0
 
