@@ -2,15 +2,15 @@
 encode them: one generator, so the inputs the tests and benchmarks quote agree, and no test
 file re-declares its own "save to bytes".
 
-``bundled_photos`` / ``demo_photo``: the photos as RGB; ``mosaic``: a multi-megapixel canvas
-tiled with crops of the photos at their native pixels (real per-pixel detail, the hard case
-for a resampler); ``crop_to_aspect``: a centred crop to an aspect ratio; ``encoded``: any
-image saved by Pillow with exactly the arguments given; ``jpeg_bytes``: a JPEG as the resize
-tests and pipeline benchmarks use (q95, baseline or progressive, optional EXIF);
-``solid_jpeg``: a small flat-colour JPEG, the stand-in photo of the landing and ingest
-tests; ``bucketed_photos``: the photos resized to their buckets and encoded as shards store
-them, the payload of the MDS writer's tests and benchmark. Deterministic: the same
-arguments give the same bytes.
+``bundled_photos``, ``demo_photo``, ``alpha_photo``: the photos as RGB (or RGBA);
+``mosaic``: a multi-megapixel canvas tiled with crops of the photos at their native pixels
+(real per-pixel detail, the hard case for a resampler); ``crop_to_aspect``: a centred crop
+to an aspect ratio; ``encoded``: any image saved by Pillow with exactly the arguments
+given; ``jpeg_bytes``: a JPEG as the resize tests and pipeline benchmarks use (q95,
+baseline or progressive, optional EXIF); ``solid_jpeg``: a small flat-colour JPEG, the
+stand-in photo of the landing and ingest tests; ``bucketed_photos``: the photos resized to
+their buckets and encoded as shards store them, the payload of the MDS writer's tests and
+benchmark. Deterministic: the same arguments give the same bytes.
 """
 
 from __future__ import annotations
@@ -77,6 +77,17 @@ def demo_photo(size: tuple[int, int] | None = (301, 207), name: str = "chelsea.p
     """
     img = Image.open(io.BytesIO((PHOTO_DIR / name).read_bytes())).convert("RGB")
     return img if size is None else img.resize(size)
+
+
+def alpha_photo() -> Image.Image:
+    """``demo_photo()`` as RGBA with every kind of alpha: the top third at 90, the left half
+    below it opaque, the rest fully transparent (for the decoders' alpha-on-white policy)."""
+    rgba = demo_photo().convert("RGBA")
+    alpha = np.zeros((rgba.height, rgba.width), np.uint8)
+    alpha[:, : rgba.width // 2] = 255
+    alpha[: rgba.height // 3] = 90
+    rgba.putalpha(Image.fromarray(alpha, "L"))
+    return rgba
 
 
 def mosaic(
