@@ -98,9 +98,7 @@ def test_damaged_webp_is_refused_as_pillow_refuses_it(cut: int, monkeypatch) -> 
 
 def test_animated_webp_keeps_its_first_frame_and_frame_count() -> None:
     frames = [demo_photo(), demo_photo().transpose(Image.Transpose.FLIP_LEFT_RIGHT)]
-    buf = io.BytesIO()
-    frames[0].save(buf, "WEBP", save_all=True, append_images=frames[1:], lossless=True)
-    data = buf.getvalue()
+    data = encoded(frames[0], "WEBP", save_all=True, append_images=frames[1:], lossless=True)
     info, rgb = inspect_and_decode(data)
     assert info.n_frames == 2 and rgb is not None
     assert np.array_equal(np.asarray(rgb), np.asarray(_pillow_policy(data)))
@@ -110,9 +108,7 @@ def test_png_and_webp_thumbnail_is_fast_thumbnail_bit_for_bit_and_preview_fits()
     """The one full decode feeds the pHash thumbnail (unchanged, bit for bit) and the preview."""
     big = demo_photo((1501, 1003))
     for fmt, kw in (("PNG", {}), ("WEBP", {"quality": 90}), ("WEBP", {"lossless": True})):
-        buf = io.BytesIO()
-        big.save(buf, fmt, **kw)
-        data = buf.getvalue()
+        data = encoded(big, fmt, **kw)
         _, (info, thumb, preview) = check_candidate((data, DEFAULT_MAX_PIXELS))
         assert thumb is not None and preview is not None
         assert np.array_equal(thumbnail_from_bytes(thumb), fast_thumbnail(data))
@@ -123,9 +119,7 @@ def test_png_and_webp_thumbnail_is_fast_thumbnail_bit_for_bit_and_preview_fits()
     ramp = (np.arange(300 * 200, dtype=np.uint32).reshape(200, 300) * 65535 // 59999).astype(
         np.uint16
     )
-    buf = io.BytesIO()
-    Image.fromarray(ramp).save(buf, "PNG")  # mode I;16
-    data = buf.getvalue()
+    data = encoded(Image.fromarray(ramp), "PNG")  # mode I;16
     _, (info, thumb, preview) = check_candidate((data, DEFAULT_MAX_PIXELS))
     assert info.conversion == "high_bit_depth_to_8bit" and thumb is not None
     assert np.array_equal(thumbnail_from_bytes(thumb), fast_thumbnail(data))
