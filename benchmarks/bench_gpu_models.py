@@ -56,6 +56,7 @@ from prx_assets.core.captions.models.prompts import (  # noqa: E402
     CAPTION_SYSTEM_PROMPT,
     CAPTION_USER_PROMPT,
 )
+from prx_assets.demo.jpegs import encoded  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "bench_gpu_models.json"
 WARMUP_TOKENS = 16
@@ -81,9 +82,7 @@ def demo_jpegs(long_side: int) -> list[tuple[str, bytes]]:
             (max(1, round(img.width * scale)), max(1, round(img.height * scale))),
             Image.Resampling.BICUBIC,
         )
-        buf = io.BytesIO()
-        img.save(buf, format="JPEG", quality=90)
-        out.append((p.name, buf.getvalue()))
+        out.append((p.name, encoded(img, "JPEG", quality=90)))
     if len(out) < 6:
         raise RuntimeError(f"demo photos missing under {root}")
     return out

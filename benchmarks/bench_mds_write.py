@@ -10,7 +10,6 @@ writer does, for atomicity), run interleaved in the same process, best of N.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import shutil
@@ -18,49 +17,28 @@ import tempfile
 import time
 from pathlib import Path
 
-from PIL import Image
-
-from prx_assets.core.shards.buckets import assign_bucket
 from prx_assets.core.shards.mds import (
     DEFAULT_SIZE_LIMIT,
     MDSSample,
     skip_nothing,
     write_partition_buckets,
 )
-from prx_assets.core.shards.resize import encode_jpeg, resize_to_bucket
+from prx_assets.demo.jpegs import bucketed_photos
 
 REPO = Path(__file__).resolve().parents[1]
-PHOTOS = REPO / "prx_assets" / "demo" / "photos"
 RESULTS = REPO / "benchmarks" / "results" / "bench_mds_write.json"
 
 
 def make_samples(total_mb: float) -> list[MDSSample]:
-    base = []
-    for path in sorted(PHOTOS.iterdir()):
-        data = path.read_bytes()
-        w, h = Image.open(io.BytesIO(data)).size
-        a = assign_bucket(w, h)
-        if a is not None:
-            base.append((path.stem, encode_jpeg(resize_to_bucket(data, a)), a, w, h))
+    """The bucketed demo photos, cycled under distinct keys until they reach ``total_mb``."""
+    photos = bucketed_photos()
     samples: list[MDSSample] = []
     size = 0
     i = 0
     while size < total_mb * 1e6:
-        stem, jpeg, a, w, h = base[i % len(base)]
-        samples.append(
-            MDSSample(
-                key=f"{stem}/{i:07d}",
-                image=jpeg,
-                caption=f"a photo of {stem}, copy {i}",
-                orig_width=w,
-                orig_height=h,
-                tier=a.tier,
-                shape=a.shape.name,
-                source="demo",
-                license="public-domain",
-            )
-        )
-        size += len(jpeg)
+        p = photos[i % len(photos)]
+        samples.append(p.sample(f"{p.stem}/{i:07d}", f"a photo of {p.stem}, copy {i}"))
+        size += len(p.jpeg)
         i += 1
     return samples
 

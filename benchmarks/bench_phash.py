@@ -50,6 +50,7 @@ import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from prx_assets.core.dedup import phash as P  # noqa: E402
+from prx_assets.demo.jpegs import jpeg_bytes  # noqa: E402
 
 PHOTOS = Path(__file__).resolve().parents[1] / "prx_assets" / "demo" / "photos"
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_phash.json"
@@ -87,10 +88,10 @@ def _agreement_set(n: int, seed: int = 1) -> tuple[list[bytes], list[list[bytes]
         x, y = rng.integers(0, im.width - w + 1), rng.integers(0, im.height - h + 1)
         s = math.sqrt(rng.uniform(0.8, 4.0) * 1e6 / (w * h))
         crop = im.crop((x, y, x + w, y + h)).resize((round(w * s), round(h * s)), LANCZOS)
-        bases.append(_jpeg(crop, 90))
+        bases.append(jpeg_bytes(crop, 90))
         copies.append(
             [
-                _jpeg(crop.resize((round(crop.width * f), round(crop.height * f)), LANCZOS), q)
+                jpeg_bytes(crop.resize((round(crop.width * f), round(crop.height * f)), LANCZOS), q)
                 for f, q in ((0.5, 80), (0.75, 90))
             ]
         )
@@ -100,12 +101,6 @@ def _agreement_set(n: int, seed: int = 1) -> tuple[list[bytes], list[list[bytes]
 def _found(hashes: list[int], n: int) -> int:
     """Planted copies (laid out after the n bases, two per base) at Hamming 0 from their base."""
     return sum(hashes[i] == hashes[n + 2 * i + k] for i in range(n) for k in range(2))
-
-
-def _jpeg(img: Image.Image, quality: int) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=quality)
-    return buf.getvalue()
 
 
 def _decode_all(datas: list[bytes]) -> None:

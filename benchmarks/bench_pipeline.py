@@ -96,7 +96,13 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from prx_assets.demo.jpegs import bundled_photos, crop_to_aspect, jpeg_bytes, mosaic  # noqa: E402
+from prx_assets.demo.jpegs import (  # noqa: E402
+    bundled_photos,
+    crop_to_aspect,
+    encoded,
+    jpeg_bytes,
+    mosaic,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "bench_pipeline.json"
@@ -140,9 +146,7 @@ def make_images(n: int, progressive: bool, seed: int) -> list[bytes]:
 def reencode(data: bytes, fmt: str) -> bytes:
     """The same picture as a PNG (Pillow's default compression) or a WebP (q90)."""
     img = Image.open(io.BytesIO(data)).convert("RGB")
-    buf = io.BytesIO()
-    img.save(buf, fmt, **({"quality": 90} if fmt == "WEBP" else {}))
-    return buf.getvalue()
+    return encoded(img, fmt, **({"quality": 90} if fmt == "WEBP" else {}))
 
 
 MIXED_FORMATS = ("JPEG", "JPEG", "PNG", "WEBP")  # by image index mod 4: ½ JPEG, ¼ PNG, ¼ WebP
@@ -316,10 +320,7 @@ def variant(data: bytes, kind: str) -> bytes:
         img = img.convert("L")
     elif kind == "png_palette":
         img = img.convert("P")
-    fmt = {"gif": "GIF", "bmp": "BMP", "tiff": "TIFF"}.get(kind, "PNG")
-    buf = io.BytesIO()
-    img.save(buf, fmt)
-    return buf.getvalue()
+    return encoded(img, {"gif": "GIF", "bmp": "BMP", "tiff": "TIFF"}.get(kind, "PNG"))
 
 
 def ingest_vs_plain_decode(n: int, repeats: int, seed: int = 4) -> dict:

@@ -58,7 +58,7 @@ from prx_assets.core.shards.resize import (
     render_jpeg,
     resize_to_bucket,
 )
-from prx_assets.demo.jpegs import mosaic
+from prx_assets.demo.jpegs import encoded, mosaic
 
 REPO = Path(__file__).resolve().parents[1]
 PHOTOS = REPO / "prx_assets" / "demo" / "photos"
@@ -115,9 +115,7 @@ def fast_pipeline(data: bytes, table: dict, resample: str = RESAMPLE) -> tuple[b
 def naive_pipeline(data: bytes, a: Assignment) -> tuple[bytes, Image.Image]:
     img = Image.open(io.BytesIO(data)).convert("RGB")
     img = img.resize(a.resize_size, Image.Resampling.LANCZOS).crop(a.crop_box)
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=JPEG_QUALITY, subsampling=JPEG_SUBSAMPLING)
-    return buf.getvalue(), img
+    return encoded(img, "JPEG", quality=JPEG_QUALITY, subsampling=JPEG_SUBSAMPLING), img
 
 
 def exact_lanczos(data: bytes, a: Assignment) -> np.ndarray:

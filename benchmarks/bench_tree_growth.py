@@ -36,7 +36,6 @@ tempfile.tempdir = None  # re-read TMPDIR
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
-import io  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import secrets  # noqa: E402
@@ -47,8 +46,6 @@ from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from PIL import Image  # noqa: E402
-
 from prx_assets.core.ingest.cursor import encode_keys  # noqa: E402
 from prx_assets.core.shards.mds import (  # noqa: E402
     MDSSample,
@@ -56,6 +53,7 @@ from prx_assets.core.shards.mds import (  # noqa: E402
     skip_nothing,
     write_partition_buckets,
 )
+from prx_assets.demo.jpegs import solid_jpeg  # noqa: E402
 from prx_assets_tests.streaming_memory import streaming_memory_released  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,10 +77,9 @@ def _skips(placements: list) -> dict[str, dict[int, list[str]]]:
 
 
 def _samples(batch: str) -> list[MDSSample]:
-    buf = io.BytesIO()
-    Image.new("RGB", (24, 16), (90, 120, 150)).save(buf, "JPEG", quality=90)
+    jpeg = solid_jpeg((24, 16), (90, 120, 150), quality=90)
     return [
-        MDSSample(f"{batch}/{i}", buf.getvalue(), f"c {i}", 24, 16, TIER, SHAPE, "bench", "cc0")
+        MDSSample(f"{batch}/{i}", jpeg, f"c {i}", 24, 16, TIER, SHAPE, "bench", "cc0")
         for i in range(SAMPLES_PER_DIR)
     ]
 

@@ -3,12 +3,11 @@ a solid-colour JPEG tile per index."""
 
 from __future__ import annotations
 
-import io
 import random
 import tarfile
 from pathlib import Path
 
-from PIL import Image
+from prx_assets.demo.jpegs import solid_jpeg
 
 
 def sparse_tar(path: Path, members: list[tuple[str, int | bytes]]) -> None:
@@ -33,7 +32,5 @@ def sparse_tar(path: Path, members: list[tuple[str, int | bytes]]) -> None:
 def tile_jpeg(i: int, size: tuple[int, int] = (24, 16)) -> bytes:
     """A JPEG of one colour chosen by ``i`` (deterministic)."""
     rng = random.Random(i)
-    img = Image.new("RGB", size, tuple(rng.randrange(256) for _ in range(3)))
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=90)
-    return buf.getvalue()
+    r, g, b = (rng.randrange(256) for _ in range(3))
+    return solid_jpeg(size, (r, g, b), quality=90)

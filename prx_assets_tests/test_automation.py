@@ -9,7 +9,6 @@ the expected set: nothing more, nothing less. No test sees another's changes, in
 """
 
 import hashlib
-import io
 import multiprocessing
 import shutil
 from concurrent.futures import ProcessPoolExecutor
@@ -31,6 +30,7 @@ from prx_assets.defs.dedup.config import DedupConfigResource
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.run_requests import evaluate_sensor, execute_run_request
 from prx_assets.defs.skiplists.config import SkipPolicyResource
+from prx_assets.demo.jpegs import encoded
 from prx_assets_tests.core.models import conftest as model_fixtures
 
 chat_server = model_fixtures.chat_server  # scripted OpenAI-compatible server on 127.0.0.1
@@ -108,9 +108,7 @@ def _photo_like(seed: int, size=(900, 640)) -> bytes:
         axis=-1,
     )
     arr = np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, "JPEG", quality=92)
-    return buf.getvalue()
+    return encoded(Image.fromarray(arr), "JPEG", quality=92)
 
 
 @dataclass(frozen=True)

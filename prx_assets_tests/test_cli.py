@@ -7,7 +7,6 @@ from an earlier batch left the earlier (now duplicate) copy in training until a 
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 from PIL import Image
@@ -18,15 +17,10 @@ from prx_assets.core.dedup.reruns import dedup_reruns
 from prx_assets.core.tables import IMAGES
 from prx_assets.defs.resources import LabResource
 from prx_assets.demo.build import load_photo_metadata
+from prx_assets.demo.jpegs import encoded
 from prx_assets_tests.loader_keys import loader_keys
 
 PHOTOS = Path(__file__).resolve().parents[1] / "prx_assets" / "demo" / "photos"
-
-
-def _jpeg(img: Image.Image, quality: int = 90) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=quality)
-    return buf.getvalue()
 
 
 def _photo(name: str, scale: float = 1.0) -> bytes:
@@ -34,7 +28,7 @@ def _photo(name: str, scale: float = 1.0) -> bytes:
     if scale != 1.0:
         size = (int(img.width * scale), int(img.height * scale))
         img = img.resize(size, Image.Resampling.LANCZOS)
-    return _jpeg(img)
+    return encoded(img, "JPEG", quality=90)
 
 
 def _batch(landing: Path, chunk: str, files: dict[str, tuple[str, bytes]]) -> Path:

@@ -23,7 +23,6 @@ trial costs a fork, not an interpreter start. Linux only (SIGKILL, fork).
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import random
@@ -51,6 +50,7 @@ from prx_assets.core.skiplists.sidecars import (
     load_generation,
     read_index_shards,
 )
+from prx_assets.demo.jpegs import encoded
 from prx_assets_tests import kill_jobs
 from prx_assets_tests.forkservers import forkserver_preloading
 
@@ -269,12 +269,6 @@ def check_readers(
     return on_new
 
 
-def _jpeg(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=85)
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="module")
 def tiles() -> list[bytes]:
     """Small real JPEGs cut from the demo photos."""
@@ -284,7 +278,7 @@ def tiles() -> list[bytes]:
     for i in range(48):
         img = photos[i % len(photos)]
         x, y = rng.randrange(img.width - 96), rng.randrange(img.height - 96)
-        out.append(_jpeg(img.crop((x, y, x + 96, y + 96)).resize((24, 16))))
+        out.append(encoded(img.crop((x, y, x + 96, y + 96)).resize((24, 16)), "JPEG", quality=85))
     return out
 
 

@@ -28,7 +28,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-PHOTO_DIR = resources.files("prx_assets.demo") / "photos"
+from prx_assets.demo.jpegs import PHOTO_DIR, encoded, jpeg_bytes, solid_jpeg
+
 ASPECTS = (0.42, 0.5, 0.62, 0.75, 0.9, 1.0, 1.2, 1.33, 1.6, 2.0, 2.4)
 
 
@@ -50,18 +51,6 @@ def load_photo_metadata() -> dict[str, dict]:
 def _rgb(name: str) -> Image.Image:
     with Image.open(io.BytesIO((PHOTO_DIR / name).read_bytes())) as img:
         return img.convert("RGB")
-
-
-def _jpeg(img: Image.Image, quality: int = 90, **kw) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=quality, **kw)
-    return buf.getvalue()
-
-
-def _png(img: Image.Image, **kw) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "PNG", **kw)
-    return buf.getvalue()
 
 
 def _crop_to_aspect(img: Image.Image, aspect: float, rng: np.random.Generator) -> Image.Image:
@@ -100,23 +89,21 @@ def _variants(
         extra = {"synthetic_upscale": scale > 1.0}
         variant = crop.resize(size, Image.Resampling.LANCZOS)
         quality = int(rng.integers(85, 96))
-        out.append((f"{Path(name).stem}-v{i:02d}", _jpeg(variant, quality), extra))
+        out.append((f"{Path(name).stem}-v{i:02d}", jpeg_bytes(variant, quality), extra))
     return out
 
 
 def _bad_files() -> dict[str, tuple[bytes, str]]:
     """Named bad inputs and the rejection reason each must produce."""
-    good = _jpeg(Image.new("RGB", (640, 480), (120, 30, 200)), 90)
-    ico = io.BytesIO()
-    Image.new("RGB", (64, 64), (1, 2, 3)).save(ico, "ICO")
-    bomb = io.BytesIO()
-    Image.new("1", (12_000, 9_000)).save(bomb, "PNG")  # 108 MP, a few KB
+    good = solid_jpeg((640, 480), (120, 30, 200), quality=90)
+    ico = encoded(Image.new("RGB", (64, 64), (1, 2, 3)), "ICO")
+    bomb = encoded(Image.new("1", (12_000, 9_000)), "PNG")  # 108 MP, a few KB
     return {
         "bad-truncated.jpg": (good[: len(good) // 2], "truncated"),
         "bad-empty.jpg": (b"", "empty_file"),
         "bad-notanimage.jpg": (b"this is a text file, not a JPEG\n" * 4, "not_an_image"),
-        "bad-icon.jpg": (ico.getvalue(), "format_not_allowed"),
-        "bad-bomb.png": (bomb.getvalue(), "decompression_bomb"),
+        "bad-icon.jpg": (ico, "format_not_allowed"),
+        "bad-bomb.png": (bomb, "decompression_bomb"),
         "bad-document.pdf": (b"%PDF-1.4\n%\xe2\xe3\xcf\xd3\n", "unsupported_extension"),
     }
 
@@ -124,25 +111,24 @@ def _bad_files() -> dict[str, tuple[bytes, str]]:
 def _mode_edge_cases(photo: Image.Image) -> dict[str, tuple[bytes, str]]:
     """Colour modes and containers the decoding policy converts, with their expected policy."""
     base = photo.resize((600, 450), Image.Resampling.LANCZOS)
-    cmyk = _jpeg(base.convert("CMYK"), 92)
-    grey16 = _png(Image.fromarray(np.asarray(base.convert("L"), np.uint16) * 257))
-    palette = _png(base.convert("P", palette=Image.Palette.ADAPTIVE, colors=64))
+    cmyk = jpeg_bytes(base.convert("CMYK"), 92)
+    grey16 = encoded(Image.fromarray(np.asarray(base.convert("L"), np.uint16) * 257), "PNG")
+    palette = encoded(base.convert("P", palette=Image.Palette.ADAPTIVE, colors=64), "PNG")
     rgba = base.convert("RGBA")
     alpha = np.asarray(rgba).copy()
     alpha[:, : alpha.shape[1] // 3, 3] = 0  # a transparent third
-    rgba_png = _png(Image.fromarray(alpha, "RGBA"))
+    rgba_png = encoded(Image.fromarray(alpha, "RGBA"), "PNG")
     frames = [base.rotate(a) for a in (0, 10, 20)]
-    gif = io.BytesIO()
-    frames[0].save(gif, "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    gif = encoded(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
     exif = Image.Exif()
     exif[0x0112] = 6  # rotate 90 CW on display: stored 600x450, shown 450x600
-    rotated = _jpeg(base, 92, exif=exif.tobytes())
+    rotated = jpeg_bytes(base, 92, exif=exif.tobytes())
     return {
         "mode-cmyk.jpg": (cmyk, "cmyk"),
         "mode-16bit.png": (grey16, "high_bit_depth_to_8bit"),
         "mode-palette.png": (palette, "palette"),
         "mode-rgba.png": (rgba_png, "alpha_on_white"),
-        "mode-animated.gif": (gif.getvalue(), "palette"),
+        "mode-animated.gif": (gif, "palette"),
         "mode-exif-rotated.jpg": (rotated, "none"),
     }
 
@@ -177,7 +163,7 @@ def build_demo_landing(landing: Path, size: str = "full", seed: int = 0) -> Demo
             count += 1
         small = img.copy()
         small.thumbnail((300, 300))  # under the 384 px cutoff whatever the original
-        _write_sample(b000, f"{Path(name).stem}-small", _jpeg(small, 90), ".jpg", m)
+        _write_sample(b000, f"{Path(name).stem}-small", jpeg_bytes(small, 90), ".jpg", m)
         manifest.small_images.append(f"public-skimage.000:{Path(name).stem}-small.jpg")
         count += 1
     for fname, (data, reason) in _bad_files().items():
@@ -216,7 +202,7 @@ def build_demo_landing(landing: Path, size: str = "full", seed: int = 0) -> Demo
                 add(f"{stem}.json", js)
                 count += 1
         evil = tarfile.TarInfo("../escape.jpg")
-        payload = _jpeg(Image.new("RGB", (500, 500), (9, 9, 9)))
+        payload = solid_jpeg((500, 500), (9, 9, 9), quality=90)
         evil.size = len(payload)
         tar.addfile(evil, io.BytesIO(payload))
         link = tarfile.TarInfo("link.jpg")
@@ -288,8 +274,8 @@ def build_demo_landing(landing: Path, size: str = "full", seed: int = 0) -> Demo
         img = _rgb(name)
         half = img.resize((img.width * 3 // 4, img.height * 3 // 4), Image.Resampling.LANCZOS)
         stem = Path(name).stem
-        _write_sample(b003, f"{stem}-dup-downscaled", _jpeg(half, 88), ".jpg", m)
-        _write_sample(b003, f"{stem}-dup-recompressed", _jpeg(img, 75), ".jpg", m)
+        _write_sample(b003, f"{stem}-dup-downscaled", jpeg_bytes(half, 88), ".jpg", m)
+        _write_sample(b003, f"{stem}-dup-recompressed", jpeg_bytes(img, 75), ".jpg", m)
         original = f"public-skimage.000:{stem}{Path(name).suffix}"
         manifest.planted_duplicates.append(
             (f"public-skimage.003:{stem}-dup-downscaled.jpg", original)

@@ -202,6 +202,8 @@ SIZES = ((1, 1), (17, 9), (9, 17), (64, 48), (203, 151), (4097, 3), (3, 1100), (
 
 
 def _pillow(img: Image.Image, **kw: object) -> bytes:
+    # Not prx_assets.demo.jpegs.encoded: importing it loads prx_assets.core.shards.resize,
+    # and so the planes extension, before run_child installs the sanitized build.
     buf = io.BytesIO()
     img.save(buf, "JPEG", **kw)
     return buf.getvalue()

@@ -1,18 +1,15 @@
 """One decompression-bomb limit: the project's (Pillow's warning limit, ~89.5 MP) is the
 number every rejection names, also where Pillow's own 2x check (179 MP) fires first."""
 
-import io
-
 import pytest
 from PIL import Image
 
 from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS, DecodeRejected, inspect_image
+from prx_assets.demo.jpegs import encoded
 
 
 def _png(width: int, height: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("1", (width, height)).save(buf, "PNG")  # a few KB whatever the size
-    return buf.getvalue()
+    return encoded(Image.new("1", (width, height)), "PNG")  # a few KB whatever the size
 
 
 @pytest.mark.parametrize("size", [(12_000, 9_000), (20_000, 20_000)])  # 108 MP, 400 MP

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +12,7 @@ from PIL import Image
 
 from prx_assets.core.dedup import clustering as C
 from prx_assets.core.dedup import phash as P
+from prx_assets.demo.jpegs import encoded
 
 U64 = (1 << 64) - 1
 PHOTOS = Path(__file__).parents[2] / "prx_assets" / "demo" / "photos"
@@ -266,13 +266,9 @@ def test_low_information_images_that_collide_are_not_clustered() -> None:
     photo = np.asarray(Image.open(PHOTOS / "coffee.png"))
     datas = []
     for arr in (near_white, near_grey):
-        buf = io.BytesIO()
-        Image.fromarray(np.clip(arr, 0, 255).round().astype(np.uint8)).save(buf, "PNG")
-        datas.append(buf.getvalue())
+        datas.append(encoded(Image.fromarray(np.clip(arr, 0, 255).round().astype(np.uint8)), "PNG"))
     for quality in (95, 90):
-        buf = io.BytesIO()
-        Image.fromarray(photo).save(buf, "JPEG", quality=quality)
-        datas.append(buf.getvalue())
+        datas.append(encoded(Image.fromarray(photo), "JPEG", quality=quality))
     results = P.phash_many(datas)
     hashes = [r.hash for r in results]
     low = [r.low_information for r in results]

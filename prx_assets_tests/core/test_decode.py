@@ -1,26 +1,13 @@
 """The decoding policy: what is accepted, what is refused and why, and how pixels become RGB."""
 
-import io
-
 import numpy as np
 import pytest
 from PIL import Image
 
 from prx_assets.core.ingest.decode import DecodeRejected, decode_rgb, inspect_image, to_rgb
+from prx_assets.demo.jpegs import encoded
 from prx_assets_tests.bounds import MIB, peak_rss_growth
 from prx_assets_tests.conftest import PHOTOS
-
-
-def _jpeg(img: Image.Image, **kw) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=90, **kw)
-    return buf.getvalue()
-
-
-def _save(img: Image.Image, fmt: str, **kw) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, fmt, **kw)
-    return buf.getvalue()
 
 
 def _reason(data: bytes, **kw) -> str:
@@ -38,7 +25,7 @@ def test_real_photos_are_accepted_with_their_true_size():
 
 
 def test_truncated_jpeg_keeps_pillows_error():
-    data = _jpeg(Image.new("RGB", (800, 600), (10, 200, 30)))
+    data = encoded(Image.new("RGB", (800, 600), (10, 200, 30)), "JPEG", quality=90)
     with pytest.raises(DecodeRejected) as err:
         inspect_image(data[: len(data) // 2])
     assert err.value.reason == "truncated"
@@ -46,7 +33,7 @@ def test_truncated_jpeg_keeps_pillows_error():
 
 
 def test_truncated_png_is_rejected():
-    data = _save(
+    data = encoded(
         Image.fromarray(np.random.default_rng(0).integers(0, 255, (300, 300, 3), np.uint8)), "PNG"
     )
     assert _reason(data[: len(data) // 2]) in ("truncated", "corrupt_data")
@@ -58,7 +45,7 @@ def test_empty_and_non_image_bytes():
 
 
 def test_formats_outside_the_photo_list_are_refused_by_name():
-    data = _save(Image.new("RGB", (32, 32)), "ICO")
+    data = encoded(Image.new("RGB", (32, 32)), "ICO")
     with pytest.raises(DecodeRejected) as err:
         inspect_image(data)
     assert err.value.reason == "format_not_allowed"
@@ -66,7 +53,7 @@ def test_formats_outside_the_photo_list_are_refused_by_name():
 
 
 def test_decompression_bomb_is_refused_before_decoding(monkeypatch):
-    bomb = _save(Image.new("1", (20_000, 20_000)), "PNG")  # 400 MP in a few KB
+    bomb = encoded(Image.new("1", (20_000, 20_000)), "PNG")  # 400 MP in a few KB
     assert len(bomb) < 200_000
     decoded: list[tuple[int, int]] = []
     load = Image.Image.load
@@ -87,7 +74,7 @@ def test_decompression_bomb_is_refused_before_decoding(monkeypatch):
 
 
 def test_pixel_limit_is_configurable():
-    data = _jpeg(Image.new("RGB", (1000, 1000)))
+    data = encoded(Image.new("RGB", (1000, 1000)), "JPEG", quality=90)
     inspect_image(data, max_pixels=1_000_000)
     assert _reason(data, max_pixels=999_999) == "decompression_bomb"
 
@@ -97,7 +84,7 @@ def test_exif_orientation_is_applied_to_dimensions_and_pixels():
     img.paste((0, 0, 255), (0, 0, 100, 300))  # blue stripe on the left
     exif = Image.Exif()
     exif[0x0112] = 6  # display rotated 90 degrees clockwise
-    data = _jpeg(img, exif=exif.tobytes())
+    data = encoded(img, "JPEG", quality=90, exif=exif.tobytes())
     info = inspect_image(data)
     assert (info.width, info.height, info.orientation) == (300, 600, 6)
     rgb = decode_rgb(data)
@@ -130,7 +117,7 @@ def test_colour_modes_become_rgb_by_policy(mode_image, conversion):
 
 
 def test_cmyk_jpeg_round_trip_is_red():
-    data = _jpeg(Image.new("RGB", (64, 48), (220, 20, 20)).convert("CMYK"))
+    data = encoded(Image.new("RGB", (64, 48), (220, 20, 20)).convert("CMYK"), "JPEG", quality=90)
     info = inspect_image(data)
     assert info.conversion == "cmyk"
     r, g, b = np.asarray(decode_rgb(data)).mean(axis=(0, 1))
@@ -139,7 +126,7 @@ def test_cmyk_jpeg_round_trip_is_red():
 
 def test_animated_gif_uses_first_frame_and_records_frames():
     frames = [Image.new("RGB", (80, 60), c) for c in ((255, 0, 0), (0, 255, 0), (0, 0, 255))]
-    data = _save(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=50)
+    data = encoded(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=50)
     info = inspect_image(data)
     assert info.n_frames == 3 and info.animated
     r, g, b = np.asarray(decode_rgb(data)).mean(axis=(0, 1))
@@ -198,10 +185,10 @@ def test_16_bit_constant_grey_stays_mid_grey_and_a_dark_ramp_stays_dark():
 
 @pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
 def test_16_bit_files_decode_by_bit_depth(fmt):
-    data = _save(_image16(CONSTANT, "I;16"), fmt)
+    data = encoded(_image16(CONSTANT, "I;16"), fmt)
     assert inspect_image(data).conversion == "high_bit_depth_to_8bit"
     assert np.unique(_grey(decode_rgb(data))).tolist() == [117]
-    ramp = _grey(decode_rgb(_save(_image16(RAMP, "I;16"), fmt)))
+    ramp = _grey(decode_rgb(encoded(_image16(RAMP, "I;16"), fmt)))
     assert (ramp == _scaled16(RAMP)).all()
 
 
@@ -237,11 +224,11 @@ def test_inspect_image_and_inspect_and_decode_agree_on_facts_and_refusals():
     gif = [Image.new("P", (40, 30), i) for i in range(3)]
     cases = [p.read_bytes() for p in sorted(PHOTOS.iterdir())]
     cases += [
-        _jpeg(photo, exif=exif.tobytes()),
-        _jpeg(photo.convert("CMYK")),
-        _jpeg(photo.convert("L"), progressive=True),
-        _save(gif[0], "GIF", save_all=True, append_images=gif[1:]),
-        _save(photo.convert("RGBA"), "PNG"),
+        encoded(photo, "JPEG", quality=90, exif=exif.tobytes()),
+        encoded(photo.convert("CMYK"), "JPEG", quality=90),
+        encoded(photo.convert("L"), "JPEG", quality=90, progressive=True),
+        encoded(gif[0], "GIF", save_all=True, append_images=gif[1:]),
+        encoded(photo.convert("RGBA"), "PNG"),
     ]
     broken = [b"", b"not an image" * 9, cases[4][: len(cases[4]) // 2], cases[-5][:-4000]]
     for data in cases + broken:

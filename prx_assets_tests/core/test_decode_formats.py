@@ -27,17 +27,7 @@ from prx_assets.core.ingest.decode import (
     to_rgb,
 )
 from prx_assets.core.ingest.runner import check_candidate
-from prx_assets_tests.conftest import PHOTOS
-
-
-def _photo(size: tuple[int, int] = (301, 207)) -> Image.Image:
-    return Image.open(PHOTOS / "chelsea.png").convert("RGB").resize(size)
-
-
-def _webp(img: Image.Image, **kw) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "WEBP", **kw)
-    return buf.getvalue()
+from prx_assets.demo.jpegs import alpha_photo, demo_photo, encoded
 
 
 def _pillow_policy(data: bytes) -> Image.Image:
@@ -47,20 +37,11 @@ def _pillow_policy(data: bytes) -> Image.Image:
     return to_rgb(ImageOps.exif_transpose(img))[0]
 
 
-def _alpha_photo() -> Image.Image:
-    rgba = _photo().convert("RGBA")
-    alpha = np.zeros((rgba.height, rgba.width), np.uint8)
-    alpha[:, : rgba.width // 2] = 255
-    alpha[: rgba.height // 3] = 90
-    rgba.putalpha(Image.fromarray(alpha, "L"))
-    return rgba
-
-
 WEBPS = {
-    "lossy": lambda: _webp(_photo(), quality=80),
-    "lossless": lambda: _webp(_photo(), lossless=True),
-    "lossy_alpha": lambda: _webp(_alpha_photo(), quality=80),
-    "lossless_alpha": lambda: _webp(_alpha_photo(), lossless=True),
+    "lossy": lambda: encoded(demo_photo(), "WEBP", quality=80),
+    "lossless": lambda: encoded(demo_photo(), "WEBP", lossless=True),
+    "lossy_alpha": lambda: encoded(alpha_photo(), "WEBP", quality=80),
+    "lossless_alpha": lambda: encoded(alpha_photo(), "WEBP", lossless=True),
 }
 
 
@@ -83,7 +64,7 @@ def test_still_webp_decodes_directly_to_the_same_pixels_as_pillow(kind: str) -> 
 def test_webp_exif_orientation_is_applied_on_the_direct_path(orientation: int) -> None:
     exif = Image.Exif()
     exif[0x0112] = orientation
-    data = _webp(_photo(), quality=85, exif=exif)
+    data = encoded(demo_photo(), "WEBP", quality=85, exif=exif)
     info, rgb = inspect_and_decode(data)
     assert info.orientation == orientation
     expected = _pillow_policy(data)
@@ -101,7 +82,7 @@ def _refusal(fn, data: bytes) -> str | None:
 
 @pytest.mark.parametrize("cut", [0.3, 0.6, 0.97])
 def test_damaged_webp_is_refused_as_pillow_refuses_it(cut: int, monkeypatch) -> None:
-    good = _webp(_photo((640, 480)), quality=85)
+    good = encoded(demo_photo((640, 480)), "WEBP", quality=85)
     truncated = good[: int(len(good) * cut)]
     flipped = bytearray(good)
     for i in range(len(good) // 3, len(good) - 8, 97):  # damage the bitstream, not the header
@@ -116,10 +97,8 @@ def test_damaged_webp_is_refused_as_pillow_refuses_it(cut: int, monkeypatch) -> 
 
 
 def test_animated_webp_keeps_its_first_frame_and_frame_count() -> None:
-    frames = [_photo(), _photo().transpose(Image.Transpose.FLIP_LEFT_RIGHT)]
-    buf = io.BytesIO()
-    frames[0].save(buf, "WEBP", save_all=True, append_images=frames[1:], lossless=True)
-    data = buf.getvalue()
+    frames = [demo_photo(), demo_photo().transpose(Image.Transpose.FLIP_LEFT_RIGHT)]
+    data = encoded(frames[0], "WEBP", save_all=True, append_images=frames[1:], lossless=True)
     info, rgb = inspect_and_decode(data)
     assert info.n_frames == 2 and rgb is not None
     assert np.array_equal(np.asarray(rgb), np.asarray(_pillow_policy(data)))
@@ -127,11 +106,9 @@ def test_animated_webp_keeps_its_first_frame_and_frame_count() -> None:
 
 def test_png_and_webp_thumbnail_is_fast_thumbnail_bit_for_bit_and_preview_fits() -> None:
     """The one full decode feeds the pHash thumbnail (unchanged, bit for bit) and the preview."""
-    big = _photo((1501, 1003))
+    big = demo_photo((1501, 1003))
     for fmt, kw in (("PNG", {}), ("WEBP", {"quality": 90}), ("WEBP", {"lossless": True})):
-        buf = io.BytesIO()
-        big.save(buf, fmt, **kw)
-        data = buf.getvalue()
+        data = encoded(big, fmt, **kw)
         _, (info, thumb, preview) = check_candidate((data, DEFAULT_MAX_PIXELS))
         assert thumb is not None and preview is not None
         assert np.array_equal(thumbnail_from_bytes(thumb), fast_thumbnail(data))
@@ -142,9 +119,7 @@ def test_png_and_webp_thumbnail_is_fast_thumbnail_bit_for_bit_and_preview_fits()
     ramp = (np.arange(300 * 200, dtype=np.uint32).reshape(200, 300) * 65535 // 59999).astype(
         np.uint16
     )
-    buf = io.BytesIO()
-    Image.fromarray(ramp).save(buf, "PNG")  # mode I;16
-    data = buf.getvalue()
+    data = encoded(Image.fromarray(ramp), "PNG")  # mode I;16
     _, (info, thumb, preview) = check_candidate((data, DEFAULT_MAX_PIXELS))
     assert info.conversion == "high_bit_depth_to_8bit" and thumb is not None
     assert np.array_equal(thumbnail_from_bytes(thumb), fast_thumbnail(data))
@@ -156,7 +131,7 @@ def test_png_and_webp_thumbnail_is_fast_thumbnail_bit_for_bit_and_preview_fits()
 def test_preview_has_contains_size_and_stays_close_to_a_direct_bilinear(
     size: tuple[int, int],
 ) -> None:
-    img = _photo(size)
+    img = demo_photo(size)
     small = Image.open(io.BytesIO(preview_of_decoded(img)))
     expected = ImageOps.contain(img, (PREVIEW_PX, PREVIEW_PX), Image.Resampling.BILINEAR)
     assert small.size == expected.size
@@ -166,5 +141,5 @@ def test_preview_has_contains_size_and_stays_close_to_a_direct_bilinear(
 
 def test_preview_of_a_one_pixel_high_strip_exists() -> None:
     """``ImageOps.contain`` made such a strip 112x0 px, and the preview failed to encode."""
-    small = Image.open(io.BytesIO(preview_of_decoded(_photo((1000, 1)))))
+    small = Image.open(io.BytesIO(preview_of_decoded(demo_photo((1000, 1)))))
     assert small.size == (112, 1)

@@ -29,17 +29,7 @@ from prx_assets.core.ingest.decode import (
     to_rgb,
 )
 from prx_assets.core.ingest.runner import check_candidate
-from prx_assets_tests.conftest import PHOTOS
-
-
-def _photo(size: tuple[int, int] = (301, 207)) -> Image.Image:
-    return Image.open(PHOTOS / "chelsea.png").convert("RGB").resize(size)
-
-
-def _png(img: Image.Image, **kw) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "PNG", **kw)
-    return buf.getvalue()
+from prx_assets.demo.jpegs import alpha_photo, demo_photo, encoded
 
 
 def _chunk(kind: bytes, body: bytes) -> bytes:
@@ -104,15 +94,6 @@ def direct_calls(monkeypatch) -> list[tuple[int, int]]:
     return calls
 
 
-def _alpha_photo() -> Image.Image:
-    rgba = _photo().convert("RGBA")
-    alpha = np.zeros((rgba.height, rgba.width), np.uint8)
-    alpha[:, : rgba.width // 2] = 255
-    alpha[: rgba.height // 3] = 90
-    rgba.putalpha(Image.fromarray(alpha, "L"))
-    return rgba
-
-
 def _before_image_data(data: bytes, kind: bytes, body: bytes) -> bytes:
     chunks = _chunks(data)
     at = next(i for i, (k, _) in enumerate(chunks) if k == b"IDAT")
@@ -120,25 +101,27 @@ def _before_image_data(data: bytes, kind: bytes, body: bytes) -> bytes:
 
 
 DIRECT = {
-    "rgb": lambda: _png(_photo()),
-    "rgb_odd_size": lambda: _png(_photo((1, 7))),
-    "rgb_trns": lambda: _png(_photo(), transparency=(10, 20, 30)),
+    "rgb": lambda: encoded(demo_photo(), "PNG"),
+    "rgb_odd_size": lambda: encoded(demo_photo((1, 7)), "PNG"),
+    "rgb_trns": lambda: encoded(demo_photo(), "PNG", transparency=(10, 20, 30)),
     "rgb_gamma_icc": lambda: _before_image_data(
-        _png(
-            _photo(), icc_profile=ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+        encoded(
+            demo_photo(),
+            "PNG",
+            icc_profile=ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes(),
         ),
         b"gAMA",
         struct.pack(">I", 100000),  # gamma 1.0: applied by neither decoder
     ),
-    "rgba": lambda: _png(_alpha_photo()),
-    "rgb_interlaced": lambda: _interlaced_png(np.asarray(_photo((37, 29)))),
-    "rgba_interlaced": lambda: _interlaced_png(np.asarray(_alpha_photo())),
+    "rgba": lambda: encoded(alpha_photo(), "PNG"),
+    "rgb_interlaced": lambda: _interlaced_png(np.asarray(demo_photo((37, 29)))),
+    "rgba_interlaced": lambda: _interlaced_png(np.asarray(alpha_photo())),
 }
 
 
 def _rgb_many_idats() -> bytes:
     """Pillow's PNG of the photo with its image data split into 1000-byte IDAT chunks."""
-    chunks = _chunks(_png(_photo()))
+    chunks = _chunks(encoded(demo_photo(), "PNG"))
     stream = b"".join(body for kind, body in chunks if kind == b"IDAT")
     idats = [(b"IDAT", stream[i : i + 1000]) for i in range(0, len(stream), 1000)]
     return _assemble([chunks[0], *idats, (b"IEND", b"")])
@@ -146,10 +129,10 @@ def _rgb_many_idats() -> bytes:
 
 DIRECT["rgb_many_idats"] = _rgb_many_idats
 DIRECT["rgb_inert_chunks_after_image_data"] = lambda: _after_image_data(
-    _png(_photo()), *INERT_TRAILER
+    encoded(demo_photo(), "PNG"), *INERT_TRAILER
 )
 DIRECT["rgba_inert_chunks_after_image_data"] = lambda: _after_image_data(
-    _png(_alpha_photo()), *INERT_TRAILER
+    encoded(alpha_photo(), "PNG"), *INERT_TRAILER
 )
 
 
@@ -172,12 +155,12 @@ def test_plain_8_bit_png_decodes_by_libspng_to_pillows_pixels(kind: str, direct_
 
 
 def _palette_alpha() -> bytes:
-    return _png(_alpha_photo().convert("P"), transparency=0)
+    return encoded(alpha_photo().convert("P"), "PNG", transparency=0)
 
 
 def _apng() -> bytes:
-    frames = [_photo(), _photo().transpose(Image.Transpose.FLIP_LEFT_RIGHT)]
-    return _png(frames[0], save_all=True, append_images=frames[1:])
+    frames = [demo_photo(), demo_photo().transpose(Image.Transpose.FLIP_LEFT_RIGHT)]
+    return encoded(frames[0], "PNG", save_all=True, append_images=frames[1:])
 
 
 def _after_image_data(data: bytes, *extra: tuple[bytes, bytes]) -> bytes:
@@ -204,31 +187,34 @@ def _raw_profile_exif(orientation: int) -> bytes:
 
 
 PILLOWS = {
-    "grey": lambda: _png(_photo().convert("L")),  # libspng is not faster there
-    "grey_trns": lambda: _png(_photo().convert("L"), transparency=7),
-    "grey_interlaced": lambda: _interlaced_png(np.asarray(_photo((9, 13)).convert("L"))),
-    "palette": lambda: _png(_photo().convert("P")),
+    "grey": lambda: encoded(demo_photo().convert("L"), "PNG"),  # libspng is not faster there
+    "grey_trns": lambda: encoded(demo_photo().convert("L"), "PNG", transparency=7),
+    "grey_interlaced": lambda: _interlaced_png(np.asarray(demo_photo((9, 13)).convert("L"))),
+    "palette": lambda: encoded(demo_photo().convert("P"), "PNG"),
     "palette_alpha": _palette_alpha,
     "rgb16": lambda: _assemble(
         [(b"IHDR", struct.pack(">IIBBBBB", 5, 3, 16, 2, 0, 0, 0))]
         + [(b"IDAT", zlib.compress(b"".join(b"\x00" + bytes(range(30)) for _ in range(3))))]
         + [(b"IEND", b"")]
     ),
-    "grey16": lambda: _png(Image.fromarray(np.arange(600, dtype=np.uint16).reshape(20, 30) * 97)),
-    "grey_alpha": lambda: _png(_alpha_photo().convert("LA")),
-    "one_bit": lambda: _png(_photo().convert("1")),
+    "grey16": lambda: encoded(
+        Image.fromarray(np.arange(600, dtype=np.uint16).reshape(20, 30) * 97), "PNG"
+    ),
+    "grey_alpha": lambda: encoded(alpha_photo().convert("LA"), "PNG"),
+    "one_bit": lambda: encoded(demo_photo().convert("1"), "PNG"),
     "apng": _apng,
     "ztxt_after_image_data": lambda: _after_image_data(
-        _png(_photo()), (b"zTXt", b"Comment\x00\x00" + zlib.compress(b"after the pixels"))
+        encoded(demo_photo(), "PNG"),
+        (b"zTXt", b"Comment\x00\x00" + zlib.compress(b"after the pixels")),
     ),
     "itxt_after_image_data": lambda: _after_image_data(
-        _png(_photo()), (b"iTXt", b"Comment\x00\x00\x00\x00\x00after the pixels")
+        encoded(demo_photo(), "PNG"), (b"iTXt", b"Comment\x00\x00\x00\x00\x00after the pixels")
     ),
     "idat_after_a_text_chunk": lambda: _after_image_data(
-        _png(_photo()), (b"tEXt", b"a\x00b"), (b"IDAT", zlib.compress(b""))
+        encoded(demo_photo(), "PNG"), (b"tEXt", b"a\x00b"), (b"IDAT", zlib.compress(b""))
     ),
     "not_a_chunk_name_after_image_data": lambda: _after_image_data(
-        _png(_photo()), (b"t3Xt", b"a\x00b")
+        encoded(demo_photo(), "PNG"), (b"t3Xt", b"a\x00b")
     ),
 }
 
@@ -250,29 +236,29 @@ def _exif(orientation: int) -> Image.Exif:
 
 
 def _exif_after_image_data(orientation: int) -> bytes:
-    chunks = _chunks(_png(_photo()))
+    chunks = _chunks(encoded(demo_photo(), "PNG"))
     return _assemble([*chunks[:-1], (b"eXIf", _exif(orientation).tobytes()), chunks[-1]])
 
 
 def _xmp(orientation: int) -> bytes:
     xmp = f'<x:xmpmeta><rdf:Description tiff:Orientation="{orientation}"/></x:xmpmeta>'
     itxt = b"XML:com.adobe.xmp\x00\x00\x00\x00\x00" + xmp.encode()
-    return _before_image_data(_png(_photo()), b"iTXt", itxt)
+    return _before_image_data(encoded(demo_photo(), "PNG"), b"iTXt", itxt)
 
 
 ORIENTED: dict[str, Callable[[int], bytes]] = {
-    "exif_chunk": lambda o: _png(_photo(), exif=_exif(o)),
+    "exif_chunk": lambda o: encoded(demo_photo(), "PNG", exif=_exif(o)),
     "xmp_before_image_data": _xmp,
     "exif_after_image_data": _exif_after_image_data,  # left to Pillow, still turned
     "raw_profile_text_after_image_data": lambda o: _after_image_data(
-        _png(_photo()), (b"tEXt", b"Raw profile type exif\x00" + _raw_profile_exif(o))
+        encoded(demo_photo(), "PNG"), (b"tEXt", b"Raw profile type exif\x00" + _raw_profile_exif(o))
     ),
     "xmp_text_after_image_data": lambda o: _after_image_data(
-        _png(_photo()),
+        encoded(demo_photo(), "PNG"),
         (b"tEXt", f'XML:com.adobe.xmp\x00<x tiff:Orientation="{o}"/>'.encode()),
     ),
     "raw_profile_text_before_image_data": lambda o: _before_image_data(
-        _png(_photo()), b"tEXt", b"Raw profile type exif\x00" + _raw_profile_exif(o)
+        encoded(demo_photo(), "PNG"), b"tEXt", b"Raw profile type exif\x00" + _raw_profile_exif(o)
     ),
 }
 
@@ -285,7 +271,7 @@ def test_png_orientation_is_read_as_pillow_reads_it(
     data = ORIENTED[where](orientation)
     info, rgb = inspect_and_decode(data)
     assert info.orientation == orientation
-    assert direct_calls == ([] if where.endswith("after_image_data") else [_photo().size])
+    assert direct_calls == ([] if where.endswith("after_image_data") else [demo_photo().size])
     expected = _pillow_policy(data)
     assert rgb is not None and (info.width, info.height) == rgb.size == expected.size
     assert np.array_equal(np.asarray(rgb), np.asarray(expected))
@@ -301,7 +287,7 @@ def _outcome(fn, data: bytes):
 
 
 def _damaged() -> dict[str, bytes]:
-    good = _png(_photo((640, 480)))
+    good = encoded(demo_photo((640, 480)), "PNG")
     chunks = _chunks(good)
     idat = [i for i, (kind, _) in enumerate(chunks) if kind == b"IDAT"]
     flipped = bytearray(good)
@@ -353,10 +339,10 @@ def test_text_after_the_image_data_past_pillows_limit_gets_pillows_answer(
     pixels) or raise in its decode (after them); a file whose text after the pixels passes
     the limit is left to Pillow, so the answer is Pillow's either way."""
     data = _after_image_data(
-        _before_image_data(_png(_photo()), b"tEXt", b"Title\x00" + b"t" * 20),
+        _before_image_data(encoded(demo_photo(), "PNG"), b"tEXt", b"Title\x00" + b"t" * 20),
         (b"tEXt", b"Comment\x00" + b"c" * 24),
     )
-    size = _photo().size
+    size = demo_photo().size
     monkeypatch.setattr(PngImagePlugin, "MAX_TEXT_MEMORY", limit)  # (the test photo has 3 KB)
     direct = [_outcome(fn, data) for fn in (inspect_image, decode_rgb)]
     ran = list(direct_calls)
@@ -370,7 +356,7 @@ def test_text_after_the_image_data_past_pillows_limit_gets_pillows_answer(
 
 
 def test_the_pixel_limit_is_checked_before_libspng_runs(direct_calls) -> None:
-    data = _png(_photo((400, 300)))
+    data = encoded(demo_photo((400, 300)), "PNG")
     with pytest.raises(DecodeRejected) as err:
         inspect_and_decode(data, max_pixels=400 * 300 - 1)
     assert err.value.reason == "decompression_bomb"
@@ -381,7 +367,7 @@ def test_a_second_ihdr_never_sizes_libspngs_buffer(direct_calls) -> None:
     """libspng sizes its output by the first IHDR, Pillow by the last: a file whose first
     IHDR claims 10 GP and a later one 40x30 px passes Pillow's pixel limit, and is never
     handed to libspng (Pillow alone decodes it, as before)."""
-    chunks = _chunks(_png(_photo((40, 30))))
+    chunks = _chunks(encoded(demo_photo((40, 30)), "PNG"))
     bomb_ihdr = struct.pack(">IIBBBBB", 100_000, 100_000, 8, 2, 0, 0, 0)
     data = _assemble([(b"IHDR", bomb_ihdr), *chunks])
     assert Image.open(io.BytesIO(data)).size == (40, 30)
@@ -418,7 +404,7 @@ def test_alpha_on_white_is_alpha_composite_for_every_value_and_alpha() -> None:
 
 
 def test_libspng_output_that_disagrees_with_the_header_is_not_used() -> None:
-    data = _png(_photo())
+    data = encoded(demo_photo(), "PNG")
     assert png_direct.decode(data, (301, 207), "RGB") is not None
     assert png_direct.decode(data, (300, 207), "RGB") is None
     assert png_direct.decode(data, (301, 207), "RGBA") is None
@@ -435,9 +421,9 @@ def test_png_thumbnail_preview_and_hash_are_pillows_bit_for_bit(kind: str, monke
     """Ingest's stored pHash thumbnail and preview, and ``image_hashes``' own decode, are the
     same bytes whichever decoder made the pixels."""
     big = {
-        "rgb": lambda: _png(_photo((1501, 1003))),
-        "rgba": lambda: _png(_alpha_photo().resize((900, 1200))),
-        "rgb_interlaced": lambda: _interlaced_png(np.asarray(_photo((517, 389)))),
+        "rgb": lambda: encoded(demo_photo((1501, 1003)), "PNG"),
+        "rgba": lambda: encoded(alpha_photo().resize((900, 1200)), "PNG"),
+        "rgb_interlaced": lambda: _interlaced_png(np.asarray(demo_photo((517, 389)))),
     }[kind]()
 
     def ingest_and_hash() -> tuple:

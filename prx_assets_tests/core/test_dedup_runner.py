@@ -33,6 +33,7 @@ from prx_assets.core.tables import (
     RESOLUTION,
 )
 from prx_assets.core.workers import InlinePool
+from prx_assets.demo.jpegs import encoded
 from prx_assets_tests.conftest import PHOTOS
 
 S0 = DedupSettings()
@@ -72,9 +73,7 @@ def png(name: str, level: int = 6, size: tuple[int, int] | None = None) -> bytes
     img = Image.open(PHOTOS / name).convert("RGB")
     if size:
         img = img.resize(size, Image.Resampling.LANCZOS)
-    buf = io.BytesIO()
-    img.save(buf, "PNG", compress_level=level)
-    return buf.getvalue()
+    return encoded(img, "PNG", compress_level=level)
 
 
 def land_and_ingest(lab: Lab, landing: Path, chunk: str, files: dict[str, bytes]) -> str:

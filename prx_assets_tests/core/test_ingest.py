@@ -3,7 +3,6 @@ a batch written through the lab twice leaves the same rows."""
 
 import gzip
 import hashlib
-import io
 import os
 import shutil
 import tempfile
@@ -19,14 +18,9 @@ from prx_assets.core.ingest.runner import BatchIngest
 from prx_assets.core.ingest.sources import STREAM_ABOVE_BYTES, discover_batches, resolve_batch
 from prx_assets.core.lab import Lab
 from prx_assets.core.tables import IMAGES, REJECTS
+from prx_assets.demo.jpegs import encoded, solid_jpeg
 from prx_assets_tests.bounds import MIB, fail_after, peak_rss_growth
 from prx_assets_tests.fixtures_files import sparse_tar
-
-
-def _jpeg(color) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (64, 48), color).save(buf, "JPEG")
-    return buf.getvalue()
 
 
 def _run(ref, **kw) -> tuple[BatchIngest, list[dict], list[dict]]:
@@ -40,12 +34,12 @@ def test_symlinks_special_files_and_their_samples_are_all_seen(tmp_path):
     b.mkdir(parents=True)
     outside = tmp_path / "outside"
     (outside / "sub").mkdir(parents=True)
-    (outside / "sub" / "x.jpg").write_bytes(_jpeg((1, 2, 3)))
+    (outside / "sub" / "x.jpg").write_bytes(solid_jpeg(color=(1, 2, 3)))
     (outside / "alt.txt").write_text("alt")
-    (b / "photo.jpg").write_bytes(_jpeg((200, 0, 0)))
+    (b / "photo.jpg").write_bytes(solid_jpeg(color=(200, 0, 0)))
     (b / "photo.txt").symlink_to(outside / "alt.txt")
     (b / "gallery").symlink_to(outside / "sub", target_is_directory=True)
-    (b / "fine.jpg").write_bytes(_jpeg((0, 200, 0)))
+    (b / "fine.jpg").write_bytes(solid_jpeg(color=(0, 200, 0)))
     os.mkfifo(b / "pipe.png")
     (b / "_SUCCESS").write_text("")
     with fail_after(10):
@@ -64,7 +58,7 @@ def test_symlinks_special_files_and_their_samples_are_all_seen(tmp_path):
 def test_a_source_folder_named_with_invalid_utf8_gets_a_printable_source(tmp_path):
     src = os.path.join(os.fsencode(tmp_path), b"caf\xe9")
     os.makedirs(os.path.join(src, b"000"))
-    Path(os.fsdecode(os.path.join(src, b"000", b"a.jpg"))).write_bytes(_jpeg((9, 9, 9)))
+    Path(os.fsdecode(os.path.join(src, b"000", b"a.jpg"))).write_bytes(solid_jpeg(color=(9, 9, 9)))
     Path(os.fsdecode(os.path.join(src, b"000", b"_SUCCESS"))).write_text("")
     (ref,) = discover_batches(tmp_path)
     assert (ref.key, ref.source) == ("caf-E9.000", "caf%E9")
@@ -88,7 +82,7 @@ def test_record_batches_are_bounded_by_image_bytes(tmp_path, monkeypatch):
     b = tmp_path / "s" / "000"
     b.mkdir(parents=True)
     for i in range(6):
-        (b / f"{i}.jpg").write_bytes(_jpeg((i * 40, 0, 0)))
+        (b / f"{i}.jpg").write_bytes(solid_jpeg(color=(i * 40, 0, 0)))
     (b / "_SUCCESS").write_text("")
     run = BatchIngest(resolve_batch(tmp_path, "s.000"))
     assert [x.num_rows for x in run.image_batches()] == [6]  # under both bounds: one batch
@@ -98,18 +92,15 @@ def test_record_batches_are_bounded_by_image_bytes(tmp_path, monkeypatch):
 
 
 def _png_rgba() -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGBA", (40, 30), (0, 0, 255, 128)).save(buf, "PNG")
-    return buf.getvalue()
+    return encoded(Image.new("RGBA", (40, 30), (0, 0, 255, 128)), "PNG")
 
 
 def _mixed_batch(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
     """One of each outcome: two accepted images and four kinds of refusal."""
     b = tmp_path / "s" / "000"
     b.mkdir(parents=True)
-    buf = io.BytesIO()
-    Image.effect_noise((160, 120), 60).convert("RGB").save(buf, "JPEG")
-    photo = buf.getvalue()  # noise: most of the file is scan data, so a cut lands in it
+    # noise: most of the file is scan data, so a cut lands in it
+    photo = encoded(Image.effect_noise((160, 120), 60).convert("RGB"), "JPEG")
     files = {
         "a.jpg": photo,
         "b.png": _png_rgba(),
@@ -187,7 +178,7 @@ def test_workers_store_the_blobs_and_the_rows_equal_the_parents_path(tmp_path):
 
     b = tmp_path / "s" / "000"
     b.mkdir(parents=True)
-    files = {f"p{i}.jpg": _jpeg((40 * i, 90, 200 - 30 * i)) for i in range(5)}
+    files = {f"p{i}.jpg": solid_jpeg(color=(40 * i, 90, 200 - 30 * i)) for i in range(5)}
     files["broken.jpg"] = files["p0.jpg"][: len(files["p0.jpg"]) - 20]  # no end of image
     for name, data in files.items():
         (b / name).write_bytes(data)
@@ -228,7 +219,7 @@ def test_deferred_reads_refuse_what_the_parent_would_and_change_no_row(tmp_path,
     def write_batch() -> None:
         for i in range(4):
             (b / f"p{i}.jpg").unlink(missing_ok=True)
-            (b / f"p{i}.jpg").write_bytes(_jpeg((60 * i, 90, 200 - 40 * i)))
+            (b / f"p{i}.jpg").write_bytes(solid_jpeg(color=(60 * i, 90, 200 - 40 * i)))
             (b / f"p{i}.txt").write_text(f"photo {i}")
         (b / "elsewhere.bin").unlink(missing_ok=True)
         (b / "_SUCCESS").write_text("")
@@ -277,16 +268,16 @@ def test_deferred_reads_refuse_what_the_parent_would_and_change_no_row(tmp_path,
 def _bmp(size: tuple[int, int]) -> bytes:
     """An uncompressed BMP (allowed format) of ``size``: over 8 MiB for 1800 x 1700."""
     ramp = np.tile(np.arange(size[0], dtype=np.uint8), (size[1], 1))
-    buf = io.BytesIO()
-    Image.fromarray(np.dstack([ramp, 255 - ramp, ramp // 2])).save(buf, "BMP")
-    return buf.getvalue()
+    return encoded(Image.fromarray(np.dstack([ramp, 255 - ramp, ramp // 2])), "BMP")
 
 
 def _archive_with_a_big_member(source: Path, suffix: str, big: int, photo: bytes) -> None:
     """``<source>/001<suffix>``: a ``big``-byte member of zeros (an image name, not an image:
     a hole on disk for a plain tar), an 8+ MiB BMP and a small JPEG."""
     plain = source / "001.tar.plain"
-    sparse_tar(plain, [("big.png", big), ("photo.bmp", photo), ("ok.jpg", _jpeg((9,) * 3))])
+    sparse_tar(
+        plain, [("big.png", big), ("photo.bmp", photo), ("ok.jpg", solid_jpeg(color=(9,) * 3))]
+    )
     if suffix == ".tar":
         plain.rename(source / "001.tar")
         return
@@ -312,7 +303,7 @@ def test_a_big_archive_member_is_never_held_whole(tmp_path, monkeypatch, suffix)
     assert len(photo) > STREAM_ABOVE_BYTES
     _archive_with_a_big_member(source, suffix, big, photo)
     (source / "000").mkdir()
-    (source / "000" / "warm.jpg").write_bytes(_jpeg((1, 1, 1)))
+    (source / "000" / "warm.jpg").write_bytes(solid_jpeg(color=(1, 1, 1)))
     (source / "000" / "_SUCCESS").write_text("")
     lab = Lab(tmp_path / "lab")
     sink = lab.local_blobs(IMAGES, "image")

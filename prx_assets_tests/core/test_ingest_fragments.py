@@ -4,7 +4,6 @@ through the step, a repeat across chunks still refused, a killed worker costing 
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import subprocess
@@ -12,19 +11,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from PIL import Image
 
 from prx_assets.core.ingest import runner as ingest
 from prx_assets.core.ingest.runner import BatchIngest, ChunkTask, RowMeta, check_store_and_write
 from prx_assets.core.ingest.sources import FileRead, resolve_batch
 from prx_assets.core.lab import MANUAL, Lab
 from prx_assets.core.tables import IMAGES, REJECTS
+from prx_assets.demo.jpegs import solid_jpeg
 
 
 def _jpeg(i: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (96 + i, 64), (30 * i % 255, 90, 200 - 10 * i)).save(buf, "JPEG")
-    return buf.getvalue()
+    """Photo ``i``: its own size and colour, so its own key; calling it again makes a copy."""
+    return solid_jpeg((96 + i, 64), (30 * i % 255, 90, 200 - 10 * i))
 
 
 def _landing(root: Path) -> Path:

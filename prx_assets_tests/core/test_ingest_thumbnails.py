@@ -24,6 +24,7 @@ from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS, inspect_image
 from prx_assets.core.ingest.runner import THUMBNAIL_VERSION, check_candidate, migrate_images_table
 from prx_assets.core.lab import Lab
 from prx_assets.core.tables import IMAGE_HASHES, IMAGES
+from prx_assets.demo.jpegs import encoded
 from prx_assets_tests.core.stage_inputs import DEMO_BATCH, ingest_demo_batch
 
 PHOTOS = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos"
@@ -40,10 +41,10 @@ def _inputs() -> list[bytes]:
         for orientation in (1, 3, 6, 8):
             exif = Image.Exif()
             exif[0x0112] = orientation
-            buf = io.BytesIO()
             src = big.convert("L") if name == "coins.png" else big
-            src.save(buf, "JPEG", quality=90, progressive=orientation in (3, 8), exif=exif)
-            out.append(buf.getvalue())
+            out.append(
+                encoded(src, "JPEG", quality=90, progressive=orientation in (3, 8), exif=exif)
+            )
     return out
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from prx_assets.core.shards.buckets import assign_bucket
 from prx_assets.core.shards.mds import (
     MDSSample,
     list_partition_dirs,
@@ -27,38 +26,15 @@ from prx_assets.core.shards.mds import (
     write_partition_streams,
 )
 from prx_assets.core.shards.mds_format import MDSShardWriter
-from prx_assets.core.shards.resize import encode_jpeg, resize_to_bucket
 from prx_assets.core.shards.small_buckets import small_bucket_problems
+from prx_assets.demo.jpegs import bucketed_photos
 from prx_assets_tests.core.stage_inputs import read_mds_dir, streaming_memory_released
-
-REPO = Path(__file__).resolve().parents[2]
-PHOTOS = REPO / "prx_assets" / "demo" / "photos"
 
 
 @pytest.fixture(scope="module")
 def samples() -> list[MDSSample]:
     """Real bucketed q92 JPEGs of the demo photos that pass the 384 px cutoff."""
-    out = []
-    for path in sorted(PHOTOS.iterdir()):
-        data = path.read_bytes()
-        w, h = Image.open(io.BytesIO(data)).size
-        a = assign_bucket(w, h)
-        if a is None:
-            continue
-        jpeg = encode_jpeg(resize_to_bucket(data, a))
-        out.append(
-            MDSSample(
-                key=f"demo/{path.stem}",
-                image=jpeg,
-                caption=f"a photo called {path.stem}",
-                orig_width=w,
-                orig_height=h,
-                tier=a.tier,
-                shape=a.shape.name,
-                source="demo",
-                license="public-domain",
-            )
-        )
+    out = [p.sample(f"demo/{p.stem}", f"a photo called {p.stem}") for p in bucketed_photos()]
     assert len(out) >= 8 and len({(s.tier, s.shape) for s in out}) >= 3
     return out
 

@@ -14,6 +14,7 @@ from PIL import Image, ImageOps
 
 from prx_assets.core.dedup import phash as P
 from prx_assets.core.ingest.decode import DecodeRejected, decode_rgb
+from prx_assets.demo.jpegs import encoded
 
 PHOTOS = sorted((Path(__file__).parents[2] / "prx_assets" / "demo" / "photos").iterdir())
 LANCZOS = Image.Resampling.LANCZOS
@@ -21,18 +22,6 @@ LANCZOS = Image.Resampling.LANCZOS
 
 def _imagehash_int(img: Image.Image) -> int:
     return int(str(imagehash.phash(img)), 16)
-
-
-def _jpeg(img: Image.Image, quality: int = 90, **kw) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=quality, **kw)
-    return buf.getvalue()
-
-
-def _png(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "PNG")
-    return buf.getvalue()
 
 
 def _smooth(w: int, h: int, seed: int) -> np.ndarray:
@@ -98,10 +87,9 @@ def test_reference_equals_imagehash_on_synthetic_edge_cases(name: str) -> None:
 @pytest.mark.parametrize("name", list(_edge_cases()))
 def test_fast_handles_synthetic_edge_cases_like_reference(name: str) -> None:
     img = _edge_cases()[name]
-    buf = io.BytesIO()
-    img.save(buf, "TIFF" if img.mode == "CMYK" else "PNG")
-    fast = P.phash_bytes(buf.getvalue())
-    ref = P.phash_bytes(buf.getvalue(), mode="reference")
+    data = encoded(img, "TIFF" if img.mode == "CMYK" else "PNG")
+    fast = P.phash_bytes(data)
+    ref = P.phash_bytes(data, mode="reference")
     assert fast.low_information == ref.low_information == (fast.ac_energy < 1.0)
     if fast.low_information:
         assert name in {"1x1", "flat_white", "flat_grey", "nearly_flat_noise"}
@@ -113,7 +101,7 @@ def test_reference_on_bytes_applies_exif_orientation() -> None:
     img = Image.fromarray(_smooth(400, 240, 12))
     exif = Image.Exif()
     exif[0x0112] = 6  # rotate 90 degrees clockwise when displayed
-    data = _jpeg(img, exif=exif.tobytes())
+    data = encoded(img, "JPEG", quality=90, exif=exif.tobytes())
     shown = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
     result = P.phash_bytes(data, mode="reference")
     assert result.hash == _imagehash_int(shown)
@@ -162,7 +150,7 @@ def test_exact_ties_hash_to_zero_whatever_the_batch() -> None:
 
 def test_flat_image_hash_is_deterministic_and_low_information() -> None:
     for colour in (0, 17, 128, 255):
-        r = P.phash_bytes(_png(Image.new("RGB", (50, 40), (colour,) * 3)))
+        r = P.phash_bytes(encoded(Image.new("RGB", (50, 40), (colour,) * 3), "PNG"))
         # Only the DC coefficient can be above the median (and is 0 for black).
         assert r.hash == (1 << 63 if colour else 0)
         assert r.ac_energy == pytest.approx(0.0, abs=1e-6)
@@ -197,14 +185,14 @@ def test_fast_agrees_with_reference_on_demo_photos() -> None:
 def test_fast_uses_dct_scaling_and_stays_close_on_large_jpegs() -> None:
     # 2.4 MP JPEGs of odd sizes: decoded at 1/8 scale, with every EXIF orientation.
     base = Image.open(PHOTOS[4]).convert("RGB").resize((1907, 1261), LANCZOS)
-    data = _jpeg(base, 92)
+    data = encoded(base, "JPEG", quality=92)
     assert decode_rgb(data, draft_size=(128, 128)).size == (239, 158)
     ref = P.phash_bytes(data, mode="reference").hash
     assert P.hamming(P.phash_bytes(data).hash, ref) <= 2
     for orientation in range(1, 9):
         exif = Image.Exif()
         exif[0x0112] = orientation
-        oriented = _jpeg(base, 92, exif=exif.tobytes())
+        oriented = encoded(base, "JPEG", quality=92, exif=exif.tobytes())
         r = P.phash_bytes(oriented, mode="reference").hash
         assert P.hamming(P.phash_bytes(oriented).hash, r) <= 2, orientation
 
@@ -231,7 +219,7 @@ def test_progressive_dc_scans_decode_bit_identically_at_one_eighth(variant: str)
     img = Image.open(PHOTOS[5]).convert("RGB").resize((2101, 1403), LANCZOS)
     if kw.pop("grey", False):
         img = img.convert("L")
-    data = _jpeg(img, 90, progressive=True, **kw)
+    data = encoded(img, "JPEG", quality=90, progressive=True, **kw)
     cut = P.progressive_dc_scans(data)
     assert cut is not None and len(cut) < 0.5 * len(data)
     full = decode_rgb(data, draft_size=(128, 128))
@@ -242,15 +230,15 @@ def test_progressive_dc_scans_decode_bit_identically_at_one_eighth(variant: str)
 
 def test_progressive_dc_scans_declines_what_it_cannot_do_exactly() -> None:
     img = Image.open(PHOTOS[5]).convert("RGB").resize((1800, 1200), LANCZOS)
-    progressive = _jpeg(img, 90, progressive=True)
+    progressive = encoded(img, "JPEG", quality=90, progressive=True)
     assert P.progressive_dc_scans(progressive) is not None
-    assert P.progressive_dc_scans(_jpeg(img, 90)) is None  # baseline: one interleaved scan
-    small = _jpeg(img.resize((900, 600)), 90, progressive=True)
+    baseline = encoded(img, "JPEG", quality=90)
+    assert P.progressive_dc_scans(baseline) is None  # baseline: one interleaved scan
+    small = encoded(img.resize((900, 600)), "JPEG", quality=90, progressive=True)
     assert P.progressive_dc_scans(small) is None  # decoded at 1/4: AC coefficients matter
-    assert P.progressive_dc_scans(_png(img.resize((300, 200)))) is None
-    mpo = io.BytesIO()
-    img.save(mpo, "MPO", save_all=True, append_images=[img], progressive=True)
-    assert P.progressive_dc_scans(mpo.getvalue()) is None
+    assert P.progressive_dc_scans(encoded(img.resize((300, 200)), "PNG")) is None
+    mpo = encoded(img, "MPO", save_all=True, append_images=[img], progressive=True)
+    assert P.progressive_dc_scans(mpo) is None
     truncated = progressive[: len(progressive) * 2 // 3]
     assert P.progressive_dc_scans(truncated) is None  # so the real decode reports it
     with pytest.raises(DecodeRejected) as exc:
@@ -283,14 +271,14 @@ def test_fast_finds_planted_duplicates_at_least_as_often_as_reference() -> None:
     found = {"fast": 0, "reference": 0}
     total = 0
     for base in bases:
-        original = _jpeg(base, 95)
+        original = encoded(base, "JPEG", quality=95)
         copies = []
         for scale in (0.5, 0.75):
             small = base.resize((round(base.width * scale), round(base.height * scale)), LANCZOS)
-            copies += [_jpeg(small, q) for q in (75, 95)]
-        copies.append(_jpeg(base, 80))
+            copies += [encoded(small, "JPEG", quality=q) for q in (75, 95)]
+        copies.append(encoded(base, "JPEG", quality=80))
         w, h = base.size
-        crop = _jpeg(base.crop((w // 10, h // 10, w - w // 10, h - h // 10)), 95)
+        crop = encoded(base.crop((w // 10, h // 10, w - w // 10, h - h // 10)), "JPEG", quality=95)
         total += len(copies)
         for mode in found:
             hashes = [r.hash for r in P.phash_many([original, *copies, crop], mode=mode)]
@@ -313,10 +301,10 @@ def test_phash_many_is_independent_of_batching() -> None:
 def test_low_information_threshold_is_configurable() -> None:
     grad = np.linspace(120, 126, 200)  # a faint ramp: ~1.7 grey levels RMS
     img = Image.fromarray(np.tile(grad, (150, 1)).round().astype(np.uint8))
-    r = P.phash_bytes(_png(img))
+    r = P.phash_bytes(encoded(img, "PNG"))
     assert 1.0 < r.ac_energy < 3.0
     assert not r.low_information
-    assert P.phash_bytes(_png(img), low_info_threshold=3.0).low_information
+    assert P.phash_bytes(encoded(img, "PNG"), low_info_threshold=3.0).low_information
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,7 +348,7 @@ def test_bad_input_is_rejected_with_the_decode_reason(mode: str) -> None:
     with pytest.raises(DecodeRejected) as exc:
         P.phash_bytes(b"definitely not an image", mode=mode)
     assert exc.value.reason == "not_an_image"
-    truncated = _jpeg(Image.fromarray(_smooth(600, 400, 1)))[:5000]
+    truncated = encoded(Image.fromarray(_smooth(600, 400, 1)), "JPEG", quality=90)[:5000]
     with pytest.raises(DecodeRejected) as exc:
         P.phash_bytes(truncated, mode=mode)
     assert exc.value.reason == "truncated"

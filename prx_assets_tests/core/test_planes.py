@@ -10,7 +10,7 @@ from PIL import Image, JpegImagePlugin
 
 from prx_assets.core.shards import _planes
 from prx_assets.core.shards.resize import estimate_jpeg_quality, psnr
-from prx_assets.demo.jpegs import mosaic
+from prx_assets.demo.jpegs import encoded, mosaic
 
 PHOTOS = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos"
 LIMIT = 89_478_485
@@ -18,12 +18,6 @@ LIMIT = 89_478_485
 
 def _photo(size: tuple[int, int], seed: int = 0) -> Image.Image:
     return mosaic(size, np.random.default_rng(seed), row_heights=(200, 400), tile_widths=(200, 500))
-
-
-def _jpeg(img: Image.Image, subsampling: str = "4:2:0", progressive: bool = False) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=95, subsampling=subsampling, progressive=progressive)
-    return buf.getvalue()
 
 
 def _pillow_ycbcr(data: bytes) -> list[np.ndarray]:
@@ -46,10 +40,12 @@ def _planes_of(data: bytes, denom: int = 1) -> tuple[str, int, int, list]:
 @pytest.mark.parametrize("progressive", [False, True])
 def test_luma_is_libjpegs_own_decode_and_444_chroma_too(progressive: bool) -> None:
     img = _photo((403, 301), 1)
-    kind, w, h, planes = _planes_of(_jpeg(img, "4:2:0", progressive))
+    data = encoded(img, "JPEG", quality=95, subsampling="4:2:0", progressive=progressive)
+    kind, w, h, planes = _planes_of(data)
     assert (kind, w, h) == ("YCbCr", 403, 301)
-    np.testing.assert_array_equal(planes[0][0], _pillow_ycbcr(_jpeg(img, "4:2:0", progressive))[0])
-    data = _jpeg(img, "4:4:4", progressive)  # nothing to upsample: every plane is Pillow's
+    np.testing.assert_array_equal(planes[0][0], _pillow_ycbcr(data)[0])
+    # 4:4:4: nothing to upsample, every plane is Pillow's
+    data = encoded(img, "JPEG", quality=95, subsampling="4:4:4", progressive=progressive)
     for (ours, _), theirs in zip(_planes_of(data)[3], _pillow_ycbcr(data), strict=True):
         np.testing.assert_array_equal(ours, theirs)
 
@@ -69,7 +65,7 @@ def test_luma_is_libjpegs_own_decode_and_444_chroma_too(progressive: bool) -> No
 def test_plane_sizes_and_the_extent_they_stand_for(
     subsampling: str, denom: int, sizes: list, valid: list
 ) -> None:
-    data = _jpeg(_photo((1875, 1251), 2), subsampling)
+    data = encoded(_photo((1875, 1251), 2), "JPEG", quality=95, subsampling=subsampling)
     kind, w, h, planes = _planes_of(data, denom)
     assert (w, h) == (-(-1875 // denom), -(-1251 // denom))
     assert [(p.shape[1], p.shape[0]) for p, _ in planes] == sizes
@@ -77,16 +73,14 @@ def test_plane_sizes_and_the_extent_they_stand_for(
 
 
 def test_greyscale_is_one_plane() -> None:
-    data = _jpeg(_photo((300, 200), 3).convert("L"))
+    data = encoded(_photo((300, 200), 3).convert("L"), "JPEG", quality=95, subsampling="4:2:0")
     kind, w, h, planes = _planes_of(data)
     assert (kind, w, h, len(planes)) == ("GRAY", 300, 200, 1)
     np.testing.assert_array_equal(planes[0][0], np.asarray(Image.open(io.BytesIO(data))))
 
 
 def _cmyk() -> bytes:
-    buf = io.BytesIO()
-    _photo((120, 80), 4).convert("CMYK").save(buf, "JPEG", quality=90)
-    return buf.getvalue()
+    return encoded(_photo((120, 80), 4).convert("CMYK"), "JPEG", quality=90)
 
 
 @pytest.mark.parametrize(
@@ -104,7 +98,7 @@ def test_what_is_not_a_ycbcr_or_grey_jpeg_is_refused(data: bytes, message: str) 
 
 
 def test_corrupt_or_truncated_data_is_refused_never_half_decoded() -> None:
-    data = _jpeg(_photo((640, 480), 5))
+    data = encoded(_photo((640, 480), 5), "JPEG", quality=95)
     sos = data.index(b"\xff\xda")
     with pytest.raises(ValueError, match="extraneous bytes"):  # a libjpeg warning: refused
         _planes.decode(data[:sos] + b"\x00\x13" + data[sos:], 1, LIMIT)
@@ -118,7 +112,7 @@ def test_corrupt_or_truncated_data_is_refused_never_half_decoded() -> None:
 
 def test_random_damage_never_crashes_the_decoder() -> None:
     # Untrusted bytes: whatever the damage, a clean refusal or a complete decode.
-    data = bytearray(_jpeg(_photo((320, 240), 6), progressive=True))
+    data = bytearray(encoded(_photo((320, 240), 6), "JPEG", quality=95, progressive=True))
     rng = np.random.default_rng(0)
     outcomes = {"refused": 0, "decoded": 0}
     for _ in range(300):
@@ -172,7 +166,7 @@ def test_chroma_is_upsampled_as_libjpeg_does_then_resampled_in_one_kernel() -> N
     # A 4:2:0 JPEG's chroma, resampled from its half-size grid with libjpeg's triangle
     # upsampling folded into the Lanczos, is the chroma of libjpeg's own full-size decode
     # (Pillow, fancy upsampling) resampled by Pillow: within 2 levels, mostly identical.
-    data = _jpeg(_photo((901, 601), 9), "4:2:0")
+    data = encoded(_photo((901, 601), 9), "JPEG", quality=95, subsampling="4:2:0")
     _, _, _, planes = _planes.decode(data, 1, LIMIT)
     full = _pillow_ycbcr(data)  # upsampled by libjpeg
     size, box = (608, 416), (0, 8, 608, 408)

@@ -46,21 +46,16 @@ def test_a_dead_cluster_under_an_ingest_write_is_that_error_not_lances(monkeypat
     """The ingest's pool is made inside the stream Lance writes from, and Lance reports an
     exception raised there as ``OSError: LanceError(Arrow): C Data interface error``: the
     lab re-raises the original, so a dead ``RAY_ADDRESS`` reads as what it is."""
-    import io
-
-    from PIL import Image
-
     from prx_assets.core.ingest.runner import BatchIngest
     from prx_assets.core.ingest.sources import resolve_batch
     from prx_assets.core.lab import Lab
     from prx_assets.core.ray_pool import RayUnavailable
     from prx_assets.core.tables import IMAGES
+    from prx_assets.demo.jpegs import solid_jpeg
 
     batch = tmp_path / "landing" / "s" / "000"
     batch.mkdir(parents=True)
-    buf = io.BytesIO()
-    Image.new("RGB", (64, 48), (1, 2, 3)).save(buf, "JPEG")
-    (batch / "a.jpg").write_bytes(buf.getvalue())
+    (batch / "a.jpg").write_bytes(solid_jpeg((64, 48), (1, 2, 3)))
     (batch / "_SUCCESS").write_text("")
     with socket.socket() as s:  # a port just freed: nothing listens there
         s.bind(("127.0.0.1", 0))

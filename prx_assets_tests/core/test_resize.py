@@ -31,18 +31,16 @@ from prx_assets.core.shards.resize import (
     resize_plain,
     resize_to_bucket,
 )
-from prx_assets.demo.jpegs import jpeg_bytes, mosaic
+from prx_assets.demo.jpegs import demo_photo, encoded, jpeg_bytes, mosaic
 
 PHOTOS = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos"
 
 
 def _upscaled_jpeg(name: str, megapixels: float, quality: int = 95, exif: bytes = b"") -> bytes:
-    img = Image.open(PHOTOS / name).convert("RGB")
+    img = demo_photo(None, name)
     s = (megapixels * 1e6 / (img.width * img.height)) ** 0.5
     big = img.resize((round(img.width * s), round(img.height * s)), Image.Resampling.BICUBIC)
-    buf = io.BytesIO()
-    big.save(buf, "JPEG", quality=quality, exif=exif)
-    return buf.getvalue()
+    return encoded(big, "JPEG", quality=quality, exif=exif)
 
 
 def _size(data: bytes) -> tuple[int, int]:
@@ -90,27 +88,19 @@ def test_pillow_path_shortcuts_match_plain_path(
 def test_pillow_path_without_shortcut_is_plain_sampling() -> None:
     # A PNG under 2x its bucket: no draft/reduce, Lanczos over the crop box only, which is
     # the same sampling as resizing the whole image and cropping.
-    img = Image.open(PHOTOS / "coffee.png").convert("RGB").resize((2121, 1414))
-    buf = io.BytesIO()
-    img.save(buf, "PNG", compress_level=1)
+    data = encoded(demo_photo((2121, 1414), "coffee.png"), "PNG", compress_level=1)
     a = assign_bucket(2121, 1414)
     assert a is not None and a.tier == 1024
-    prepared = prepare_fast(buf.getvalue(), a)
+    prepared = prepare_fast(data, a)
     assert (prepared.draft_factor, prepared.reduce_factor) == (1, 1)
-    plain = resize_plain(buf.getvalue(), a)
-    assert psnr(resize_to_bucket(buf.getvalue(), a), plain) > 70.0
-    assert psnr(resize_to_bucket(buf.getvalue(), a, resample="bicubic-aa"), plain) > _q92_loss(
-        plain
-    )
+    plain = resize_plain(data, a)
+    assert psnr(resize_to_bucket(data, a), plain) > 70.0
+    assert psnr(resize_to_bucket(data, a, resample="bicubic-aa"), plain) > _q92_loss(plain)
 
 
 def _mosaic(size: tuple[int, int], seed: int) -> Image.Image:
     """A canvas of crops of the bundled photos at their native pixels: real per-pixel detail."""
     return mosaic(size, np.random.default_rng(seed), row_heights=(300, 600), tile_widths=(300, 700))
-
-
-def _jpeg(img: Image.Image, progressive: bool = False, exif: bytes = b"") -> bytes:
-    return jpeg_bytes(img, quality=95, progressive=progressive, exif=exif)
 
 
 def test_lanczos_default_is_within_the_q92_loss_on_real_photos() -> None:
@@ -123,9 +113,9 @@ def test_lanczos_default_is_within_the_q92_loss_on_real_photos() -> None:
         img = Image.open(path).convert("RGB")
         s = (2e6 / (img.width * img.height)) ** 0.5
         big = img.resize((round(img.width * s), round(img.height * s)), Image.Resampling.LANCZOS)
-        inputs.append(_jpeg(big, progressive=i % 2 == 1))
+        inputs.append(jpeg_bytes(big, progressive=i % 2 == 1))
     for seed, size in enumerate([(1901, 1301), (1151, 2047)]):
-        inputs.append(_jpeg(_mosaic(size, seed), progressive=seed % 2 == 1))
+        inputs.append(jpeg_bytes(_mosaic(size, seed), progressive=seed % 2 == 1))
     invisible = 0
     for data in inputs:
         a = assign_bucket(*_size(data))
@@ -138,7 +128,7 @@ def test_lanczos_default_is_within_the_q92_loss_on_real_photos() -> None:
 
 
 def test_scaled_decode_is_the_smallest_eighth_covering_the_cover_size() -> None:
-    data = _jpeg(_mosaic((2401, 1601), 7))
+    data = jpeg_bytes(_mosaic((2401, 1601), 7))
     a = assign_bucket(2401, 1601)
     assert a is not None
     img, box = _scaled_jpeg(data, a, 1, DEFAULT_MAX_PIXELS)
@@ -157,7 +147,7 @@ def test_every_orientation_matches_the_plain_path(orientation: int) -> None:
     # orientation moves to another edge; a box off by one pixel costs far more than q92.
     exif = Image.Exif()
     exif[0x0112] = orientation
-    data = _jpeg(_mosaic((1201, 803), orientation), exif=exif.tobytes())
+    data = jpeg_bytes(_mosaic((1201, 803), orientation), exif=exif.tobytes())
     w, h = (803, 1201) if orientation in (5, 6, 7, 8) else (1201, 803)
     a = assign_bucket(w, h)
     assert a is not None
@@ -170,7 +160,7 @@ def test_every_orientation_matches_the_plain_path(orientation: int) -> None:
 
 def test_greyscale_jpeg_takes_the_scaled_path() -> None:
     grey = _mosaic((1801, 1201), 3).convert("L")
-    data = _jpeg(grey)
+    data = jpeg_bytes(grey)
     a = assign_bucket(1801, 1201)
     assert a is not None and SourceFacts.probe(data).scaled_decode
     fast = resize_to_bucket(data, a)
@@ -180,17 +170,15 @@ def test_greyscale_jpeg_takes_the_scaled_path() -> None:
 
 
 def test_cmyk_jpeg_goes_through_the_policy_decode() -> None:
-    cmyk = _mosaic((1601, 1201), 4).convert("CMYK")
-    buf = io.BytesIO()
-    cmyk.save(buf, "JPEG", quality=95)
+    data = encoded(_mosaic((1601, 1201), 4).convert("CMYK"), "JPEG", quality=95)
     a = assign_bucket(1601, 1201)
-    assert a is not None and not SourceFacts.probe(buf.getvalue()).scaled_decode
-    plain = resize_plain(buf.getvalue(), a)
-    assert psnr(resize_to_bucket(buf.getvalue(), a), plain) > 70.0  # Pillow path, exact
+    assert a is not None and not SourceFacts.probe(data).scaled_decode
+    plain = resize_plain(data, a)
+    assert psnr(resize_to_bucket(data, a), plain) > 70.0  # Pillow path, exact
 
 
 def test_a_jpeg_libjpeg_turbo_refuses_strictly_falls_back_to_the_policy_decode() -> None:
-    data = _jpeg(_mosaic((1601, 1201), 5))
+    data = jpeg_bytes(_mosaic((1601, 1201), 5))
     # Junk before the SOS marker: a libjpeg warning ("extraneous bytes"), which Pillow
     # tolerates (so ingest accepted it) and simplejpeg's strict mode refuses.
     sos = data.index(b"\xff\xda")
@@ -204,7 +192,7 @@ def test_a_jpeg_libjpeg_turbo_refuses_strictly_falls_back_to_the_policy_decode()
 
 
 def test_recorded_facts_are_checked_against_the_bytes() -> None:
-    data = _jpeg(_mosaic((1601, 1201), 6))
+    data = jpeg_bytes(_mosaic((1601, 1201), 6))
     wrong = assign_bucket(1201, 1601)  # the size ingest would record for orientation 6
     assert wrong is not None
     with pytest.raises(AssignmentMismatch, match="assignment is for a 1201x1601"):
@@ -245,14 +233,13 @@ def test_unknown_resample_is_refused() -> None:
     "size", [(3000, 700), (700, 3000), (1700, 1100), (400, 400), (1024, 2048), (5000, 800)]
 )
 def test_output_is_exactly_the_bucket_shape(size: tuple[int, int]) -> None:
-    img = Image.open(PHOTOS / "coffee.png").convert("RGB").resize(size)
-    buf = io.BytesIO()
-    img.save(buf, "PNG", compress_level=1)  # PNG: no draft, exercises reduce/box only
+    # PNG: no draft, exercises reduce/box only
+    data = encoded(demo_photo(size, "coffee.png"), "PNG", compress_level=1)
     a = assign_bucket(*size)
     assert a is not None
-    out = resize_to_bucket(buf.getvalue(), a)
+    out = resize_to_bucket(data, a)
     assert out.size == (a.shape.width, a.shape.height)
-    assert resize_plain(buf.getvalue(), a).size == out.size
+    assert resize_plain(data, a).size == out.size
 
 
 def test_exif_rotated_jpeg() -> None:
@@ -294,11 +281,10 @@ def test_encode_is_q92_444_deterministic_and_metadata_free() -> None:
 
 @pytest.mark.parametrize("quality", [10, 50, 75, 90, 92, 95, 100])
 def test_quality_estimate_reads_the_tables(quality: int) -> None:
-    buf = io.BytesIO()
-    Image.open(PHOTOS / "chelsea.png").convert("RGB").save(buf, "JPEG", quality=quality)
-    tables = jpeg_quality_tables(buf.getvalue())
+    data = encoded(demo_photo(None, "chelsea.png"), "JPEG", quality=quality)
+    tables = jpeg_quality_tables(data)
     assert set(tables) == {0, 1} and all(len(t) == 64 for t in tables.values())
-    assert estimate_jpeg_quality(buf.getvalue()) == quality
+    assert estimate_jpeg_quality(data) == quality
 
 
 def test_quality_tables_reject_non_jpeg() -> None:
@@ -332,7 +318,7 @@ def test_scaled_decodes_keep_a_margin_on_native_detail() -> None:
     # 24 MP of native-pixel mosaic into the 512 tier: the largest allowed scale (1/4 here)
     # keeps the difference from naive well under the q92 loss (the smallest covering one,
     # 1/8, measured 0.1-0.4 dB from failing).
-    data = _jpeg(_mosaic((6001, 4001), 0))
+    data = jpeg_bytes(_mosaic((6001, 4001), 0))
     a = assign_bucket(6001, 4001, table=bucket_table(tiers=(512,)))
     assert a is not None and decode_divisor((6001, 4001), a.resize_size) == 4
     plain = resize_plain(data, a)
@@ -344,7 +330,7 @@ def test_default_lanczos_is_the_naive_sampling(source: tuple[int, int]) -> None:
     # The planes against the naive full decode + Pillow Lanczos (RGB) + crop: luma is the
     # same sampling of the same pixels, so far closer than the q92 loss after a full decode;
     # the whole picture (chroma resampled from its own grid) within the loss.
-    data = _jpeg(_mosaic(source, 11))
+    data = jpeg_bytes(_mosaic(source, 11))
     a = assign_bucket(*source, table=bucket_table(tiers=(512, 1024)))
     assert a is not None
     plain = resize_plain(data, a)
@@ -366,9 +352,7 @@ def test_default_lanczos_is_the_naive_sampling(source: tuple[int, int]) -> None:
 def test_every_chroma_layout_is_within_the_q92_loss(subsampling: str, progressive: bool) -> None:
     # Each plane is resampled from its own grid: full-size chroma, half-width, half-size.
     img = _mosaic((1901, 1301), 12)
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=95, subsampling=subsampling, progressive=progressive)
-    data = buf.getvalue()
+    data = encoded(img, "JPEG", quality=95, subsampling=subsampling, progressive=progressive)
     a = assign_bucket(1901, 1301)
     assert a is not None
     assert isinstance(_to_bucket(data, a, DEFAULT_MAX_PIXELS, "lanczos", None), Planes)
@@ -380,7 +364,7 @@ def test_every_chroma_layout_is_within_the_q92_loss(subsampling: str, progressiv
 def test_upscaled_assignments_take_the_planes_too(size: tuple[int, int]) -> None:
     # Short sides of 384..511 px are upscaled into the 512 tier: Lanczos-3 interpolation
     # (Pillow's, support 3) on each plane, within the q92 loss of the naive upscale.
-    data = _jpeg(Image.open(PHOTOS / "chelsea.png").convert("RGB").resize(size))
+    data = jpeg_bytes(demo_photo(size, "chelsea.png"))
     a = assign_bucket(*size)
     assert a is not None and a.upscaled
     assert isinstance(_to_bucket(data, a, DEFAULT_MAX_PIXELS, "lanczos", None), Planes)
@@ -406,7 +390,7 @@ print(hashlib.sha256(resize.render_jpeg(data, a)).hexdigest())
 def test_render_bytes_do_not_depend_on_simd(size: tuple[int, int]) -> None:
     # The resampler is fixed-point; its AVX2 kernels and its portable code must give the
     # same bytes, or shards would differ between CPUs. Each in a fresh process.
-    data = _jpeg(_mosaic(size, 2))
+    data = jpeg_bytes(_mosaic(size, 2))
     digests = {
         mode: subprocess.run(
             [sys.executable, "-c", _SIMD_CHILD, mode], input=data, capture_output=True, check=True
@@ -434,7 +418,7 @@ def test_the_array_turn_is_pillows_transpose(orientation: int) -> None:
 
 
 def test_render_encodes_the_planes_resize_to_bucket_shows() -> None:
-    data = _jpeg(_mosaic((1801, 1201), 4))
+    data = jpeg_bytes(_mosaic((1801, 1201), 4))
     a = assign_bucket(1801, 1201)
     assert a is not None
     planes = _to_bucket(data, a, DEFAULT_MAX_PIXELS, "lanczos", None)

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pytest
-from PIL import Image
 
 from prx_assets.core.ingest.runner import BatchIngest
 from prx_assets.core.ingest.sources import resolve_batch
 from prx_assets.core.lab import Lab
 from prx_assets.core.resolution.runner import MissingImagesError, profile_batch
 from prx_assets.core.tables import IMAGES, REJECTS, RESOLUTION
+from prx_assets.demo.jpegs import solid_jpeg
 
 # name -> (width, height): what the tier rule says about each is spelt out in the test.
 SIZES = {
@@ -21,12 +20,6 @@ SIZES = {
     "square.jpg": (600, 600),  # fills 512x512
     "large.jpg": (1100, 1100),  # fills 1024x1024
 }
-
-
-def _jpeg(size: tuple[int, int], shade: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, (shade, 90, 200 - shade)).save(buf, "JPEG")
-    return buf.getvalue()
 
 
 def _ingest(lab: Lab, landing: Path, batch: str, files: dict[str, bytes]) -> None:
@@ -49,9 +42,12 @@ def _sorted_rows(lab: Lab, batch: str) -> list[dict]:
 @pytest.fixture
 def lab(tmp_path) -> Lab:
     lab = Lab(tmp_path / "lab")
-    files = {name: _jpeg(size, i * 40) for i, (name, size) in enumerate(SIZES.items())}
+    files = {
+        name: solid_jpeg(size, (i * 40, 90, 200 - i * 40))
+        for i, (name, size) in enumerate(SIZES.items())
+    }
     _ingest(lab, tmp_path / "landing", "s.000", files)
-    _ingest(lab, tmp_path / "landing", "s.001", {"other.jpg": _jpeg((700, 500), 7)})
+    _ingest(lab, tmp_path / "landing", "s.001", {"other.jpg": solid_jpeg((700, 500), (7, 90, 193))})
     return lab
 
 

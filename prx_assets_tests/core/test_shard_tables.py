@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-import io
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from PIL import Image
 
 from prx_assets.core.captions.models.prompts import caption_word_count
 from prx_assets.core.captions.tables import CAPTIONS
@@ -38,6 +36,7 @@ from prx_assets.core.shards.tables import (
     written_without_caption,
 )
 from prx_assets.core.tables import IMAGES
+from prx_assets.demo.jpegs import demo_photo, encoded
 
 PHOTOS = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos"
 SIZES = [(900, 600), (600, 900), (1024, 1024), (4000, 1000), (384, 2000), (3000, 2000)]
@@ -293,15 +292,9 @@ def test_bucket_totals_count_samples_shards_and_directories_per_bucket():
     assert bucket_totals(SHARD_SAMPLES.schema.empty_table()) == {}
 
 
-def _jpeg(name: str, size: tuple[int, int]) -> bytes:
-    buf = io.BytesIO()
-    Image.open(PHOTOS / name).convert("RGB").resize(size).save(buf, "JPEG", quality=90)
-    return buf.getvalue()
-
-
 def test_renderer_skips_a_broken_image_and_keeps_the_rest(tmp_path: Path) -> None:
     store = Lab(tmp_path / "lab")
-    good = _jpeg("coffee.png", (900, 600))
+    good = encoded(demo_photo((900, 600), "coffee.png"), "JPEG", quality=90)
     images = {"a-good": good, "b-broken": good[: len(good) // 2], "c-good": good}
     rows = [
         {"key": k, "batch": "b0", "width": 900, "height": 600, "image": v, "source": "s"}
@@ -346,7 +339,9 @@ def test_bucket_streams_run_one_pipeline_across_buckets_in_write_order(tmp_path:
 
     store = Lab(tmp_path / "lab")
     sizes = {"a": (900, 600), "b": (600, 900), "c": (700, 700), "d": (900, 600), "e": (640, 640)}
-    images = {k: _jpeg("coffee.png", size) for k, size in sizes.items()}
+    images = {
+        k: encoded(demo_photo(size, "coffee.png"), "JPEG", quality=90) for k, size in sizes.items()
+    }
     images["f-broken"] = images["a"][: len(images["a"]) // 2]
     sizes["f-broken"] = sizes["a"]
     rows = [

@@ -12,7 +12,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from PIL import Image
 
 from prx_assets.core.ingest.signals import (
     CONTENT_USAGE_CATEGORIES,
@@ -39,6 +38,7 @@ from prx_assets.core.skiplists.policy import (
     SkipPolicy,
     resolve_cluster,
 )
+from prx_assets.demo.jpegs import solid_jpeg
 
 ALL = frozenset({"x-robots-tag", "tdm-reservation", "content-usage"})
 
@@ -343,12 +343,6 @@ def test_a_stored_value_that_is_not_ours_fails_closed():
     assert reservations('{"oops": 1}', SourceRule())  # every signal malformed -> reserved
 
 
-def _jpeg(seed: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (64, 64), (seed, 40, 80)).save(buf, "JPEG")
-    return buf.getvalue()
-
-
 def _signals_by_path(ref: BatchRef) -> dict[str, str | None]:
     return {c.path: c.usage_signals for c in iter_candidates(ref) if c.data is not None}
 
@@ -382,7 +376,7 @@ def test_signals_are_read_from_manifest_columns(tmp_path, fmt):
     columns.append("Content-Usage")
     rows = []
     for i, (name, sig) in enumerate(ROWS):
-        (src / name).write_bytes(_jpeg(i))
+        (src / name).write_bytes(solid_jpeg((64, 64), (i, 40, 80)))
         rows.append(
             {c: sig.get(c, sig.get(c.lower().replace("-", "_"))) for c in columns[2:]}
             | {"path": name, "alt_text": "x"}
@@ -405,7 +399,7 @@ def test_signals_are_read_from_manifest_columns(tmp_path, fmt):
 def test_a_manifest_headers_column_holds_a_json_header_map(tmp_path):
     src = tmp_path / "web"
     src.mkdir()
-    (src / "a.jpg").write_bytes(_jpeg(1))
+    (src / "a.jpg").write_bytes(solid_jpeg((64, 64), (1, 40, 80)))
     table = pa.table({"path": ["a.jpg"], "headers": [json.dumps({"x-robots-tag": "noimageai"})]})
     pq.write_table(table, src / "000.parquet")
     got = _signals_by_path(BatchRef("web.000", "web", "000", src / "000.parquet", "manifest"))
@@ -417,7 +411,7 @@ def test_signals_are_read_from_folder_sidecars(tmp_path):
     folder.mkdir(parents=True)
     for i, (name, sig) in enumerate(ROWS):
         stem = name.removesuffix(".jpg")
-        (folder / name).write_bytes(_jpeg(i))
+        (folder / name).write_bytes(solid_jpeg((64, 64), (i, 40, 80)))
         (folder / f"{stem}.json").write_text(json.dumps({"url": f"https://x/{name}", **sig}))
     (folder / "_SUCCESS").write_text("")
     _expect(_reserved(_signals_by_path(BatchRef("web.000", "web", "000", folder, "folder"))))
@@ -430,7 +424,10 @@ def test_signals_are_read_from_webdataset_json_sidecars(tmp_path):
         for i, (name, sig) in enumerate(ROWS):
             stem = f"shard/{name.removesuffix('.jpg')}"
             meta = {"url": f"https://x/{name}", "headers": sig} if i % 2 else sig
-            for member, data in ((f"{stem}.jpg", _jpeg(i)), (f"{stem}.json", json.dumps(meta))):
+            for member, data in (
+                (f"{stem}.jpg", solid_jpeg((64, 64), (i, 40, 80))),
+                (f"{stem}.json", json.dumps(meta)),
+            ):
                 raw = data if isinstance(data, bytes) else data.encode()
                 info = tarfile.TarInfo(member)
                 info.size = len(raw)
@@ -519,7 +516,7 @@ def test_images_from_before_signal_capture_are_pending_not_unsignalled(tmp_path)
     # A batch ingested now, next to the legacy row, records what its sidecars said.
     folder = tmp_path / "landing" / "web" / "000"
     folder.mkdir(parents=True)
-    (folder / "a.jpg").write_bytes(_jpeg(3))
+    (folder / "a.jpg").write_bytes(solid_jpeg((64, 64), (3, 40, 80)))
     (folder / "a.json").write_text(json.dumps({"x-robots-tag": "noai"}))
     run = BatchIngest(BatchRef("web.000", "web", "000", folder, "folder"))
     lab.replace_partition(IMAGES, "web.000", run.image_batches())

@@ -8,7 +8,6 @@ each directory's digest computed once, and no sidecar read back after it was wri
 
 from __future__ import annotations
 
-import io
 import os
 import shutil
 import sys
@@ -45,6 +44,7 @@ from prx_assets.core.skiplists.sidecars import (
     skiplist_digest,
 )
 from prx_assets.core.tables import CAPTION_CLASSES, PHASH_CLUSTERS, SHARD_SAMPLES, SKIP_AUDIT
+from prx_assets.demo.jpegs import encoded
 from prx_assets_tests.core.skip_world import CAPTIONER, World, key_of
 
 A, B = "src.a", "src.b"
@@ -53,9 +53,7 @@ SHAPES = ((256, "256x256"), (512, "512x512"))  # two bucket directories per batc
 
 def _jpeg(seed: int) -> bytes:
     rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (24, 24, 3), dtype=np.uint8)).save(buf, "JPEG")
-    return buf.getvalue()
+    return encoded(Image.fromarray(rng.integers(0, 255, (24, 24, 3), dtype=np.uint8)), "JPEG")
 
 
 def _shard(world: World, root: Path, batch: str) -> list[Path]:

@@ -39,20 +39,16 @@ from prx_assets.core.skiplists.sidecars import (
     verify_sidecar,
     write_partition_skiplists,
 )
+from prx_assets.demo.jpegs import encoded
 
 PHOTO = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos" / "china.jpg"
 
 
 def _partition(path: Path, n: int = 30, caption: str = "caption") -> list[tuple[str, int]]:
     """A real MDS partition (tiny JPEGs) with several shards."""
-    import io
-
     from streaming import MDSWriter
 
-    img = Image.open(PHOTO).convert("RGB").resize((12, 8))
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=80)
-    data = buf.getvalue()
+    data = encoded(Image.open(PHOTO).convert("RGB").resize((12, 8)), "JPEG", quality=80)
     columns = {"image": "bytes", "caption": "str", "key": "str"}
     with MDSWriter(out=str(path), columns=columns, size_limit=7 * (len(data) + 60)) as w:
         for i in range(n):

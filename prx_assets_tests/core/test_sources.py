@@ -23,14 +23,12 @@ from prx_assets.core.ingest.sources import (
     iter_candidates,
     resolve_batch,
 )
+from prx_assets.demo.jpegs import encoded, solid_jpeg
 from prx_assets_tests.bounds import MIB, fail_after, peak_rss_growth, sparse_file
 from prx_assets_tests.fixtures_files import sparse_tar
 
-
-def _jpeg(color=(10, 20, 30), size=(400, 400)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, color).save(buf, "JPEG")
-    return buf.getvalue()
+# The stand-in photo most of these tests land: 400 x 400, one colour (others vary the colour).
+PHOTO = solid_jpeg((400, 400), (10, 20, 30))
 
 
 def _tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> None:
@@ -46,7 +44,7 @@ def _tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Non
 def test_discovery_needs_complete_batches_and_ignores_partial_names(tmp_path):
     src = tmp_path / "web"
     (src / "000").mkdir(parents=True)
-    (src / "000" / "a.jpg").write_bytes(_jpeg())
+    (src / "000" / "a.jpg").write_bytes(PHOTO)
     (src / "001").mkdir()
     (src / "001" / "_SUCCESS").write_text("")
     (src / ".002.partial").mkdir()
@@ -68,7 +66,7 @@ def test_two_entries_with_one_key_are_refused(tmp_path):
 def test_folder_batch_reads_webdataset_sidecars(tmp_path):
     b = tmp_path / "s" / "000"
     b.mkdir(parents=True)
-    (b / "cat.jpg").write_bytes(_jpeg())
+    (b / "cat.jpg").write_bytes(PHOTO)
     (b / "cat.txt").write_text("a cat on a sofa")
     (b / "cat.json").write_text(json.dumps({"url": "https://x/cat", "license": "CC0"}))
     (b / "readme.md").write_text("not an image")
@@ -99,14 +97,14 @@ def test_archive_refuses_traversal_absolute_links_and_oversize(tmp_path):
     _tar(
         path,
         [
-            (tarfile.TarInfo("ok.jpg"), _jpeg()),
+            (tarfile.TarInfo("ok.jpg"), PHOTO),
             (tarfile.TarInfo("ok.txt"), b"alt text"),
-            (tarfile.TarInfo("../up.jpg"), _jpeg()),
-            (tarfile.TarInfo("a/../../up2.jpg"), _jpeg()),
-            (tarfile.TarInfo("/abs.jpg"), _jpeg()),
+            (tarfile.TarInfo("../up.jpg"), PHOTO),
+            (tarfile.TarInfo("a/../../up2.jpg"), PHOTO),
+            (tarfile.TarInfo("/abs.jpg"), PHOTO),
             (link, None),
             (hard, None),
-            (tarfile.TarInfo("big.jpg"), _jpeg(size=(900, 900))),
+            (tarfile.TarInfo("big.jpg"), solid_jpeg((900, 900), (10, 20, 30))),
         ],
     )
     ref = resolve_batch(tmp_path, "s.001")
@@ -129,7 +127,7 @@ def test_archive_refuses_traversal_absolute_links_and_oversize(tmp_path):
 def test_damaged_archive_keeps_what_was_read_and_records_damage(tmp_path):
     (tmp_path / "s").mkdir()
     good = tmp_path / "good.tar"
-    _tar(good, [(tarfile.TarInfo(f"{i}.jpg"), _jpeg()) for i in range(3)])
+    _tar(good, [(tarfile.TarInfo(f"{i}.jpg"), PHOTO) for i in range(3)])
     data = good.read_bytes()
     (tmp_path / "s" / "002.tar").write_bytes(data[: len(data) // 2 + 700])
     ref = resolve_batch(tmp_path, "s.002")
@@ -142,8 +140,8 @@ def test_damaged_archive_keeps_what_was_read_and_records_damage(tmp_path):
 def test_manifest_paths_stay_inside_the_source_folder(tmp_path, fmt):
     src = tmp_path / "s"
     (src / "_files").mkdir(parents=True)
-    (src / "_files" / "a.jpg").write_bytes(_jpeg())
-    (tmp_path / "secret.jpg").write_bytes(_jpeg())
+    (src / "_files" / "a.jpg").write_bytes(PHOTO)
+    (tmp_path / "secret.jpg").write_bytes(PHOTO)
     rows = [
         {"path": "_files/a.jpg", "caption": "alt a", "licence": "L1", "url": "u1", "id": "7"},
         {"path": "../secret.jpg", "caption": None, "licence": None, "url": None, "id": None},
@@ -219,7 +217,7 @@ def _assert_printable_and_lossless(paths: set[str]) -> None:
 def test_folder_names_that_are_not_utf8_or_hold_controls_get_printable_lossless_paths(tmp_path):
     b = _folder_batch(tmp_path)
     for i, raw in enumerate(HOSTILE_NAMES):
-        _write_raw(b, raw, _jpeg(color=(i * 30, 0, 0)))
+        _write_raw(b, raw, solid_jpeg((400, 400), (i * 30, 0, 0)))
     _write_raw(b, b"caf\xe9.txt", b"alt text of the Latin-1 name")
     cands = {c.path: c for c in iter_candidates(resolve_batch(tmp_path, "s.000"))}
     assert set(cands) == set(HOSTILE_NAMES.values())
@@ -243,7 +241,7 @@ def test_tar_member_names_that_are_not_utf8_get_printable_lossless_paths(tmp_pat
     mode = "w:gz" if suffix == ".tar.gz" else "w"
     with tarfile.open(path, mode, format=fmt, encoding="utf-8", errors="surrogateescape") as tar:
         for i, raw in enumerate(HOSTILE_NAMES):
-            data = _jpeg(color=(0, i * 30, 0))
+            data = solid_jpeg((400, 400), (0, i * 30, 0))
             info = tarfile.TarInfo(raw.decode("utf-8", "surrogateescape"))
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -257,14 +255,14 @@ def test_tar_member_names_that_are_not_utf8_get_printable_lossless_paths(tmp_pat
 def test_manifest_paths_that_are_not_utf8_name_the_real_file(tmp_path, fmt):
     src = tmp_path / "s"
     (src / "_files").mkdir(parents=True)
-    _write_raw(src / "_files", b"caf\xe9.jpg", _jpeg())
+    _write_raw(src / "_files", b"caf\xe9.jpg", PHOTO)
     if fmt == "csv":
         (src / "005.csv").write_bytes(b"path,caption\n_files/caf\xe9.jpg,une caf\xe9\n")
     else:
         table = pa.table({"path": pa.array([b"_files/caf\xe9.jpg"], pa.binary())})
         pq.write_table(table, src / "005.parquet")
     (c,) = iter_candidates(resolve_batch(tmp_path, "s.005"))
-    assert c.path == "_files/caf%E9.jpg" and c.error is None and c.data == _jpeg()
+    assert c.path == "_files/caf%E9.jpg" and c.error is None and c.data == PHOTO
     if fmt == "csv":
         assert c.alt_text == "une caf\ufffd"  # metadata text: undecodable bytes replaced
 
@@ -273,7 +271,7 @@ def test_a_name_too_long_for_any_filesystem_is_rejected_as_bad_filename(tmp_path
     (tmp_path / "s").mkdir()
     path = tmp_path / "s" / "006.tar"
     long_name = "d/" * 3000 + "x.jpg"  # PAX can hold it; no filesystem path can
-    _tar_pax(path, [(long_name, _jpeg()), ("ok.jpg", _jpeg(color=(1, 2, 3)))])
+    _tar_pax(path, [(long_name, PHOTO), ("ok.jpg", solid_jpeg((400, 400), (1, 2, 3)))])
     cands = list(iter_candidates(resolve_batch(tmp_path, "s.006")))
     bad = [c for c in cands if c.error and c.error[0] == "bad_filename"]
     assert len(bad) == 1 and bad[0].data is None
@@ -297,7 +295,7 @@ def test_default_limit_refuses_big_folder_files_before_reading_them(tmp_path):
     b = _folder_batch(tmp_path)
     sparse_file(b / "huge.jpg", 1536 * MIB)  # 1.5 GB, a hole on disk
     sparse_file(b / "just-over.png", DEFAULT_MAX_FILE_BYTES + 1)
-    (b / "small.jpg").write_bytes(_jpeg())
+    (b / "small.jpg").write_bytes(PHOTO)
     ref = resolve_batch(tmp_path, "s.000")
     cands, growth = peak_rss_growth(lambda: {c.path: c for c in iter_candidates(ref)})
     assert growth < 64 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
@@ -312,7 +310,7 @@ def test_default_limit_refuses_big_folder_files_before_reading_them(tmp_path):
 def test_default_limit_refuses_big_tar_members_and_sample_groups_before_reading(tmp_path):
     (tmp_path / "s").mkdir()
     path = tmp_path / "s" / "001.tar"
-    small = _jpeg()
+    small = PHOTO
     sparse_tar(
         path,
         [
@@ -345,7 +343,7 @@ def test_a_huge_extended_header_is_refused_before_it_is_read(tmp_path, kind):
     header (a hole on disk) would sit in memory. It is refused by its size instead."""
     (tmp_path / "s").mkdir()
     path = tmp_path / "s" / "003.tar"
-    small = _jpeg()
+    small = PHOTO
     sparse_tar(path, [("ok.jpg", small), ("later.jpg", small)])
     first = tarfile.TarInfo("ok.jpg")
     first.size = len(small)
@@ -378,11 +376,8 @@ def _bytes_read() -> int:
 def test_a_compressed_archive_is_read_once_and_an_oversized_sample_still_refused(tmp_path):
     rng = np.random.default_rng(0)
     noise = [rng.integers(0, 256, (600, 600, 3), dtype=np.uint8) for _ in range(4)]
-    photos = []
-    for a in noise:  # incompressible JPEGs: the .tar.gz is about as big as its members
-        buf = io.BytesIO()
-        Image.fromarray(a).save(buf, "JPEG", quality=95)
-        photos.append(buf.getvalue())
+    # incompressible JPEGs: the .tar.gz is about as big as its members
+    photos = [encoded(Image.fromarray(a), "JPEG", quality=95) for a in noise]
     limit = len(photos[0]) + len(photos[1]) - 1  # "big" (two members) is over it
     (tmp_path / "s").mkdir()
     path = tmp_path / "s" / "004.tar.gz"
@@ -456,9 +451,9 @@ def test_folder_special_files_and_symlinks_are_counted_as_rejections(tmp_path):
     b = _folder_batch(tmp_path)
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    (outside / "hidden-photo.jpg").write_bytes(_jpeg())
+    (outside / "hidden-photo.jpg").write_bytes(PHOTO)
     (outside / "cat.txt").write_text("alt text from outside the batch")
-    (b / "cat.jpg").write_bytes(_jpeg(color=(5, 5, 5)))
+    (b / "cat.jpg").write_bytes(solid_jpeg((400, 400), (5, 5, 5)))
     (b / "cat.txt").symlink_to(outside / "cat.txt")  # a symlinked sidecar
     (b / "linked-dir").symlink_to(outside, target_is_directory=True)
     (b / "link.jpg").symlink_to(outside / "hidden-photo.jpg")
@@ -466,7 +461,7 @@ def test_folder_special_files_and_symlinks_are_counted_as_rejections(tmp_path):
     os.mkfifo(b / "pipe.jpg")
     with socket.socket(socket.AF_UNIX) as sock:
         sock.bind(str(b / "sock.jpg"))
-        (b / "ok.jpg").write_bytes(_jpeg(color=(9, 9, 9)))
+        (b / "ok.jpg").write_bytes(solid_jpeg((400, 400), (9, 9, 9)))
         with fail_after(10):
             cands = {c.path: c for c in iter_candidates(resolve_batch(tmp_path, "s.000"))}
     reasons = {p: (c.error[0] if c.error else None) for p, c in cands.items()}
@@ -486,15 +481,15 @@ def test_folder_special_files_and_symlinks_are_counted_as_rejections(tmp_path):
 
 def test_names_differing_only_in_extension_case_are_all_seen(tmp_path):
     b = _folder_batch(tmp_path)
-    (b / "a.jpg").write_bytes(_jpeg(color=(1, 1, 1)))
-    (b / "a.JPG").write_bytes(_jpeg(color=(2, 2, 2)))
+    (b / "a.jpg").write_bytes(solid_jpeg((400, 400), (1, 1, 1)))
+    (b / "a.JPG").write_bytes(solid_jpeg((400, 400), (2, 2, 2)))
     paths = sorted(c.path for c in iter_candidates(resolve_batch(tmp_path, "s.000")))
     assert paths == ["a.JPG", "a.jpg"]
 
 
 def test_a_malformed_json_sidecar_refuses_its_image(tmp_path):
     b = _folder_batch(tmp_path)
-    (b / "x.jpg").write_bytes(_jpeg())
+    (b / "x.jpg").write_bytes(PHOTO)
     (b / "x.json").write_text('{"url": "https://x/1", ')
     cands = {c.path: c for c in iter_candidates(resolve_batch(tmp_path, "s.000"))}
     assert cands["x.json"].error[0] == "bad_sidecar"
@@ -515,10 +510,10 @@ def test_a_fifo_named_like_an_archive_or_manifest_is_a_clear_batch_error(tmp_pat
 
 def test_a_folder_file_with_dots_in_its_stem_is_an_image_with_its_sidecars(tmp_path):
     b = _folder_batch(tmp_path)
-    (b / "IMG.2019.07.14.jpg").write_bytes(_jpeg())
+    (b / "IMG.2019.07.14.jpg").write_bytes(PHOTO)
     (b / "IMG.2019.07.14.txt").write_text("a beach in July")
     (b / "IMG.2019.07.14.json").write_text(json.dumps({"url": "https://x/beach", "id": "7"}))
-    (b / "photo.final.PNG").write_bytes(_jpeg((1, 2, 3)))  # any case, no sidecar
+    (b / "photo.final.PNG").write_bytes(solid_jpeg((400, 400), (1, 2, 3)))  # any case, no sidecar
     (b / "notes.v2.md").write_text("not an image")
     cands = {c.path: c for c in iter_candidates(resolve_batch(tmp_path, "s.000"))}
     assert set(cands) == {"IMG.2019.07.14.jpg", "photo.final.PNG", "notes.v2.md"}
@@ -539,7 +534,11 @@ def test_archives_keep_the_webdataset_first_dot_grouping(tmp_path):
     (tmp_path / "s").mkdir()
     _tar_pax(
         tmp_path / "s" / "000.tar",
-        [("a.jpg", _jpeg()), ("a.seg.png", _jpeg((9, 9, 9))), ("a.txt", b"a red square")],
+        [
+            ("a.jpg", PHOTO),
+            ("a.seg.png", solid_jpeg((400, 400), (9, 9, 9))),
+            ("a.txt", b"a red square"),
+        ],
     )
     cands = {c.path: c for c in iter_candidates(resolve_batch(tmp_path, "s.000"))}
     assert set(cands) == {"a.jpg", "a.seg.png"}

@@ -8,7 +8,6 @@ naming the keeper of a duplicate cluster, applied through the opt-out sensor's r
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from prx_assets.demo.jpegs import encoded
 from prx_assets_tests.conftest import PHOTOS
 
 HOSTILE_BATCH = "hostile.000"
@@ -67,9 +67,8 @@ def _hostile_batch(landing: Path) -> None:
     folder = landing / "hostile" / "000"
     folder.mkdir(parents=True)
     photo = Image.open(PHOTOS / "rocket.jpg").convert("RGB")  # 640x427: eligible
-    buf = io.BytesIO()
-    photo.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(buf, "JPEG", quality=88)
-    (folder / f"{HOSTILE_IMAGE_NAME}.jpg").write_bytes(buf.getvalue())
+    mirrored = encoded(photo.transpose(Image.Transpose.FLIP_LEFT_RIGHT), "JPEG", quality=88)
+    (folder / f"{HOSTILE_IMAGE_NAME}.jpg").write_bytes(mirrored)
     (folder / f"{HOSTILE_IMAGE_NAME}.txt").write_text(HOSTILE_ALT)
     meta = {"url": HOSTILE_URL, "license": HOSTILE_LICENSE, "id": HOSTILE_ID}
     (folder / f"{HOSTILE_IMAGE_NAME}.json").write_text(json.dumps(meta))

@@ -1,6 +1,5 @@
 """The dedup stage on the demo: hashes, cross-batch clusters, keeper flips and the sensor."""
 
-import io
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.resources import LabResource
+from prx_assets.demo.jpegs import demo_photo, jpeg_bytes
 
 PHOTOS = Path(__file__).resolve().parents[2] / "prx_assets" / "demo" / "photos"
 DOWNSTREAM = ("skip_lists",)
@@ -159,12 +159,6 @@ def add_batch(instance, lab: LabResource, chunk: str, files: dict[str, bytes]) -
     return key
 
 
-def jpeg(img: Image.Image, quality: int = 95) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=quality)
-    return buf.getvalue()
-
-
 # --------------------------------------------------------------------------- the demo
 
 
@@ -282,7 +276,7 @@ def test_a_higher_resolution_copy_in_a_new_batch_flips_only_the_old_keeper(stage
     assert clusters(lab)[("public-skimage.000", old_key)]["is_keeper"]
     with instance_for_test() as instance:
         instance.add_dynamic_partitions(BATCHES.name, staged.manifest.batches)
-        new = add_batch(instance, lab, "004", {"retina-2x.jpg": jpeg(up)})
+        new = add_batch(instance, lab, "004", {"retina-2x.jpg": jpeg_bytes(up)})
         res = materialize(
             assets_for(), partition_key=new, instance=instance, resources=resources(lab)
         )
@@ -306,7 +300,7 @@ def test_a_higher_resolution_copy_in_a_new_batch_flips_only_the_old_keeper(stage
             instance,
             lab,
             "005",
-            {"camera.jpg": jpeg(Image.open(PHOTOS / "camera.png").convert("RGB"))},
+            {"camera.jpg": jpeg_bytes(demo_photo(None, "camera.png"))},
         )
         res = materialize(
             assets_for(), partition_key=other, instance=instance, resources=resources(lab)

@@ -7,13 +7,13 @@ import tarfile
 from pathlib import Path
 
 from dagster import DagsterInstance, materialize
-from PIL import Image
 
 from prx_assets.core.tables import IMAGES, REJECTS, RESOLUTION
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.resources import LabResource
+from prx_assets.demo.jpegs import solid_jpeg
 from prx_assets_tests.spawned import spawn_pool
 
 ASSETS = [raw_images, resolution_profile]
@@ -147,12 +147,6 @@ def test_maintenance_job_compacts_every_table(instance, lab_resource, demo_manif
 # --------------------------------------------------------------------------- issue 10
 
 
-def _jpeg(color) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (64, 48), color).save(buf, "JPEG")
-    return buf.getvalue()
-
-
 def _hostile_landing(landing: Path) -> dict[str, set[str]]:
     """A folder, a PAX tar and a GNU tar, each with names that are not UTF-8 or hold
     control characters; returns batch -> the printable paths expected in the lab."""
@@ -161,7 +155,9 @@ def _hostile_landing(landing: Path) -> dict[str, set[str]]:
     folder.mkdir(parents=True)
     for i, raw in enumerate(raw_names):
         with open(os.path.join(os.fsencode(folder), raw), "wb") as fh:
-            fh.write(_jpeg((i * 40, 10, 10)) if raw.endswith(b".jpg") else b"not an image")
+            fh.write(
+                solid_jpeg(color=(i * 40, 10, 10)) if raw.endswith(b".jpg") else b"not an image"
+            )
     (folder / "_SUCCESS").write_text("")
     expected = {"hostile.000": {"caf%E9.jpg", "line%0Abreak.jpg", "ok.jpg", "bell%07.md"}}
     for chunk, fmt in (("001", tarfile.PAX_FORMAT), ("002", tarfile.GNU_FORMAT)):
@@ -173,7 +169,11 @@ def _hostile_landing(landing: Path) -> dict[str, set[str]]:
             errors="surrogateescape",
         ) as tar:
             for i, raw in enumerate(raw_names):
-                data = _jpeg((10, i * 40 + int(chunk), 10)) if raw.endswith(b".jpg") else b"x"
+                data = (
+                    solid_jpeg(color=(10, i * 40 + int(chunk), 10))
+                    if raw.endswith(b".jpg")
+                    else b"x"
+                )
                 info = tarfile.TarInfo(raw.decode("utf-8", "surrogateescape"))
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
@@ -201,7 +201,7 @@ def test_the_file_size_limit_is_configured_on_the_lab_resource(instance, tmp_pat
     lab_resource = LabResource(data_root=str(tmp_path / "data"), max_file_bytes=500)
     folder = lab_resource.landing / "s" / "000"
     folder.mkdir(parents=True)
-    (folder / "big.jpg").write_bytes(_jpeg((200, 0, 0)))  # over 500 bytes
+    (folder / "big.jpg").write_bytes(solid_jpeg(color=(200, 0, 0)))  # over 500 bytes
     (folder / "_SUCCESS").write_text("")
     assert (folder / "big.jpg").stat().st_size > 500
     instance.add_dynamic_partitions(BATCHES.name, ["s.000"])

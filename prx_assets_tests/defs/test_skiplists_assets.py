@@ -44,6 +44,7 @@ from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.skiplists.assets import build_skiplist_assets
 from prx_assets.defs.skiplists.config import SkipPolicyResource
 from prx_assets.defs.skiplists.sensors import skip_policy_sensor
+from prx_assets.demo.jpegs import encoded
 from prx_assets_tests.loader_keys import loader_keys
 
 KEY = "public-skimage.000"
@@ -54,9 +55,7 @@ CAPTIONER = "test-captioner"
 def _thumb(data: bytes) -> bytes:
     img = Image.open(io.BytesIO(data)).convert("RGB")
     img.thumbnail((48, 48))
-    buf = io.BytesIO()
-    img.save(buf, "JPEG", quality=80)
-    return buf.getvalue()
+    return encoded(img, "JPEG", quality=80)
 
 
 class Built:

@@ -9,7 +9,6 @@ webserver serves it, headless chromium opens the trail, and the switch must not 
 
 from __future__ import annotations
 
-import io
 import json
 import time
 
@@ -30,6 +29,7 @@ from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile
 from prx_assets.defs.resources import LabResource
+from prx_assets.demo.jpegs import encoded
 from prx_assets_tests.conftest import PHOTOS
 from prx_assets_tests.ops.browser import (
     chrome,
@@ -61,9 +61,8 @@ def hostile_run(tmp_path_factory):
     (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     folder = data / "landing" / "hostile" / "000"
     folder.mkdir(parents=True)
-    buf = io.BytesIO()
-    Image.open(PHOTOS / "rocket.jpg").convert("RGB").save(buf, "JPEG", quality=85)
-    (folder / f"{NAME}.jpg").write_bytes(buf.getvalue())
+    photo = encoded(Image.open(PHOTOS / "rocket.jpg").convert("RGB"), "JPEG", quality=85)
+    (folder / f"{NAME}.jpg").write_bytes(photo)
     (folder / f"{NAME}.txt").write_text(ALT_TEXT)
     meta = {"license": LICENSE, "url": f"https://evil.example/{MUTATION}", "id": ALT_TEXT}
     (folder / f"{NAME}.json").write_text(json.dumps(meta))

@@ -2,32 +2,24 @@
 
 from __future__ import annotations
 
-import io
-
 from dagster import DagsterInstance, SensorResult, build_sensor_context
-from PIL import Image
 
 from prx_assets.core.ingest.remote_landing import discover_landing, landing_batch
 from prx_assets.core.ingest.runner import BatchIngest
 from prx_assets.core.storage import open_store
 from prx_assets.defs.ingest.sensors import landing_sensor
 from prx_assets.defs.resources import LabResource
-
-
-def _jpeg(size=(32, 24)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", size, (120, 30, 200)).save(buf, "JPEG")
-    return buf.getvalue()
+from prx_assets.demo.jpegs import solid_jpeg
 
 
 def test_only_complete_remote_batches_are_seen_and_staged(s3_prefix, tmp_path):
     landing = f"{s3_prefix}/landing"
     store = open_store(landing)
-    store.put("src/c0/a.jpg", _jpeg())
+    store.put("src/c0/a.jpg", solid_jpeg((32, 24), (120, 30, 200)))
     store.put("src/c0/b.jpg", b"x" * 5000)  # over the limit below: refused unread
     store.put("src/c0/a.txt", b"an alt text")
     store.put("src/c1.tar.partial", b"not yet")  # a producer's temporary name
-    store.put("src/.c2/x.jpg", _jpeg())  # hidden
+    store.put("src/.c2/x.jpg", solid_jpeg((32, 24), (120, 30, 200)))  # hidden
     assert discover_landing(landing) == []  # c0 has no _SUCCESS yet
     store.put("src/c0/_SUCCESS", b"")
     refs = discover_landing(landing)
@@ -45,7 +37,7 @@ def test_only_complete_remote_batches_are_seen_and_staged(s3_prefix, tmp_path):
 def test_the_landing_sensor_lists_a_remote_prefix(s3_prefix, tmp_path):
     landing = f"{s3_prefix}/landing"
     store = open_store(landing)
-    store.put("src/c0/a.jpg", _jpeg())
+    store.put("src/c0/a.jpg", solid_jpeg((32, 24), (120, 30, 200)))
     lab = LabResource(data_root=str(tmp_path), landing_dir=landing)
     with DagsterInstance.ephemeral() as instance:
         with build_sensor_context(instance=instance, resources={"lab": lab}) as ctx:
@@ -64,7 +56,7 @@ def test_staging_a_folder_batch_asks_nothing_per_image(s3_prefix):
     landing = f"{s3_prefix}/landing"
     store = open_store(landing)
     for name in ("a", "b", "c"):
-        store.put(f"src/c0/{name}.jpg", _jpeg())
+        store.put(f"src/c0/{name}.jpg", solid_jpeg((32, 24), (120, 30, 200)))
         store.put(f"src/c0/{name}.txt", f"alt text {name}".encode())
     store.put("src/c0/_SUCCESS", b"")
     calls: list[tuple[str, str]] = []

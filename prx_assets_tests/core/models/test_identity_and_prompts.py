@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import io
-
 import pytest
 from PIL import Image
 
@@ -28,6 +26,7 @@ from prx_assets.core.captions.models.prompts import (
     classifier_prompt,
     clean_caption,
 )
+from prx_assets.demo.jpegs import encoded
 
 
 def test_fingerprint_is_stable_and_sensitive():
@@ -134,7 +133,6 @@ def test_load_caption_image_bounds_size_and_applies_the_decode_policy(demo_photo
     rgba = Image.new("RGBA", (40, 30), (255, 0, 0, 0))  # fully transparent
     small = load_caption_image(CaptionInput("y", image=rgba), max_side=1024)
     assert small.size == (40, 30) and small.getpixel((0, 0)) == (255, 255, 255)  # alpha on white
-    buf = io.BytesIO()
-    Image.new("RGB", (10, 10)).save(buf, format="ICO")
+    icon = encoded(Image.new("RGB", (10, 10)), "ICO")
     with pytest.raises(BackendInputError, match="format_not_allowed"):
-        load_caption_image(CaptionInput("z", image=buf.getvalue()), max_side=256)
+        load_caption_image(CaptionInput("z", image=icon), max_side=256)

@@ -16,7 +16,7 @@ from prx_assets.core.captions.models.captioners import prepare_caption_job
 from prx_assets.core.captions.models.passthrough import server_ready_url, strip_jpeg_metadata
 from prx_assets.core.ingest.decode import decode_rgb
 from prx_assets.core.workers import make_pool
-from prx_assets.demo.jpegs import bundled_photos, crop_to_aspect
+from prx_assets.demo.jpegs import bundled_photos, crop_to_aspect, encoded
 
 from .conftest import ChatServer
 
@@ -33,9 +33,7 @@ def _jpeg(img: Image.Image, orientation: int | None = None, **save: object) -> b
     exif[0x010E] = GPS_MARK.decode()  # ImageDescription: stands for private metadata
     if orientation is not None:
         exif[0x0112] = orientation
-    buf = io.BytesIO()
-    img.save(buf, format="JPEG", quality=90, exif=exif, comment=b"shot by someone", **save)
-    return buf.getvalue()
+    return encoded(img, "JPEG", quality=90, exif=exif, comment=b"shot by someone", **save)
 
 
 def _sent(url: str) -> bytes:
@@ -74,9 +72,7 @@ def test_only_what_a_server_decodes_like_our_policy_is_passed_through():
     # A server does not rotate by EXIF; CMYK and PNG decode otherwise; size is bounded.
     assert server_ready_url(_jpeg(img, orientation=6)) is None
     assert server_ready_url(_jpeg(img.convert("CMYK"))) is None
-    png = io.BytesIO()
-    img.save(png, format="PNG")
-    assert server_ready_url(png.getvalue()) is None
+    assert server_ready_url(encoded(img, "PNG")) is None
     assert server_ready_url(plain, max_bytes=len(plain) - 1) is None
     assert server_ready_url(plain, max_pixels=img.width * img.height - 1) is None
     truncated_header = plain[:300]
