@@ -2,91 +2,15 @@
 
 from __future__ import annotations
 
-import glob
-import os
-import shutil
-import socket
-import subprocess
-import tempfile
-import time
-from pathlib import Path
-
 import pytest
 
+from prx_assets_tests.pg_server import free_port, postgres_running
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pg_bin() -> Path:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    if not found:
-        raise RuntimeError(
-            "PostgreSQL server binaries not found (/usr/lib/postgresql/*/bin); "
-            ".ci/system-deps installs them: apt-get install postgresql"
-        )
-    return Path(found[-1]).parent
-
-
-def _as_postgres(cmd: list[str]) -> list[str]:
-    # The server refuses to run as root (CI runs as root): drop to the postgres user.
-    return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
+__all__ = ["free_port", "postgres_server"]
 
 
 @pytest.fixture(scope="session")
 def postgres_server():
     """A PostgreSQL cluster in a temp dir, trust auth, loopback only; removed afterwards."""
-    bindir = _pg_bin()
-    root = Path(tempfile.mkdtemp(prefix="prx-pg-"))
-    os.chmod(root, 0o777)
-    data = root / "data"
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres")
-    port = free_port()
-    subprocess.run(
-        _as_postgres([str(bindir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres"]),
-        check=True,
-        capture_output=True,
-    )
-    opts = f"-h 127.0.0.1 -p {port} -k {root} -c fsync=off"
-    subprocess.run(
-        _as_postgres(
-            [
-                str(bindir / "pg_ctl"),
-                "-D",
-                str(data),
-                "-o",
-                opts,
-                "-l",
-                str(root / "log"),
-                "-w",
-                "start",
-            ]
-        ),
-        check=True,
-        capture_output=True,
-    )
-    import psycopg2
-
-    deadline = time.time() + 30
-    while True:
-        try:
-            conn = psycopg2.connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres")
-            break
-        except psycopg2.OperationalError:
-            if time.time() > deadline:
-                raise
-            time.sleep(0.2)
-    conn.autocommit = True
-    conn.cursor().execute("CREATE DATABASE dagster")
-    conn.close()
-    try:
-        yield {"host": "127.0.0.1", "port": port, "user": "postgres", "db": "dagster"}
-    finally:
-        subprocess.run(
-            _as_postgres([str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"]),
-            capture_output=True,
-        )
-        shutil.rmtree(root, ignore_errors=True)
+    with postgres_running() as pg:
+        yield pg
