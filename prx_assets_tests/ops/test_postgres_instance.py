@@ -9,6 +9,7 @@ from dagster import DagsterInstance, instance_for_test, materialize
 from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resolution.assets import resolution_profile
+from prx_assets_tests.pg_server import dagster_storage
 
 
 def _postgres_overrides(pg) -> dict:
@@ -23,19 +24,7 @@ def _postgres_overrides(pg) -> dict:
         "PRX_PG_PASSWORD",
         "PRX_PG_DB",
     }
-    return {
-        "storage": {
-            "postgres": {
-                "postgres_db": {
-                    "hostname": pg["host"],
-                    "port": pg["port"],
-                    "username": pg["user"],
-                    "password": "",
-                    "db_name": pg["db"],
-                }
-            }
-        }
-    }
+    return dagster_storage(pg)
 
 
 def test_runs_events_and_partitions_land_in_postgres(postgres_server, lab_resource):
