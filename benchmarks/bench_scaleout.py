@@ -1029,9 +1029,9 @@ def main() -> int:
     if args.serve_s3 is not None:
         serve_s3(args.serve_s3)
         return 0
-    # Enough photos that what a step does per bucket directory (up to ~26 of them here)
-    # and its storage's drift are not read as per-image figures: at 40 photos they were
-    # ~2 KB of mds_shards' 4 KB. At most 116 (the bundled photos' distinct copies).
+    # Enough photos that what a step does per bucket directory (9 of them at 110 photos;
+    # one_bucket separates the two) and its storage's drift weigh less in the per-image
+    # figures: at 40 photos they were ~2 KB of mds_shards' 4 KB. At most 116 (the bundled photos' distinct copies).
     count = args.images or (110 if args.quick else 116)
     long_side = args.long_side or (1600 if args.quick else 2048)
     repeat = args.repeat or (3 if args.quick else 5)
