@@ -385,3 +385,18 @@ def make_pool(kind: str | None = None, workers: int | None = None) -> WorkerPool
         # A daemonic process (a multiprocessing.Pool worker) may not have children.
         return InlinePool()
     return ProcessPool(n)
+
+
+def task_map(kind: str | None = None, workers: int | None = None) -> Callable[..., list]:
+    """``map_ordered`` as one call that opens a pool of ``kind`` and ``workers``, maps, and
+    closes it (``core/lab/maintenance.TaskMap``): for work that is due only now and then, such
+    as the write path's compactions, so that no pool is started when nothing is due."""
+
+    def run(fn: Callable[[T], R], items: list[T]) -> list[R | ItemFailed]:
+        pool = make_pool(kind, workers)
+        try:
+            return list(pool.map_ordered(fn, items))
+        finally:
+            pool.close()
+
+    return run

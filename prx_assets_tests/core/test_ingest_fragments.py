@@ -16,6 +16,7 @@ from prx_assets.core.ingest import runner as ingest
 from prx_assets.core.ingest.runner import BatchIngest, ChunkTask, RowMeta, check_store_and_write
 from prx_assets.core.ingest.sources import FileRead, resolve_batch
 from prx_assets.core.lab import MANUAL, Lab
+from prx_assets.core.lab import maintenance as mx
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.demo.jpegs import solid_jpeg
 
@@ -206,3 +207,56 @@ def test_fragments_whose_files_are_missing_are_never_committed(tmp_path: Path) -
     with pytest.raises(FileNotFoundError, match="not in the lab"):
         lab.commit_partition(IMAGES, "s.000", written)
     assert _table(lab) == before
+
+
+def test_the_commits_compaction_rewrites_the_rows_on_the_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of more chunks than the index lag makes its commit compact them: the rows
+    (thumbnails, previews) are rewritten by the pool's workers through Lance's distributed
+    compaction, the step plans and commits; the table is the step path's all the same."""
+    monkeypatch.setattr(ingest, "INGEST_CHUNK", 2)  # 14 files: 7 chunks, more than the lag (4)
+    landing = _landing(tmp_path)
+    step = Lab(tmp_path / "lab-step", policy=MANUAL)
+    _by_step(landing, step)
+    lab = Lab(tmp_path / "lab-workers")  # the default policy: the write path maintains
+    _by_workers(landing, lab)  # the first commit builds the indexes over its fragments
+
+    run = BatchIngest(
+        resolve_batch(landing, "s.000"), workers=2, blob_sink=lab.local_blobs(IMAGES, "image")
+    )
+    written = run.write_images(lab.partition_fragments(IMAGES, "s.000", run.stored_blobs))
+    on_workers = run.rewrite_on_workers()
+    assert on_workers is not None  # the workers wrote the rows: they reach the lab
+    jobs: list = []
+
+    def recording(fn, items):
+        jobs.extend(items)
+        return on_workers(fn, items)
+
+    lab.rewrite = recording
+    result = lab.commit_partition(IMAGES, "s.000", written)
+    lab.rewrite = None
+    lab.replace_partition(REJECTS, "s.000", run.rejects)
+
+    assert sum(len(w.fragments) for w in written) > lab.policy.index_lag_fragments
+    assert result["maintenance"]["fragments_compacted"] >= 2, result["maintenance"]
+    assert jobs and all(isinstance(j, mx.CompactionJob) for j in jobs)
+    assert {f.id for j in jobs for f in j.task.fragments} <= {
+        f.fragment_id for f in lab.dataset(IMAGES.name, result["version"]).get_fragments()
+    }  # the tasks rewrote this commit's fragments
+    assert len(lab.dataset(IMAGES.name).get_fragments()) < sum(len(w.fragments) for w in written)
+    assert _table(lab) == _table(step)
+
+
+def test_a_step_path_ingest_keeps_compaction_in_the_step(tmp_path: Path) -> None:
+    """Where the workers did not write the rows (one worker: inline), the commit's
+    compaction is not sent anywhere."""
+    lab = Lab(tmp_path / "lab", policy=MANUAL)
+    run = BatchIngest(
+        resolve_batch(_landing(tmp_path), "s.000"),
+        workers=1,
+        blob_sink=lab.local_blobs(IMAGES, "image"),
+    )
+    run.write_images(lab.partition_fragments(IMAGES, "s.000", run.stored_blobs))
+    assert run.rewrite_on_workers() is None

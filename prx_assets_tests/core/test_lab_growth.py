@@ -17,6 +17,7 @@ import pytest
 
 from prx_assets.core.lab import DEFAULT_POLICY, MANUAL, BlobError, Lab, TableSpec
 from prx_assets.core.lab.maintenance import unindexed_fragments
+from prx_assets.core.pool_items import ItemFailed
 from prx_assets_tests.spawned import spawn_pool
 
 SPEC = TableSpec(
@@ -456,3 +457,35 @@ def test_taken_rows_carry_the_blob_bytes_and_refuse_altered_ones(tmp_path):
     Path(lab.blobs.path("imgs", ref)).write_bytes(b"not the picture")
     with pytest.raises(BlobError, match="does not match"):
         lab.view().take_matching_rows("imgs", ["key", "image"], "batch = 'a'")
+
+
+def _run_here(fn, items):
+    return [fn(item) for item in items]
+
+
+def _every_worker_failed(fn, items):
+    return [ItemFailed("worker_died: killed") for _ in items]
+
+
+def test_compaction_on_workers_commits_what_compact_files_would(tmp_path):
+    """The write path's compactions through a task map (plan here, rewrite there, commit
+    here) leave the table ``compact_files`` leaves; a map whose every task failed commits no
+    compaction and loses no row (Lance commits any subset of a plan's tasks)."""
+    here = Lab(tmp_path / "here", policy=SMALL_TIERS)
+    mapped = Lab(tmp_path / "mapped", policy=SMALL_TIERS)
+    mapped.rewrite = _run_here
+    failed = Lab(tmp_path / "failed", policy=SMALL_TIERS)
+    failed.rewrite = _every_worker_failed
+    compacted = {"here": 0, "mapped": 0, "failed": 0}
+    for i in range(24):
+        for name, lab in (("here", here), ("mapped", mapped), ("failed", failed)):
+            done = lab.replace_partition(SPEC, f"b{i:02d}", _rows(f"b{i:02d}", 5))
+            compacted[name] += done["maintenance"].get("fragments_compacted", 0)
+    assert compacted["here"] > 0 and compacted["mapped"] == compacted["here"]
+    assert compacted["failed"] == 0
+    assert len(mapped.dataset("t").get_fragments()) == len(here.dataset("t").get_fragments())
+    assert len(failed.dataset("t").get_fragments()) > len(here.dataset("t").get_fragments())
+    rows = sorted(here.read("t").to_pylist(), key=lambda r: r["key"])
+    for lab in (mapped, failed):
+        assert sorted(lab.read("t").to_pylist(), key=lambda r: r["key"]) == rows
+        assert lab.count("t", "batch = 'b23'") == 5  # the indexes still answer

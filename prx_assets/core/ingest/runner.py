@@ -46,6 +46,7 @@ from prx_assets.core.ingest.tables import ALIAS_REASON, ensure_usage_signals_col
 from prx_assets.core.lab import Lab
 from prx_assets.core.lab.blobs import LocalBlobs, RemoteBlobs
 from prx_assets.core.lab.fragments import PartitionFragments, WrittenFragments
+from prx_assets.core.lab.maintenance import TaskMap
 from prx_assets.core.progress import Progress, Report
 from prx_assets.core.tables import IMAGES, REJECTS
 from prx_assets.core.text import bound_text, quote_bounded
@@ -56,6 +57,7 @@ from prx_assets.core.workers import (
     WorkerPool,
     make_pool,
     shared_filesystem,
+    task_map,
 )
 
 ROWS_PER_RECORD_BATCH = 256
@@ -431,6 +433,7 @@ class BatchIngest:
         self._reject_rows: list[dict] = []
         self._seen_paths: set[str] = set()
         self._done = False
+        self._workers_write_rows = False
 
     @property
     def rejects(self) -> pa.Table:
@@ -461,6 +464,14 @@ class BatchIngest:
                 "usage_signals": c.usage_signals,  # an alias's signals reserve the copy kept
             }
         )
+
+    def rewrite_on_workers(self) -> TaskMap | None:
+        """Where the commit's compaction should rewrite the rows ``write_images`` wrote:
+        the same pool, when its workers wrote them (they reach the lab); else None (the
+        committing process). Set it as the lab's ``rewrite`` before the commit."""
+        if not self._workers_write_rows:
+            return None
+        return task_map(self.executor, self.workers)
 
     def _worker_sink(
         self, pool: WorkerPool, shared: bool = False
@@ -539,6 +550,7 @@ class BatchIngest:
         # workers read the landing files and write blobs and fragments like local ones.
         shared = shared_filesystem() and isinstance(self.blob_sink, LocalBlobs)
         sink = self._worker_sink(pool, shared)
+        self._workers_write_rows = sink is not None and pool.workers > 1
         if sink is None:
             pool.close()
             return [fragments.write(self.image_batches())]

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import lance
 import pyarrow as pa
 import pyarrow.fs as pafs
+from lance.optimize import Compaction, CompactionOptions, CompactionTask, RewriteResult
 
 from prx_assets.core.lab.io import arrow_filesystem, open_dataset
 from prx_assets.core.lab.spec import TableSpec
@@ -42,6 +43,11 @@ ORPHAN_MIN_AGE = timedelta(hours=24)
 ORPHAN_SCAN_LIMIT = 100_000  # candidates listed per table and run; the next run continues
 PIN_TAG_PREFIX = "pin-"
 T = TypeVar("T")
+
+# Runs a picklable module-level function over items elsewhere (a worker pool: other
+# processes, Ray nodes) and returns one result per item, in order; an item that failed comes
+# back as something that is not the function's result (the pools' ``ItemFailed``).
+TaskMap = Callable[[Callable[[Any], Any], list[Any]], list[Any]]
 
 VERSION_PINS = TableSpec(
     name="version_pins",
@@ -174,13 +180,17 @@ def fold_due(ds: lance.LanceDataset, spec: TableSpec, policy: MaintenancePolicy)
 
 
 def fold_new_fragments(
-    ds: lance.LanceDataset, spec: TableSpec, policy: MaintenancePolicy
+    ds: lance.LanceDataset,
+    spec: TableSpec,
+    policy: MaintenancePolicy,
+    rewrite: TaskMap | None = None,
 ) -> dict[str, int]:
     """Once more than ``policy.index_lag_fragments`` fragments (or ``index_lag_rows`` rows)
     are not covered by the spec's scalar indexes: compact the uncovered small ones into one
     fragment (no index covers them, so nothing is remapped), then add one delta segment per
     stale index over it (``num_indices_to_merge=0``: the new rows only, not a merge). Below
-    the bound a read scans those few fragments flat. Returns what was done (empty: nothing).
+    the bound a read scans those few fragments flat. ``rewrite``: where the compaction's
+    rewriting runs (``compact``). Returns what was done (empty: nothing).
     """
     plan = _fold_plan(ds, spec, policy)
     if plan is None:
@@ -188,7 +198,7 @@ def fold_new_fragments(
     stale, small = plan
     done = {"fragments_compacted": 0, "indexes_refreshed": len(stale)}
     if small:
-        done["fragments_compacted"] = compact(ds, small, policy).fragments_removed
+        done["fragments_compacted"] = compact(ds, small, policy, rewrite).fragments_removed
     ds.optimize.optimize_indices(index_names=stale, num_indices_to_merge=0)
     return done
 
@@ -211,13 +221,17 @@ def _due_merge(segs: list[frozenset[int]], rows: dict[int, int], policy: Mainten
 
 
 def merge_due_tier(
-    ds: lance.LanceDataset, spec: TableSpec, policy: MaintenancePolicy
+    ds: lance.LanceDataset,
+    spec: TableSpec,
+    policy: MaintenancePolicy,
+    rewrite: TaskMap | None = None,
 ) -> dict[str, int]:
     """Merge the lowest index tier holding ``fan_in`` segments (the newest segments down to
     its oldest, into one per index), then compact the small fragments that merged segment
     covers into one: Lance compacts only fragments of equal index coverage, and remaps only
-    the segment covering them, so the cost is that tier's rows, never the table's. Returns
-    what was done (empty: nothing due)."""
+    the segment covering them, so the cost is that tier's rows, never the table's.
+    ``rewrite``: where that compaction's rewriting runs (``compact``). Returns what was done
+    (empty: nothing due)."""
     segments = index_segments(ds, spec)
     rows = {f.fragment_id: f.metadata.physical_rows or 0 for f in ds.get_fragments()}
     plan: dict[int, list[str]] = {}
@@ -236,7 +250,7 @@ def merge_due_tier(
     rows = {f.fragment_id: f.metadata.physical_rows or 0 for f in ds.get_fragments()}
     small = [f for f in sorted(group) if f in rows and rows[f] < policy.target_rows_per_fragment]
     if len(small) >= 2:
-        done["fragments_compacted"] = compact(ds, small, policy).fragments_removed
+        done["fragments_compacted"] = compact(ds, small, policy, rewrite).fragments_removed
     return done
 
 
@@ -312,17 +326,71 @@ def maintenance_lock(root: str, table: str, *, wait: bool = False) -> Iterator[b
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def compact(ds: lance.LanceDataset, candidates: list[int], policy: MaintenancePolicy) -> Any:
+@dataclass(frozen=True)
+class CompactionJob:
+    """One of a compaction plan's rewrite tasks, for a worker: the table (URI and the
+    version the plan read) and the task. The worker opens the table itself (with the
+    storage options its own environment gives) and returns the ``RewriteResult``: the rows
+    it rewrites never pass through the committing process."""
+
+    uri: str
+    version: int
+    task: CompactionTask
+
+
+def rewrite_fragments(job: CompactionJob) -> RewriteResult:
+    """Run one compaction task where it is called (a pool's worker)."""
+    return job.task.execute(open_dataset(job.uri, job.version))
+
+
+@dataclass(frozen=True)
+class _NoCompaction:
+    """A plan with no task: what ``compact_files`` reports when it does nothing."""
+
+    fragments_removed: int = 0
+    fragments_added: int = 0
+    files_removed: int = 0
+    files_added: int = 0
+
+
+def compact(
+    ds: lance.LanceDataset,
+    candidates: list[int],
+    policy: MaintenancePolicy,
+    rewrite: TaskMap | None = None,
+) -> Any:
     """Compact exactly ``candidates`` (everything else excluded), streaming in bounded
-    batches; Lance remaps the indexes onto the new fragments."""
+    batches; Lance remaps the indexes onto the new fragments.
+
+    ``rewrite``: where the rewriting runs. None: here (``compact_files``). Given: Lance's
+    distributed compaction (plan here, each task on ``rewrite``'s workers, one commit here),
+    so a big batch's rows (an ``images`` row carries its thumbnail and preview) are read and
+    written by the workers, not by the step (``benchmarks/bench_scaleout.py``). A task whose
+    worker failed is left out of the commit (Lance commits any subset of a plan's tasks):
+    its fragments stay as they were, for a later compaction.
+    """
     excluded = [f.fragment_id for f in ds.get_fragments() if f.fragment_id not in set(candidates)]
-    return ds.optimize.compact_files(
+    options = CompactionOptions(
         target_rows_per_fragment=policy.target_rows_per_fragment,
         materialize_deletions_threshold=policy.materialize_deleted_share,
         excluded_fragment_ids=excluded,
         batch_size=policy.compaction_batch_size,
         num_threads=1,
     )
+    if rewrite is None:
+        return ds.optimize.compact_files(**options)
+    plan = Compaction.plan(ds, options)
+    if plan.num_tasks() == 0:
+        return _NoCompaction()
+    jobs = [CompactionJob(ds.uri, plan.read_version, task) for task in plan.tasks]
+    try:
+        results = rewrite(rewrite_fragments, jobs)
+    except RuntimeError:  # the pool itself was lost (a Ray cluster gone): compact later
+        results = []
+    done = [r for r in results if isinstance(r, RewriteResult)]
+    if not done:
+        return _NoCompaction()
+    return Compaction.commit(ds, done, options)
 
 
 def listed_versions(uri: str) -> list[tuple[int, float]]:

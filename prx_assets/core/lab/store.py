@@ -61,6 +61,10 @@ class Lab(VersionPins):
     def __init__(self, root: str | Path, policy: MaintenancePolicy = DEFAULT_POLICY) -> None:
         self.root = str(root).rstrip("/")
         self.policy = policy
+        # Where the write path's compactions rewrite rows: None here; a step whose workers
+        # reach the lab sets its pool (``workers.task_map``), so a big batch's rows are
+        # rewritten by the workers that wrote them, not read and written by the step.
+        self.rewrite: mx.TaskMap | None = None
         # Endpoint, region, credentials of an s3:// lab, from the environment (holds
         # secrets: passed to Lance only, never logged; core/storage.py).
         self.storage_options = storage_options(self.root)
@@ -344,10 +348,10 @@ class Lab(VersionPins):
                 first = ds.version  # the commit just made (or a later one)
                 if mx.fold_due(ds, spec, policy):
                     ds = self.dataset(spec.name)  # act on the latest, not the commit's view
-                    done.update(mx.fold_new_fragments(ds, spec, policy))
+                    done.update(mx.fold_new_fragments(ds, spec, policy, self.rewrite))
                 if done:  # a new run: the only event that can fill an index tier
                     for _ in range(16):  # a cascade climbs one tier per step
-                        merged = mx.merge_due_tier(ds, spec, policy)
+                        merged = mx.merge_due_tier(ds, spec, policy, self.rewrite)
                         if not merged:
                             break
                         for key, value in merged.items():
@@ -357,7 +361,7 @@ class Lab(VersionPins):
                     ds = self.dataset(spec.name)
                     heavy = mx.heavy_fragments(ds, policy)
                 if heavy:
-                    metrics = mx.compact(ds, heavy, policy)
+                    metrics = mx.compact(ds, heavy, policy, self.rewrite)
                     done["fragments_compacted"] = (
                         done.get("fragments_compacted", 0) + metrics.fragments_removed
                     )
