@@ -16,7 +16,6 @@ and ``model_id="alt-text-fallback"`` so alt text can never pass for a VLM captio
 
 from __future__ import annotations
 
-import base64
 import io
 import os
 import threading
@@ -34,8 +33,10 @@ from prx_assets.core.captions.models.base import (
     BackendInputError,
     CaptionInput,
     CaptionResult,
+    DataURL,
     EmptyContentError,
     check_caption_inputs,
+    data_url,
     load_caption_image,
 )
 from prx_assets.core.captions.models.openai_http import (
@@ -59,11 +60,11 @@ CAPTION_API_KEY_ENV = ("PRX_CAPTION_API_KEY", "OPENAI_API_KEY")
 CAPTION_BASE_URL_ENV = ("PRX_CAPTION_BASE_URL", "OPENAI_BASE_URL")
 
 
-def image_to_data_url(img: Image.Image, quality: int = 90) -> str:
+def image_to_data_url(img: Image.Image, quality: int = 90) -> DataURL:
     """JPEG data URL; always re-encoded so requests are small and carry no metadata."""
     buf = io.BytesIO()
     (img if img.mode == "RGB" else img.convert("RGB")).save(buf, format="JPEG", quality=quality)
-    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    return data_url(buf.getvalue())
 
 
 #: One image's preparation as a worker-pool task: (key, image bytes, max_side, JPEG quality,
@@ -77,7 +78,7 @@ PrepareJob = tuple[str, bytes, int, int, str]
 SERVER_RESIZES = (*RESIZES, "server")
 
 
-def prepare_caption_url(key: str, data: bytes, max_side: int, quality: int, resize: str) -> str:
+def prepare_caption_url(key: str, data: bytes, max_side: int, quality: int, resize: str) -> DataURL:
     """The data URL sent for one image's bytes under a ``resize`` recipe."""
     if resize == "server":
         url = server_ready_url(data)
@@ -167,7 +168,7 @@ class OpenAICaptioner(OpenAIBackend):
         (``resize="server"``): that of a 4:3 image whose long side is ``max_side``."""
         return self.max_side * self.max_side * 3 // 4
 
-    def image_url(self, item: CaptionInput) -> str:
+    def image_url(self, item: CaptionInput) -> DataURL:
         """The JPEG data URL sent for an input (bounded side, fixed quality; with
         ``resize="server"`` the ingested JPEG itself where a server decodes it alike)."""
         if self.resize == "server" and isinstance(item.image, bytes | bytearray | memoryview):
@@ -177,7 +178,7 @@ class OpenAICaptioner(OpenAIBackend):
         img = load_caption_image(item, self.max_side, resize)
         return image_to_data_url(img, self.jpeg_quality)
 
-    def request_body(self, data_url: str) -> dict[str, Any]:
+    def request_body(self, url: DataURL) -> dict[str, Any]:
         """The chat-completions body for one image (public so it can be inspected)."""
         return {
             "model": self.model,
@@ -186,7 +187,7 @@ class OpenAICaptioner(OpenAIBackend):
                 {
                     "role": "user",
                     "content": [
-                        {"type": "image_url", "image_url": {"url": data_url}},
+                        {"type": "image_url", "image_url": {"url": url}},
                         {"type": "text", "text": CAPTION_USER_PROMPT},
                     ],
                 },

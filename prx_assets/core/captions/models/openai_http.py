@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import threading
 import time
 from collections import deque
@@ -46,6 +47,7 @@ from prx_assets.core.captions.models.base import (
     BackendRequestError,
     BackendTimeoutError,
     BackendUnavailableError,
+    DataURL,
     EmptyContentError,
     MalformedResponseError,
 )
@@ -185,6 +187,43 @@ class _Retry(Exception):
         self.retry_after = retry_after
 
 
+def encode_body(body: dict[str, Any]) -> bytes:
+    """``json.dumps(body)`` as UTF-8, with every ``DataURL`` in it spliced in as it is.
+
+    Why: the image's base64 is ~1 MB per caption request, and ``json.dumps`` scans and copies
+    it to look for characters to escape, of which a ``DataURL`` has none by construction;
+    this encodes the rest (the prompt, untrusted alt text included: escaped as always)
+    and joins the URLs' bytes in. Each URL stands in as a placeholder holding 128 random
+    bits drawn per request, so no text in the body can name one; each must be found
+    exactly once. The bytes are ``json.dumps``'s, compact separators aside
+    (``core/test_captions_http.py`` checks both decode to the same body).
+    """
+    urls: list[DataURL] = []
+    token = secrets.token_hex(16)
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, DataURL):
+            urls.append(value)
+            return f"{token}:{len(urls) - 1}"
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [swap(v) for v in value]
+        return value
+
+    rest = json.dumps(swap(body), separators=(",", ":")).encode()
+    if not urls:
+        return rest
+    parts: list[bytes] = []
+    for i, url in enumerate(urls):
+        head, found, rest = rest.partition(f'"{token}:{i}"'.encode())
+        if not found or f"{token}:".encode() in head:
+            raise AssertionError("a data URL placeholder was not found exactly once")
+        parts += (head, b'"', url.encode("ascii"), b'"')
+    parts.append(rest)
+    return b"".join(parts)
+
+
 class OpenAIChatClient:
     """POST ``/chat/completions`` with retries over one or more servers; map over items.
 
@@ -247,14 +286,12 @@ class OpenAIChatClient:
             delay = max(delay, min(retry_after, self.policy.max_retry_after_s))
         return delay
 
-    def _attempt(
-        self, endpoint: Endpoint, body: dict[str, Any], parse: Callable[[dict[str, Any]], T]
-    ) -> T:
+    def _attempt(self, endpoint: Endpoint, body: bytes, parse: Callable[[dict[str, Any]], T]) -> T:
         headers = {"Content-Type": "application/json"}
         if self._api_key is not None:
             headers["Authorization"] = f"Bearer {self._api_key.reveal()}"
         try:
-            resp = self._http().post(endpoint.chat_url, content=json.dumps(body), headers=headers)
+            resp = self._http().post(endpoint.chat_url, content=body, headers=headers)
         except httpx.TimeoutException as exc:
             raise _Retry(f"timeout ({type(exc).__name__})", "timeout") from None
         except httpx.TransportError as exc:
@@ -288,9 +325,7 @@ class OpenAIChatClient:
         except MalformedResponseError as exc:
             raise _Retry(f"malformed: {exc}", "malformed") from None
 
-    def _on(
-        self, endpoint: Endpoint, body: dict[str, Any], parse: Callable[[dict[str, Any]], T]
-    ) -> T:
+    def _on(self, endpoint: Endpoint, body: bytes, parse: Callable[[dict[str, Any]], T]) -> T:
         """One attempt on ``endpoint``, whose health learns how it ended."""
         try:
             result = self._attempt(endpoint, body, parse)
@@ -321,6 +356,7 @@ class OpenAIChatClient:
         """
         last: _Retry | None = None
         failed_on: set[int] = set()
+        payload = encode_body(body)  # once, not per attempt
         for attempt in range(1, self.policy.max_attempts + 1):
             if cancel is not None and cancel.is_set():
                 raise BackendCancelledError(f"{label}: cancelled, another item failed")
@@ -331,7 +367,7 @@ class OpenAIChatClient:
             except FleetDownError as exc:
                 raise FleetDownError(f"{label}: {exc}", attempts=attempt - 1) from None
             try:
-                return self._on(endpoint, body, parse)
+                return self._on(endpoint, payload, parse)
             except BackendRequestError as exc:
                 raise BackendRequestError(f"{label}: {exc}", exc.status) from None
             except _Retry as exc:

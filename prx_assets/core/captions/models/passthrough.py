@@ -24,11 +24,11 @@ decoding (Pillow re-encodes); the walk stops at the first scan and copies the re
 
 from __future__ import annotations
 
-import base64
 import io
 
 from PIL import Image
 
+from prx_assets.core.captions.models.base import DataURL, data_url
 from prx_assets.core.ingest.decode import DEFAULT_MAX_PIXELS
 
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024  # a bigger file is prepared here (bounded requests)
@@ -72,7 +72,7 @@ def strip_jpeg_metadata(data: bytes) -> bytes | None:
 
 def server_ready_url(
     data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, max_pixels: int = DEFAULT_MAX_PIXELS
-) -> str | None:
+) -> DataURL | None:
     """The ingested JPEG as a metadata-free data URL, when a server decodes it to the same
     pixels as our policy; None when it must be prepared here instead."""
     if len(data) > max_bytes or not data.startswith(b"\xff\xd8\xff"):
@@ -90,4 +90,4 @@ def server_ready_url(
     stripped = strip_jpeg_metadata(data)
     if stripped is None:
         return None
-    return "data:image/jpeg;base64," + base64.b64encode(stripped).decode("ascii")
+    return data_url(stripped)
