@@ -4,6 +4,7 @@ through the step, a repeat across chunks still refused, a killed worker costing 
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from prx_assets.core.ingest import runner as ingest
+from prx_assets.core.ingest import sources
 from prx_assets.core.ingest.runner import BatchIngest, ChunkTask, RowMeta, check_store_and_write
 from prx_assets.core.ingest.sources import FileRead, resolve_batch
 from prx_assets.core.lab import MANUAL, Lab
@@ -260,3 +262,77 @@ def test_a_step_path_ingest_keeps_compaction_in_the_step(tmp_path: Path) -> None
     )
     run.write_images(lab.partition_fragments(IMAGES, "s.000", run.stored_blobs))
     assert run.rewrite_on_workers() is None
+
+
+def _landing_with_sidecars(root: Path) -> Path:
+    """Samples whose metadata is in sidecars: alt text and JSON, a malformed JSON sidecar of
+    one image and of a two-image sample, an oversized sidecar (refused from its size, never
+    read), and a byte-identical repeat carrying its own URL (an alias of the copy kept)."""
+    b = root / "landing" / "s" / "000"
+    b.mkdir(parents=True)
+    for i in range(6):
+        (b / f"p{i:02d}.jpg").write_bytes(_jpeg(i))
+    (b / "p00.txt").write_text("a red <b>chair</b> & a lamp")
+    (b / "p00.json").write_text(json.dumps({"url": "https://ex.org/p00", "license": "cc-by"}))
+    (b / "p01.json").write_text("{not json")
+    (b / "p02.png").write_bytes(solid_jpeg((40, 30), (9, 9, 9)))  # a JPEG named .png
+    (b / "p02.json").write_text("[1, 2]")  # two images share this malformed sidecar
+    (b / "p03.txt").write_bytes(b"x" * (sources.MAX_SIDECAR_BYTES + 1))
+    (b / "p04.json").write_text(json.dumps({"id": "src-4", "source": "museum"}))
+    (b / "p05_again.jpg").write_bytes(_jpeg(0))  # repeat of p00
+    (b / "p05_again.json").write_text(json.dumps({"url": "https://mirror.ex/p00"}))
+    (b / "_SUCCESS").write_text("")
+    return root / "landing"
+
+
+def test_workers_read_the_sidecars_and_the_tables_are_the_step_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chunk workers read each sample's sidecars with its image: this process opens
+    none (its ``FileRead.read`` refuses sidecars here; the workers are other processes), and
+    the images and rejects are the step path's, reasons, aliases' URLs and counts included."""
+    monkeypatch.setattr(ingest, "INGEST_CHUNK", 3)  # the two-image sample spans chunks
+    landing = _landing_with_sidecars(tmp_path)
+    step = Lab(tmp_path / "lab-step", policy=MANUAL)
+    _by_step(landing, step)
+
+    read = sources.FileRead.read
+
+    def not_sidecars(self: sources.FileRead) -> bytes:
+        assert os.path.splitext(self.path)[1].decode() not in sources.SIDECAR_EXTENSIONS, (
+            f"the step read the sidecar {self.path!r}"
+        )
+        return read(self)
+
+    monkeypatch.setattr(sources.FileRead, "read", not_sidecars)
+    workers = Lab(tmp_path / "lab-workers", policy=MANUAL)
+    run = BatchIngest(
+        resolve_batch(landing, "s.000"), workers=2, blob_sink=workers.local_blobs(IMAGES, "image")
+    )
+    written = run.write_images(workers.partition_fragments(IMAGES, "s.000", run.stored_blobs))
+    workers.commit_partition(IMAGES, "s.000", written)
+    workers.replace_partition(REJECTS, "s.000", run.rejects)
+
+    assert _table(workers) == _table(step)
+    images, rejects = _table(workers)
+    by_path = {r["path"]: r for r in images}
+    assert by_path["p00.jpg"]["alt_text"] == "a red <b>chair</b> & a lamp"
+    assert (by_path["p00.jpg"]["url"], by_path["p00.jpg"]["license"]) == (
+        "https://ex.org/p00",
+        "cc-by",
+    )
+    assert (by_path["p04.jpg"]["source_id"], by_path["p04.jpg"]["source"]) == ("src-4", "museum")
+    reasons = {r["path"]: r["reason"] for r in rejects}
+    assert reasons == {
+        "p01.json": "bad_sidecar",
+        "p01.jpg": "bad_sidecar",
+        "p02.json": "bad_sidecar",  # recorded once for its two images
+        "p02.jpg": "bad_sidecar",
+        "p02.png": "bad_sidecar",
+        "p03.txt": "too_large",
+        "p03.jpg": "bad_sidecar",
+        "p05_again.jpg": "duplicate_bytes_in_batch",
+    }
+    alias = next(r for r in rejects if r["path"] == "p05_again.jpg")
+    assert alias["url"] == "https://mirror.ex/p00"  # from the sidecar a worker read
+    assert run.stats.seen == run.stats.accepted + run.stats.rejected == 11

@@ -21,7 +21,10 @@ here: each is staged as a sparse placeholder of its listed size (so listing, gro
 naming and size checks run unchanged) and the dict maps the placeholder's path to a
 ``RemoteRead``, the object's reference, which the process that validates the image
 downloads itself (a Ray worker on another node: ``runner.BatchIngest(remote_reads=...)``).
-Sidecars, archives and manifests are staged as before.
+Sidecars are left there the same way: the worker that checks a sample's image reads them
+(``sources.sidecar_metadata``), and anything else that reads one reads the object, never
+its placeholder (``iter_candidates(remote_sidecars=...)``). Archives and manifests are
+staged as before.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from pathlib import Path
 
 from prx_assets.core.ingest.sources import (
     IMAGE_EXTENSIONS,
+    MAX_SIDECAR_BYTES,
     MISSING_FILE,
     READY_MARKER,
+    SIDECAR_EXTENSIONS,
     SOURCE_DEFAULTS_FILE,
     UNREADABLE,
     BatchError,
@@ -180,16 +185,18 @@ def _stage(
         with open(target, "wb") as fh:  # sparse: refused as too_large, never read
             fh.truncate(size)
         return
+    ext = _split_last_ext(key)[1]
     if (
         remote_reads is not None
         and max_file_bytes is not None
         and size is not None
-        and _split_last_ext(key)[1] in IMAGE_EXTENSIONS
+        and (ext in IMAGE_EXTENSIONS or ext in SIDECAR_EXTENSIONS)
     ):
         with open(target, "wb") as fh:  # sparse: listed and checked here, read elsewhere
             fh.truncate(size)
         path = os.fsencode(target)
-        remote_reads[path] = RemoteRead(landing, key, size, max_file_bytes, path)
+        limit = MAX_SIDECAR_BYTES if ext in SIDECAR_EXTENSIONS else max_file_bytes
+        remote_reads[path] = RemoteRead(landing, key, size, limit, path)
         return
     if listed is not None and listed <= _ONE_GET_BYTES:
         data = store.get(key, _ONE_GET_BYTES)

@@ -34,6 +34,7 @@ from prx_assets.core.ingest.decode import (
 )
 from prx_assets.core.ingest.remote_landing import RemoteRead
 from prx_assets.core.ingest.sources import (
+    BAD_SIDECAR,
     DEFAULT_MAX_FILE_BYTES,
     STREAM_ABOVE_BYTES,
     BatchRef,
@@ -41,6 +42,7 @@ from prx_assets.core.ingest.sources import (
     FileRead,
     FileRefused,
     iter_candidates,
+    sidecar_metadata,
 )
 from prx_assets.core.ingest.tables import ALIAS_REASON, ensure_usage_signals_column
 from prx_assets.core.lab import Lab
@@ -294,10 +296,45 @@ class RowMeta:
     url: str | None
     source_id: str | None
     usage_signals: str | None
+    # The sample's sidecars, unread (``Candidate.sidecars``): the fields above are then the
+    # batch's defaults, and the worker reads them (``resolve_sidecars``).
+    sidecars: tuple[tuple[str, str, FileRead | RemoteRead, int | None], ...] = ()
 
     @classmethod
     def of(cls, c: Candidate) -> RowMeta:
-        return cls(c.path, c.source, c.license, c.alt_text, c.url, c.source_id, c.usage_signals)
+        return cls(
+            c.path,
+            c.source,
+            c.license,
+            c.alt_text,
+            c.url,
+            c.source_id,
+            c.usage_signals,
+            c.sidecars,  # type: ignore[arg-type]
+        )
+
+
+#: A sidecar that could not be read or is malformed: (its path, reason, detail, size).
+SidecarProblem = tuple[str, str, str, int | None]
+
+
+def resolve_sidecars(meta: RowMeta) -> tuple[RowMeta, tuple[SidecarProblem, ...]]:
+    """Read ``meta``'s deferred sidecars (where its image is checked): the row's metadata
+    as the step would have made it from them (a sidecar's source or licence over the
+    batch's defaults), and the problems that refuse the image (``bad_sidecar``)."""
+    if not meta.sidecars:
+        return meta, ()
+    fields, problems = sidecar_metadata(meta.sidecars)  # type: ignore[arg-type]
+    resolved = RowMeta(
+        meta.path,
+        fields.get("source") or meta.source,
+        fields.get("license") or meta.license,
+        fields.get("alt_text"),
+        fields.get("url"),
+        fields.get("source_id"),
+        fields.get("usage_signals"),
+    )
+    return resolved, tuple(problems)
 
 
 @dataclass(frozen=True)
@@ -322,6 +359,10 @@ class ChunkResult:
     checked: tuple[FileChecked | None, ...]
     written: WrittenFragments | None
     positions: tuple[int, ...]
+    # Per item whose sidecars the worker read: the metadata they gave, or why they refuse
+    # the image (no check then). Empty: no item had deferred sidecars.
+    metas: tuple[RowMeta | None, ...] = ()
+    sidecar_problems: tuple[tuple[SidecarProblem, ...], ...] = ()
 
 
 def check_store_and_write(task: ChunkTask) -> ChunkResult:
@@ -340,11 +381,19 @@ def check_store_and_write(task: ChunkTask) -> ChunkResult:
     positions: list[int] = []
     keys: set[str] = set()
     paths: set[str] = set()
+    metas: list[RowMeta | None] = [None] * len(task.items)
+    problems: list[tuple[SidecarProblem, ...]] = [()] * len(task.items)
     for i, item in enumerate(task.items):
         if item is None:
             checked.append(None)
             continue
         source, meta = item
+        if meta.sidecars:
+            meta, problems[i] = resolve_sidecars(meta)
+            metas[i] = meta
+            if problems[i]:  # refused for its sidecar: neither checked nor stored
+                checked.append(None)
+                continue
         out = check_and_store((source, task.max_pixels, task.sink))
         key, result, stored, nbytes = out
         first = key not in keys and meta.path not in paths
@@ -362,7 +411,9 @@ def check_store_and_write(task: ChunkTask) -> ChunkResult:
     if rows:
         written = task.fragments.write(pa.Table.from_pylist(rows, schema=_stored_image_schema()))
         crashpoint("ingest.chunk_written")
-    return ChunkResult(tuple(checked), written, tuple(positions))
+    if not any(m is not None for m in metas):
+        return ChunkResult(tuple(checked), written, tuple(positions))
+    return ChunkResult(tuple(checked), written, tuple(positions), tuple(metas), tuple(problems))
 
 
 def _isolate_chunk(task: ChunkTask) -> ChunkResult:
@@ -370,10 +421,21 @@ def _isolate_chunk(task: ChunkTask) -> ChunkResult:
     each file is checked alone in a pool of its own, one that kills its worker is that
     file's failure (``validation_failed``, as when files were tasks), and the step writes
     the rows of the others itself."""
-    singles = [None if it is None else (it[0], task.max_pixels, task.sink) for it in task.items]
+    resolved = [None if it is None else resolve_sidecars(it[1]) for it in task.items]
+    singles = [
+        None if it is None or r is None or r[1] else (it[0], task.max_pixels, task.sink)
+        for it, r in zip(task.items, resolved, strict=True)
+    ]
     with ProcessPool(1) as alone:
         checked = list(alone.map_ordered(_check_or_skip, singles))
-    return ChunkResult(tuple(checked), None, ())  # type: ignore[arg-type]
+    if not any(it is not None and it[1].sidecars for it in task.items):
+        return ChunkResult(tuple(checked), None, ())  # type: ignore[arg-type]
+    metas = tuple(
+        r[0] if it is not None and r is not None and it[1].sidecars else None
+        for it, r in zip(task.items, resolved, strict=True)
+    )
+    problems = tuple(r[1] if r is not None else () for r in resolved)
+    return ChunkResult(tuple(checked), None, (), metas, problems)  # type: ignore[arg-type]
 
 
 def _stored_image_schema() -> pa.Schema:
@@ -434,6 +496,7 @@ class BatchIngest:
         self._seen_paths: set[str] = set()
         self._done = False
         self._workers_write_rows = False
+        self._sidecars_refused: set[str] = set()  # recorded from a worker's sidecar reads
 
     @property
     def rejects(self) -> pa.Table:
@@ -482,11 +545,25 @@ class BatchIngest:
         return self.blob_sink if pool.same_machine or shared or remote_sink else None
 
     def _candidates(
-        self, pool: WorkerPool, defer: bool, spool_dir: str | None, shared: bool = False
+        self,
+        pool: WorkerPool,
+        defer: bool,
+        spool_dir: str | None,
+        shared: bool = False,
+        sidecars_there: bool = False,
     ) -> Iterator[tuple[Candidate, bytes | FileRead | RemoteRead | None]]:
-        """Every candidate in order with what a worker checks (None: nothing to check)."""
+        """Every candidate in order with what a worker checks (None: nothing to check).
+
+        ``sidecars_there``: the worker reads a folder sample's sidecars with its image
+        (``resolve_sidecars``; the chunk path), so this process opens none of them: on
+        object storage that was a ``GET`` per image in the step."""
         for c in iter_candidates(
-            self.ref, self.max_file_bytes, defer_reads=defer, spool_dir=spool_dir
+            self.ref,
+            self.max_file_bytes,
+            defer_reads=defer,
+            spool_dir=spool_dir,
+            defer_sidecars=sidecars_there,
+            remote_sidecars=self.remote_reads,
         ):
             if isinstance(c.deferred, FileRead) and c.deferred.path in self.remote_reads:
                 c.deferred = self.remote_reads[c.deferred.path]  # a placeholder's object
@@ -496,8 +573,37 @@ class BatchIngest:
                     c.data = c.deferred.read()
                 except FileRefused as exc:
                     c.error = (exc.reason, bound_text(exc.detail))
+                if c.sidecars:  # nor are this machine's sidecars: read them here too
+                    self._apply_sidecars(c, *resolve_sidecars(RowMeta.of(c)))
+                    c.sidecars = ()
             source = c.data if c.data is not None else c.deferred
             yield c, (None if c.error is not None else source)
+
+    def _apply_sidecars(
+        self, c: Candidate, meta: RowMeta | None, problems: tuple[SidecarProblem, ...]
+    ) -> None:
+        """What a worker read from ``c``'s sidecars, applied as the step would have: each
+        sidecar it could not use recorded once as its own rejection, and ``c`` refused
+        (``bad_sidecar``); else the metadata they gave."""
+        if problems:
+            for path, reason, detail, size in problems:
+                if path in self._sidecars_refused:
+                    continue  # another image of the sample recorded it
+                self._sidecars_refused.add(path)
+                refused = Candidate(
+                    path, None, source=c.source, license=c.license, error=(reason, detail)
+                )
+                refused.size = size
+                self._decide(refused, None)
+            listed = ", ".join(f"{quote_bounded(p)} ({r})" for p, r, _, _ in problems[:3])
+            c.error = (
+                BAD_SIDECAR,
+                f"its sidecar {listed} was refused, so its metadata (URL, id, licence) is unknown",
+            )
+            return
+        if meta is not None:
+            c.source, c.license, c.alt_text = meta.source, meta.license, meta.alt_text
+            c.url, c.source_id, c.usage_signals = meta.url, meta.source_id, meta.usage_signals
 
     @staticmethod
     def _done_with(c: Candidate) -> None:
@@ -573,6 +679,8 @@ class BatchIngest:
                 progress.advance(len(cands))
                 accepted: list[tuple[int, dict]] = []
                 for pos, (c, checked) in enumerate(zip(cands, result.checked, strict=True)):
+                    if result.metas:  # the worker read this image's sidecars
+                        self._apply_sidecars(c, result.metas[pos], result.sidecar_problems[pos])
                     row = self._decide(c, checked)
                     if row is not None:
                         accepted.append((pos, row))
@@ -619,7 +727,7 @@ class BatchIngest:
             cands: list[Candidate] = []
             items: list = []
             held = 0  # bytes of the chunk's files held here (archive members)
-            for c, source in self._candidates(pool, defer, spool_dir, shared):
+            for c, source in self._candidates(pool, defer, spool_dir, shared, defer):
                 cands.append(c)
                 items.append(None if source is None else (source, RowMeta.of(c)))
                 held += len(c.data) if c.data is not None else 0

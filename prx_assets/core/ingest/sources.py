@@ -78,7 +78,7 @@ import re
 import stat
 import tarfile
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -234,6 +234,10 @@ class Candidate:
     size: int | None = None  # bytes on disk / in the header, when known
     usage_signals: str | None = None  # captured HTTP opt-out headers (signals.capture_signals)
     deferred: FileRead | None = None  # with ``data`` None: read by whoever validates it
+    # Its sample's sidecars, unread, for whoever validates it to read (``defer_sidecars``):
+    # (extension, printable path, read, listed size). The metadata fields above are then
+    # unset here and come from ``sidecar_metadata`` there.
+    sidecars: tuple[tuple[str, str, FileRead, int | None], ...] = ()
 
     def read(self) -> bytes:
         """The candidate's bytes: held, or read now (``FileRefused`` when that fails)."""
@@ -537,6 +541,25 @@ def _sidecar_fields(
     return out, bad
 
 
+def sidecar_metadata(
+    sidecars: tuple[tuple[str, str, FileRead, int | None], ...],
+) -> tuple[dict[str, str | None], list[tuple[str, str, str, int | None]]]:
+    """Read a sample's deferred sidecars (``Candidate.sidecars``) where its image is checked:
+    the metadata fields, and (path, reason, detail, size) of each sidecar that could not be
+    read or is malformed (then the image is refused as ``bad_sidecar``), exactly as the
+    step decides them when it reads them itself."""
+    read: dict[str, tuple[str, bytes]] = {}
+    problems: list[tuple[str, str, str, int | None]] = []
+    for ext, path, reader, size in sidecars:
+        try:
+            read[ext] = (path, reader.read())
+        except FileRefused as exc:
+            problems.append((path, exc.reason, bound_text(exc.detail), size))
+    fields, malformed = _sidecar_fields(read)
+    problems += [(path, BAD_SIDECAR, detail, None) for path, detail in malformed]
+    return fields, problems
+
+
 def _split_ext(name: str) -> tuple[str, str]:
     """WebDataset grouping (archives): the key is everything before the first dot of the
     basename, so ``a.seg.png`` is member ``.seg.png`` of sample ``a``."""
@@ -577,17 +600,29 @@ def _refused(ref: BatchRef, e: _Entry, exc: FileRefused) -> Candidate:
 
 
 def _sample_candidates(
-    ref: BatchRef, entries: list[_Entry], defer: bool = False
+    ref: BatchRef, entries: list[_Entry], defer: bool = False, defer_sidecars: bool = False
 ) -> Iterator[Candidate]:
     """The candidates of one sample: refused sidecars, then its other files.
 
     Sidecars are not candidates themselves unless refused; a refused or malformed sidecar
     refuses the sample's images (``bad_sidecar``) rather than ingest them without it.
-    Sidecars are always read here; with ``defer``, an image that can be read elsewhere is
-    yielded unread (``Candidate.deferred``).
+    With ``defer``, an image that can be read elsewhere is yielded unread
+    (``Candidate.deferred``). Sidecars are read here, except with ``defer_sidecars`` where
+    every image of the sample is yielded unread: what can be decided without reading them
+    (a refused sidecar, a second one of a kind) still is, here; the readable ones travel
+    unread with each image (``Candidate.sidecars``) for its validator to read
+    (``sidecar_metadata``), so this process never opens them.
     """
     entries = sorted(entries, key=lambda e: (e.ext, e.path))
+    images = [e for e in entries if e.ext not in SIDECAR_EXTENSIONS]
+    later = (
+        defer
+        and defer_sidecars
+        and bool(images)
+        and all(e.refusal is None and e.deferred is not None for e in images)
+    )
     sidecars: dict[str, tuple[str, bytes]] = {}
+    unread: list[tuple[str, str, FileRead, int | None]] = []
     problems: list[str] = []
     for e in entries:
         if e.ext not in SIDECAR_EXTENSIONS:
@@ -595,12 +630,17 @@ def _sample_candidates(
         try:
             if e.refusal is not None:
                 raise e.refusal
-            if e.ext in sidecars:
+            first = sidecars.get(e.ext) or next(
+                ((p, b"") for x, p, _, _ in unread if x == e.ext), None
+            )
+            if first is not None:
                 raise FileRefused(
                     BAD_SIDECAR,
-                    f"a second {e.ext} sidecar for one sample (after "
-                    f"{quote_bounded(sidecars[e.ext][0])})",
+                    f"a second {e.ext} sidecar for one sample (after {quote_bounded(first[0])})",
                 )
+            if later and e.deferred is not None:
+                unread.append((e.ext, e.path, e.deferred, e.size))
+                continue
             assert e.read is not None
             sidecars[e.ext] = (e.path, e.read())
         except FileRefused as exc:
@@ -626,7 +666,15 @@ def _sample_candidates(
                 e.deferred = e.spool()  # a big member: never held whole here
             if defer and e.deferred is not None:
                 yield _with_defaults(
-                    Candidate(e.path, None, size=e.size, deferred=e.deferred, **fields), ref
+                    Candidate(
+                        e.path,
+                        None,
+                        size=e.size,
+                        deferred=e.deferred,
+                        sidecars=tuple(unread),
+                        **fields,
+                    ),
+                    ref,
                 )
                 continue
             assert e.read is not None
@@ -640,7 +688,9 @@ def _sample_candidates(
 # --------------------------------------------------------------------------- folders
 
 
-def _folder_entry(full: str, rel: str, ext: str, max_file_bytes: int) -> _Entry:
+def _folder_entry(
+    full: str, rel: str, ext: str, max_file_bytes: int, remote: Mapping[bytes, Any] | None = None
+) -> _Entry:
     e = _Entry(_display_path(os.fsencode(rel)), ext)
     e.refusal = _name_refusal(os.fsencode(rel))
     if e.refusal is not None:
@@ -671,11 +721,20 @@ def _folder_entry(full: str, rel: str, ext: str, max_file_bytes: int) -> _Entry:
         e.refusal = _too_large(st.st_size, limit, what)
     else:
         e.deferred = FileRead(os.fsencode(full), limit)
+        if remote is not None and ext in SIDECAR_EXTENSIONS and e.deferred.path in remote:
+            # A remote landing's sidecar staged as a placeholder: read the object itself.
+            e.deferred = remote[e.deferred.path]
         e.read = e.deferred.read
     return e
 
 
-def _iter_folder(ref: BatchRef, max_file_bytes: int, defer: bool = False) -> Iterator[Candidate]:
+def _iter_folder(
+    ref: BatchRef,
+    max_file_bytes: int,
+    defer: bool = False,
+    defer_sidecars: bool = False,
+    remote: Mapping[bytes, Any] | None = None,
+) -> Iterator[Candidate]:
     groups: dict[str, list[tuple[str, str, str]]] = {}  # stem -> (full, rel, ext)
     unlisted: list[Candidate] = []
 
@@ -712,8 +771,10 @@ def _iter_folder(ref: BatchRef, max_file_bytes: int, defer: bool = False) -> Ite
             groups.setdefault(stem, []).append((full, rel, ext))
     yield from unlisted
     for stem in sorted(groups):
-        entries = [_folder_entry(f, r, x, max_file_bytes) for f, r, x in sorted(groups[stem])]
-        yield from _sample_candidates(ref, entries, defer)
+        entries = [
+            _folder_entry(f, r, x, max_file_bytes, remote) for f, r, x in sorted(groups[stem])
+        ]
+        yield from _sample_candidates(ref, entries, defer, defer_sidecars)
 
 
 # --------------------------------------------------------------------------- archives
@@ -1125,6 +1186,8 @@ def iter_candidates(
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     defer_reads: bool = False,
     spool_dir: str | None = None,
+    defer_sidecars: bool = False,
+    remote_sidecars: Mapping[bytes, Any] | None = None,
 ) -> Iterator[Candidate]:
     """Every input file of a batch, in a deterministic order, readable or not.
 
@@ -1136,7 +1199,11 @@ def iter_candidates(
     ``spool_dir`` (with ``defer_reads``): an archive's image members over
     ``STREAM_ABOVE_BYTES`` are copied to temporary files there instead of into memory, and
     come unread too (``FileRead.temporary``: the caller deletes each once checked, and the
-    directory when done).
+    directory when done). ``defer_sidecars`` (with ``defer_reads``): a folder sample's
+    sidecars come unread with its images (``Candidate.sidecars``), for the validator to read.
+    ``remote_sidecars``: readers (``remote_landing.RemoteRead``) by the local path of the
+    placeholder a remote landing staged for a sidecar: read through them, never the
+    placeholder.
     """
     if ref.kind in ("archive", "manifest"):
         try:
@@ -1146,7 +1213,7 @@ def iter_candidates(
         if not stat.S_ISREG(st.st_mode):  # a FIFO named x.tar would block the reader
             raise BatchError(f"{_where(ref.path)} is {_file_kind(st.st_mode)}, not a file")
     if ref.kind == "folder":
-        yield from _iter_folder(ref, max_file_bytes, defer_reads)
+        yield from _iter_folder(ref, max_file_bytes, defer_reads, defer_sidecars, remote_sidecars)
     elif ref.kind == "archive":
         yield from _iter_archive(ref, max_file_bytes, spool_dir if defer_reads else None)
     elif ref.kind == "manifest":
