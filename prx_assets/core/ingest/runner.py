@@ -562,7 +562,9 @@ class BatchIngest:
             self.max_file_bytes,
             defer_reads=defer,
             spool_dir=spool_dir,
-            defer_sidecars=sidecars_there,
+            # Only where the workers read the images too: they then reach the sidecars.
+            defer_sidecars=sidecars_there
+            and (pool.same_machine or shared or bool(self.remote_reads)),
             remote_sidecars=self.remote_reads,
         ):
             if isinstance(c.deferred, FileRead) and c.deferred.path in self.remote_reads:
@@ -573,7 +575,7 @@ class BatchIngest:
                     c.data = c.deferred.read()
                 except FileRefused as exc:
                     c.error = (exc.reason, bound_text(exc.detail))
-                if c.sidecars:  # nor are this machine's sidecars: read them here too
+                if c.sidecars:  # nor this machine's sidecars (not deferred then): here too
                     self._apply_sidecars(c, *resolve_sidecars(RowMeta.of(c)))
                     c.sidecars = ()
             source = c.data if c.data is not None else c.deferred
@@ -591,9 +593,13 @@ class BatchIngest:
                     continue  # another image of the sample recorded it
                 self._sidecars_refused.add(path)
                 refused = Candidate(
-                    path, None, source=c.source, license=c.license, error=(reason, detail)
+                    path,
+                    None,
+                    source=c.source,
+                    license=c.license,
+                    error=(reason, detail),
+                    size=size,
                 )
-                refused.size = size
                 self._decide(refused, None)
             listed = ", ".join(f"{quote_bounded(p)} ({r})" for p, r, _, _ in problems[:3])
             c.error = (

@@ -48,8 +48,10 @@ def raw_images(context: AssetExecutionContext, lab: LabResource) -> MaterializeR
         written_fragments = run.write_images(fragments)
         # A compaction the commit makes due rewrites the rows on the workers that wrote them.
         store.rewrite = run.rewrite_on_workers()
-        written = store.commit_partition(IMAGES, ref.key, written_fragments)
-        store.rewrite = None  # the rejects are written here (small rows)
+        try:
+            written = store.commit_partition(IMAGES, ref.key, written_fragments)
+        finally:
+            store.rewrite = None  # the rejects are written here (small rows)
         rejected = store.replace_partition(REJECTS, ref.key, run.rejects)
     stats = run.stats
     context.log.info(

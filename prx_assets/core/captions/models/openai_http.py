@@ -196,7 +196,7 @@ def encode_body(body: dict[str, Any]) -> bytes:
     and joins the URLs' bytes in. Each URL stands in as a placeholder holding 128 random
     bits drawn per request, so no text in the body can name one; each must be found
     exactly once. The bytes are ``json.dumps``'s, compact separators aside
-    (``core/test_captions_http.py`` checks both decode to the same body).
+    (``core/models/test_request_encoding.py`` checks both decode to the same body).
     """
     urls: list[DataURL] = []
     token = secrets.token_hex(16)
