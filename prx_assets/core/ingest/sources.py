@@ -623,6 +623,7 @@ def _sample_candidates(
     )
     sidecars: dict[str, tuple[str, bytes]] = {}
     unread: list[tuple[str, str, FileRead, int | None]] = []
+    first_of: dict[str, str] = {}  # extension -> the path of the sample's sidecar, read or not
     problems: list[str] = []
     for e in entries:
         if e.ext not in SIDECAR_EXTENSIONS:
@@ -630,19 +631,18 @@ def _sample_candidates(
         try:
             if e.refusal is not None:
                 raise e.refusal
-            first = sidecars.get(e.ext) or next(
-                ((p, b"") for x, p, _, _ in unread if x == e.ext), None
-            )
-            if first is not None:
+            if e.ext in first_of:
                 raise FileRefused(
                     BAD_SIDECAR,
-                    f"a second {e.ext} sidecar for one sample (after {quote_bounded(first[0])})",
+                    f"a second {e.ext} sidecar for one sample (after "
+                    f"{quote_bounded(first_of[e.ext])})",
                 )
             if later and e.deferred is not None:
                 unread.append((e.ext, e.path, e.deferred, e.size))
-                continue
-            assert e.read is not None
-            sidecars[e.ext] = (e.path, e.read())
+            else:
+                assert e.read is not None
+                sidecars[e.ext] = (e.path, e.read())
+            first_of[e.ext] = e.path  # once it is in hand (read or left for the worker)
         except FileRefused as exc:
             problems.append(f"{quote_bounded(e.path)} ({exc.reason})")
             yield _refused(ref, e, exc)
