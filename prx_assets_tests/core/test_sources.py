@@ -544,3 +544,44 @@ def test_archives_keep_the_webdataset_first_dot_grouping(tmp_path):
     assert set(cands) == {"a.jpg", "a.seg.png"}
     assert cands["a.jpg"].error is None and cands["a.jpg"].alt_text == "a red square"
     assert cands["a.seg.png"].error[0] == "unsupported_extension"
+
+
+def test_a_step_resolves_its_batch_without_inspecting_the_others(tmp_path, monkeypatch):
+    """Why: ``resolve_batch`` ran ``discover_batches``, which stats every entry's marker, on
+    every step (10^5 landed batches: seconds before any work). Only entries whose names map
+    to the key are looked at now, with the same answers and refusals."""
+    import prx_assets.core.ingest.sources as sources
+
+    for i in range(30):
+        (tmp_path / "s" / f"{i:03d}").mkdir(parents=True)
+        (tmp_path / "s" / f"{i:03d}" / "_SUCCESS").write_text("")
+    (tmp_path / "s" / "a b").mkdir()  # maps to s.a-b
+    (tmp_path / "s" / "a b" / "_SUCCESS").write_text("")
+    (tmp_path / "s" / "open").mkdir()  # no marker: not a batch yet
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "x.tar").write_bytes(b"")  # t.x twice: refused wherever it is asked
+    (tmp_path / "t" / "x.csv").write_text("path\n")
+    inspected: list[str] = []
+    real = sources._chunk_name
+
+    def counted(entry: Path):  # noqa: ANN202
+        inspected.append(entry.name)
+        return real(entry)
+
+    monkeypatch.setattr(sources, "_chunk_name", counted)
+    ref = resolve_batch(tmp_path, "s.007")
+    assert (ref.key, ref.kind, ref.path) == ("s.007", "folder", tmp_path / "s" / "007")
+    assert inspected == ["007"]
+    assert resolve_batch(tmp_path, "s.a-b").path == tmp_path / "s" / "a b"
+    for missing in ("s.open", "s.999", "u.007", "s.007.x", "no-dot"):
+        with pytest.raises(BatchError, match="no complete batch"):
+            resolve_batch(tmp_path, missing)
+    with pytest.raises(BatchError, match="two landing entries"):
+        resolve_batch(tmp_path, "t.x")
+    (tmp_path / "s" / "a-b").mkdir()  # a second entry for s.a-b
+    (tmp_path / "s" / "a-b" / "_SUCCESS").write_text("")
+    with pytest.raises(BatchError, match="two landing entries"):
+        resolve_batch(tmp_path, "s.a-b")
+    monkeypatch.setattr(sources, "_chunk_name", real)
+    with pytest.raises(BatchError, match="two landing entries"):
+        discover_batches(tmp_path)  # the whole zone: refused as before

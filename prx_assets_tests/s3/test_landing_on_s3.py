@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from dagster import DagsterInstance, SensorResult, build_sensor_context
 
 from prx_assets.core.ingest.remote_landing import discover_landing, landing_batch
 from prx_assets.core.ingest.runner import BatchIngest
-from prx_assets.core.ingest.sources import iter_candidates
+from prx_assets.core.ingest.sources import BatchError, iter_candidates
 from prx_assets.core.storage import open_store
 from prx_assets.defs.ingest.sensors import landing_sensor
 from prx_assets.defs.resources import LabResource
@@ -92,3 +93,37 @@ def test_staging_a_folder_batch_asks_nothing_per_image(s3_prefix):
     assert ("GetObject", f"{store.prefix}/src/c0/_SUCCESS") in per_object  # it does see calls
     assert not [c for c in per_object if c[1].endswith((".jpg", ".txt"))], per_object
     assert alts == {f"{n}.jpg": f"alt text {n}" for n in "abc"}
+
+
+def test_a_step_asks_only_about_its_own_remote_batch(s3_prefix):
+    """Why: staging a batch ran ``discover_landing``, a HEAD per landed folder (10^4
+    batches: 10^4 requests per step). Only entries whose names map to the key are asked
+    about now; two entries for one key are still refused."""
+    landing = f"{s3_prefix}/landing"
+    store = open_store(landing)
+    for i in range(12):
+        store.put(f"src/c{i:02d}/a.jpg", solid_jpeg((32, 24), (120, 30, 200)))
+        store.put(f"src/c{i:02d}/_SUCCESS", b"")
+    store.put("src/x.tar", b"")
+    store.put("src/x.csv", b"path\n")
+    calls: list[tuple[str, str]] = []
+
+    def record(params, model, **_):  # noqa: ANN001, ANN003, ANN202
+        calls.append((model.name, params.get("Key", "")))
+
+    events = store.client.meta.events
+    events.register("before-parameter-build.s3", record)
+    try:
+        with landing_batch(landing, "src.c07") as (ref, shown):
+            assert shown == f"{landing}/src/c07"
+            assert sorted(p.name for p in ref.path.iterdir()) == ["_SUCCESS", "a.jpg"]
+    finally:
+        events.unregister("before-parameter-build.s3", record)
+    heads = [key for op, key in calls if op == "HeadObject"]
+    assert all("/src/c07/" in k or k.endswith("/src/_source.json") for k in heads), heads
+    with pytest.raises(BatchError, match="two landing entries"):
+        with landing_batch(landing, "src.x"):
+            pass
+    with pytest.raises(BatchError, match="no complete batch"):
+        with landing_batch(landing, "src.c99"):
+            pass

@@ -52,7 +52,10 @@ from prx_assets.core.ingest.sources import (
     _too_large,
     batch_key,
     discover_batches,
+    entry_chunk,
     file_chunk,
+    key_part,
+    key_parts,
     resolve_batch,
 )
 from prx_assets.core.storage import (
@@ -104,6 +107,38 @@ def discover_landing(landing: str | os.PathLike[str]) -> list[BatchRef]:
                 )
             found[ref.key] = ref
     return [found[k] for k in sorted(found)]
+
+
+def _find_remote(store: ObjectStore, key: str) -> BatchRef | None:
+    """The remote batch of partition ``key`` (as ``discover_landing`` finds it), asking only
+    about entries whose names map to it: a step's requests do not grow with the landing
+    zone's other batches (``discover_landing`` asks for every folder's marker)."""
+    parts = key_parts(key)
+    if parts is None:
+        return None
+    found: list[BatchRef] = []
+    sources, _ = store.children("")
+    for source in sources:
+        if _ignored(source) or key_part(source) != parts[0]:
+            continue
+        dirs, files = store.children(source)
+        named = [(d, entry_chunk(d, True)) for d in dirs]
+        named += [(f, entry_chunk(f, False)) for f in files]
+        for entry, chunk_kind in sorted(named):
+            if chunk_kind is None or key_part(chunk_kind[0]) != parts[1]:
+                continue
+            chunk, kind = chunk_kind
+            if kind == "folder" and store.size(f"{source}/{entry}/{READY_MARKER}") is None:
+                continue
+            src, ch = printable_name(source.encode()), printable_name(chunk.encode())
+            if batch_key(src, ch) == key:
+                found.append(BatchRef(key, src, ch, Path(source) / entry, kind))
+    if len(found) > 1:
+        raise BatchError(
+            f"two landing entries map to partition {key!r}: {found[0].path} and "
+            f"{found[1].path}; rename one"
+        )
+    return found[0] if found else None
 
 
 def _local_rel(key: str) -> Path:
@@ -226,10 +261,10 @@ def landing_batch(
         ref = resolve_batch(Path(text), key)
         yield ref, printable_name(os.fsencode(ref.path))
         return
-    remote = {r.key: r for r in discover_landing(text)}.get(key)
+    store = open_store(text)
+    remote = _find_remote(store, key)
     if remote is None:
         raise BatchError(f"no complete batch for partition {key!r} under {text}")
-    store = open_store(text)
     source, entry = remote.path.parts[0], remote.path.name
     with tempfile.TemporaryDirectory(prefix="prx-landing-") as tmp:
         dest = Path(tmp)

@@ -345,11 +345,64 @@ def discover_batches(landing: Path) -> list[BatchRef]:
     return [found[k] for k in sorted(found)]
 
 
+def key_part(name: str) -> str:
+    """A source's or chunk's name as it appears in partition keys (``batch_key``)."""
+    return _KEY_SAFE.sub("-", printable_name(name))
+
+
+def key_parts(key: str) -> tuple[str, str] | None:
+    """(source, chunk) as ``batch_key`` made them safe (neither holds a dot), or None for a
+    key no landing entry can have."""
+    source, dot, chunk = key.partition(".")
+    if not dot or _KEY_SAFE.search(source) or _KEY_SAFE.search(chunk):
+        return None
+    return source, chunk
+
+
+def entry_chunk(name: str, is_dir: bool) -> tuple[str, str] | None:
+    """(chunk, kind) a landing entry would have by its name alone (a folder still needs
+    its marker to be a batch); None for a name that is ignored or no batch."""
+    if _ignored(name):
+        return None
+    return (name, "folder") if is_dir else file_chunk(name)
+
+
 def resolve_batch(landing: Path, key: str) -> BatchRef:
-    for ref in discover_batches(landing):
-        if ref.key == key:
-            return ref
-    raise BatchError(f"no complete batch for partition {key!r} under {landing}")
+    """The complete batch of partition ``key``, as ``discover_batches`` finds it.
+
+    Why not ``discover_batches``: a step resolves its own batch, and that stat every entry
+    of the landing zone (10^5 batches: seconds per step). Only entries whose names map to
+    ``key`` are inspected here (one listing per source whose name maps to it); two that map
+    to it are refused as there."""
+    parts = key_parts(key)
+    found: list[BatchRef] = []
+    if parts is not None and landing.is_dir():
+        for source_dir in sorted(p for p in landing.iterdir() if p.is_dir()):
+            if _ignored(source_dir.name) or key_part(source_dir.name) != parts[0]:
+                continue
+            defaults: dict[str, str] | None = None
+            with os.scandir(source_dir) as listing:
+                names = sorted((e.name, e.is_dir(follow_symlinks=True)) for e in listing)
+            for name, is_dir in names:
+                named = entry_chunk(name, is_dir)
+                if named is None or key_part(named[0]) != parts[1]:
+                    continue
+                entry = source_dir / name
+                named = _chunk_name(entry)
+                if named is None:
+                    continue
+                if defaults is None:
+                    defaults = _source_defaults(source_dir)
+                found.append(_ref(source_dir, entry, *named, defaults))
+    found = [r for r in found if r.key == key]
+    if len(found) > 1:
+        first, second = (printable_name(os.fsencode(r.path)) for r in found[:2])
+        raise BatchError(
+            f"two landing entries map to partition {key!r}: {first} and {second}; rename one"
+        )
+    if not found:
+        raise BatchError(f"no complete batch for partition {key!r} under {landing}")
+    return found[0]
 
 
 def describe_batch(path: Path, landing: Path) -> BatchRef:
