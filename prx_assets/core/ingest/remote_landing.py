@@ -211,10 +211,15 @@ def _stage(
     remote_reads: dict[bytes, RemoteRead] | None = None,
     landing: str = "",
     listed: int | None = None,
+    made: set[Path] | None = None,
 ) -> None:
-    """Stage one object under ``dest``; ``listed``: its size from a listing (else asked)."""
+    """Stage one object under ``dest``; ``listed``: its size from a listing (else asked);
+    ``made``: the directories staged so far (one ``mkdir`` per directory, not per object)."""
     target = dest / _local_rel(key)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if made is None or target.parent not in made:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if made is not None:
+            made.add(target.parent)
     size = listed if listed is not None else store.size(key)
     if max_file_bytes is not None and size is not None and size > max_file_bytes:
         with open(target, "wb") as fh:  # sparse: refused as too_large, never read
@@ -271,8 +276,9 @@ def landing_batch(
         if store.size(f"{source}/{SOURCE_DEFAULTS_FILE}") is not None:
             _stage(store, f"{source}/{SOURCE_DEFAULTS_FILE}", dest, None)
         if remote.kind == "folder":
+            made: set[Path] = set()
             for k, size in store.list_sizes(f"{source}/{entry}").items():
-                _stage(store, k, dest, max_file_bytes, remote_reads, text, size)
+                _stage(store, k, dest, max_file_bytes, remote_reads, text, size, made)
         else:
             _stage(store, f"{source}/{entry}", dest, None)
         if remote.kind == "manifest":

@@ -744,8 +744,9 @@ def _sample_candidates(
 def _folder_entry(
     full: str, rel: str, ext: str, max_file_bytes: int, remote: Mapping[bytes, Any] | None = None
 ) -> _Entry:
-    e = _Entry(_display_path(os.fsencode(rel)), ext)
-    e.refusal = _name_refusal(os.fsencode(rel))
+    raw = os.fsencode(rel)
+    e = _Entry(_display_path(raw), ext)
+    e.refusal = _name_refusal(raw)
     if e.refusal is not None:
         return e
     try:
@@ -804,7 +805,9 @@ def _iter_folder(
             )
         )
 
-    for root, dirs, files in os.walk(ref.path, onerror=_unlistable, followlinks=False):
+    top = os.fspath(ref.path)
+    cut = len(top.rstrip("/")) + 1  # a listed path's part under the batch (os.walk joins)
+    for root, dirs, files in os.walk(top, onerror=_unlistable, followlinks=False):
         listed = list(files)
         kept = []
         for d in sorted(dirs):
@@ -816,10 +819,10 @@ def _iter_folder(
                 kept.append(d)
         dirs[:] = kept
         for name in listed:
-            if name.startswith(".") or (name == READY_MARKER and root == str(ref.path)):
+            if name.startswith(".") or (name == READY_MARKER and root == top):
                 continue
             full = os.path.join(root, name)
-            rel = Path(os.path.relpath(full, ref.path)).as_posix()
+            rel = full[cut:]  # as ``relpath``, without its two ``abspath`` per file
             stem, ext = _split_last_ext(rel)
             groups.setdefault(stem, []).append((full, rel, ext))
     yield from unlisted
