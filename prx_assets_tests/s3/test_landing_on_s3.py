@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from dagster import DagsterInstance, SensorResult, build_sensor_context
+from dagster import DagsterInstance, SensorResult, SkipReason, build_sensor_context
 
 from prx_assets.core.ingest.remote_landing import discover_landing, landing_batch
 from prx_assets.core.ingest.runner import BatchIngest
@@ -127,3 +127,48 @@ def test_a_step_asks_only_about_its_own_remote_batch(s3_prefix):
     with pytest.raises(BatchError, match="no complete batch"):
         with landing_batch(landing, "src.c99"):
             pass
+
+
+def test_the_remote_landing_sensor_asks_only_about_new_folders(s3_prefix, tmp_path):
+    """Why: each tick asked for every landed folder's ``_SUCCESS`` (a HEAD per batch ever
+    landed: 10^5 batches, 10^5 requests every 30 s). Registered keys are not asked about;
+    a new folder is, and one that is not complete yet is not requested."""
+    landing = f"{s3_prefix}/landing"
+    store = open_store(landing)
+    for i in range(8):
+        store.put(f"src/c{i:02d}/a.jpg", solid_jpeg((32, 24), (120, 30, 200)))
+        store.put(f"src/c{i:02d}/_SUCCESS", b"")
+    lab = LabResource(data_root=str(tmp_path), landing_dir=landing)
+    calls: list[tuple[str, str]] = []
+
+    def record(params, model, **_):  # noqa: ANN001, ANN003, ANN202
+        calls.append((model.name, params.get("Key", "")))
+
+    events = store.client.meta.events
+    with DagsterInstance.ephemeral() as instance:
+        with build_sensor_context(instance=instance, resources={"lab": lab}) as ctx:
+            first = landing_sensor(ctx)
+        assert sorted(r.partition_key for r in first.run_requests) == [
+            f"src.c{i:02d}" for i in range(8)
+        ]
+        store.put("src/c08/a.jpg", solid_jpeg((32, 24), (120, 30, 200)))  # not complete
+        store.put("src/c09/a.jpg", solid_jpeg((32, 24), (120, 30, 200)))
+        store.put("src/c09/_SUCCESS", b"")
+        events.register("before-parameter-build.s3", record)
+        try:
+            with build_sensor_context(
+                instance=instance, resources={"lab": lab}, cursor=first.cursor
+            ) as ctx:
+                second = landing_sensor(ctx)
+        finally:
+            events.unregister("before-parameter-build.s3", record)
+        store.put("src/c03.tar", b"")  # a second entry for a registered key: still refused
+        with build_sensor_context(
+            instance=instance, resources={"lab": lab}, cursor=second.cursor
+        ) as ctx:
+            third = landing_sensor(ctx)
+    assert [r.partition_key for r in second.run_requests] == ["src.c09"]
+    heads = sorted(key.rsplit("/", 2)[-2] for op, key in calls if op == "HeadObject")
+    assert heads == ["c08", "c09"], calls
+    assert isinstance(third, SkipReason)  # nothing requested, the reason said
+    assert "two landing entries map to partition 'src.c03'" in third.skip_message

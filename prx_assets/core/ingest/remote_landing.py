@@ -33,7 +33,7 @@ import contextlib
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,27 +86,50 @@ def _remote_entries(store: ObjectStore, source: str) -> list[tuple[str, str, str
     return sorted(out)
 
 
-def discover_landing(landing: str | os.PathLike[str]) -> list[BatchRef]:
-    """Every complete batch of a local or remote landing zone, sorted by key."""
+def discover_landing(
+    landing: str | os.PathLike[str], known: Callable[[str], bool] | None = None
+) -> list[BatchRef]:
+    """Every complete batch of a local or remote landing zone, sorted by key.
+
+    ``known`` (remote only): keys already registered, left out of the answer. A folder's
+    marker is asked about (a HEAD) only where its key is not known, or where another entry
+    maps to the same key (refused as two entries, as without ``known``): the landing
+    sensor's tick asks about new folders, not about every folder ever landed."""
     text = os.fspath(landing)
     if not is_remote(text):
         return discover_batches(Path(text))
     store = open_store(text)
-    found: dict[str, BatchRef] = {}
+    by_key: dict[str, list[tuple[str, str, str, str, str]]] = {}
     sources, _ = store.children("")
     for source in sources:
         if _ignored(source):
             continue
-        for entry, chunk, kind in _remote_entries(store, source):
+        dirs, files = store.children(source)
+        named = [(d, entry_chunk(d, True)) for d in dirs] + [
+            (f, entry_chunk(f, False)) for f in files
+        ]
+        for entry, chunk_kind in sorted(named):
+            if chunk_kind is None:
+                continue
+            chunk, kind = chunk_kind
             src, ch = printable_name(source.encode()), printable_name(chunk.encode())
-            ref = BatchRef(batch_key(src, ch), src, ch, Path(source) / entry, kind)
-            if ref.key in found:
+            by_key.setdefault(batch_key(src, ch), []).append((source, entry, kind, src, ch))
+    found: dict[str, BatchRef] = {}
+    for key in sorted(by_key):
+        group = by_key[key]
+        if known is not None and len(group) == 1 and known(key):
+            continue  # registered, and nothing else claims its key: no request
+        for source, entry, kind, src, ch in group:
+            if kind == "folder" and store.size(f"{source}/{entry}/{READY_MARKER}") is None:
+                continue  # not complete yet
+            ref = BatchRef(key, src, ch, Path(source) / entry, kind)
+            if key in found:
                 raise BatchError(
-                    f"two landing entries map to partition {ref.key!r}: "
-                    f"{found[ref.key].path} and {ref.path}; rename one"
+                    f"two landing entries map to partition {key!r}: "
+                    f"{found[key].path} and {ref.path}; rename one"
                 )
-            found[ref.key] = ref
-    return [found[k] for k in sorted(found)]
+            found[key] = ref
+    return [found[k] for k in sorted(found) if known is None or not known(k)]
 
 
 def _find_remote(store: ObjectStore, key: str) -> BatchRef | None:

@@ -55,9 +55,9 @@ def landing_sensor(context: SensorEvaluationContext, lab: LabResource):
 
     landing = lab.landing_uri
     try:
-        if is_remote(landing):  # object storage has no directory mtimes: listed in full
-            scan = None
-            new_refs = [r for r in discover_landing(landing) if not is_known(r.key)]
+        if is_remote(landing):  # object storage has no directory mtimes: listed in full,
+            scan = None  # but only new folders' markers are asked about
+            new_refs = discover_landing(landing, known=is_known)
         else:
             scan = scan_landing(Path(landing), state, is_known)
             new_refs = scan.new
