@@ -316,6 +316,7 @@ class Lab(VersionPins):
                 "rows_written": rows,
                 "rows_replaced": addresses.num_rows,
                 "version": committed.version,  # before index commits move ``committed`` on
+                "attempts": attempt + 1,  # more than 1: a concurrent commit was in the way
             }
             self.ensure_indexes(spec, committed)
             return result, committed
