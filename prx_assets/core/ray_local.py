@@ -1,4 +1,8 @@
-"""A real Ray cluster on 127.0.0.1 for tests, the Ray benchmark and trying ``PRX_EXECUTOR=ray``.
+"""A real Ray cluster on this machine for tests, the Ray benchmark and trying ``PRX_EXECUTOR=ray``.
+
+Its nodes are started with ``--node-ip-address=127.0.0.1``, which Ray turns into the host's
+routable address; the GCS and raylets then listen beyond loopback (docs/deploy.md says what
+that means for a deployment). The dashboard and its job server stay on 127.0.0.1.
 
 A head node and worker nodes, each started by the ``ray`` command line (``ray start``) in a
 session of its own, with the dashboard on 127.0.0.1 (it serves Ray's state API: ``ray list
