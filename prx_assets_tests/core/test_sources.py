@@ -585,3 +585,22 @@ def test_a_step_resolves_its_batch_without_inspecting_the_others(tmp_path, monke
     monkeypatch.setattr(sources, "_chunk_name", real)
     with pytest.raises(BatchError, match="two landing entries"):
         discover_batches(tmp_path)  # the whole zone: refused as before
+
+
+def test_folder_paths_are_relative_to_the_batch_at_any_depth(tmp_path):
+    """The listing names each file by its path under the batch (sliced from the walked path,
+    not ``relpath``): nested folders keep their sidecars, and only the batch's own
+    ``_SUCCESS`` is the marker (a nested one is a file like any other)."""
+    b = tmp_path / "s" / "000"
+    (b / "a" / "b").mkdir(parents=True)
+    (b / "top.jpg").write_bytes(PHOTO)
+    (b / "a" / "mid.jpg").write_bytes(PHOTO)
+    (b / "a" / "b" / "deep.jpg").write_bytes(PHOTO)
+    (b / "a" / "b" / "deep.txt").write_text("deep alt")
+    (b / "a" / "_SUCCESS").write_text("")
+    (b / "_SUCCESS").write_text("")
+    for landing in (tmp_path, Path(os.path.relpath(tmp_path))):
+        cands = {c.path: c for c in iter_candidates(resolve_batch(landing, "s.000"))}
+        assert set(cands) == {"top.jpg", "a/mid.jpg", "a/b/deep.jpg", "a/_SUCCESS"}
+        assert cands["a/b/deep.jpg"].alt_text == "deep alt"
+        assert cands["a/_SUCCESS"].error[0] == "unsupported_extension"
