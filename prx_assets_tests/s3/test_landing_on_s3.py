@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 from dagster import DagsterInstance, SensorResult, SkipReason, build_sensor_context
 
@@ -12,6 +15,22 @@ from prx_assets.core.storage import open_store
 from prx_assets.defs.ingest.sensors import landing_sensor
 from prx_assets.defs.resources import LabResource
 from prx_assets.demo.jpegs import solid_jpeg
+
+
+@contextlib.contextmanager
+def requests_of(store) -> Iterator[list[tuple[str, str]]]:  # noqa: ANN001
+    """Every S3 call ``store``'s client makes inside the block: (operation, key)."""
+    calls: list[tuple[str, str]] = []
+
+    def record(params, model, **_):  # noqa: ANN001, ANN003, ANN202
+        calls.append((model.name, params.get("Key", "")))
+
+    events = store.client.meta.events
+    events.register("before-parameter-build.s3", record)
+    try:
+        yield calls
+    finally:
+        events.unregister("before-parameter-build.s3", record)
 
 
 def test_only_complete_remote_batches_are_seen_and_staged(s3_prefix, tmp_path):
@@ -64,14 +83,7 @@ def test_staging_a_folder_batch_asks_nothing_per_image(s3_prefix):
         store.put(f"src/c0/{name}.jpg", solid_jpeg((32, 24), (120, 30, 200)))
         store.put(f"src/c0/{name}.txt", f"alt text {name}".encode())
     store.put("src/c0/_SUCCESS", b"")
-    calls: list[tuple[str, str]] = []
-
-    def record(params, model, **_):  # noqa: ANN001, ANN003, ANN202
-        calls.append((model.name, params.get("Key", "")))
-
-    events = store.client.meta.events
-    events.register("before-parameter-build.s3", record)
-    try:
+    with requests_of(store) as calls:
         reads: dict = {}
         with landing_batch(landing, "src.c0", max_file_bytes=1 << 20, remote_reads=reads) as (
             ref,
@@ -84,8 +96,6 @@ def test_staging_a_folder_batch_asks_nothing_per_image(s3_prefix):
                 c.path: c.alt_text
                 for c in iter_candidates(ref, defer_reads=True, remote_sidecars=reads)
             }
-    finally:
-        events.unregister("before-parameter-build.s3", record)
     assert staged == ["_SUCCESS", "a.jpg", "a.txt", "b.jpg", "b.txt", "c.jpg", "c.txt"]
     assert sorted(r.key for r in reads.values()) == [
         f"src/c0/{n}.{x}" for n in "abc" for x in ("jpg", "txt")
@@ -106,19 +116,10 @@ def test_a_step_asks_only_about_its_own_remote_batch(s3_prefix):
         store.put(f"src/c{i:02d}/_SUCCESS", b"")
     store.put("src/x.tar", b"")
     store.put("src/x.csv", b"path\n")
-    calls: list[tuple[str, str]] = []
-
-    def record(params, model, **_):  # noqa: ANN001, ANN003, ANN202
-        calls.append((model.name, params.get("Key", "")))
-
-    events = store.client.meta.events
-    events.register("before-parameter-build.s3", record)
-    try:
+    with requests_of(store) as calls:
         with landing_batch(landing, "src.c07") as (ref, shown):
             assert shown == f"{landing}/src/c07"
             assert sorted(p.name for p in ref.path.iterdir()) == ["_SUCCESS", "a.jpg"]
-    finally:
-        events.unregister("before-parameter-build.s3", record)
     heads = [key for op, key in calls if op == "HeadObject"]
     assert all("/src/c07/" in k or k.endswith("/src/_source.json") for k in heads), heads
     with pytest.raises(BatchError, match="two landing entries"):
@@ -139,12 +140,6 @@ def test_the_remote_landing_sensor_asks_only_about_new_folders(s3_prefix, tmp_pa
         store.put(f"src/c{i:02d}/a.jpg", solid_jpeg((32, 24), (120, 30, 200)))
         store.put(f"src/c{i:02d}/_SUCCESS", b"")
     lab = LabResource(data_root=str(tmp_path), landing_dir=landing)
-    calls: list[tuple[str, str]] = []
-
-    def record(params, model, **_):  # noqa: ANN001, ANN003, ANN202
-        calls.append((model.name, params.get("Key", "")))
-
-    events = store.client.meta.events
     with DagsterInstance.ephemeral() as instance:
         with build_sensor_context(instance=instance, resources={"lab": lab}) as ctx:
             first = landing_sensor(ctx)
@@ -154,14 +149,11 @@ def test_the_remote_landing_sensor_asks_only_about_new_folders(s3_prefix, tmp_pa
         store.put("src/c08/a.jpg", solid_jpeg((32, 24), (120, 30, 200)))  # not complete
         store.put("src/c09/a.jpg", solid_jpeg((32, 24), (120, 30, 200)))
         store.put("src/c09/_SUCCESS", b"")
-        events.register("before-parameter-build.s3", record)
-        try:
+        with requests_of(store) as calls:
             with build_sensor_context(
                 instance=instance, resources={"lab": lab}, cursor=first.cursor
             ) as ctx:
                 second = landing_sensor(ctx)
-        finally:
-            events.unregister("before-parameter-build.s3", record)
         store.put("src/c03.tar", b"")  # a second entry for a registered key: still refused
         with build_sensor_context(
             instance=instance, resources={"lab": lab}, cursor=second.cursor
