@@ -86,6 +86,14 @@ def _remote_entries(store: ObjectStore, source: str) -> list[tuple[str, str, str
     return sorted(out)
 
 
+def _named_entries(store: ObjectStore, source: str) -> list[tuple[str, str, str]]:
+    """(entry, chunk, kind) of every entry of one remote source that names a batch, from one
+    listing and the names alone (a folder's marker is not asked about here)."""
+    dirs, files = store.children(source)
+    named = [(d, entry_chunk(d, True)) for d in dirs] + [(f, entry_chunk(f, False)) for f in files]
+    return sorted((entry, *ck) for entry, ck in named if ck is not None)
+
+
 def discover_landing(
     landing: str | os.PathLike[str], known: Callable[[str], bool] | None = None
 ) -> list[BatchRef]:
@@ -104,14 +112,7 @@ def discover_landing(
     for source in sources:
         if _ignored(source):
             continue
-        dirs, files = store.children(source)
-        named = [(d, entry_chunk(d, True)) for d in dirs] + [
-            (f, entry_chunk(f, False)) for f in files
-        ]
-        for entry, chunk_kind in sorted(named):
-            if chunk_kind is None:
-                continue
-            chunk, kind = chunk_kind
+        for entry, chunk, kind in _named_entries(store, source):
             src, ch = printable_name(source.encode()), printable_name(chunk.encode())
             by_key.setdefault(batch_key(src, ch), []).append((source, entry, kind, src, ch))
     found: dict[str, BatchRef] = {}
@@ -144,13 +145,9 @@ def _find_remote(store: ObjectStore, key: str) -> BatchRef | None:
     for source in sources:
         if _ignored(source) or key_part(source) != parts[0]:
             continue
-        dirs, files = store.children(source)
-        named = [(d, entry_chunk(d, True)) for d in dirs]
-        named += [(f, entry_chunk(f, False)) for f in files]
-        for entry, chunk_kind in sorted(named):
-            if chunk_kind is None or key_part(chunk_kind[0]) != parts[1]:
+        for entry, chunk, kind in _named_entries(store, source):
+            if key_part(chunk) != parts[1]:
                 continue
-            chunk, kind = chunk_kind
             if kind == "folder" and store.size(f"{source}/{entry}/{READY_MARKER}") is None:
                 continue
             src, ch = printable_name(source.encode()), printable_name(chunk.encode())
