@@ -164,3 +164,27 @@ def test_the_remote_landing_sensor_asks_only_about_new_folders(s3_prefix, tmp_pa
     assert heads == ["c08", "c09"], calls
     assert isinstance(third, SkipReason)  # nothing requested, the reason said
     assert "two landing entries map to partition 'src.c03'" in third.skip_message
+
+
+def test_a_remote_manifest_batch_is_staged_with_its_files_not_other_batches(s3_prefix):
+    """A manifest on S3 is staged with the files of its source it may name, but not the
+    files of the source's other batches (a folder batch is ingested as its own partition)."""
+    landing = f"{s3_prefix}/landing"
+    store = open_store(landing)
+    store.put("src/files/a.jpg", solid_jpeg((32, 24), (120, 30, 200)))
+    store.put("src/files/b.jpg", solid_jpeg((32, 24), (20, 130, 200)))
+    store.put("src/c0/x.jpg", solid_jpeg((32, 24), (20, 30, 220)))
+    store.put("src/c0/_SUCCESS", b"")
+    store.put("src/m0.csv", b"path,url\nfiles/a.jpg,https://e.x/a\nfiles/b.jpg,\nc0/x.jpg,\n")
+    with landing_batch(landing, "src.m0") as (ref, shown):
+        assert (ref.kind, shown) == ("manifest", f"{landing}/src/m0.csv")
+        staged = sorted(
+            p.relative_to(ref.path.parent).as_posix()
+            for p in ref.path.parent.rglob("*")
+            if p.is_file()
+        )
+        cands = {c.path: c for c in iter_candidates(ref)}
+    assert staged == ["files/a.jpg", "files/b.jpg", "m0.csv"]
+    assert cands["files/a.jpg"].error is None and cands["files/a.jpg"].url == "https://e.x/a"
+    assert cands["files/b.jpg"].error is None
+    assert cands["c0/x.jpg"].error[0] == "missing_file"  # another batch's file: not staged
