@@ -53,7 +53,6 @@ from prx_assets.core.ingest.sources import (
     batch_key,
     discover_batches,
     entry_chunk,
-    file_chunk,
     key_part,
     key_parts,
     resolve_batch,
@@ -75,15 +74,13 @@ def _ignored(name: str) -> bool:
 
 def _remote_entries(store: ObjectStore, source: str) -> list[tuple[str, str, str]]:
     """(entry name, chunk, kind) of every complete batch entry of one remote source."""
-    dirs, files = store.children(source)
-    out = []
-    for d in dirs:
-        if not _ignored(d) and store.size(f"{source}/{d}/{READY_MARKER}") is not None:
-            out.append((d, d, "folder"))
-    for f in files:
-        if not _ignored(f) and (named := file_chunk(f)) is not None:
-            out.append((f, *named))
-    return sorted(out)
+    return [e for e in _named_entries(store, source) if _complete(store, source, *e)]
+
+
+def _complete(store: ObjectStore, source: str, entry: str, chunk: str, kind: str) -> bool:
+    """Whether a named entry is a whole batch: a folder once its marker is there (one
+    ``HEAD``), an archive or manifest as soon as it is listed (one PUT is atomic)."""
+    return kind != "folder" or store.size(f"{source}/{entry}/{READY_MARKER}") is not None
 
 
 def _named_entries(store: ObjectStore, source: str) -> list[tuple[str, str, str]]:
@@ -121,7 +118,7 @@ def discover_landing(
         if known is not None and len(group) == 1 and known(key):
             continue  # registered, and nothing else claims its key: no request
         for source, entry, kind, src, ch in group:
-            if kind == "folder" and store.size(f"{source}/{entry}/{READY_MARKER}") is None:
+            if not _complete(store, source, entry, ch, kind):
                 continue  # not complete yet
             ref = BatchRef(key, src, ch, Path(source) / entry, kind)
             if key in found:
@@ -148,7 +145,7 @@ def _find_remote(store: ObjectStore, key: str) -> BatchRef | None:
         for entry, chunk, kind in _named_entries(store, source):
             if key_part(chunk) != parts[1]:
                 continue
-            if kind == "folder" and store.size(f"{source}/{entry}/{READY_MARKER}") is None:
+            if not _complete(store, source, entry, chunk, kind):
                 continue
             src, ch = printable_name(source.encode()), printable_name(chunk.encode())
             if batch_key(src, ch) == key:

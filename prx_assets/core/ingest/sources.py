@@ -384,16 +384,16 @@ def resolve_batch(landing: Path, key: str) -> BatchRef:
             with os.scandir(source_dir) as listing:
                 names = sorted((e.name, e.is_dir(follow_symlinks=True)) for e in listing)
             for name, is_dir in names:
-                named = entry_chunk(name, is_dir)
-                if named is None or key_part(named[0]) != parts[1]:
+                by_name = entry_chunk(name, is_dir)
+                if by_name is None or key_part(by_name[0]) != parts[1]:
                     continue
                 entry = source_dir / name
-                named = _chunk_name(entry)
-                if named is None:
+                complete = _chunk_name(entry)  # a folder: only once its marker is there
+                if complete is None:
                     continue
                 if defaults is None:
                     defaults = _source_defaults(source_dir)
-                found.append(_ref(source_dir, entry, *named, defaults))
+                found.append(_ref(source_dir, entry, *complete, defaults))
     found = [r for r in found if r.key == key]
     if len(found) > 1:
         first, second = (printable_name(os.fsencode(r.path)) for r in found[:2])
