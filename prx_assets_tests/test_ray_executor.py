@@ -36,7 +36,7 @@ from prx_assets_tests.ray_pipeline import late_square, materialize_batch, refuse
 REPO = Path(__file__).resolve().parents[1]
 KEY = "photos.big"
 PHOTOS = 24
-TASK = "run_prx_item"  # RayPool's task function, as Ray names it in titles and logs
+TASK = "PrxWorker.run"  # RayPool's actor method, as Ray names it in titles and logs
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +85,22 @@ def local_run(tmp_path_factory, landing) -> tuple[Path, dict]:
 
 @pytest.fixture(scope="module")
 def ray_run(tmp_path_factory, landing, cluster) -> tuple[Path, dict[int, int]]:
-    """The same batch with PRX_EXECUTOR=ray, in this process; and the tasks it ran there."""
+    """The same batch with PRX_EXECUTOR=ray, in this process; and the calls each actor
+    process ran for it."""
     root = _data_root(tmp_path_factory.mktemp("on-ray"), landing)
-    before = cluster.tasks_run(TASK)
+    before = calls_by_pid()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PRX_EXECUTOR", "ray")
         mp.setenv("RAY_ADDRESS", cluster.address)
         assert materialize_batch(root, KEY)
-    return root, _delta(before, cluster.tasks_run(TASK))
+    return root, _delta(before, calls_by_pid())
+
+
+def calls_by_pid() -> dict[int, int]:
+    """Items each live ``PrxWorker`` actor process has run (a restarted one counts anew)."""
+    from prx_assets.core.ray_pool import actor_stats
+
+    return {s["pid"]: s["calls"] for s in actor_stats()}
 
 
 def _delta(before: dict[int, int], after: dict[int, int]) -> dict[int, int]:
@@ -176,7 +184,9 @@ def test_a_worker_killed_mid_step_is_retried_and_the_partition_completes(
     shutil.rmtree(root / "shards")  # the rerun must write every directory again
     monkeypatch.setenv("PRX_EXECUTOR", "ray")
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)
-    before = cluster.tasks_run(TASK)
+    from prx_assets.core.ray_pool import actor_stats
+
+    actors_before = {s["node"]: s["pid"] for s in actor_stats()}  # warm from ray_run
 
     result: dict[str, ShardOutcome | BaseException] = {}
 
@@ -199,16 +209,19 @@ def test_a_worker_killed_mid_step_is_retried_and_the_partition_completes(
             time.sleep(0.005)
     runner.join(timeout=300)
     assert not runner.is_alive()
-    assert killed is not None, "no Ray worker was seen running a render: nothing was killed"
+    assert killed is not None, "no Ray actor was seen running a render: nothing was killed"
+    assert killed in actors_before.values()  # the warm actor ray_run left, reused
     assert "error" not in result, result.get("error")
     outcome = result["outcome"]
     assert isinstance(outcome, ShardOutcome)
     assert outcome.written == outcome.assigned == PHOTOS and not outcome.failures
-    # The killed worker had started a task; the retry ran it again elsewhere.
-    tasks = _delta(before, cluster.tasks_run(TASK))
-    assert tasks.get(killed, 0) >= 1, tasks
-    assert sum(tasks.values()) >= _pieces(reference_shards) + 1, tasks
+    # Ray restarted the killed actor on its node (a new process) and ran its calls again.
     assert killed not in cluster.pids()
+    after = {s["node"]: s["pid"] for s in actor_stats()}
+    assert set(after) == set(actors_before)
+    assert [n for n in after if after[n] != actors_before[n]] == [
+        n for n in actors_before if actors_before[n] == killed
+    ]
     assert _tree(root / "shards") == reference_shards
     assert _rows(Lab(root / "lab"), SHARD_SAMPLES.name) == reference_rows
 
@@ -316,8 +329,53 @@ def test_steps_share_one_ray_job_probe_each_node_once_and_show_in_the_state_api(
         )
         if not seen:
             time.sleep(0.5)
-    assert seen, "Ray's state API lists no run_prx_item task"
+    assert seen, f"Ray's state API lists no {TASK} call"
     assert {t.name for t in seen} == {TASK}
+
+
+_FRESH_DRIVER = """
+import json
+from prx_assets.core.ray_pool import actor_stats
+from prx_assets.core.workers import make_pool
+from prx_assets_tests.ray_pipeline import late_square
+assert list(make_pool("ray").map_ordered(late_square, range(4))) == [0, 1, 4, 9]
+print(json.dumps(sorted(s["pid"] for s in actor_stats())))
+"""
+
+
+def test_a_fresh_step_process_finds_the_actors_warm_and_idle_ones_give_back_their_cpus(
+    tmp_path, cluster, monkeypatch
+):
+    """Dagster's multiprocess executor runs each step in a new process, so a new Ray job: its
+    items go to the actors an earlier step started (same processes), not to fresh workers.
+    Actors with no call for PRX_RAY_ACTOR_IDLE_S seconds end themselves."""
+    import ray
+
+    from prx_assets.core.ray_pool import actor_stats, release_actors
+    from prx_assets.core.workers import make_pool
+
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    monkeypatch.setenv("PRX_RAY_ACTOR_IDLE_S", "2")
+    release_actors()  # so that the ones made below are made with a 2 s idle limit
+    assert list(make_pool("ray").map_ordered(late_square, range(4))) == [0, 1, 4, 9]
+    warm = sorted(s["pid"] for s in actor_stats())
+    assert len(warm) == 2  # one per CPU: a head and a worker node, one CPU each
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", _FRESH_DRIVER], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == warm  # no new actor process
+
+    deadline = time.monotonic() + 60
+    while actor_stats() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert actor_stats() == []
+    assert not set(warm) & set(cluster.pids())  # their processes are gone
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU", 0) == 2  # every CPU back to the cluster
 
 
 def test_with_a_shared_mount_ray_workers_write_the_ingest_rows(

@@ -1,6 +1,6 @@
 """What one item of a worker pool comes back as when it fails: below the pools.
 
-``workers`` (local processes) and ``ray_pool`` (Ray tasks) both wrap a stage's function in
+``workers`` (local processes) and ``ray_pool`` (Ray actors) both wrap a stage's function in
 :func:`call_guarded`, so one bad item is that item's :class:`ItemFailed`, never the
 partition's end, the same inline, in a process and on a Ray node. A module of its own so
 that the Ray pool does not import the local pool's module (which imports it lazily).

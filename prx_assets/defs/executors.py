@@ -6,8 +6,9 @@ step (one asset partition) then runs in its own pod from ``PRX_K8S_IMAGE``; GPU-
 fleet of captioning pods scales independently of the CPU stages.
 
 ``PRX_EXECUTOR=ray`` keeps the steps in the multiprocess executor here and sends their
-per-image work to the Ray cluster ``RAY_ADDRESS`` names, as Ray tasks from the core runners
-(``core/workers.py``, ``core/ray_pool.py``); Ray is not imported to build the Definitions.
+per-image work to the Ray cluster ``RAY_ADDRESS`` names, on its long-lived worker actors
+(``core/workers.py``, ``core/ray_pool.py``), which each step's process finds warm; Ray is
+not imported to build the Definitions.
 dagster-ray's executor is not used: it submits every step as a Ray *job*, which needs the
 Ray dashboard's job server and a run storage every node reaches.
 

@@ -460,7 +460,7 @@ class BatchIngest:
     machine then also read the files of folders and manifests themselves (the same checks
     and refusals: ``sources.FileRead``), so this process never holds or ships the images.
 
-    Where the data is on object storage, any worker can reach it (Ray tasks on other nodes
+    Where the data is on object storage, any worker can reach it (Ray actors on other nodes
     included): with ``remote_reads`` (filled by ``remote_landing.landing_batch``) the tasks
     carry each landing object's reference (``RemoteRead``: URI, listed size, limit), the
     worker downloads and validates it, and with a ``RemoteBlobs`` sink

@@ -1,7 +1,7 @@
 """A partition's new rows written as uncommitted Lance fragment files, by whichever
 process holds them: the step, or the workers that produced the rows.
 
-Why: per-image work runs on workers (``core/workers.py``, Ray tasks on other nodes), and
+Why: per-image work runs on workers (``core/workers.py``, Ray actors on other nodes), and
 when a worker writes its own rows into fragment files (next to the table, local or
 ``s3://``) the step carries only the fragments' metadata (a few hundred bytes per
 fragment) and commits once: the rows, thumbnails and previews never pass through it.

@@ -42,7 +42,7 @@ MDS_EXTRA_COLUMNS: dict[str, str] = {
 # Images in flight per worker. Eight, not four: while the writer closes a bucket (the last
 # shard, fsyncs, the skip-list sidecars) the workers run on through the window instead of
 # waiting for it (what is left: ``bench_pipeline --workers-check``'s ``idle_core_seconds``).
-# Memory: a local task is a blob reference and a result one JPEG; a Ray task carries its
+# Memory: a local task is a blob reference and a result one JPEG; a Ray call carries its
 # source bytes, so up to 8 sources per worker are held.
 WINDOW_PER_WORKER = 8
 

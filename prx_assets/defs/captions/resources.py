@@ -105,7 +105,7 @@ class CaptionerResource(_ServerFleetConfig):
     chunk_size: int = 256  # images read (bytes) at a time; captioned at a time in process
     prepare_workers: int | None = None  # openai: threads (or pool workers) preparing ahead
     # openai: where images are decoded, resized and encoded: "threads" in the step's process,
-    # or "pool": the per-image worker pool (PRX_EXECUTOR: processes, or Ray tasks on a
+    # or "pool": the per-image worker pool (PRX_EXECUTOR: processes, or Ray actors on a
     # cluster), so the caption step itself only streams requests.
     prepare_on: Literal["threads", "pool"] = "threads"
 

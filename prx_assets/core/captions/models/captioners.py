@@ -91,7 +91,7 @@ def prepare_caption_url(key: str, data: bytes, max_side: int, quality: int, resi
 
 def prepare_caption_job(job: PrepareJob) -> tuple[str, str]:
     """(key, JPEG data URL) of one image's bytes, exactly as :meth:`OpenAICaptioner.prepare`
-    makes it: module-level and picklable, so a worker pool (processes, or Ray tasks on a
+    makes it: module-level and picklable, so a worker pool (processes, or Ray actors on a
     cluster) can do the decode, resize and encode away from the caption step."""
     key, data, max_side, quality, resize = job
     return key, prepare_caption_url(key, data, max_side, quality, resize)
@@ -237,7 +237,7 @@ class OpenAICaptioner(OpenAIBackend):
 
         Each image is prepared (decoded, resized, JPEG-encoded) ahead of the requests, on
         ``prepare_workers`` threads here or, given a worker ``pool`` (``core/workers``:
-        processes, or Ray tasks on a cluster), there (image bytes only), and sent as soon as
+        processes, or Ray actors on a cluster), there (image bytes only), and sent as soon as
         it is ready through the client's bounded window (:meth:`OpenAIChatClient.stream`):
         the fleet never waits for a chunk to be prepared or for a chunk's slowest request.
         A bad image or a failed request fails the stream (the caller keeps nothing); results
