@@ -25,7 +25,7 @@ from lance.fragment import FragmentMetadata, write_fragments
 
 from prx_assets.core.crashpoints import crashpoint
 from prx_assets.core.lab.blobs import BlobError, BlobStore, is_blob_ref
-from prx_assets.core.lab.io import storage_options
+from prx_assets.core.lab.io import open_dataset, storage_options
 from prx_assets.core.lab.spec import TableSpec
 
 
@@ -149,12 +149,9 @@ class PartitionFragments:
         )
         reader = pa.RecordBatchReader.from_batches(self.stored, iter(counted))
         try:
-            written = write_fragments(
-                reader,
-                self.uri,
-                schema=self.stored,
-                storage_options=storage_options(self.uri),
-            )
+            # Through the opened table, whose object store this process keeps (a store
+            # built per write loads the system's certificates each time: ``io._hold_store``).
+            written = write_fragments(reader, open_dataset(self.uri), schema=self.stored)
         except Exception:
             if counted.error is not None:  # raised inside Lance's reader: the original
                 raise counted.error from None

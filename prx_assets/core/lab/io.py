@@ -112,6 +112,24 @@ def _latest_from_hint(uri: str) -> int | None:
     return None
 
 
+# One open dataset per object-store bucket this process reads, held so that Lance keeps
+# the bucket's object store (see ``_hold_store``).
+_STORE_HOLDERS: dict[tuple[int, str], lance.LanceDataset] = {}
+
+
+def _hold_store(uri: str, ds: lance.LanceDataset) -> None:
+    """Keep ``ds`` (the latest one opened in its bucket) alive for this process.
+
+    Why: the session's registry holds a bucket's object store only while some dataset uses
+    it, and each new store loads the system's CA certificates (~880 KB read and ~6 ms of CPU
+    here): every open, count and commit of a step on ``s3://`` paid that once more (measured
+    with moto: 7-9 ms of CPU per open, 1.5 ms with a held store). One dataset per bucket:
+    its manifest is all it keeps in memory."""
+    if uri.startswith("s3://"):
+        bucket = uri[5:].split("/", 1)[0]
+        _STORE_HOLDERS[(os.getpid(), bucket)] = ds
+
+
 def open_dataset(uri: str, version: int | None = None) -> lance.LanceDataset:
     """``lance.dataset(uri, version)`` with the storage options ``uri`` needs, on the
     process's shared session; the latest version without listing every manifest when this
@@ -125,6 +143,7 @@ def open_dataset(uri: str, version: int | None = None) -> lance.LanceDataset:
         else:
             return ds
     ds = lance.dataset(uri, version=version, storage_options=options, session=session())
+    _hold_store(uri, ds)
     if version is None:
         seen(uri, ds.version)
     return ds

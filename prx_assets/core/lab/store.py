@@ -37,7 +37,7 @@ from prx_assets.core.lab.blobs import (
     stored_schema,
 )
 from prx_assets.core.lab.fragments import CountingBatches, PartitionFragments, WrittenFragments
-from prx_assets.core.lab.io import arrow_filesystem, open_dataset, seen, storage_options
+from prx_assets.core.lab.io import arrow_filesystem, open_dataset, seen, session, storage_options
 from prx_assets.core.lab.maintenance import (
     DEFAULT_POLICY,
     ORPHAN_MIN_AGE,
@@ -472,7 +472,11 @@ class Lab(VersionPins):
         rows = self._to_stored(spec, rows)
         if rows.num_rows:
             lance.write_dataset(
-                rows, self.uri(spec.name), mode="append", storage_options=self.storage_options
+                rows,
+                self.uri(spec.name),
+                mode="append",
+                storage_options=self.storage_options,
+                session=session(),
             )
             self.ensure_indexes(spec)
             self.after_commit(spec)
