@@ -121,10 +121,10 @@ def _hold_store(uri: str, ds: lance.LanceDataset) -> None:
     """Keep ``ds`` (the latest one opened in its bucket) alive for this process.
 
     Why: the session's registry holds a bucket's object store only while some dataset uses
-    it, and each new store loads the system's CA certificates (~880 KB read and ~6 ms of CPU
-    here): every open, count and commit of a step on ``s3://`` paid that once more (measured
-    with moto: 7-9 ms of CPU per open, 1.5 ms with a held store). One dataset per bucket:
-    its manifest is all it keeps in memory."""
+    it, and each new store loads and parses the system's CA certificates (~880 KB of files
+    here): every open, count and commit of a step on ``s3://`` paid that once more
+    (``s3/test_lab_store_reuse.py`` counts the bytes read). One dataset per bucket: its
+    manifest is all it keeps in memory."""
     if uri.startswith("s3://"):
         bucket = uri[5:].split("/", 1)[0]
         _STORE_HOLDERS[(os.getpid(), bucket)] = ds
