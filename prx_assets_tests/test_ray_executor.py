@@ -431,3 +431,31 @@ def test_with_a_shared_mount_ray_workers_write_the_ingest_rows(
     assert here == []  # every blob stored and every row written by the Ray workers
     local, _ = local_run
     assert _rows(lab, IMAGES.name) == _rows(Lab(local / "lab"), IMAGES.name)
+
+
+def test_a_pool_ends_the_actors_of_other_code_which_hold_cpus_its_own_need(cluster, monkeypatch):
+    import ray
+
+    from prx_assets.core import ray_pool
+
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    ray_pool.release_actors()  # the CPUs free for the other code's actor below
+    name = f"{ray_pool.ACTOR_PREFIX}-{'0' * 16}-elsewhere-0"  # another fingerprint
+    stale = (
+        ray.remote(ray_pool.PrxWorker)
+        .options(name=name, namespace=ray_pool.NAMESPACE, lifetime="detached", num_cpus=1)
+        .remote(600.0)
+    )
+    assert ray.get(stale.stats.remote(), timeout=120)["calls"] == 0  # placed: holds a CPU
+    pool = ray_pool.RayPool()
+    assert list(pool.map_ordered(late_square, range(4))) == [0, 1, 4, 9]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=ray_pool.NAMESPACE)
+        except ValueError:
+            break  # ended
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the other code's actor is still alive")
+    assert len(ray_pool.actor_stats()) == 2  # this code's, one per CPU

@@ -176,36 +176,40 @@ def actor_names(fingerprint: str) -> dict[str, list[str]]:
     return names
 
 
+def _live_actors(ours: bool) -> Iterator[Any]:
+    """Handles of the live worker actors of this code (``ours``) or of any other code."""
+    mine = f"{ACTOR_PREFIX}-{code_fingerprint()[:16]}-"
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if entry["namespace"] != NAMESPACE or not name.startswith(f"{ACTOR_PREFIX}-"):
+            continue
+        if name.startswith(mine) == ours:
+            try:
+                yield ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                continue  # ended meanwhile
+
+
 def actor_stats(timeout: float = 60.0) -> list[dict[str, Any]]:
     """What each live actor of this code says of itself (``PrxWorker.stats``: pid, node,
     calls since it started), on the cluster this process has joined; [] when none. For
     operators and tests: Ray's logs name an actor once, not each call it runs."""
     if not ray.is_initialized():
         return []
-    mine = f"{ACTOR_PREFIX}-{code_fingerprint()[:16]}-"
-    refs = []
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["namespace"] == NAMESPACE and entry["name"].startswith(mine):
-            try:
-                refs.append(ray.get_actor(entry["name"], namespace=NAMESPACE).stats.remote())
-            except ValueError:
-                continue  # ended meanwhile
-    return ray.get(refs, timeout=timeout)
+    return ray.get([a.stats.remote() for a in _live_actors(ours=True)], timeout=timeout)
 
 
-def release_actors() -> int:
-    """End this code's actors on the cluster now (they end by themselves when idle);
-    returns how many were found. For operators and tests: a step never needs it."""
-    _connect(os.environ.get(ADDRESS_ENV, "") or "auto")
+def release_actors(ours: bool = True) -> int:
+    """End this code's actors (``ours``; else those of any other code) on the cluster now
+    (they end by themselves when idle); returns how many. A new pool ends other code's
+    actors (they hold CPUs its own need: the nodes run its code now, and a driver of the
+    old code is refused by ``check_code``); for operators and tests, this code's."""
+    if not ray.is_initialized():  # else the cluster this process has joined
+        _connect(os.environ.get(ADDRESS_ENV, "") or "auto")
     found = 0
-    for names in actor_names(code_fingerprint()).values():
-        for name in names:
-            try:
-                handle = ray.get_actor(name, namespace=NAMESPACE)
-            except ValueError:
-                continue
-            ray.kill(handle, no_restart=True)
-            found += 1
+    for handle in _live_actors(ours):
+        ray.kill(handle, no_restart=True)
+        found += 1
     return found
 
 
@@ -330,26 +334,6 @@ def _actor_class() -> Any:
     return ray.remote(PrxWorker)
 
 
-def _drop_stale_actors(fingerprint: str) -> int:
-    """End the actors of other ``prx_assets`` code: they hold CPUs this code's actors need
-    (the nodes now run this code: a driver of the old one is refused by ``check_code``)."""
-    mine = f"{ACTOR_PREFIX}-{fingerprint[:16]}-"
-    dropped = 0
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        name, namespace = entry["name"], entry["namespace"]
-        if (
-            namespace == NAMESPACE
-            and name.startswith(f"{ACTOR_PREFIX}-")
-            and not name.startswith(mine)
-        ):
-            try:
-                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
-                dropped += 1
-            except ValueError:
-                continue  # gone already
-    return dropped
-
-
 class _InFlight:
     """One submitted item: what it is, the call running it, where, and its tries."""
 
@@ -405,14 +389,10 @@ class RayPool:
         if self._slots:
             return
         _connect(self.address)
-        cpus = int(ray.cluster_resources().get("CPU", 0))
-        if cpus < 1:
-            raise RayUnavailable(f"the Ray cluster at {self.address} has no CPU to run tasks on")
         if self._check:
             check_code(self.max_retries)
-        fingerprint = code_fingerprint()
-        _drop_stale_actors(fingerprint)
-        per_node = actor_names(fingerprint)
+        release_actors(ours=False)
+        per_node = actor_names(code_fingerprint())
         depth = max((len(v) for v in per_node.values()), default=0)
         self._slots = [
             (node, names[i])
