@@ -25,7 +25,7 @@ Scenarios:
 - ``killed``: a server ``kill -9``-ed mid-run: every image must have exactly one caption,
   its own (checked against the digest of its own prepared image);
 - ``captions_photos_pool``: the same with ``prepare_on="pool"``: images prepared on the
-  per-image worker pool (processes here, Ray tasks on a cluster), the step only streams;
+  per-image worker pool (processes here, Ray actors on a cluster), the step only streams;
 - ``captions_photos_server``: ``resize="server"``: the ingested JPEG, metadata stripped, is
   sent as it is and the server's processor resizes it (``core/captions/models/passthrough``);
 - ``prepare_cpu``: CPU (``time.process_time``) per image of the captioner's preparation

@@ -1,7 +1,7 @@
-"""Shard rendering as Ray tasks: 1 vs 2 Ray workers on a batch of real photos.
+"""Shard rendering on the Ray pool: 1 vs 2 Ray workers on a batch of real photos.
 
 The work is the shard stage's per-image function (``render_task``: decode, bucket resize,
-q92 encode; each task carries its bytes, as the stage's tasks for Ray do), which
+q92 encode; each item carries its bytes, as the stage's items for Ray do), which
 ``PRX_EXECUTOR=ray`` sends to the cluster, on the bundled photos upscaled
 to camera-like sizes (``prx_assets.demo.photo_batch``). The cluster is real and started
 here (``LocalRayCluster``: ``ray start --head`` on 127.0.0.1, dashboard on 127.0.0.1, one CPU per
