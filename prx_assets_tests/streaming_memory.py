@@ -43,3 +43,26 @@ def streaming_memory_released() -> Iterator[None]:
         for f, args, kwargs in reversed(held):
             with contextlib.suppress(Exception):  # best-effort release of shared memory
                 f(*args, **kwargs)
+
+
+def plain_streaming_dataset(attempts: int = 20, **kwargs: Any) -> Any:
+    """``streaming.StreamingDataset(**kwargs)``, retried when it loses streaming's prefix race.
+
+    Streaming registers a machine-wide shared-memory prefix as "the first free number", so two
+    test workers building plain datasets at the same moment can pick the same one and the
+    loser gets ``FileExistsError`` on ``/<prefix>_locals`` (seen in CI at stop 44). The
+    project's own loader retries this itself (``SkipListDataset._init_streaming``); tests that
+    check what *plain* streaming does with our output retry here, and only on that error.
+    """
+    import time
+
+    from streaming import StreamingDataset
+
+    for attempt in range(attempts):
+        try:
+            return StreamingDataset(**kwargs)
+        except FileExistsError as exc:
+            if attempt + 1 == attempts or not str(exc.filename or "").endswith("_locals"):
+                raise
+            time.sleep(0.02 * (attempt + 1))
+    raise AssertionError("unreachable")

@@ -10,6 +10,7 @@ import streaming
 
 from prx_assets.loader.locks import remove_dead_streaming_locks
 from prx_assets_tests.core.stage_inputs import streaming_memory_released
+from prx_assets_tests.streaming_memory import plain_streaming_dataset
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="Linux shared memory")
 
@@ -34,7 +35,7 @@ def test_dead_locks_go_and_a_live_datasets_locks_stay(tmp_path):
         Path(tmp, name).touch()
     _write_mds(tmp_path / "mds")
     with streaming_memory_released():
-        ds = streaming.StreamingDataset(local=str(tmp_path / "mds"), batch_size=1)
+        ds = plain_streaming_dataset(local=str(tmp_path / "mds"), batch_size=1)
         assert [s["key"] for s in ds] == ["k0", "k1", "k2"]  # iterating takes the locks
         mine = {n for n in _locks(tmp) if int(n[:6]) == ds._shm_prefix_int}
         assert mine  # what streaming leaves behind

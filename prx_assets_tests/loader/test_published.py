@@ -27,7 +27,7 @@ from prx_assets.core.skiplists.sidecars import (
 )
 from prx_assets_tests.fixtures_files import tile_jpeg
 from prx_assets_tests.kill_jobs import skips_from
-from prx_assets_tests.streaming_memory import streaming_memory_released
+from prx_assets_tests.streaming_memory import plain_streaming_dataset, streaming_memory_released
 
 BATCH = "pub.b0"
 TIER, SHAPE = 512, "16x24"
@@ -102,7 +102,6 @@ def test_the_loader_refuses_a_plain_index(published):
 
 
 def test_export_holds_exactly_the_kept_samples_and_plain_streaming_reads_it(published, tmp_path):
-    from streaming import StreamingDataset
 
     from prx_assets.cli import main
     from prx_assets.loader import SkipListDataset
@@ -125,7 +124,7 @@ def test_export_holds_exactly_the_kept_samples_and_plain_streaming_reads_it(publ
     exported = out / "mds" / str(TIER) / SHAPE / BATCH
     assert sorted(p.name for p in out.parent.iterdir()) == ["export", "shards"]  # no temp left
     with streaming_memory_released():
-        plain = StreamingDataset(local=str(exported), batch_size=1, shuffle=False)
+        plain = plain_streaming_dataset(local=str(exported), batch_size=1, shuffle=False)
         rows = [plain[i] for i in range(len(plain))]
         ours = SkipListDataset(local=str(d), batch_size=1, shuffle=False)
         want = [ours[i] for i in range(len(ours))]

@@ -34,6 +34,7 @@ from prx_assets.core.storage import LocalStore, ObjectTooLarge, StorageError, op
 from prx_assets.loader import ShapeBatchedLoader, discover_streams
 from prx_assets_tests.fixtures_files import tile_jpeg
 from prx_assets_tests.kill_jobs import skips_from
+from prx_assets_tests.streaming_memory import plain_streaming_dataset
 
 BATCH = "s3.b0"
 A, B = (512, "16x24"), (512, "24x16")
@@ -145,7 +146,7 @@ def test_plain_streaming_refuses_the_remote_version_the_loader_and_an_export_rea
 
     out = export_training_samples(s3_prefix, tmp_path / "export", cache_dir=tmp_path / "c")
     assert [d.kept_samples for d in out.directories] == [len(kept)]
-    plain = StreamingDataset(
+    plain = plain_streaming_dataset(
         local=str(tmp_path / "export" / "mds" / f"512/16x24/{BATCH}"), shuffle=False
     )
     assert sorted(plain[i]["key"] for i in range(len(plain))) == kept
