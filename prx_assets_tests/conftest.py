@@ -32,6 +32,12 @@ LONGEST_MODULES = (
     "test_snapshots.py",
     "defs/test_audit.py",
     "test_ray_executor.py",
+    "s3/test_ray_on_s3.py",
+    "test_ray_actor_node_lost.py",
+    "test_small_copy_opt_out.py",
+    "test_cli.py",
+    "browser/test_queries.py",
+    "browser/test_browser_ui.py",
 )
 
 
