@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 from dagster import DagsterInstance, SensorResult, SkipReason, build_sensor_context
 
@@ -15,22 +12,7 @@ from prx_assets.core.storage import open_store
 from prx_assets.defs.ingest.sensors import landing_sensor
 from prx_assets.defs.resources import LabResource
 from prx_assets.demo.jpegs import solid_jpeg
-
-
-@contextlib.contextmanager
-def requests_of(store) -> Iterator[list[tuple[str, str]]]:  # noqa: ANN001
-    """Every S3 call ``store``'s client makes inside the block: (operation, key)."""
-    calls: list[tuple[str, str]] = []
-
-    def record(params, model, **_):  # noqa: ANN001, ANN003, ANN202
-        calls.append((model.name, params.get("Key", "")))
-
-    events = store.client.meta.events
-    events.register("before-parameter-build.s3", record)
-    try:
-        yield calls
-    finally:
-        events.unregister("before-parameter-build.s3", record)
+from prx_assets_tests.s3.s3_calls import requests_of
 
 
 def test_only_complete_remote_batches_are_seen_and_staged(s3_prefix, tmp_path):

@@ -34,6 +34,7 @@ from prx_assets.core.storage import LocalStore, ObjectTooLarge, StorageError, op
 from prx_assets.loader import ShapeBatchedLoader, discover_streams
 from prx_assets_tests.fixtures_files import tile_jpeg
 from prx_assets_tests.kill_jobs import skips_from
+from prx_assets_tests.s3.s3_calls import requests_of
 from prx_assets_tests.streaming_memory import plain_streaming_dataset
 
 BATCH = "s3.b0"
@@ -65,6 +66,41 @@ def _loader_keys(uri: str, cache) -> list[str]:  # noqa: ANN001
     buckets = discover_streams(uri, cache_dir=cache)
     loader = ShapeBatchedLoader(buckets, batch_size=1, shuffle=False, num_canonical_nodes=1)
     return sorted(k for batch in loader for k in batch["key"])
+
+
+def test_a_publish_lists_the_batch_once_and_removes_what_no_pointer_protects(s3_prefix):
+    """Finding (stop 45, the S3 request log of an ``mds_shards`` step): a publish read
+    every bucket prefix's pointer twice (live directories, then unpointed ones) and listed
+    each published directory twice with a ``HEAD`` per object already there. Now: one
+    listing per level of the tree and per bucket prefix, whatever the directories hold."""
+    samples = _samples({A: range(0, 7), B: range(7, 12)})
+    _publish(s3_prefix, samples, {})
+    store = open_store(s3_prefix)
+    before = {rel: read_live(store, f"mds/{rel}") for rel in live_partitions(s3_prefix)}
+    # Left by killed runs: a first write of another directory (no pointer), a run's staged
+    # shards under a live directory; and another batch's directory, which is not ours.
+    store.put(f"mds/1024/16x24/{BATCH}/v-dead/shard.00000.mds", b"x" * 10)
+    store.put(f"mds/512/16x24/{BATCH}/_staging/tok/piece.mds", b"x" * 10)
+    store.put("mds/512/24x16/other.b9/v-x/index.json", b"{}")
+
+    with RemoteShardTree(s3_prefix, BATCH) as tree:
+        write_partition_buckets(
+            tree.local_root, BATCH, samples, skips_for=skips_from({}), size_limit=3 * 900
+        )
+        with requests_of(tree.store) as calls:
+            tree.publish_shards()
+
+    assert {rel: read_live(store, f"mds/{rel}") for rel in live_partitions(s3_prefix)} == before
+    left = store.list("mds")
+    assert not [k for k in left if "v-dead" in k or "_staging" in k], left
+    assert "mds/512/24x16/other.b9/v-x/index.json" in left  # another batch's: untouched
+    ops = [op for op, _ in calls]
+    assert "HeadObject" not in ops, calls  # sizes come from the listing
+    # "mds", its two tiers, then the three bucket prefixes: one listing each.
+    assert ops.count("ListObjectsV2") == 1 + 2 + 3, calls
+    gets = [key for op, key in calls if op == "GetObject"]
+    assert sorted(k.rsplit("/", 3)[-3] for k in gets) == ["16x24", "24x16"], gets  # pointers
+    assert ops.count("DeleteObjects") == 2, calls  # the staged piece; the unpointed write
 
 
 @pytest.mark.parametrize("kind", ["s3", "local"])

@@ -269,26 +269,56 @@ class RemoteShardTree:
         ``staged``: per relative directory, the shards its workers put on the remote (the
         local directory then holds only the index and skip-lists): they are copied server
         side into the version prefix, never through this process.
+
+        The batch's remote objects are listed once, before anything is written: one listing
+        per bucket prefix of the tree (not a pointer read per prefix for the live ones and
+        another for the unpointed ones, nor two more listings and a ``HEAD`` per object for
+        each directory published), which is what each directory's stale objects, the
+        directories this batch no longer has and those no pointer protects are found from.
+        Whatever this run writes after the listing is kept, so listing first removes
+        nothing the run wrote.
         """
         if not self.remote:
             return []
         store = self._store()
         local = {d.relative_dir: d for d in list_partition_dirs(self.local_root, self.batch)}
+        listed = self._batch_objects(store)
         staged = staged or {}
         published = [
-            self._publish_dir(store, d, staged.get(rel)) for rel, d in sorted(local.items())
+            self._publish_dir(store, d, staged.get(rel), listed.get(rel, {}))
+            for rel, d in sorted(local.items())
         ]
-        for live in self.live_dirs():
-            if live.relative_dir not in local:
-                store.delete([f"{live.relative_dir}/{POINTER_BASENAME}"])  # invisible first
+        for rel, objects in sorted(listed.items()):
+            if rel in local:
+                continue
+            pointer = f"{rel}/{POINTER_BASENAME}"
+            if pointer in objects:  # a directory the batch no longer has
+                store.delete([pointer])  # invisible first
                 crashpoint("storage.stale_pointer_removed")
-                store.delete(store.list(live.relative_dir))
-        self._sweep_unpointed(store)
+                store.delete([k for k in objects if k != pointer])
+            else:  # no pointer protects it: a killed first write, a killed removal
+                self._delete(store, list(objects))
         return published
 
+    def _batch_objects(self, store: ObjectStore) -> dict[str, dict[str, int]]:
+        """Every ``<bucket>/<batch>`` directory of this batch on the remote that holds an
+        object: its objects and their sizes (from the listing itself)."""
+        out = {}
+        for bucket in _bucket_prefixes(store):
+            rel = f"{bucket}/{self.batch}"
+            if objects := store.list_sizes(rel):
+                out[rel] = objects
+        return out
+
     def _publish_dir(
-        self, store: ObjectStore, d: PartitionDir, staged: StagedShards | None = None
+        self,
+        store: ObjectStore,
+        d: PartitionDir,
+        staged: StagedShards | None,
+        listed: Mapping[str, int],
     ) -> LiveDir:
+        """Publish one directory: its version's objects, then its pointer, then the stale
+        objects ``listed`` (the directory's objects before this publish) holds."""
         version = version_of(d.path)
         prefix = f"{d.relative_dir}/{version}"
         sizes = {p.name: p.stat().st_size for p in d.path.iterdir() if p.is_file()}
@@ -300,7 +330,7 @@ class RemoteShardTree:
                     remote_shards[name] = f"{staged.key}/{staged_name}"
                     sizes[name] = indexed[name]
         names = list(sizes)
-        present = {k.rsplit("/", 1)[-1]: store.size(k) for k in store.list(prefix)}
+        present = {k[len(prefix) + 1 :]: n for k, n in listed.items() if k.startswith(prefix + "/")}
         for name in _upload_order(names):
             size = sizes[name]
             # Inside a version prefix every name but the manifest is content-determined
@@ -327,24 +357,18 @@ class RemoteShardTree:
         keep = set(_upload_order(names))
         stale = [
             k
-            for k in store.list(d.relative_dir)
+            for k in listed
             if k != f"{d.relative_dir}/{POINTER_BASENAME}"
             and not (k.startswith(prefix + "/") and k.rsplit("/", 1)[-1] in keep)
         ]
         self._delete(store, stale)
         return live
 
-    def _sweep_unpointed(self, store: ObjectStore) -> None:
-        """Objects of this batch no pointer protects (a killed first write, a killed removal)."""
-        for bucket in _bucket_prefixes(store):
-            rel = f"{bucket}/{self.batch}"
-            if read_live(store, rel) is None:
-                self._delete(store, store.list(rel))
-
     @staticmethod
     def _delete(store: ObjectStore, keys: list[str]) -> None:
-        for key in keys:
-            store.delete([key])
+        """Delete stale objects: one request per 1,000 (``DeleteObjects``), not one each."""
+        if keys:
+            store.delete(keys)
             crashpoint("storage.stale_removed")
 
     # -- skip_lists -------------------------------------------------------------------------
@@ -386,14 +410,15 @@ class RemoteShardTree:
             local = Path(self.local_root) / rel
             manifest = (local / MANIFEST_BASENAME).read_bytes()
             sidecars = sorted(parse_manifest(manifest, str(local)).sidecars)
-            present = {k.rsplit("/", 1)[-1] for k in store.list(live.key_prefix)}
+            listed = store.list(live.key_prefix)  # once: what is stale is found from it too
+            present = {k.rsplit("/", 1)[-1] for k in listed}
             for name in sidecars:
                 if name not in present:
                     store.put_file(f"{live.key_prefix}/{name}", local / name)
                     crashpoint("storage.object_uploaded")
             crashpoint("storage.generation_staged")
-            plans.append((live, manifest, set(sidecars)))
-        for live, manifest, _ in plans:
+            plans.append((live, manifest, set(sidecars), listed))
+        for live, manifest, _, _ in plans:
             now = read_live(store, live.relative_dir)
             if now is None or now.version != live.version:
                 raise StorageError(
@@ -402,11 +427,10 @@ class RemoteShardTree:
             if store.get(f"{live.key_prefix}/{MANIFEST_BASENAME}") != manifest:
                 store.put(f"{live.key_prefix}/{MANIFEST_BASENAME}", manifest)
                 crashpoint("storage.manifest_put")
-        for live, _, keep in plans:
+        for _, _, keep, listed in plans:
+            # Listed before this publish: a sidecar it uploaded is in ``keep`` anyway.
             stale = [
-                k
-                for k in store.list(live.key_prefix)
-                if k.endswith(SIDECAR_SUFFIX) and k.rsplit("/", 1)[-1] not in keep
+                k for k in listed if k.endswith(SIDECAR_SUFFIX) and k.rsplit("/", 1)[-1] not in keep
             ]
             self._delete(store, stale)
 
