@@ -235,7 +235,7 @@ class BatchShards:
         with RemoteShardTree(self.shards_root, batch) as tree:
             pieces = PiecePlanner(view if plan.buckets else None, batch, plan, s, pool, tree)
             pieces.progress = Progress(f"{batch}: rendered", plan.planned, self.report)
-            return self._write(tree, plan, pieces, screener)
+            return self._write(tree, plan, pieces, screener, view)
 
     def _write(
         self,
@@ -243,6 +243,7 @@ class BatchShards:
         plan: ShardPlan,
         pieces: PiecePlanner,
         screener: ShardScreener,
+        view: LabView,
     ) -> ShardOutcome:
         s, batch = self.settings, self.batch
         staged = StagedPartition(
@@ -274,9 +275,10 @@ class BatchShards:
         dirs = list_partition_dirs(tree.local_root, batch)
         digests = {d.relative_dir: partition_digest(d.path) for d in dirs}
         rows = placement_rows(placements, batch, digests, pieces.jpeg, plan.fingerprints)
+        mine = bucket_totals(rows)
+        hazards = self._hazards_all_batches(mine, view)  # before the commit: see its doc
         written = self.lab.replace_partition(SHARD_SAMPLES, batch, rows)
 
-        mine = bucket_totals(rows)
         outcome = ShardOutcome(
             batch=batch,
             assigned=plan.planned,
@@ -286,7 +288,7 @@ class BatchShards:
             decisions=screener.decisions(),
             policy_fingerprint=self.policy.fingerprint(),
             directories=self._directories(mine, {d.relative_dir: d for d in dirs}, committed),
-            hazards_all_batches=self._hazards_all_batches(mine),
+            hazards_all_batches=hazards,
             version=written["version"],
             settings=s,
         )
@@ -334,7 +336,7 @@ class BatchShards:
         return tuple(out)
 
     def _hazards_all_batches(
-        self, mine: dict[tuple[int, str], BucketTotals]
+        self, mine: dict[tuple[int, str], BucketTotals], view: LabView
     ) -> dict[str, list[str]]:
         """The rule over every batch's samples of the buckets this batch wrote.
 
@@ -344,16 +346,26 @@ class BatchShards:
         its samples at ``index_in_shard = 0`` (one per shard), read only up to the
         threshold the rule compares them with (``canonical_nodes``): past it, the rule
         holds whatever the exact number.
+
+        Other batches are read in the step's pinned ``view``, before this batch's commit,
+        and this batch's own rows come from memory (``mine``): read after the commit, each
+        bucket's two queries scanned the new, not yet indexed fragment again (on object
+        storage, three whole-file reads per bucket directory; measured with
+        ``PRX_BENCH_S3_REQUEST_LOG``, stop 45). A batch committed by another step meanwhile
+        is not counted, as it was not when it committed after this read.
         """
         out: dict[str, list[str]] = {}
         need = self.settings.canonical_nodes
-        with self.lab.view() as view:
-            for tier, shape in mine:
-                where = f"tier = {int(tier)} AND shape = {sql_literal(shape)}"
-                samples = view.count(SHARD_SAMPLES.name, where)
-                firsts = view.read(
-                    SHARD_SAMPLES.name, ["key"], f"{where} AND index_in_shard = 0", limit=need
-                )
-                if problems := self._rule(BucketTotals(samples, firsts.num_rows, 0)):
-                    out[f"{tier}/{shape}"] = problems
+        for (tier, shape), own in mine.items():
+            where = (
+                f"tier = {int(tier)} AND shape = {sql_literal(shape)} "
+                f"AND batch != {sql_literal(self.batch)}"
+            )
+            samples = view.count(SHARD_SAMPLES.name, where)
+            firsts = view.read(
+                SHARD_SAMPLES.name, ["key"], f"{where} AND index_in_shard = 0", limit=need
+            )
+            totals = BucketTotals(samples + own.samples, firsts.num_rows + own.shards, 0)
+            if problems := self._rule(totals):
+                out[f"{tier}/{shape}"] = problems
         return out
