@@ -54,7 +54,7 @@ its own on the Dagster host):
   directory) and a last 1-photo partition: against the 1-photo steps around it (one
   directory each) its marginal is per image with nothing per directory in it, for every
   stage; the rest of the big step's ``mds_shards`` marginal, over its directories less
-  one, is its cost per bucket directory (on object storage a directory's publish is ~10
+  one, is its cost per bucket directory (on object storage a directory's publish is ~8
   requests whatever its size, and Lance reads a data file's last 64 KB for its footer:
   ``PRX_BENCH_S3_REQUEST_LOG=FILE`` logs the requests), which over a few photos per
   directory reads as kilobytes per image. Both are printed under the judged lines.
