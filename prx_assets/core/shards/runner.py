@@ -351,8 +351,9 @@ class BatchShards:
         and this batch's own rows come from memory (``mine``): read after the commit, each
         bucket's two queries scanned the new, not yet indexed fragment again (on object
         storage, three whole-file reads per bucket directory; measured with
-        ``PRX_BENCH_S3_REQUEST_LOG``, stop 45). A batch committed by another step meanwhile
-        is not counted, as it was not when it committed after this read.
+        ``PRX_BENCH_S3_REQUEST_LOG``, stop 45). Batches that other steps commit after the
+        view was pinned are not counted here; the rule is metadata, and the next step
+        writing to the bucket counts them.
         """
         out: dict[str, list[str]] = {}
         need = self.settings.canonical_nodes
