@@ -1,6 +1,8 @@
-"""Give back the shared memory streaming holds until exit: for tests and benchmarks.
+"""Give back the shared memory streaming holds until exit, and build plain readers: for tests
+and benchmarks.
 
-A leaf module (standard library only), so that the benchmarks can use it without importing
+A leaf module (standard library only at import; ``plain_streaming_dataset`` imports
+streaming and the loader when called), so that the benchmarks can use it without importing
 the test fixtures' stack.
 """
 
@@ -58,11 +60,13 @@ def plain_streaming_dataset(attempts: int = 20, **kwargs: Any) -> Any:
 
     from streaming import StreamingDataset
 
+    from prx_assets.loader.dataset import lost_prefix_race
+
     for attempt in range(attempts):
         try:
             return StreamingDataset(**kwargs)
         except FileExistsError as exc:
-            if attempt + 1 == attempts or not str(exc.filename or "").endswith("_locals"):
+            if attempt + 1 == attempts or not lost_prefix_race(exc):
                 raise
             time.sleep(0.02 * (attempt + 1))
     raise AssertionError("unreachable")

@@ -142,6 +142,12 @@ def warn_unscreened(what: str, stacklevel: int = 3) -> None:
 PREFIX_RACE_ATTEMPTS = 20  # see SkipListDataset._init_streaming
 
 
+def lost_prefix_race(exc: FileExistsError) -> bool:
+    """Whether ``exc`` is streaming's machine-wide prefix race lost (``_init_streaming``):
+    another process registered the same first free shared-memory prefix a moment before."""
+    return str(exc.filename or "").endswith("_locals")
+
+
 class SkipListChanged(RuntimeError):
     """A checkpoint was taken against other skip-lists than the ones loaded now."""
 
@@ -899,7 +905,7 @@ class SkipListDataset(StreamingDataset):
                     super().__init__(streams=streams, **kwargs)
                 return streams
             except FileExistsError as exc:
-                if attempt + 1 == attempts or not str(exc.filename or "").endswith("_locals"):
+                if attempt + 1 == attempts or not lost_prefix_race(exc):
                     raise
                 streams = [type(s).from_stream(s, s.skiplists) for s in streams]
                 time.sleep(0.02 * (attempt + 1))
