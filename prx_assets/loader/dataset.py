@@ -288,23 +288,44 @@ class FilteredShard(_ShardView):
     ``samples``/``len``/indexing are in kept space: index ``i`` is the ``i``-th kept row of
     the real shard. The kept rows are a Python list: one list lookup (plus the pin's check,
     for a directory read in place) is the whole per-sample overhead.
+
+    ``skipped``: the shard's verified skip indices (strictly increasing, each a sample of
+    the shard: ``SkipList.check_range``). The kept rows are derived from them on the first
+    read, in the process that reads: building the dataset touches every shard of every
+    directory, a training process reads a few of them (measured with
+    ``benchmarks/bench_tree_growth.py --samples-per-dir 1000 --skip-every 7``).
     """
 
-    def __init__(self, reader: Any, keep: np.ndarray, pin: DirectoryPin | None = None) -> None:
+    def __init__(
+        self, reader: Any, skipped: tuple[int, ...], pin: DirectoryPin | None = None
+    ) -> None:
         self.reader = reader
-        self.keep = keep.tolist()  # Python ints, as a list: one C call, not a loop
-        self.samples = len(self.keep)
+        self.skipped = skipped
+        self.samples = int(reader.samples) - len(skipped)
         self.pin = pin
+        self._keep: list[int] | None = None
+
+    @property
+    def keep(self) -> list[int]:
+        """The real index of each kept row (Python ints)."""
+        keep = self._keep
+        if keep is None:
+            mask = np.ones(int(self.reader.samples), dtype=bool)
+            mask[np.asarray(self.skipped, dtype=np.int64)] = False
+            keep = self._keep = np.flatnonzero(mask).tolist()
+        return keep
 
     def real_index(self, idx: int) -> int:
         return self.keep[idx]
 
     def get_item(self, idx: int) -> dict[str, Any]:
-        return self._read(self.keep[idx])
+        keep = self._keep
+        return self._read((keep if keep is not None else self.keep)[idx])
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
         # List indexing gives negative indices and IndexError for free.
-        return self._read(self.keep[idx])
+        keep = self._keep
+        return self._read((keep if keep is not None else self.keep)[idx])
 
 
 class PinnedShard(_ShardView):
@@ -744,11 +765,11 @@ class SkipListStream(Stream):
         for reader, skiplist in zip(readers, skiplists, strict=True):
             name = _shard_name(reader)
             skip_sets.append((name, skiplist.indices))
-            keep = skiplist.keep_indices(reader.samples) if skiplist.indices else None
-            if keep is not None and not len(keep):
-                self.dropped_shards.append(name)
-            elif keep is not None and len(keep) < reader.samples:
-                kept_readers.append(FilteredShard(reader, keep, pin))
+            skiplist.check_range(reader.samples)  # verified when read; kept here too
+            if skiplist.indices and len(skiplist.indices) == reader.samples:
+                self.dropped_shards.append(name)  # every sample skipped
+            elif skiplist.indices:
+                kept_readers.append(FilteredShard(reader, skiplist.indices, pin))
             else:
                 kept_readers.append(reader if pin is None else PinnedShard(reader, pin))
         self.skip_sets = skip_sets

@@ -404,6 +404,11 @@ def test_stray_temporaries_are_swept_by_the_next_write(part):
         ([1], [["made_up"]]),
         ([1], ["opt_out"]),  # a string, not a list of codes
         ([1, 2], [["opt_out"]]),
+        ([1], [None]),
+        ([1], [[1]]),  # a code is a string
+        ([1], [[["opt_out"]]]),  # a list inside a reason list (unhashable)
+        ([1, 2], [["opt_out"], {"opt_out": 1}]),  # an object after a good list
+        ([1, 2, 3], [["opt_out"], ["opt_out"], ["quality", "duplicate"]]),  # the last one
     ],
 )
 def test_a_malformed_sidecar_is_refused_even_when_its_manifest_vouches_for_it(indices, reasons):
@@ -423,3 +428,21 @@ def test_a_malformed_sidecar_is_refused_even_when_its_manifest_vouches_for_it(in
     )
     with pytest.raises(SkipListCorrupt):
         verify_sidecar(entry, data, "test", 10)
+
+
+def test_a_bad_reason_list_is_named_with_the_first_index_that_has_it():
+    """Reason lists are checked once per distinct list: the error still names where the
+    first bad one is, as a reader of the sidecar would find it."""
+    indices = [2, 5, 9, 11]
+    reasons = [["opt_out"], ["made_up"], ["duplicate"], ["made_up"]]
+    body = {"format": SKIPLIST_FORMAT, "version": SKIPLIST_VERSION, "shard": "shard.00000.mds"}
+    body.update({"indices": indices, "reasons": reasons})
+    body["sha256"] = hashlib.sha256(canonical_json(body)).hexdigest()
+    with pytest.raises(SkipListCorrupt, match=r"\['made_up'\] for index 5$"):
+        parse_skiplist(canonical_json(body), "test", expected_shard="shard.00000.mds")
+    body["reasons"] = [["opt_out"], ["opt_out"], [["x"]], "y"]
+    body["sha256"] = hashlib.sha256(
+        canonical_json({k: v for k, v in body.items() if k != "sha256"})
+    ).hexdigest()
+    with pytest.raises(SkipListCorrupt, match=r"\[\['x'\]\] for index 9$"):
+        parse_skiplist(canonical_json(body), "test", expected_shard="shard.00000.mds")

@@ -136,13 +136,18 @@ class SkipList:
     def as_mapping(self) -> dict[int, tuple[str, ...]]:
         return dict(zip(self.indices, self.reasons, strict=True))
 
-    def keep_indices(self, num_samples: int) -> np.ndarray:
-        """Indices of the shard that survive, in shard order (int64)."""
+    def check_range(self, num_samples: int) -> None:
+        """Raise ``SkipListError`` unless every index is a sample of a ``num_samples``-sample
+        shard. One comparison: parsed indices are strictly increasing and non-negative."""
         if self.indices and self.indices[-1] >= num_samples:
             raise SkipListError(
                 f"skip-list for {self.shard} names index {self.indices[-1]} but the shard "
                 f"has only {num_samples} samples (sidecar written for another shard?)"
             )
+
+    def keep_indices(self, num_samples: int) -> np.ndarray:
+        """Indices of the shard that survive, in shard order (int64)."""
+        self.check_range(num_samples)
         mask = np.ones(num_samples, dtype=bool)
         if self.indices:
             mask[np.asarray(self.indices, dtype=np.int64)] = False
@@ -398,8 +403,8 @@ def parse_skiplist(
         )
     if len(indices) != len(reasons):
         raise SkipListCorrupt(f"{source}: {len(indices)} indices but {len(reasons)} reason lists")
-    # type() is int excludes bool; the order check runs in numpy once the types are known.
-    if not all(type(i) is int for i in indices) or (
+    # Exact types (a bool is not an int here); the order check runs in numpy once they are known.
+    if not set(map(type, indices)) <= {int} or (
         indices
         and (
             indices[0] < 0
@@ -408,13 +413,29 @@ def parse_skiplist(
         )
     ):
         raise SkipListCorrupt(f"{source}: indices must be strictly increasing non-negative ints")
-    checked = []
-    for index, codes in zip(indices, reasons, strict=True):
-        key = tuple(codes) if isinstance(codes, list) else None
-        if key is None or not _valid_reasons(key):
-            raise SkipListCorrupt(f"{source}: bad reason list {codes!r} for index {index}")
-        checked.append(key)
-    return SkipList(shard=shard, indices=tuple(indices), reasons=tuple(checked), path=source)
+    # Each distinct reason list is checked once (a sidecar holds a handful of distinct
+    # lists and hundreds of skips; the loader parses one sidecar per shard it builds).
+    keys, distinct = _reason_keys(reasons)
+    if keys is not None:
+        wrong = [k for k in distinct if not _valid_reasons(k)]
+        if not wrong:
+            return SkipList(shard=shard, indices=tuple(indices), reasons=keys, path=source)
+        at = min(keys.index(k) for k in wrong)  # the first one, as a reader would name it
+    else:
+        at = next(i for i, c in enumerate(reasons) if _reason_keys([c])[0] is None)
+    raise SkipListCorrupt(f"{source}: bad reason list {reasons[at]!r} for index {indices[at]}")
+
+
+def _reason_keys(reasons: list) -> tuple[tuple[tuple, ...] | None, set[tuple]]:
+    """Each reason list as a tuple, and the distinct ones; (None, empty) when one is not a
+    list of hashable items (JSON gives lists of scalars, or something else to refuse)."""
+    if not set(map(type, reasons)) <= {list}:
+        return None, set()
+    keys = tuple(map(tuple, reasons))
+    try:
+        return keys, set(keys)
+    except TypeError:  # a list or object inside a reason list
+        return None, set()
 
 
 def read_skiplist(path: str | os.PathLike[str]) -> SkipList:
@@ -537,7 +558,7 @@ def verify_sidecar(entry: ManifestEntry, data: bytes, source: str, samples: int)
         # nothing to parse, nothing skipped. Most shards of a screened tree look like this.
         return SkipList(shard=entry.shard, indices=(), reasons=(), path=source)
     skiplist = parse_skiplist(data, source, expected_shard=entry.shard, digest_verified=True)
-    skiplist.keep_indices(samples)  # range check against the shard
+    skiplist.check_range(samples)
     if entry.skipped is not None and entry.skipped != len(skiplist):
         raise SkipListCorrupt(
             f"{source}: skips {len(skiplist)} samples, its manifest says {entry.skipped}"
@@ -802,7 +823,7 @@ def digest_skip_sets(
     body = [
         "unscreened"
         if part is None
-        else [[name, [int(i) for i in indices]] for name, indices in part]
+        else [[name, list(map(int, indices))] for name, indices in part]
         for part in partitions
     ]
     return _sha256(canonical_json({"format": _DIGEST_FORMAT, "partitions": body}))
