@@ -349,6 +349,9 @@ class ChunkTask:
     # A file the step made just before (a local lab on a shared mount): a worker that does
     # not see it is on a node without the mount, and refuses the chunk (the step fails).
     probe: str | None = None
+    # Landing reads and blob writes kept in flight by the worker when either is on object
+    # storage (``_check_items_overlapped``); 1: one item after the other.
+    io_threads: int = 8
 
 
 @dataclass(frozen=True)
@@ -383,18 +386,20 @@ def check_store_and_write(task: ChunkTask) -> ChunkResult:
     paths: set[str] = set()
     metas: list[RowMeta | None] = [None] * len(task.items)
     problems: list[tuple[SidecarProblem, ...]] = [()] * len(task.items)
-    for i, item in enumerate(task.items):
-        if item is None:
+    if task.io_threads > 1 and _on_object_storage(task):
+        items = _check_items_overlapped(task)
+    else:
+        items = (_check_item(item, task.max_pixels, task.sink) for item in task.items)
+    for i, (item, done) in enumerate(zip(task.items, items, strict=True)):
+        if item is None or done is None:
             checked.append(None)
             continue
-        source, meta = item
-        if meta.sidecars:
-            meta, problems[i] = resolve_sidecars(meta)
+        meta, problems[i], out = done
+        if item[1].sidecars:
             metas[i] = meta
-            if problems[i]:  # refused for its sidecar: neither checked nor stored
-                checked.append(None)
-                continue
-        out = check_and_store((source, task.max_pixels, task.sink))
+        if out is None:  # refused for its sidecar: neither checked nor stored
+            checked.append(None)
+            continue
         key, result, stored, nbytes = out
         first = key not in keys and meta.path not in paths
         if key is not None and stored and first and isinstance(result[0], ImageInfo):
@@ -414,6 +419,155 @@ def check_store_and_write(task: ChunkTask) -> ChunkResult:
     if not any(m is not None for m in metas):
         return ChunkResult(tuple(checked), written, tuple(positions))
     return ChunkResult(tuple(checked), written, tuple(positions), tuple(metas), tuple(problems))
+
+
+# One item of a chunk, checked: its metadata (from its sidecars where the worker read them),
+# the sidecar problems that refuse it (then no check: None) and its ``FileChecked``.
+_ItemDone = tuple["RowMeta", tuple[SidecarProblem, ...], FileChecked | None]
+
+#: Bytes of landing objects a worker holds at once while their reads, checks and blob
+#: writes overlap (a single larger object is still taken, alone).
+OVERLAP_WINDOW_BYTES = 64 << 20
+
+
+def _on_object_storage(task: ChunkTask) -> bool:
+    return isinstance(task.sink, RemoteBlobs) or any(
+        item is not None and isinstance(item[0], RemoteRead) for item in task.items
+    )
+
+
+def _check_item(
+    item: tuple[bytes | FileRead | RemoteRead, RowMeta] | None,
+    max_pixels: int,
+    sink: LocalBlobs | RemoteBlobs | None,
+) -> _ItemDone | None:
+    """One item of a chunk read, checked and stored, one step after the other."""
+    if item is None:
+        return None
+    source, meta = item
+    problems: tuple[SidecarProblem, ...] = ()
+    if meta.sidecars:
+        meta, problems = resolve_sidecars(meta)
+        if problems:
+            return meta, problems, None
+    return meta, problems, check_and_store((source, max_pixels, sink))
+
+
+def _fetch_item(
+    item: tuple[bytes | FileRead | RemoteRead, RowMeta],
+) -> tuple[RowMeta, tuple[SidecarProblem, ...], bytes | FileChecked | None]:
+    """The I/O half of ``_check_item``: sidecars and the object's bytes (or the refusal a
+    read made: a ``FileChecked`` with no key)."""
+    source, meta = item
+    problems: tuple[SidecarProblem, ...] = ()
+    if meta.sidecars:
+        meta, problems = resolve_sidecars(meta)
+        if problems:
+            return meta, problems, None
+    if not isinstance(source, (FileRead, RemoteRead)):
+        return meta, problems, source
+    try:
+        return meta, problems, source.read()
+    except FileRefused as exc:
+        return meta, problems, (None, (exc.reason, bound_text(exc.detail)), False, 0)
+
+
+def _streamed_here(
+    item: tuple[bytes | FileRead | RemoteRead, RowMeta], sink: LocalBlobs | RemoteBlobs | None
+) -> bool:
+    """A local file ``check_and_store`` copies into a local blob store in bounded chunks
+    (over ``STREAM_ABOVE_BYTES``): it is never read whole, so never read ahead."""
+    source = item[0]
+    return (
+        isinstance(source, FileRead)
+        and isinstance(sink, LocalBlobs)
+        and source.size() > STREAM_ABOVE_BYTES
+    )
+
+
+def _item_bytes(item: tuple[bytes | FileRead | RemoteRead, RowMeta] | None) -> int:
+    if item is None:
+        return 0
+    source = item[0]
+    return source.size() if isinstance(source, (FileRead, RemoteRead)) else len(source)
+
+
+def _check_items_overlapped(task: ChunkTask) -> list[_ItemDone | None]:
+    """``_check_item`` for every item, with the round trips to object storage overlapped.
+
+    Why: on object storage an item is three sequential requests (sidecar, object, blob
+    PUT), each tens of milliseconds, around ~5 ms of CPU: a worker doing them one after the
+    other waits most of the time, and a cluster's ingest rate is set by storage latency,
+    not by its cores (measured with ``benchmarks/bench_scaleout.py``: the Ray + S3 ingest
+    step's wall per photo). Here ``task.io_threads`` threads read ahead (sidecars and
+    objects, at most ``OVERLAP_WINDOW_BYTES`` held) and write the accepted blobs while this
+    thread checks the next image. Same results, in the same order, as one after the other:
+    a blob counts as stored only once its write returned, a write that failed is "not
+    stored" (the step stores it), a read's refusal is that item's, any other error fails
+    the chunk as before (the step then isolates it).
+    """
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    n = len(task.items)
+    done: list[_ItemDone | None] = [None] * n
+    sink = task.sink
+    reads: deque[tuple[int, Future, int]] = deque()
+    writes: deque[tuple[int, Future, int]] = deque()
+    held = 0  # bytes of objects read ahead or being written
+    with ThreadPoolExecutor(task.io_threads, thread_name_prefix="prx-ingest-io") as io:
+
+        def finish_write() -> None:
+            nonlocal held
+            i, future, size = writes.popleft()
+            meta, problems, (key, result, _, nbytes) = done[i]  # type: ignore[misc]
+            try:
+                future.result()
+                stored = True
+            except OSError:  # not stored here: the step stores it, or says why not
+                stored = False
+            done[i] = (meta, problems, (key, result, stored, nbytes))
+            held -= size
+
+        next_read = 0
+        for i in range(n):
+            # Read ahead while the window allows (always at least the item to check next).
+            while next_read < n and (
+                next_read == i
+                or (
+                    len(reads) < task.io_threads
+                    and held + _item_bytes(task.items[next_read]) <= OVERLAP_WINDOW_BYTES
+                )
+            ):
+                item = task.items[next_read]
+                if item is not None and not _streamed_here(item, sink):
+                    size = _item_bytes(item)
+                    reads.append((next_read, io.submit(_fetch_item, item), size))
+                    held += size
+                next_read += 1
+            if task.items[i] is None:
+                continue
+            if _streamed_here(task.items[i], sink):  # never held whole: as one at a time
+                done[i] = _check_item(task.items[i], task.max_pixels, sink)
+                continue
+            j, future, size = reads.popleft()
+            assert j == i
+            meta, problems, got = future.result()  # a storage error fails the chunk
+            if got is None or isinstance(got, tuple):  # refused by its sidecar or its read
+                done[i] = (meta, problems, got)
+                held -= size
+                continue
+            key, result = check_candidate((got, task.max_pixels))
+            if sink is None or not isinstance(result[0], ImageInfo):
+                done[i] = (meta, problems, (key, result, False, len(got)))
+                held -= size
+                continue
+            done[i] = (meta, problems, (key, result, False, len(got)))
+            writes.append((i, io.submit(sink.put, got, sha256=key), size))
+            while writes and (writes[0][1].done() or held > OVERLAP_WINDOW_BYTES):
+                finish_write()
+        while writes:
+            finish_write()
+    return done
 
 
 def _isolate_chunk(task: ChunkTask) -> ChunkResult:
