@@ -340,10 +340,20 @@ def serve_s3(driver_pid: int) -> None:
 
     log_path = os.environ.get("PRX_BENCH_S3_REQUEST_LOG")
     log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
+    # A round trip's latency to add (``PRX_BENCH_S3_LATENCY_MS``, default 0): each response
+    # is held this long before its first byte is relayed, as a remote object store's
+    # time to first byte (tens of ms) would be; moto on 127.0.0.1 answers in a few.
+    latency = float(os.environ.get("PRX_BENCH_S3_LATENCY_MS") or 0) / 1000
 
-    def pump(src: socket.socket, dst: socket.socket, key: str, conn: str) -> None:
+    def pump(src: socket.socket, dst: socket.socket, key: str, conn: str, turn: list[bool]) -> None:
+        asking = key.endswith("_sent")  # client -> server: a request (or more of its body)
         with contextlib.suppress(OSError):
             while data := src.recv(1 << 16):
+                if asking:
+                    turn[0] = True
+                elif turn[0] and latency:
+                    time.sleep(latency)  # the first bytes of this request's response
+                    turn[0] = False
                 dst.sendall(data)
                 with lock:
                     counts[key] += len(data)
@@ -360,9 +370,10 @@ def serve_s3(driver_pid: int) -> None:
             counts[f"{who}_connections"] += 1
         upstream = socket.create_connection((host, moto_port))
         conn = f"{who}:{id(client):x}"  # one id for both directions of this connection
-        back = threading.Thread(target=pump, args=(upstream, client, f"{who}_received", conn))
+        turn = [False]  # a request was relayed and its response has not started yet
+        back = threading.Thread(target=pump, args=(upstream, client, f"{who}_received", conn, turn))
         back.start()
-        pump(client, upstream, f"{who}_sent", conn)
+        pump(client, upstream, f"{who}_sent", conn, turn)
         back.join()
         client.close()
         upstream.close()
@@ -388,9 +399,11 @@ def serve_s3(driver_pid: int) -> None:
 class S3:
     """The moto subprocess: its endpoint (the relay) and its counts."""
 
-    def __init__(self) -> None:
+    def __init__(self, latency_ms: float = 0.0) -> None:
+        """``latency_ms``: added to every round trip by the relay (``serve_s3``)."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.bench_scaleout", "--serve-s3", str(os.getpid())],
+            env={**os.environ, "PRX_BENCH_S3_LATENCY_MS": str(latency_ms)},
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -909,6 +922,10 @@ def run_config(
                 "idle_cpu_per_image_s": idle_cpu_per_s
                 * max(0.0, sq["wall_s"] - a_sq["wall_s"])
                 / (n_square - 1),
+                # How long the step takes per photo with this configuration's workers (two
+                # here): against the per-image CPU work, whether storage round trips or
+                # the workers' CPU set the pace.
+                "wall_per_image_s": (sq["wall_s"] - a_sq["wall_s"]) / (n_square - 1),
                 "step": sq,
             },
             "bucket_directories_big": dirs_big,
@@ -974,6 +991,16 @@ def headlines(result: dict[str, Any]) -> list[str]:
                 + f") (target <= {100 * TARGET_CPU_SHARE:.0f} %) "
                 f"{verdict(share <= TARGET_CPU_SHARE)}"
             )
+        walls = ", ".join(
+            f"{stage} {1000 * cfg['stages'][stage]['one_bucket']['wall_per_image_s']:.1f} ms"
+            for stage in STAGES
+        )
+        lines.append(
+            f"  step wall per photo at {ONE_BUCKET_PHOTOS} photos in one directory ({name}, "
+            f"two workers): {walls} (no target: per-image CPU work "
+            + ", ".join(f"{1000 * work[stage]:.1f} ms" for stage in STAGES)
+            + "; far above it, storage round trips set the pace)"
+        )
         for key, storage in (("fixed_cost", "sqlite"), ("fixed_cost_postgres", "PostgreSQL")):
             f = cfg.get(key)
             if f is None:

@@ -337,6 +337,26 @@ def resolve_sidecars(meta: RowMeta) -> tuple[RowMeta, tuple[SidecarProblem, ...]
     return resolved, tuple(problems)
 
 
+IO_THREADS_ENV = "PRX_INGEST_IO_THREADS"
+DEFAULT_IO_THREADS = 8
+
+
+def io_threads_from_env() -> int:
+    """``PRX_INGEST_IO_THREADS``: how many round trips to object storage an ingest worker
+    keeps in flight (default 8; 1: one item after the other). Anything but an integer
+    from 1 to 64 is refused with the setting's name."""
+    raw = os.environ.get(IO_THREADS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_IO_THREADS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 64:
+        raise ValueError(f"{IO_THREADS_ENV}={raw[:40]!r}: expected an integer from 1 to 64")
+    return value
+
+
 @dataclass(frozen=True)
 class ChunkTask:
     """Up to ``INGEST_CHUNK`` consecutive candidates (None: nothing to check) for one
@@ -351,7 +371,7 @@ class ChunkTask:
     probe: str | None = None
     # Landing reads and blob writes kept in flight by the worker when either is on object
     # storage (``_check_items_overlapped``); 1: one item after the other.
-    io_threads: int = 8
+    io_threads: int = DEFAULT_IO_THREADS
 
 
 @dataclass(frozen=True)
@@ -651,6 +671,7 @@ class BatchIngest:
         self._done = False
         self._workers_write_rows = False
         self._sidecars_refused: set[str] = set()  # recorded from a worker's sidecar reads
+        self.io_threads = io_threads_from_env()  # each chunk worker's, on object storage
 
     @property
     def rejects(self) -> pa.Table:
@@ -878,7 +899,7 @@ class BatchIngest:
         sent: deque[ChunkTask] = deque()
 
         def chunk(cands: list[Candidate], items: list) -> ChunkTask:
-            task = ChunkTask(tuple(items), self.max_pixels, sink, fragments, probe)
+            task = ChunkTask(tuple(items), self.max_pixels, sink, fragments, probe, self.io_threads)
             pending.append(cands)
             sent.append(task)
             return task

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from prx_assets.core.lab.io import arrow_filesystem
+from prx_assets.core.storage import S3Store
 
 BLOB_METADATA = {b"prx.blob": b"sha256"}
 BLOB_DIR = "_blobs"
@@ -50,6 +51,11 @@ class BlobUnavailable(BlobError):
     endpoint, refused credentials, an I/O error): storage trouble, possibly passing, so a
     caller must fail rather than record it as the image's own fault. Output must never
     depend on whether the store answered."""
+
+
+#: The largest blob a read accepts: ingest refuses files over its own limit (512 MB by
+#: default, ``max_file_bytes``), so a stored value is below this unless that was raised.
+MAX_BLOB_BYTES = 4 << 30
 
 
 def _read_error(table: str, ref: str, exc: OSError) -> BlobError:
@@ -244,6 +250,7 @@ class BlobStore:
             self._base = self.root
         else:
             self._fs, self._base = arrow_filesystem(self.root)
+        self._s3: S3Store | None = None
 
     @property
     def is_local(self) -> bool:
@@ -255,8 +262,19 @@ class BlobStore:
 
     def path(self, table: str, ref: str) -> str:
         """Where the value with sha256 ``ref`` of ``table`` lives (filesystem path)."""
+        return f"{self._base}/{self._key(table, ref)}"
+
+    @staticmethod
+    def _key(table: str, ref: str) -> str:
+        """The value's name under the blob root."""
         _check_ref(table, ref)
-        return f"{self._base}/{table}/{ref[:2]}/{ref[2:4]}/{ref}"
+        return f"{table}/{ref[:2]}/{ref[2:4]}/{ref}"
+
+    def _objects(self) -> S3Store:
+        """The blob root as an object store (object-storage labs only), built once."""
+        if self._s3 is None:
+            self._s3 = S3Store(self.root)
+        return self._s3
 
     def local(self, table: str) -> LocalBlobs | None:
         """``table``'s blobs for worker processes on this machine (picklable); None on
@@ -266,15 +284,18 @@ class BlobStore:
     def check_present(self, table: str, refs: Iterable[str | None]) -> None:
         """Raise ``BlobError`` unless every reference names a stored blob (a ``stat``
         each): rows that name blobs stored elsewhere are never committed dangling."""
-        for ref in refs:
-            if ref is None:
-                continue
-            path = self.path(table, ref)
-            if self._local:
-                present = os.path.isfile(path)
-            else:
-                present = self._fs.get_file_info(path).type == pafs.FileType.File
-            if not present:
+        wanted = [ref for ref in refs if ref is not None]
+        if self._local:
+            present = [os.path.isfile(self.path(table, ref)) for ref in wanted]
+        else:
+            # One HEAD each, in flight together: one after the other, a fragment of a few
+            # hundred rows waited a round trip per row (``bench_ingest_latency``).
+            objects = self._objects()
+            keys = [self._key(table, ref) for ref in wanted]
+            with ThreadPoolExecutor(_REMOTE_READ_THREADS) as pool:
+                present = [size is not None for size in pool.map(objects.size, keys)]
+        for ref, there in zip(wanted, present, strict=True):
+            if not there:
                 raise BlobError(f"{table}: rows name blob {ref}, which is not stored")
 
     def put(self, table: str, data: bytes | memoryview | pa.Buffer) -> tuple[str, int]:
@@ -285,23 +306,34 @@ class BlobStore:
         path = self.path(table, ref)
         if self._local:
             return ref, _put_local(path, view)
-        else:
-            if self._fs.get_file_info(path).type == pafs.FileType.File:
+        # Object storage: one HEAD, and one PutObject when the value is not there whole
+        # (atomic per object). pyarrow's output stream made it a multipart upload (create,
+        # part, complete) after two HEADs: five round trips per blob where two do
+        # (``benchmarks/bench_ingest_latency.py`` logs the requests with
+        # ``PRX_BENCH_S3_REQUEST_LOG``).
+        key = self._key(table, ref)
+        objects = self._objects()
+        try:
+            if objects.size(key) == view.nbytes:
                 return ref, 0
-            with self._fs.open_output_stream(path) as out:  # one PUT: atomic on object stores
-                out.write(view)
+            objects.put(key, view)
+        except Exception as exc:  # noqa: BLE001 - storage trouble: the caller's OSError
+            raise OSError(f"{table}: blob {ref} not stored: {type(exc).__name__}: {exc}") from exc
         return ref, view.nbytes
 
     def get(self, table: str, ref: str) -> bytes:
         """The bytes of ``ref``, checked against it; a missing or altered blob raises."""
         if self._local:
             return LocalBlobs(table, self.table_dir(table)).get(ref)
-        path = self.path(table, ref)
+        # One GET (pyarrow's input file asked for the size first: two round trips).
         try:
-            with self._fs.open_input_file(path) as fh:
-                data = fh.read()
-        except OSError as exc:
-            raise _read_error(table, ref, exc) from exc
+            data = self._objects().get(self._key(table, ref), MAX_BLOB_BYTES)
+        except Exception as exc:  # noqa: BLE001 - unreachable, refused, too large: not "missing"
+            raise BlobUnavailable(
+                f"{table}: blob {ref} could not be read: {type(exc).__name__}: {exc}"
+            ) from exc
+        if data is None:
+            raise BlobError(f"{table}: blob {ref} is missing (no such object)")
         if hashlib.sha256(data).hexdigest() != ref:
             raise BlobError(f"{table}: blob {ref} does not match its address (altered or torn)")
         return data
