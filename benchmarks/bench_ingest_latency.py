@@ -72,6 +72,7 @@ def run(latency_ms: float, per_partition: int, long_side: int) -> dict[str, Any]
     from prx_assets.core.lab import Lab
     from prx_assets.definitions import build_defs
     from prx_assets.defs.partitions import BATCHES
+    from prx_assets_tests.forkservers import _stop_forkserver
 
     tmp = Path(tempfile.mkdtemp(prefix="bil-"))
     s3 = S3(latency_ms)
@@ -91,6 +92,9 @@ def run(latency_ms: float, per_partition: int, long_side: int) -> dict[str, Any]
         os.environ["PRX_LANDING_URI"] = f"s3://{BUCKET}/landing"
         os.environ["PRX_LAB_URI"] = f"s3://{BUCKET}/lab"
         os.environ["PRX_SHARDS_URI"] = f"s3://{BUCKET}/shards"
+        # The pool's workers fork from one forkserver per process, which keeps the
+        # environment of its first start: started again, they reach this run's server.
+        _stop_forkserver()
         runs: dict[str, dict[str, Any]] = {}
         with instance_for_test() as instance:
             keys = [f"photos.{p}" for p in folders]
@@ -131,6 +135,7 @@ def run(latency_ms: float, per_partition: int, long_side: int) -> dict[str, Any]
                 os.environ[k] = v
         for k in ("PRX_LANDING_URI", "PRX_LAB_URI", "PRX_SHARDS_URI"):
             os.environ.pop(k, None)
+        _stop_forkserver()
         s3.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     one = statistics.mean(runs[p]["step_s"] for p in ("one_a", "one_b"))

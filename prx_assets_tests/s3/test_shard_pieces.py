@@ -27,6 +27,7 @@ import pytest
 from prx_assets.core.lab import Lab
 from prx_assets.core.lab.blobs import LocalBlobs
 from prx_assets.core.lab.view import LabView
+from prx_assets.core.shards import pieces
 from prx_assets.core.shards import runner as shard_runner
 from prx_assets.core.shards.pieces import PieceResult, PieceTask
 from prx_assets.core.shards.render import RenderFailures
@@ -368,3 +369,25 @@ def test_storage_trouble_fails_the_step_and_is_never_an_image_failure(world, tmp
     with pytest.raises(Exception, match="could not be read"):
         _run(monkeypatch, str(root / "lab"), str(root / "shards"), InlinePool())
     assert _rows(str(root / "lab")) == rows
+
+
+def test_sources_read_ahead_on_s3_fail_alike(world, tmp_path, monkeypatch, s3_server, s3_prefix):
+    """With the lab on object storage the worker reads its sources ahead of rendering them
+    (``pieces._prefetched``): an altered blob is still that image's failure and the rest
+    of the piece is the local run's, at any read-ahead depth; a blob that is gone is too."""
+    victim, gone = world[1][5], world[1][2]
+    local = _copy(world, tmp_path / "local")
+    _blob_path(local / "lab", victim).write_bytes(b"altered")
+    _blob_path(local / "lab", gone).unlink()
+    reference_out, _ = _run(monkeypatch, str(local / "lab"), str(local / "shards"), InlinePool())
+    reference = _tree(local / "shards")
+    assert set(reference_out.failures) == {victim, gone}
+    for depth in (1, 4):
+        monkeypatch.setattr(pieces, "PREFETCH_BLOBS", depth)
+        lab_uri = f"{s3_prefix}/lab-{depth}"
+        _upload_dir(s3_server, local / "lab", lab_uri)
+        out, pool = _run(monkeypatch, lab_uri, f"{s3_prefix}/shards-{depth}", InlinePool())
+        assert all(type(t.blobs).__name__ == "RemoteBlobs" for t in pool.tasks)
+        assert set(out.failures) == {victim, gone}
+        assert "does not match" in out.failures[victim] and "missing" in out.failures[gone]
+        assert _remote_tree(s3_server, f"{s3_prefix}/shards-{depth}") == reference
