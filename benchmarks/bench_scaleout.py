@@ -997,9 +997,8 @@ def headlines(result: dict[str, Any]) -> list[str]:
         )
         lines.append(
             f"  step wall per photo at {ONE_BUCKET_PHOTOS} photos in one directory ({name}, "
-            f"two workers): {walls} (no target: per-image CPU work "
-            + ", ".join(f"{1000 * work[stage]:.1f} ms" for stage in STAGES)
-            + "; far above it, storage round trips set the pace)"
+            f"two workers): {walls} (no target; against the local pool's line, the same "
+            "photos: the time the workers wait, e.g. on storage round trips)"
         )
         for key, storage in (("fixed_cost", "sqlite"), ("fixed_cost_postgres", "PostgreSQL")):
             f = cfg.get(key)
