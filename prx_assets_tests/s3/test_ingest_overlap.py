@@ -134,3 +134,14 @@ def test_reads_run_ahead_of_the_checks(s3_server, s3_prefix, monkeypatch):
     out = _run(lab, items, io_threads=4)
     assert peak[0] >= 2
     assert out.written is not None and out.written.rows == 5  # p00..p04 (p00_copy repeats)
+
+
+@pytest.mark.parametrize("raw", ["0", "65", "eight", "-1", "2.5"])
+def test_an_unusable_io_threads_setting_is_refused_by_name(monkeypatch, raw):
+    monkeypatch.setenv(ingest.IO_THREADS_ENV, raw)
+    with pytest.raises(ValueError, match="PRX_INGEST_IO_THREADS"):
+        ingest.io_threads_from_env()
+    monkeypatch.setenv(ingest.IO_THREADS_ENV, " 3 ")
+    assert ingest.io_threads_from_env() == 3
+    monkeypatch.delenv(ingest.IO_THREADS_ENV)
+    assert ingest.io_threads_from_env() == ingest.DEFAULT_IO_THREADS
