@@ -285,9 +285,10 @@ def _worker_samples(task: PieceTask) -> tuple[PieceSample, ...]:
     )
 
 
-#: Source blobs a worker reads ahead of the sample it renders, on object storage: a read is
-#: a round trip of tens of ms against ~15 ms of rendering (``bench_scaleout``'s step wall
-#: per photo). Bounded by count (sizes are known only once read): a few photos held.
+#: Source blobs a worker reads at once ahead of the sample it renders, on object storage: a
+#: read is a round trip of tens of ms against ~15 ms of rendering (``bench_scaleout``'s step
+#: wall per photo). Bounded by count (sizes are known only once read): at most this many
+#: reads in flight and one more queued, so a few photos held.
 PREFETCH_BLOBS = 4
 
 
@@ -311,8 +312,7 @@ def _prefetched(
 
     with ThreadPoolExecutor(PREFETCH_BLOBS, thread_name_prefix="prx-piece-read") as io:
         ahead: deque[tuple[PieceSample, Any]] = deque()
-        pending = iter(planned)
-        for s in pending:
+        for s in planned:
             ahead.append((s, io.submit(blobs.get, s.ref) if wanted(s) else None))
             if len(ahead) > PREFETCH_BLOBS:
                 yield ahead.popleft()
