@@ -39,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "bench_ingest_latency.json"
@@ -76,65 +77,58 @@ def run(latency_ms: float, per_partition: int, long_side: int) -> dict[str, Any]
 
     tmp = Path(tempfile.mkdtemp(prefix="bil-"))
     s3 = S3(latency_ms)
-    saved = {k: os.environ.get(k) for k in (*s3.env, IO_THREADS_ENV, "PRX_EXECUTOR")}
     try:
-        folders = _photos(tmp / "photos", per_partition, long_side)
-        client = s3.client()
-        client.create_bucket(Bucket=BUCKET)
-        for part, folder in folders.items():
-            for f in sorted(folder.iterdir()):
-                client.put_object(
-                    Bucket=BUCKET, Key=f"landing/photos/{part}/{f.name}", Body=f.read_bytes()
-                )
-            client.put_object(Bucket=BUCKET, Key=f"landing/photos/{part}/_SUCCESS", Body=b"")
-        os.environ.update(s3.env)
-        os.environ.pop("PRX_EXECUTOR", None)  # the process pool on this machine's cores
-        os.environ["PRX_LANDING_URI"] = f"s3://{BUCKET}/landing"
-        os.environ["PRX_LAB_URI"] = f"s3://{BUCKET}/lab"
-        os.environ["PRX_SHARDS_URI"] = f"s3://{BUCKET}/shards"
-        # The pool's workers fork from one forkserver per process, which keeps the
-        # environment of its first start: started again, they reach this run's server.
-        _stop_forkserver()
-        runs: dict[str, dict[str, Any]] = {}
-        with instance_for_test() as instance:
-            keys = [f"photos.{p}" for p in folders]
-            instance.add_dynamic_partitions(BATCHES.name, keys)
-            job = build_defs(str(tmp / "data")).resolve_job_def("batch_pipeline")
-            for part, threads in (("warm", None), ("one_a", None), *ORDER, ("one_b", None)):
-                if threads is None:
-                    os.environ.pop(IO_THREADS_ENV, None)
-                else:
-                    os.environ[IO_THREADS_ENV] = str(threads)
-                t0 = time.perf_counter()
-                result = job.execute_in_process(
-                    partition_key=f"photos.{part}",
-                    instance=instance,
-                    asset_selection=[AssetKey("raw_images")],
-                )
-                wall = time.perf_counter() - t0
-                if not result.success:
-                    raise RuntimeError(f"raw_images failed on photos.{part}")
-                runs[part] = {
-                    "io_threads": threads or 8,
-                    "run_wall_s": wall,
-                    "step_s": step_seconds(instance, result.run_id, "raw_images"),
-                }
-            lab = Lab(f"s3://{BUCKET}/lab")
-            for part, _ in ORDER:
-                rows = lab.count("images", f"batch = 'photos.{part}'")
-                if rows != per_partition:
-                    raise RuntimeError(
-                        f"photos.{part}: {rows} images rows, expected {per_partition}"
+        with mock.patch.dict(os.environ):  # every variable set below is undone after
+            folders = _photos(tmp / "photos", per_partition, long_side)
+            client = s3.client()
+            client.create_bucket(Bucket=BUCKET)
+            for part, folder in folders.items():
+                for f in sorted(folder.iterdir()):
+                    client.put_object(
+                        Bucket=BUCKET, Key=f"landing/photos/{part}/{f.name}", Body=f.read_bytes()
                     )
-                runs[part]["images_rows"] = rows
+                client.put_object(Bucket=BUCKET, Key=f"landing/photos/{part}/_SUCCESS", Body=b"")
+            os.environ.update(s3.env)
+            os.environ.pop("PRX_EXECUTOR", None)  # the process pool on this machine's cores
+            os.environ["PRX_LANDING_URI"] = f"s3://{BUCKET}/landing"
+            os.environ["PRX_LAB_URI"] = f"s3://{BUCKET}/lab"
+            os.environ["PRX_SHARDS_URI"] = f"s3://{BUCKET}/shards"
+            # The pool's workers fork from one forkserver per process, which keeps the
+            # environment of its first start: started again, they reach this run's server.
+            _stop_forkserver()
+            runs: dict[str, dict[str, Any]] = {}
+            with instance_for_test() as instance:
+                keys = [f"photos.{p}" for p in folders]
+                instance.add_dynamic_partitions(BATCHES.name, keys)
+                job = build_defs(str(tmp / "data")).resolve_job_def("batch_pipeline")
+                for part, threads in (("warm", None), ("one_a", None), *ORDER, ("one_b", None)):
+                    if threads is None:
+                        os.environ.pop(IO_THREADS_ENV, None)
+                    else:
+                        os.environ[IO_THREADS_ENV] = str(threads)
+                    t0 = time.perf_counter()
+                    result = job.execute_in_process(
+                        partition_key=f"photos.{part}",
+                        instance=instance,
+                        asset_selection=[AssetKey("raw_images")],
+                    )
+                    wall = time.perf_counter() - t0
+                    if not result.success:
+                        raise RuntimeError(f"raw_images failed on photos.{part}")
+                    runs[part] = {
+                        "io_threads": threads or 8,
+                        "run_wall_s": wall,
+                        "step_s": step_seconds(instance, result.run_id, "raw_images"),
+                    }
+                lab = Lab(f"s3://{BUCKET}/lab")
+                for part, _ in ORDER:
+                    rows = lab.count("images", f"batch = 'photos.{part}'")
+                    if rows != per_partition:
+                        raise RuntimeError(
+                            f"photos.{part}: {rows} images rows, expected {per_partition}"
+                        )
+                    runs[part]["images_rows"] = rows
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        for k in ("PRX_LANDING_URI", "PRX_LAB_URI", "PRX_SHARDS_URI"):
-            os.environ.pop(k, None)
         _stop_forkserver()
         s3.stop()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -464,13 +464,10 @@ def _check_item(
     """One item of a chunk read, checked and stored, one step after the other."""
     if item is None:
         return None
-    source, meta = item
-    problems: tuple[SidecarProblem, ...] = ()
-    if meta.sidecars:
-        meta, problems = resolve_sidecars(meta)
-        if problems:
-            return meta, problems, None
-    return meta, problems, check_and_store((source, max_pixels, sink))
+    meta, problems = resolve_sidecars(item[1])  # (meta, ()) when it has none
+    if problems:
+        return meta, problems, None
+    return meta, problems, check_and_store((item[0], max_pixels, sink))
 
 
 def _fetch_item(
@@ -478,12 +475,10 @@ def _fetch_item(
 ) -> tuple[RowMeta, tuple[SidecarProblem, ...], bytes | FileChecked | None]:
     """The I/O half of ``_check_item``: sidecars and the object's bytes (or the refusal a
     read made: a ``FileChecked`` with no key)."""
-    source, meta = item
-    problems: tuple[SidecarProblem, ...] = ()
-    if meta.sidecars:
-        meta, problems = resolve_sidecars(meta)
-        if problems:
-            return meta, problems, None
+    source = item[0]
+    meta, problems = resolve_sidecars(item[1])
+    if problems:
+        return meta, problems, None
     if not isinstance(source, (FileRead, RemoteRead)):
         return meta, problems, source
     try:
