@@ -145,6 +145,11 @@ def check_candidate(item: tuple[bytes, int]) -> Checked:
 FileChecked = tuple[str | None, object, bool, int]
 
 
+def _refused(exc: FileRefused) -> FileChecked:
+    """What a worker returns for a file its read refused: as if the step had read it."""
+    return None, (exc.reason, bound_text(exc.detail)), False, 0
+
+
 def check_and_store(
     item: tuple[bytes | FileRead | RemoteRead, int, LocalBlobs | RemoteBlobs | None],
 ) -> FileChecked:
@@ -168,7 +173,7 @@ def check_and_store(
                 return _check_and_store_big(source, max_pixels, sink)
             data = source.read()
         except FileRefused as exc:
-            return None, (exc.reason, bound_text(exc.detail)), False, 0
+            return _refused(exc)
     else:
         data = source
     key, result = check_candidate((data, max_pixels))
@@ -484,7 +489,7 @@ def _fetch_item(
     try:
         return meta, problems, source.read()
     except FileRefused as exc:
-        return meta, problems, (None, (exc.reason, bound_text(exc.detail)), False, 0)
+        return meta, problems, _refused(exc)
 
 
 def _streamed_here(
@@ -514,9 +519,9 @@ def _check_items_overlapped(task: ChunkTask) -> list[_ItemDone | None]:
     PUT), each tens of milliseconds, around ~5 ms of CPU: a worker doing them one after the
     other waits most of the time, and a cluster's ingest rate is set by storage latency,
     not by its cores (``benchmarks/bench_ingest_latency.py``: with 20 ms round trips, 212 ms
-    per photo one at a time against 94 ms overlapped). Here ``task.io_threads`` threads read ahead (sidecars and
-    objects, at most ``OVERLAP_WINDOW_BYTES`` held) and write the accepted blobs while this
-    thread checks the next image. Same results, in the same order, as one after the other:
+    per photo one at a time against 94 ms overlapped). Here ``task.io_threads`` threads
+    read ahead (sidecars and objects, at most ``OVERLAP_WINDOW_BYTES`` held) and write the
+    accepted blobs while this thread checks the next image. Same results, in the same order, as one after the other:
     a blob counts as stored only once its write returned, a write that failed is "not
     stored" (the step stores it), a read's refusal is that item's, any other error fails
     the chunk as before (the step then isolates it).
