@@ -25,7 +25,7 @@ from prx_assets.core.snapshots.compliance import compliance_report
 from prx_assets.core.snapshots.diff import diff_snapshots
 from prx_assets.core.snapshots.manifest import SnapshotError, read_snapshot
 from prx_assets.core.snapshots.pins import PINS_DIRNAME, RETAINED_DIRNAME
-from prx_assets.core.snapshots.runner import create_snapshot, retire_snapshot
+from prx_assets.core.snapshots.runner import MEMBER_COLUMNS, create_snapshot, retire_snapshot
 from prx_assets.core.tables import spec
 from prx_assets.defs.captions.resources import CaptionerResource
 from prx_assets.defs.run_requests import evaluate_sensor, execute_run_request
@@ -194,6 +194,66 @@ def test_diff_counts_by_reason_after_an_opt_out_and_a_captioner_swap(platform, c
     row = lab.read("training_snapshots", None, "snapshot_id = 'before'").to_pylist()[0]
     assert row["status"] == "retired" and row["retired_at"] is not None
     assert _members(lab, "before") == a  # lineage is kept
+
+
+def _members_by_batch(lab: Lab, snapshot_id: str) -> dict[str, set[tuple]]:
+    rows = lab.read(
+        "snapshot_samples", list(MEMBER_COLUMNS), f"snapshot_id = '{snapshot_id}'"
+    ).to_pylist()
+    out: dict[str, set[tuple]] = {}
+    for r in rows:
+        out.setdefault(r["batch"], set()).add(tuple(r[c] for c in MEMBER_COLUMNS))
+    return out
+
+
+def _same_result(x, y) -> bool:
+    return (x.a_samples, x.b_samples, x.totals(), [g.__dict__ for g in x.groups]) == (
+        y.a_samples,
+        y.b_samples,
+        y.totals(),
+        [g.__dict__ for g in y.groups],
+    )
+
+
+def test_a_diff_reads_only_the_batches_whose_members_changed(platform):
+    lab, root = _lab(platform), _shards(platform)
+    create_snapshot(lab, root, "s1")
+    batch = "public-sklearn.001"
+    opted = sorted(k for b, k in _members(lab, "s1") if b == batch)[:2]
+    _opt_out(platform, "request-1.txt", opted)
+    platform.settle()
+    create_snapshot(lab, root, "s2")
+
+    before, after = _members_by_batch(lab, "s1"), _members_by_batch(lab, "s2")
+    changed = {b for b in before.keys() | after.keys() if before.get(b) != after.get(b)}
+    sharded = {  # batches with a directory in either snapshot (some may keep no sample)
+        d.relative_dir.rsplit("/", 1)[-1]
+        for sid in ("s1", "s2")
+        for d in read_snapshot(root, sid).directories
+    }
+    assert batch in changed and len(changed) < len(sharded)  # some batches unchanged
+    diff = diff_snapshots(lab, "s1", "s2")
+    assert diff.batches_compared == len(changed)
+    assert diff.batches_unchanged == len(sharded) - len(changed)
+    assert sorted(diff.keys("removed", "opt-out")) == opted
+    assert diff.a_samples == sum(map(len, before.values()))
+    assert diff.b_samples == sum(map(len, after.values()))
+    assert "unchanged (same directories and members digests)" in diff.to_markdown()
+    # A batch per read gives the same answer as one read of every changed batch.
+    assert _same_result(diff_snapshots(lab, "s1", "s2", chunk_samples=1), diff)
+
+    # A snapshot without directory digests (made before they were recorded) is compared
+    # whole, sample by sample: the same answer.
+    lab.replace_rows(
+        spec("snapshot_directories"),
+        "snapshot_id",
+        "s1",
+        spec("snapshot_directories").schema.empty_table(),
+    )
+    whole = diff_snapshots(lab, "s1", "s2")
+    with_samples = before.keys() | after.keys()
+    assert whole.batches_unchanged is None and whole.batches_compared == len(with_samples)
+    assert _same_result(whole, diff)
 
 
 def _duplicate_pair(lab: Lab, members: set[tuple[str, str]]) -> tuple[tuple, tuple]:

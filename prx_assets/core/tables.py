@@ -14,7 +14,11 @@ from prx_assets.core.lab import VERSION_PINS, TableSpec
 from prx_assets.core.resolution.tables import RESOLUTION
 from prx_assets.core.shards.tables import BUCKET_ASSIGNMENTS, SHARD_SAMPLES
 from prx_assets.core.skiplists.tables import OPT_OUT_LISTS, OPT_OUTS, SKIP_AUDIT, SKIP_DIRTY
-from prx_assets.core.snapshots.tables import SNAPSHOT_SAMPLES, TRAINING_SNAPSHOTS
+from prx_assets.core.snapshots.tables import (
+    SNAPSHOT_DIRECTORIES,
+    SNAPSHOT_SAMPLES,
+    TRAINING_SNAPSHOTS,
+)
 
 LAB_TABLES: tuple[TableSpec, ...] = (
     IMAGES,
@@ -35,6 +39,7 @@ LAB_TABLES: tuple[TableSpec, ...] = (
     SKIP_DIRTY,
     TRAINING_SNAPSHOTS,
     SNAPSHOT_SAMPLES,
+    SNAPSHOT_DIRECTORIES,
     VERSION_PINS,
 )
 """Every lab table, in the order a data lead reads an image's trail."""

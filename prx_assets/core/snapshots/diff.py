@@ -1,6 +1,10 @@
 """What changed between the training sets of two snapshots, and why.
 
-Membership comes from ``snapshot_samples`` (the samples each snapshot trains on); the reason
+Membership comes from ``snapshot_samples`` (the samples each snapshot trains on), read only
+for the batches whose directories differ: each snapshot records per directory a digest of
+the samples it keeps there (``snapshot_directories``), and a batch with the same directories
+and digests in both is skipped unread. The changed batches are read a few at a time, so a
+diff's memory grows with its largest changed batch, not with the snapshots. The reason
 a sample left or joined is read from the lab *at the versions each snapshot pinned*
 (``skip_audit`` of the later snapshot for a removal, of the earlier one for an addition),
 so the answer does not drift as the lab moves on. Reasons, first match wins:
@@ -24,14 +28,15 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prx_assets.core.lab import Lab, sql_literal
+from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
 from prx_assets.core.markdown import md_table
 from prx_assets.core.snapshots.manifest import SnapshotError
-from prx_assets.core.snapshots.runner import existing
-from prx_assets.core.snapshots.tables import SNAPSHOT_SAMPLES
+from prx_assets.core.snapshots.runner import MEMBER_COLUMNS, existing
+from prx_assets.core.snapshots.tables import SNAPSHOT_DIRECTORIES, SNAPSHOT_SAMPLES
 
 REASONS = (
     "new batch",
@@ -46,15 +51,8 @@ REASONS = (
 )
 DIRECTIONS = ("added", "removed", "changed")
 MAX_KEYS = 10
-_MEMBER_COLS = (
-    "batch",
-    "key",
-    "tier",
-    "shape",
-    "source",
-    "caption_fingerprint",
-    "class_fingerprint",
-)
+# Samples per read of the changed batches (both sides together; a batch is never split).
+DIFF_CHUNK_SAMPLES = 100_000
 
 
 @dataclass
@@ -79,6 +77,8 @@ class SnapshotDiff:
     a_samples: int
     b_samples: int
     groups: list[DiffGroup]
+    batches_compared: int = 0  # batches whose samples were read and compared
+    batches_unchanged: int | None = None  # skipped by digest (None: compared whole)
 
     def totals(self) -> dict[tuple[str, str], int]:
         """(direction, reason) -> samples."""
@@ -105,6 +105,8 @@ class SnapshotDiff:
             "b": self.b,
             "a_samples": self.a_samples,
             "b_samples": self.b_samples,
+            "batches_compared": self.batches_compared,
+            "batches_unchanged": self.batches_unchanged,
             "totals": [
                 {"direction": d, "reason": r, "samples": n} for (d, r), n in self.totals().items()
             ],
@@ -115,7 +117,7 @@ class SnapshotDiff:
         """A heading line and one table per level (every value from data in code spans)."""
         lines = [
             f"Snapshot diff {md_table_value(self.a)} → {md_table_value(self.b)}: "
-            f"{self.a_samples} → {self.b_samples} samples.",
+            f"{self.a_samples} → {self.b_samples} samples; {self.compared_line()}.",
             "",
             md_table(
                 ["direction", "reason", "samples"],
@@ -140,6 +142,14 @@ class SnapshotDiff:
         ]
         return "\n".join(lines)
 
+    def compared_line(self) -> str:
+        if self.batches_unchanged is None:
+            return f"{self.batches_compared} batches compared sample by sample"
+        return (
+            f"{self.batches_compared} batches compared sample by sample, "
+            f"{self.batches_unchanged} unchanged (same directories and members digests)"
+        )
+
     def chart(self) -> tuple[list[str], list[float]]:
         """Labels and values for a bar chart of the totals."""
         items = list(self.totals().items())
@@ -152,10 +162,13 @@ def md_table_value(value: str) -> str:
     return md_code(value)
 
 
-def _members(lab: Lab, snapshot_id: str) -> dict[tuple[str, str], dict[str, Any]]:
-    rows = lab.read(
-        SNAPSHOT_SAMPLES.name, list(_MEMBER_COLS), f"snapshot_id = {sql_literal(snapshot_id)}"
-    ).to_pylist()
+def _members(
+    view: LabView, snapshot_id: str, batches: str | None
+) -> dict[tuple[str, str], dict[str, Any]]:
+    where = f"snapshot_id = {sql_literal(snapshot_id)}"
+    if batches is not None:
+        where += f" AND {batches}"
+    rows = view.read(SNAPSHOT_SAMPLES.name, list(MEMBER_COLUMNS), where).to_pylist()
     return {(r["batch"], r["key"]): r for r in rows}
 
 
@@ -166,23 +179,82 @@ def _versions(lab: Lab, snapshot_id: str) -> dict[str, int]:
     return json.loads(row["lab_versions"] or "{}")
 
 
-def _at(lab: Lab, versions: dict[str, int], table: str, columns: list[str]) -> list[dict]:
+def _directories(lab: Lab, snapshot_id: str) -> dict[str, dict[str, tuple[str, int]]] | None:
+    """batch -> relative_dir -> (members digest, kept samples) of a snapshot (O(directories));
+    None for a snapshot made before ``snapshot_directories`` existed (every snapshot froze
+    at least one directory), which is then compared whole."""
+    if not lab.exists(SNAPSHOT_DIRECTORIES.name):
+        return None
+    rows = lab.read(
+        SNAPSHOT_DIRECTORIES.name,
+        ["batch", "relative_dir", "members_sha256", "kept_samples"],
+        f"snapshot_id = {sql_literal(snapshot_id)}",
+    )
+    if not rows.num_rows:
+        return None
+    out: dict[str, dict[str, tuple[str, int]]] = {}
+    for batch, rel, digest, kept in zip(
+        *(rows.column(c).to_pylist() for c in rows.column_names), strict=True
+    ):
+        out.setdefault(batch, {})[rel] = (digest, int(kept))
+    return out
+
+
+def _chunks(
+    dirs_a: dict[str, dict[str, tuple[str, int]]],
+    dirs_b: dict[str, dict[str, tuple[str, int]]],
+    chunk_samples: int,
+) -> tuple[list[list[str]], dict[str, int]]:
+    """The batches whose directories differ (by members digest), in order, grouped into
+    reads of about ``chunk_samples`` samples; and the kept samples of the batches skipped,
+    per side (``{"a": n, "b": n}``)."""
+    chunks: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    skipped = {"a": 0, "b": 0}
+    for batch in sorted(dirs_a.keys() | dirs_b.keys()):
+        da, db = dirs_a.get(batch, {}), dirs_b.get(batch, {})
+        if da == db:  # same directories, same members: nothing to compare
+            skipped["a"] += sum(kept for _, kept in da.values())
+            skipped["b"] += sum(kept for _, kept in db.values())
+            continue
+        weight = sum(kept for _, kept in da.values()) + sum(kept for _, kept in db.values())
+        if current and size + weight > chunk_samples:
+            chunks.append(current)
+            current, size = [], 0
+        current.append(batch)
+        size += weight
+    if current:
+        chunks.append(current)
+    return chunks, skipped
+
+
+def _at(
+    view: LabView, versions: dict[str, int], table: str, columns: list[str], batches: str | None
+) -> list[dict]:
     if table not in versions:
         return []
-    return lab.read(table, columns, version=versions[table]).to_pylist()
+    return view.read(table, columns, batches).to_pylist()
 
 
-def _context(lab: Lab, versions: dict[str, int]) -> tuple[dict, dict, dict, set[str]]:
-    """(batch, key) -> reasons; -> caption fp; -> class fp; and the batches sharded."""
+def _context(
+    view: LabView, versions: dict[str, int], batches: str | None
+) -> tuple[dict, dict, dict, set[str]]:
+    """(batch, key) -> reasons; -> caption fp; -> class fp; and the batches sharded (of the
+    batches ``batches`` selects, at the snapshot's pinned versions)."""
     reasons = {
         (r["batch"], r["key"]): set(r["reasons"] or [])
-        for r in _at(lab, versions, "skip_audit", ["batch", "key", "reasons"])
+        for r in _at(view, versions, "skip_audit", ["batch", "key", "reasons"], batches)
     }
-    shard_rows = _at(lab, versions, "shard_samples", ["batch", "key", "caption_fingerprint"])
+    shard_rows = _at(
+        view, versions, "shard_samples", ["batch", "key", "caption_fingerprint"], batches
+    )
     captions = {(r["batch"], r["key"]): r["caption_fingerprint"] for r in shard_rows}
     classes = {
         (r["batch"], r["key"]): r["backend_fingerprint"]
-        for r in _at(lab, versions, "caption_classes", ["batch", "key", "backend_fingerprint"])
+        for r in _at(
+            view, versions, "caption_classes", ["batch", "key", "backend_fingerprint"], batches
+        )
     }
     return reasons, captions, classes, {b for b, _ in captions}
 
@@ -208,20 +280,17 @@ def _reason(reasons: set[str] | None, swapped: bool) -> str:
     return "other"
 
 
-def diff_snapshots(lab: Lab, a: str, b: str, max_keys: int = MAX_KEYS) -> SnapshotDiff:
-    """The diff from snapshot ``a`` to snapshot ``b`` (see the module docstring)."""
-    va, vb = _versions(lab, a), _versions(lab, b)
-    ma, mb = _members(lab, a), _members(lab, b)
-    reasons_a, cap_a, cls_a, batches_a = _context(lab, va)
-    reasons_b, cap_b, cls_b, batches_b = _context(lab, vb)
-    groups: dict[tuple, DiffGroup] = {}
-
-    def add(direction: str, reason: str, row: dict[str, Any]) -> None:
-        k = (direction, reason, row.get("tier"), row.get("shape"), row.get("source"))
-        g = groups.setdefault(k, DiffGroup(*k))
-        g.count += 1
-        if len(g.keys) < max_keys:
-            g.keys.append(row["key"])
+def _compare(
+    ma: dict[tuple[str, str], dict[str, Any]],
+    mb: dict[tuple[str, str], dict[str, Any]],
+    context_a: tuple[dict, dict, dict, set[str]],
+    context_b: tuple[dict, dict, dict, set[str]],
+    add: Callable[[str, str, dict[str, Any]], None],
+) -> None:
+    """Samples of the same batches in ``a`` and ``b`` into ``add``: added, removed,
+    changed, each in (batch, key) order, with the reason read at each side's versions."""
+    reasons_a, cap_a, cls_a, batches_a = context_a
+    reasons_b, cap_b, cls_b, batches_b = context_b
 
     def swapped(ident: tuple[str, str]) -> bool:
         return cap_a.get(ident) != cap_b.get(ident) or cls_a.get(ident) != cls_b.get(ident)
@@ -245,6 +314,49 @@ def diff_snapshots(lab: Lab, a: str, b: str, max_keys: int = MAX_KEYS) -> Snapsh
             rb["class_fingerprint"],
         ):
             add("changed", "captioner or classifier swap", rb)
+
+
+def diff_snapshots(
+    lab: Lab, a: str, b: str, max_keys: int = MAX_KEYS, chunk_samples: int = DIFF_CHUNK_SAMPLES
+) -> SnapshotDiff:
+    """The diff from snapshot ``a`` to snapshot ``b`` (see the module docstring).
+
+    Reads the two snapshots' directory rows, skips every batch whose directories carry the
+    same members digests on both sides, and compares the others a few batches at a time
+    (about ``chunk_samples`` samples per read): memory grows with the largest changed batch,
+    not with the snapshots, and time with what changed. Snapshots made before directory
+    digests were recorded are compared whole."""
+    va, vb = _versions(lab, a), _versions(lab, b)
+    dirs_a, dirs_b = _directories(lab, a), _directories(lab, b)
+    if dirs_a is None or dirs_b is None:
+        chunks: list[list[str] | None] = [None]
+        skipped = {"a": 0, "b": 0}
+        batches_total = None
+    else:
+        compared, skipped = _chunks(dirs_a, dirs_b, chunk_samples)
+        chunks = list(compared)
+        batches_total = len(dirs_a.keys() | dirs_b.keys())
+    groups: dict[tuple, DiffGroup] = {}
+    a_samples, b_samples = skipped["a"], skipped["b"]
+    batches_compared = 0
+
+    def add(direction: str, reason: str, row: dict[str, Any]) -> None:
+        k = (direction, reason, row.get("tier"), row.get("shape"), row.get("source"))
+        g = groups.setdefault(k, DiffGroup(*k))
+        g.count += 1
+        if len(g.keys) < max_keys:
+            g.keys.append(row["key"])
+
+    with lab.view() as members, lab.view(va) as view_a, lab.view(vb) as view_b:
+        for chunk in chunks:
+            where = None if chunk is None else in_list("batch", chunk)
+            ma, mb = _members(members, a, where), _members(members, b, where)
+            a_samples += len(ma)
+            b_samples += len(mb)
+            batches_compared += len(
+                {i[0] for i in ma.keys() | mb.keys()} if chunk is None else chunk
+            )
+            _compare(ma, mb, _context(view_a, va, where), _context(view_b, vb, where), add)
     order = {d: i for i, d in enumerate(DIRECTIONS)}
     rank = {r: i for i, r in enumerate(REASONS)}
     ordered = sorted(
@@ -257,4 +369,12 @@ def diff_snapshots(lab: Lab, a: str, b: str, max_keys: int = MAX_KEYS) -> Snapsh
             g.source or "",
         ),
     )
-    return SnapshotDiff(a, b, len(ma), len(mb), ordered)
+    return SnapshotDiff(
+        a,
+        b,
+        a_samples,
+        b_samples,
+        ordered,
+        batches_compared=batches_compared,
+        batches_unchanged=None if batches_total is None else batches_total - batches_compared,
+    )

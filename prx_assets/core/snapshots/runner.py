@@ -64,7 +64,11 @@ from prx_assets.core.snapshots.manifest import (
     stage_snapshot_file,
     staged_path,
 )
-from prx_assets.core.snapshots.tables import SNAPSHOT_SAMPLES, TRAINING_SNAPSHOTS
+from prx_assets.core.snapshots.tables import (
+    SNAPSHOT_DIRECTORIES,
+    SNAPSHOT_SAMPLES,
+    TRAINING_SNAPSHOTS,
+)
 
 # The lab tables a snapshot derives from (their versions are recorded and pinned).
 SOURCE_TABLES: tuple[str, ...] = (
@@ -81,6 +85,28 @@ SOURCE_TABLES: tuple[str, ...] = (
     "skip_audit",
 )
 MAX_LISTED = 20
+# What a diff compares of a sample both snapshots hold (``snapshot_samples`` columns), and
+# so what a directory's ``members_sha256`` covers.
+MEMBER_COLUMNS: tuple[str, ...] = (
+    "batch",
+    "key",
+    "tier",
+    "shape",
+    "source",
+    "caption_fingerprint",
+    "class_fingerprint",
+)
+
+
+def members_digest(members: Iterable[dict[str, Any]]) -> str:
+    """sha256 over ``members``' ``MEMBER_COLUMNS``, in (batch, key) order: equal for two
+    snapshots of a directory exactly when they keep the same samples with the same
+    captions, classes, sources and buckets (what ``diff_snapshots`` compares)."""
+    rows = sorted(tuple(m[c] for c in MEMBER_COLUMNS) for m in members)
+    h = hashlib.sha256()
+    for row in rows:
+        h.update(json.dumps(row, separators=(",", ":")).encode() + b"\n")
+    return h.hexdigest()
 
 
 def holder(snapshot_id: str) -> str:
@@ -207,6 +233,7 @@ def create_snapshot(
 
     directories: list[PinnedDirectory] = []
     members: list[dict[str, Any]] = []
+    directory_rows: list[dict[str, Any]] = []
     pinned: list[Path] = []
     try:
         for rel in _scan(root / "mds"):
@@ -229,6 +256,7 @@ def create_snapshot(
             crashpoint("snapshots.pinned")
             slots = placed.get(rel, {})
             samples = kept = 0
+            first_member = len(members)
             for shard, n in read_index_shards(d):
                 samples += n
                 skipped = set(gen.skiplists[shard].indices)
@@ -274,6 +302,18 @@ def create_snapshot(
                     rel, gen.manifest.index_sha256, gen.generation, entries, samples, kept
                 )
             )
+            directory_rows.append(
+                {
+                    "snapshot_id": snapshot_id,
+                    "batch": rel.rsplit("/", 1)[-1],
+                    "relative_dir": rel,
+                    "index_sha256": gen.manifest.index_sha256,
+                    "generation": gen.generation,
+                    "members_sha256": members_digest(members[first_member:]),
+                    "samples": samples,
+                    "kept_samples": kept,
+                }
+            )
         if not directories:
             raise SnapshotError(
                 f"no bucket x batch directory under {root / 'mds'}: nothing to freeze"
@@ -296,6 +336,12 @@ def create_snapshot(
         manifest = parse_snapshot(data, str(path))
         os.sync()  # every pin durable before anything that commits the snapshot
         lab.pin_versions(holder(snapshot_id), versions)
+        lab.replace_rows(
+            SNAPSHOT_DIRECTORIES,
+            "snapshot_id",
+            snapshot_id,
+            pa.Table.from_pylist(directory_rows, schema=SNAPSHOT_DIRECTORIES.schema),
+        )
         lab.replace_rows(
             SNAPSHOT_SAMPLES,
             "snapshot_id",

@@ -1,4 +1,6 @@
-"""The snapshot stage's lab tables: one row per training snapshot, one per sample it holds."""
+"""The snapshot stage's lab tables: one row per training snapshot, one per directory it
+froze (with a digest of its members, so a diff skips what did not change), one per sample it
+holds."""
 
 from __future__ import annotations
 
@@ -51,4 +53,27 @@ SNAPSHOT_SAMPLES = TableSpec(
     # contained image K" is one indexed lookup on key.
     identity=("snapshot_id", "batch", "key"),
     indexes=(("key", "BTREE"), ("snapshot_id", "BITMAP"), ("batch", "BITMAP")),
+)
+
+SNAPSHOT_DIRECTORIES = TableSpec(
+    name="snapshot_directories",
+    schema=pa.schema(
+        [
+            pa.field("snapshot_id", pa.string(), nullable=False),
+            pa.field("batch", pa.string(), nullable=False),
+            pa.field("relative_dir", pa.string(), nullable=False),
+            pa.field("index_sha256", pa.string(), nullable=False),
+            pa.field("generation", pa.string(), nullable=False),
+            # sha256 over the directory's kept samples as ``snapshot_samples`` holds them
+            # (``members_digest``): two snapshots with the same digest for a directory train
+            # on the same samples there, with the same captions, classes and sources.
+            pa.field("members_sha256", pa.string(), nullable=False),
+            pa.field("samples", pa.int64(), nullable=False),
+            pa.field("kept_samples", pa.int64(), nullable=False),
+        ]
+    ),
+    # A diff reads two snapshots' rows (O(directories)) and then only the samples of the
+    # batches whose directories differ.
+    identity=("snapshot_id", "relative_dir"),
+    indexes=(("snapshot_id", "BITMAP"), ("batch", "BITMAP")),
 )
