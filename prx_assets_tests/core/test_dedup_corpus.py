@@ -52,3 +52,50 @@ def test_gather_at_radius_scans_the_corpus_once_and_closes_chains(tmp_path):
     assert g.lookups["closure_hashes"] == 3
     plan = D.plan_batch("b1", g.corpus, g.stored, s2)
     assert by_key(plan.rows)[("b1", "n")]["keeper_key"] == "o"
+
+
+def test_gather_at_radius_takes_exactly_the_closure_rows_of_the_pinned_version(tmp_path):
+    """The closure's rows come by row id from the scan that gave the universe: the same
+    rows as a brute force over every stored row (top-bit hashes, a low-information copy, an
+    old hash version, rows over several partitions and fragments), and none committed
+    after the view was opened."""
+    import numpy as np
+
+    lab = Lab(tmp_path / "lab")
+    rng = np.random.default_rng(7)
+    base = [int(h) for h in rng.integers(0, 2**64 - 1, 30, dtype=np.uint64, endpoint=True)]
+    near = [h ^ (1 << int(rng.integers(0, 64))) ^ (1 << int(rng.integers(0, 64))) for h in base]
+    for p in range(6):
+        items = [(f"k{p}-{i}", h, 10 + i, 9) for i, h in enumerate(near[p * 5 : p * 5 + 5])]
+        items += [(f"r{p}-{i}", int(h), 5, 9) for i, h in enumerate(rng.integers(0, 2**63, 20))]
+        lab.replace_partition(IMAGE_HASHES, f"c{p}", hash_table(f"c{p}", items))
+    lab.replace_partition(IMAGE_HASHES, "flat", hash_table("flat", [("f", near[0], 99, 0.1)]))
+    lab.replace_partition(
+        IMAGE_HASHES, "old", hash_table("old", [("o", near[1], 99, 9)], "reference-v1")
+    )
+    lab.replace_partition(
+        IMAGE_HASHES, "new", hash_table("new", [(f"n{i}", h, 1, 9) for i, h in enumerate(base)])
+    )
+    s2 = D.DedupSettings(radius=2)
+    view = lab.view()
+    view.pin([IMAGE_HASHES.name])
+    lab.replace_partition(IMAGE_HASHES, "late", hash_table("late", [("l", base[0], 9, 9)]))
+    g = C.gather_corpus(view, "new", s2)
+
+    rows = lab.read(IMAGE_HASHES.name, None, "batch != 'late'").to_pylist()
+    live = [r for r in rows if r["phash_version"] == "fast-v1" and r["ac_energy"] >= 1.0]
+    seen = {h & (2**64 - 1) for h in base}
+    frontier = set(seen)
+    while frontier:
+        nxt = {
+            r["phash"] & (2**64 - 1)
+            for r in live
+            if r["phash"] & (2**64 - 1) not in seen
+            and any(((r["phash"] & (2**64 - 1)) ^ f).bit_count() <= 2 for f in frontier)
+        }
+        seen |= nxt
+        frontier = nxt
+    want = sorted(r["key"] for r in live if r["phash"] & (2**64 - 1) in seen)
+    assert sorted(g.corpus.column("key").to_pylist()) == want
+    assert len([k for k in want if k.startswith("k")]) == 30  # every near copy found
+    assert g.hashes_version == view.version(IMAGE_HASHES.name)

@@ -188,6 +188,32 @@ def test_radius_closure_follows_chains_and_matches_brute_force():
         D.radius_closure(np.array([1], np.uint64), np.array([1], np.uint64), 0)
 
 
+@pytest.mark.parametrize("radius", [1, 2, 3, 4, 8])
+def test_radius_closure_over_the_full_hash_range_in_small_pair_blocks(radius, monkeypatch):
+    """Hashes with the top bit set (negative as int64), an unsorted universe with repeats,
+    seeds outside it, chains of near copies, and pair blocks of a few pairs: the closure is
+    the brute force's for wide (searchsorted) and narrow (counting sort) chunks alike."""
+    rng = np.random.default_rng(radius)
+    base = rng.integers(0, 2**64 - 1, 40, dtype=np.uint64, endpoint=True)
+    chain = []
+    for b in base[:20]:
+        h = int(b)
+        for _ in range(4):  # a walk of 1..radius-bit steps
+            for bit in rng.choice(64, size=int(rng.integers(1, radius + 1)), replace=False):
+                h ^= 1 << int(bit)
+            chain.append(h)
+    noise = rng.integers(0, 2**64 - 1, 400, dtype=np.uint64, endpoint=True)
+    uni = np.concatenate([base, np.array(chain, np.uint64), noise, base[:5]])
+    rng.shuffle(uni)
+    seeds = np.concatenate([base[:3], [np.uint64(int(base[3]) ^ 1)]]).astype(np.uint64)
+    want = _brute_closure([int(s) for s in seeds], sorted({int(u) for u in uni}), radius)
+    for block in (3, 1 << 22):
+        monkeypatch.setattr(D, "_CLOSURE_PAIR_BLOCK", block)
+        got = D.radius_closure(seeds.view(np.int64), uni.view(np.int64), radius)
+        assert set(int(x) for x in got) == want
+        assert list(got) == sorted(got)
+
+
 def test_radius_decisions_merge_chains_across_batches():
     a = 0x1234_5678_9ABC_DEF0
     corpus = rows(

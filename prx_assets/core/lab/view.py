@@ -176,6 +176,18 @@ class LabView:
         rows = self._take_matching_stored(ds, columns, filter).to_pylist()
         return rows if blob_refs else self.lab.blobs.resolve_rows(table, rows, ds.schema)
 
+    def take_rows(self, table: str, row_ids: Sequence[int], columns: Sequence[str]) -> pa.Table:
+        """Rows by the ``_rowid`` a ``read(..., with_row_id=True)`` of this view gave (the
+        same version, so the ids name the same rows), in the order of ``row_ids``; blob
+        columns as their bytes. For a caller that found the rows it wants in a scan of a
+        few columns: scattered rows cost an index look-up each otherwise (~40 ms per 1,024
+        on ``image_hashes`` here, against ~6 ms by id)."""
+        ds = self._ds(table)
+        if ds is None:
+            return pa.table({})
+        rows = ds._take_rows(list(row_ids), columns=list(columns))
+        return self.lab.blobs.resolve(table, rows, ds.schema)
+
     def local_blobs(self, table: str, column: str) -> LocalBlobs | None:
         """``column``'s blobs for worker processes on this machine (reads are checked
         against their address there too); None on object storage, for an absent table or
