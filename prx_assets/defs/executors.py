@@ -38,7 +38,6 @@ from dagster._core.events import DagsterEvent, EngineEventData
 from dagster._core.execution.context.system import PlanOrchestrationContext
 from dagster._core.execution.plan.plan import ExecutionPlan
 from dagster._core.executor.in_process import InProcessExecutor
-from dagster_k8s import k8s_job_executor
 
 from prx_assets.core.ray_job import current_placement
 
@@ -89,6 +88,11 @@ def k8s_executor_config() -> dict:
 
 
 def k8s_executor() -> ExecutorDefinition:
+    # Imported here, not at module level: dagster-k8s brings the Kubernetes client (and
+    # google-auth, cryptography): ~0.5 s of every process that loads the code location (a
+    # run, each multiprocess step) when the executor is not Kubernetes.
+    from dagster_k8s import k8s_job_executor
+
     return k8s_job_executor.configured(k8s_executor_config(), name="k8s_job_executor")
 
 

@@ -124,6 +124,25 @@ def test_definitions_load_with_the_k8s_executor(monkeypatch):
         k8s_executor_config()
 
 
+def test_loading_the_code_location_does_not_import_the_kubernetes_client():
+    """Every run and every multiprocess step loads the code location: dagster-k8s (and the
+    Kubernetes client, google-auth, cryptography under it) cost ~0.5 s of that, and are
+    imported only when PRX_EXECUTOR=k8s builds its executor."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PRX_EXECUTOR"}
+    code = (
+        "import sys, prx_assets.definitions as d; d.defs; "
+        "print(sorted(m for m in ('dagster_k8s', 'kubernetes') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
 def test_unknown_executor_is_a_clear_error(monkeypatch):
     import pytest
 
