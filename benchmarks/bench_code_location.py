@@ -1,6 +1,7 @@
 """What loading the code location costs a fresh process: every run and every step of
 Dagster's multiprocess executor pays it before any work (issue 32's fan-out: one run per
-partition; issue 31's fixed cost per step).
+partition; issue 31's fixed cost per step), and what a real run pays with each way of
+starting its steps.
 
     python -m benchmarks.bench_code_location [--quick]
 
@@ -12,21 +13,31 @@ Side by side in this process, alternating, each a fresh interpreter timed from o
 - ``with dagster-k8s``: ``ours`` with ``dagster_k8s`` imported first, which the code location
   did at module level before stop 47 (the Kubernetes client, google-auth, cryptography).
 
-Reports medians and the ratios to ``dagster``; writes
-``benchmarks/results/bench_code_location.json``.
+Then a real ``batch_pipeline`` run of a 4-photo partition through Dagster's multiprocess
+executor (``execute_job`` on the code location, a fresh sqlite instance, each run in a fresh
+interpreter), its steps started as Dagster's default does (``PRX_STEP_START=spawn``: a new
+interpreter per step) and as the code location now does (a fork of a server that loaded
+it once per run), alternating; wall seconds per run, and that the two runs' shards have the
+same bytes.
+
+Reports medians and ratios; writes ``benchmarks/results/bench_code_location.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_code_location.json"
 COMMANDS = {
     "ours": "import prx_assets.definitions as d; d.defs",
@@ -50,6 +61,75 @@ def run_once(code: str) -> tuple[float, float]:
     return wall, usage.ru_utime + usage.ru_stime
 
 
+RUN_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+
+def job():
+    from prx_assets.definitions import defs
+    return defs.resolve_job_def("batch_pipeline")
+
+if __name__ == "__main__":
+    from dagster import execute_job, instance_for_test, reconstructable
+    from prx_assets.defs.partitions import BATCHES
+    key = sys.argv[1]
+    with instance_for_test() as instance:
+        instance.add_dynamic_partitions(BATCHES.name, [key])
+        t0 = time.perf_counter()
+        result = execute_job(reconstructable(job), instance, tags={"dagster/partition": key})
+        wall = time.perf_counter() - t0
+        steps = sum(e.event_type_value == "STEP_SUCCESS" for e in result.all_events)
+        print(f"RESULT {int(result.success)} {steps} {wall:.3f}")
+"""
+
+
+def run_pipeline(start: str, root: Path, key: str) -> tuple[float, int]:
+    """(wall s, steps) of one ``batch_pipeline`` run of partition ``key`` under ``root``."""
+    script = root / "run_batch.py"
+    script.write_text(RUN_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "PRX_EXECUTOR"}
+    env.update(PRX_STEP_START=start, PRX_DATA_ROOT=str(root), PYTHONPATH=str(REPO))
+    out = subprocess.run(
+        [sys.executable, str(script), key], env=env, capture_output=True, text=True, cwd=root
+    )
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if out.returncode != 0 or line is None or line.split()[1] != "1":
+        raise RuntimeError(f"{start} run failed: {(out.stdout + out.stderr)[-3000:]}")
+    _, _, steps, wall = line.split()
+    return float(wall), int(steps)
+
+
+def shard_digests(root: Path) -> list[str]:
+    return sorted(
+        hashlib.sha256(p.read_bytes()).hexdigest() for p in (root / "shards").rglob("*.mds")
+    )
+
+
+def compare_runs(rounds: int) -> dict[str, Any]:
+    """The same 4-photo partition run with each step start, alternating, fresh data each."""
+    from prx_assets.demo.photo_batch import write_photo_batch
+
+    walls: dict[str, list[float]] = {"spawn": [], "forkserver": []}
+    steps: dict[str, int] = {}
+    digests: dict[str, list[str]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-steps-") as tmp:
+        for r in range(rounds):
+            for start in walls:
+                root = Path(tmp) / f"{start}-{r}"
+                write_photo_batch(root / "landing" / "photos" / "four", 4, 800)
+                wall, steps[start] = run_pipeline(start, root, "photos.four")
+                walls[start].append(wall)
+                digests[start] = shard_digests(root)
+    med = {k: statistics.median(v) for k, v in walls.items()}
+    return {
+        "run_wall_s": {k: round(v, 2) for k, v in med.items()},
+        "runs": walls,
+        "steps": steps,
+        "forkserver_vs_spawn_wall": round(med["forkserver"] / med["spawn"], 2),
+        "same_shard_bytes": digests["spawn"] == digests["forkserver"] and bool(digests["spawn"]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds instead of 7")
@@ -69,11 +149,13 @@ def main() -> None:
         for name, v in runs.items()
     }
     floor = med["dagster"]["cpu_s"]
+    runs_compared = compare_runs(1 if args.quick else 3)
     out = {
         "rounds": rounds,
         "medians": med,
         "ours_vs_dagster_cpu": round(med["ours"]["cpu_s"] / floor, 2),
         "with_k8s_vs_dagster_cpu": round(med["with dagster-k8s"]["cpu_s"] / floor, 2),
+        "batch_pipeline_4_photos": runs_compared,
         "command": "python -m benchmarks.bench_code_location" + (" --quick" if args.quick else ""),
     }
     RESULTS.parent.mkdir(exist_ok=True)
@@ -86,6 +168,14 @@ def main() -> None:
         f"import dagster ({floor:.2f} s); with dagster-k8s imported as before "
         f"{med['with dagster-k8s']['cpu_s']:.2f} s ({out['with_k8s_vs_dagster_cpu']:.2f}x) "
         "(no target: paid once per run and per multiprocess step)"
+    )
+    rw = runs_compared["run_wall_s"]
+    print(
+        f"batch_pipeline run of 4 photos ({runs_compared['steps']['forkserver']} steps, "
+        f"multiprocess executor): {rw['forkserver']:.1f} s with steps forked from a server "
+        f"that loaded the code location vs {rw['spawn']:.1f} s spawned "
+        f"({runs_compared['forkserver_vs_spawn_wall']:.2f}x; same shard bytes: "
+        f"{runs_compared['same_shard_bytes']}) (no target)"
     )
 
 

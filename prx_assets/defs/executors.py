@@ -136,16 +136,40 @@ def ray_run_executor(init_context) -> RayRunExecutor:  # noqa: ANN001 - Dagster'
     )
 
 
+# What the step processes' forkserver imports before it forks any: the Lance fork warning
+# silenced first (core/forkserver_init.py), then the code location itself.
+STEP_PRELOAD = ("prx_assets.core.forkserver_init", "prx_assets.definitions")
+
+
+def multiprocess_config() -> dict:
+    """Two steps at a time; each step a fork of a server that has loaded the code location.
+
+    Why: with Dagster's default (``spawn``) every step is a fresh interpreter that imports
+    Dagster and the code location before its first line of work (~2.2 s of CPU here,
+    ``python -m benchmarks.bench_code_location``), paid by every step of every run. The
+    forkserver imports them once per run; it never opens a Lance dataset or starts a
+    thread, so what each step forks is an interpreter with no runtime state (the per-image
+    pool has used the same start since ``core/workers.py``). ``PRX_STEP_START=spawn`` goes
+    back to Dagster's default."""
+    start = os.environ.get("PRX_STEP_START", "forkserver")
+    if start not in ("forkserver", "spawn"):
+        raise ValueError(f"PRX_STEP_START must be 'forkserver' or 'spawn', not {start!r}")
+    config: dict = {"max_concurrent": 2}
+    if start == "forkserver":
+        config["start_method"] = {"forkserver": {"preload_modules": list(STEP_PRELOAD)}}
+    return config
+
+
 def configured_executor() -> ExecutorDefinition:
     kind = os.environ.get("PRX_EXECUTOR", "multiprocess")
     if kind == "k8s":
         return k8s_executor()
     if kind == "multiprocess":
-        return multiprocess_executor.configured({"max_concurrent": 2}, name="multiprocess")
+        return multiprocess_executor.configured(multiprocess_config(), name="multiprocess")
     if kind == "ray":
         if not os.environ.get("RAY_ADDRESS"):
             raise ValueError("PRX_EXECUTOR=ray needs RAY_ADDRESS naming a running Ray cluster")
-        return multiprocess_executor.configured({"max_concurrent": 2}, name="multiprocess_ray")
+        return multiprocess_executor.configured(multiprocess_config(), name="multiprocess_ray")
     if kind == "ray_runs":
         return ray_run_executor
     raise ValueError(
