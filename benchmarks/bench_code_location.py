@@ -20,6 +20,11 @@ interpreter per step) and as the code location now does (a fork of a server that
 it once per run), alternating; wall seconds per run, and that the two runs' shards have the
 same bytes.
 
+Then one-step runs on that partition (``skip_lists`` again, as an opt-out's rerun of one
+partition is), each in a fresh interpreter as a run worker is, timed whole (loading the
+code location included): its step in a process of its own (``PRX_ONE_STEP_IN_RUN=0``,
+forked as above) against in the run's own process (the default), alternating.
+
 Reports medians and ratios; writes ``benchmarks/results/bench_code_location.json``.
 """
 
@@ -70,33 +75,48 @@ def job():
     return defs.resolve_job_def("batch_pipeline")
 
 if __name__ == "__main__":
-    from dagster import execute_job, instance_for_test, reconstructable
+    from dagster import AssetKey, execute_job, instance_for_test, reconstructable
     from prx_assets.defs.partitions import BATCHES
-    key = sys.argv[1]
+    key, only = sys.argv[1], sys.argv[2:]  # only: ["skip_lists"] for a one-step run
+    selection = [AssetKey(a) for a in only] or None
     with instance_for_test() as instance:
         instance.add_dynamic_partitions(BATCHES.name, [key])
         t0 = time.perf_counter()
-        result = execute_job(reconstructable(job), instance, tags={"dagster/partition": key})
+        result = execute_job(
+            reconstructable(job), instance, tags={"dagster/partition": key},
+            asset_selection=selection,
+        )
         wall = time.perf_counter() - t0
         steps = sum(e.event_type_value == "STEP_SUCCESS" for e in result.all_events)
         print(f"RESULT {int(result.success)} {steps} {wall:.3f}")
 """
 
 
-def run_pipeline(start: str, root: Path, key: str) -> tuple[float, int]:
-    """(wall s, steps) of one ``batch_pipeline`` run of partition ``key`` under ``root``."""
+def run_pipeline(
+    start: str, root: Path, key: str, only: tuple[str, ...] = (), one_step_in_run: str = "1"
+) -> tuple[float, int, float]:
+    """One run of ``batch_pipeline`` (or of the assets ``only``) for partition ``key`` under
+    ``root``, in a fresh interpreter as a run worker is: (wall s of ``execute_job``, steps,
+    wall s of the whole process: loading the code location included)."""
     script = root / "run_batch.py"
     script.write_text(RUN_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "PRX_EXECUTOR"}
-    env.update(PRX_STEP_START=start, PRX_DATA_ROOT=str(root), PYTHONPATH=str(REPO))
-    out = subprocess.run(
-        [sys.executable, str(script), key], env=env, capture_output=True, text=True, cwd=root
+    env.update(
+        PRX_STEP_START=start,
+        PRX_ONE_STEP_IN_RUN=one_step_in_run,
+        PRX_DATA_ROOT=str(root),
+        PYTHONPATH=str(REPO),
     )
+    t0 = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, str(script), key, *only], env=env, capture_output=True, text=True, cwd=root
+    )
+    process_wall = time.perf_counter() - t0
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if out.returncode != 0 or line is None or line.split()[1] != "1":
         raise RuntimeError(f"{start} run failed: {(out.stdout + out.stderr)[-3000:]}")
     _, _, steps, wall = line.split()
-    return float(wall), int(steps)
+    return float(wall), int(steps), process_wall
 
 
 def shard_digests(root: Path) -> list[str]:
@@ -110,6 +130,7 @@ def compare_runs(rounds: int) -> dict[str, Any]:
     from prx_assets.demo.photo_batch import write_photo_batch
 
     walls: dict[str, list[float]] = {"spawn": [], "forkserver": []}
+    one_step: dict[str, list[float]] = {"own process": [], "in the run": []}
     steps: dict[str, int] = {}
     digests: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-steps-") as tmp:
@@ -117,11 +138,24 @@ def compare_runs(rounds: int) -> dict[str, Any]:
             for start in walls:
                 root = Path(tmp) / f"{start}-{r}"
                 write_photo_batch(root / "landing" / "photos" / "four", 4, 800)
-                wall, steps[start] = run_pipeline(start, root, "photos.four")
+                wall, steps[start], _ = run_pipeline(start, root, "photos.four")
                 walls[start].append(wall)
                 digests[start] = shard_digests(root)
+                if start != "forkserver":
+                    continue
+                # skip_lists again, as an opt-out reruns one partition: a run of one step,
+                # each in a fresh run worker, alternating which goes first.
+                for flag in ("0", "1") if r % 2 == 0 else ("1", "0"):
+                    _, _, process_wall = run_pipeline(
+                        start, root, "photos.four", ("skip_lists",), flag
+                    )
+                    one_step["in the run" if flag == "1" else "own process"].append(process_wall)
     med = {k: statistics.median(v) for k, v in walls.items()}
+    one_med = {k: statistics.median(v) for k, v in one_step.items()}
     return {
+        "one_step_run_wall_s": {k: round(v, 2) for k, v in one_med.items()},
+        "one_step_runs": one_step,
+        "one_step_in_run_vs_own_process": round(one_med["in the run"] / one_med["own process"], 2),
         "run_wall_s": {k: round(v, 2) for k, v in med.items()},
         "runs": walls,
         "steps": steps,
@@ -176,6 +210,13 @@ def main() -> None:
         f"that loaded the code location vs {rw['spawn']:.1f} s spawned "
         f"({runs_compared['forkserver_vs_spawn_wall']:.2f}x; same shard bytes: "
         f"{runs_compared['same_shard_bytes']}) (no target)"
+    )
+    ow = runs_compared["one_step_run_wall_s"]
+    print(
+        f"one-step run (skip_lists of that partition, a fresh run worker timed whole): "
+        f"{ow['in the run']:.2f} s with its step in the run's process vs "
+        f"{ow['own process']:.2f} s in a process of its own "
+        f"({runs_compared['one_step_in_run_vs_own_process']:.2f}x) (no target)"
     )
 
 

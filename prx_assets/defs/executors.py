@@ -29,14 +29,19 @@ run worker's pid, the pid every step event of the run carries.
 import os
 from collections.abc import Iterator
 
-from dagster import ExecutorDefinition, MetadataValue, executor, multiprocess_executor
+from dagster import ExecutorDefinition, MetadataValue, executor
 from dagster._core.definitions.executor_definition import (
     IN_PROC_CONFIG,
+    MULTI_PROC_CONFIG,
     _core_in_process_executor_creation,
+    _core_multiprocess_executor_creation,
+    multiple_process_executor_requirements,
 )
 from dagster._core.events import DagsterEvent, EngineEventData
 from dagster._core.execution.context.system import PlanOrchestrationContext
 from dagster._core.execution.plan.plan import ExecutionPlan
+from dagster._core.execution.retries import RetryMode
+from dagster._core.executor.base import Executor
 from dagster._core.executor.in_process import InProcessExecutor
 
 from prx_assets.core.ray_job import current_placement
@@ -136,6 +141,66 @@ def ray_run_executor(init_context) -> RayRunExecutor:  # noqa: ANN001 - Dagster'
     )
 
 
+def one_step_in_run() -> bool:
+    """``PRX_ONE_STEP_IN_RUN`` (default 1): a one-step run runs its step in the run's own
+    process; 0 keeps a process per step for every run."""
+    raw = os.environ.get("PRX_ONE_STEP_IN_RUN", "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"PRX_ONE_STEP_IN_RUN must be 0 or 1, not {raw!r}")
+    return raw == "1"
+
+
+class StepProcessExecutor(Executor):
+    """Dagster's multiprocess executor, except that a run of exactly one step runs it in
+    the run's own process.
+
+    Why: a step process loads the code location before its first line of work (~2 s here,
+    ``benchmarks/bench_code_location.py``), and a one-step run (an opt-out's ``skip_lists``
+    rerun of one partition, a model swap's rerun of one asset) has nothing to run beside
+    it: the run worker has loaded the code location already. Pools (the "gpu" pool's
+    limit) and retries apply the same way in process (Dagster's in-process executor holds
+    the instance's concurrency slots too); runs of several steps keep a process per step."""
+
+    def __init__(self, many: Executor, one: InProcessExecutor) -> None:
+        self._many, self._one = many, one
+
+    @property
+    def retries(self) -> RetryMode:
+        return self._many.retries
+
+    def execute(
+        self, plan_context: PlanOrchestrationContext, execution_plan: ExecutionPlan
+    ) -> Iterator[DagsterEvent]:
+        if len(execution_plan.step_keys_to_execute) == 1 and one_step_in_run():
+            yield DagsterEvent.engine_event(
+                plan_context,
+                f"One step: run in the run's own process (pid {os.getpid()})",
+                event_specific_data=EngineEventData(
+                    metadata={"pid": MetadataValue.int(os.getpid())}
+                ),
+            )
+            yield from self._one.execute(plan_context, execution_plan)
+        else:
+            yield from self._many.execute(plan_context, execution_plan)
+
+
+@executor(
+    name="multiprocess",
+    config_schema=MULTI_PROC_CONFIG,
+    requirements=multiple_process_executor_requirements(),
+)
+def step_process_executor(init_context) -> StepProcessExecutor:  # noqa: ANN001 - Dagster's
+    """A process per step (``multiprocess_config``); a one-step run in the run's process."""
+    config = init_context.executor_config
+    one = _core_in_process_executor_creation(
+        {
+            "retries": config["retries"],
+            "step_dependency_config": config.get("step_dependency_config"),
+        }
+    )
+    return StepProcessExecutor(_core_multiprocess_executor_creation(config), one)
+
+
 # What the step processes' forkserver imports before it forks any: the Lance fork warning
 # silenced first (core/forkserver_init.py), then the code location itself.
 STEP_PRELOAD = ("prx_assets.core.forkserver_init", "prx_assets.definitions")
@@ -165,11 +230,11 @@ def configured_executor() -> ExecutorDefinition:
     if kind == "k8s":
         return k8s_executor()
     if kind == "multiprocess":
-        return multiprocess_executor.configured(multiprocess_config(), name="multiprocess")
+        return step_process_executor.configured(multiprocess_config(), name="multiprocess")
     if kind == "ray":
         if not os.environ.get("RAY_ADDRESS"):
             raise ValueError("PRX_EXECUTOR=ray needs RAY_ADDRESS naming a running Ray cluster")
-        return multiprocess_executor.configured(multiprocess_config(), name="multiprocess_ray")
+        return step_process_executor.configured(multiprocess_config(), name="multiprocess_ray")
     if kind == "ray_runs":
         return ray_run_executor
     raise ValueError(

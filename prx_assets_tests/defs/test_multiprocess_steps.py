@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from prx_assets.defs.executors import STEP_PRELOAD, multiprocess_config
+from prx_assets.defs.executors import STEP_PRELOAD, multiprocess_config, one_step_in_run
 from prx_assets.demo.photo_batch import write_photo_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,17 +25,24 @@ def job():
     from prx_assets.definitions import defs
     return defs.resolve_job_def("batch_pipeline")
 
+def report(name, result):
+    starts = [e for e in result.all_events if e.event_type_value == "STEP_START"]
+    done = [e for e in result.all_events if e.event_type_value == "STEP_SUCCESS"]
+    print(name, int(result.success), len(starts), len(done), len({e.pid for e in starts}),
+          int(os.getpid() in {e.pid for e in starts}))
+
 if __name__ == "__main__":
-    from dagster import execute_job, instance_for_test, reconstructable
+    from dagster import AssetKey, execute_job, instance_for_test, reconstructable
     from prx_assets.defs.partitions import BATCHES
+    tags = {"dagster/partition": "photos.two"}
     with instance_for_test() as instance:
         instance.add_dynamic_partitions(BATCHES.name, ["photos.two"])
-        result = execute_job(reconstructable(job), instance, tags={"dagster/partition": "photos.two"})
-        starts = [e for e in result.all_events if e.event_type_value == "STEP_START"]
-        done = [e for e in result.all_events if e.event_type_value == "STEP_SUCCESS"]
-        engine = " ".join(e.message or "" for e in result.all_events if e.event_type_value == "ENGINE_EVENT")
-        print("RESULT", int(result.success), len(starts), len(done), len({e.pid for e in starts}),
-              int(os.getpid() in {e.pid for e in starts}), int("multiprocess executor" in engine))
+        report("PIPELINE", execute_job(reconstructable(job), instance, tags=tags))
+        # One step (an opt-out's skip_lists rerun is one): in the run's own process.
+        one = execute_job(
+            reconstructable(job), instance, tags=tags, asset_selection=[AssetKey("skip_lists")]
+        )
+        report("ONE_STEP", one)
 """
 
 
@@ -51,15 +58,22 @@ def test_step_start_is_a_forkserver_preloading_the_code_location(monkeypatch):
     monkeypatch.setenv("PRX_STEP_START", "fork")
     with pytest.raises(ValueError, match="PRX_STEP_START"):
         multiprocess_config()
+    assert one_step_in_run()
+    monkeypatch.setenv("PRX_ONE_STEP_IN_RUN", "0")
+    assert not one_step_in_run()
+    monkeypatch.setenv("PRX_ONE_STEP_IN_RUN", "yes")
+    with pytest.raises(ValueError, match="PRX_ONE_STEP_IN_RUN"):
+        one_step_in_run()
 
 
-def test_a_real_multiprocess_run_completes_every_step_in_processes_of_their_own(tmp_path):
+def test_real_runs_put_each_step_in_a_process_of_its_own_unless_there_is_one(tmp_path):
     """The forkserver path (the default); Dagster's spawn is its own, measured beside it in
     ``benchmarks/bench_code_location.py`` (same shard bytes)."""
     root = tmp_path / "data"
     write_photo_batch(root / "landing" / "photos" / "two", 2, 640)
     (tmp_path / "run.py").write_text(RUN)
-    env = {k: v for k, v in os.environ.items() if k not in ("PRX_EXECUTOR", "PRX_STEP_START")}
+    drop = ("PRX_EXECUTOR", "PRX_STEP_START", "PRX_ONE_STEP_IN_RUN")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(PRX_DATA_ROOT=str(root), PRX_STEP_START="forkserver", PYTHONPATH=str(REPO))
     out = subprocess.run(
         [sys.executable, str(tmp_path / "run.py")],
@@ -69,10 +83,12 @@ def test_a_real_multiprocess_run_completes_every_step_in_processes_of_their_own(
         cwd=tmp_path,
         timeout=600,
     )
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert out.returncode == 0 and line is not None, (out.stdout + out.stderr)[-4000:]
-    success, started, succeeded, pids, in_run_process, multiprocess = map(int, line.split()[1:])
+    lines = {x.split()[0]: list(map(int, x.split()[1:])) for x in out.stdout.splitlines() if x}
+    assert out.returncode == 0 and "ONE_STEP" in lines, (out.stdout + out.stderr)[-4000:]
+    success, started, succeeded, pids, in_run_process = lines["PIPELINE"]
     assert success == 1 and started == succeeded >= 8  # every stage of batch_pipeline
-    assert pids == started and not in_run_process and multiprocess  # a process per step
+    assert pids == started and not in_run_process  # a process per step
+    # A one-step run loads nothing more: its step runs in the run's own process.
+    assert lines["ONE_STEP"] == [1, 1, 1, 1, 1]
     assert "lance is not fork-safe" not in out.stderr
     assert list((root / "shards").rglob("*.mds"))  # the run wrote shards
