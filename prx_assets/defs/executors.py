@@ -1,5 +1,10 @@
 """Executors: in-process/multiprocess here, one Kubernetes job per step in a cluster.
 
+By default (``PRX_EXECUTOR=multiprocess``) each step of a run is a process of its own,
+forked from a server that loaded the code location once per run (``PRX_STEP_START``), and
+a run of exactly one step runs it in the run's own process (``PRX_ONE_STEP_IN_RUN``):
+``StepProcessExecutor``.
+
 ``PRX_EXECUTOR=k8s`` switches the Definitions to dagster-k8s's ``k8s_job_executor``. Each
 step (one asset partition) then runs in its own pod from ``PRX_K8S_IMAGE``; GPU-bound steps
 (pool "gpu": captions, caption classes) get a GPU through ``per_step_k8s_config`` so a
@@ -229,6 +234,8 @@ def configured_executor() -> ExecutorDefinition:
     kind = os.environ.get("PRX_EXECUTOR", "multiprocess")
     if kind == "k8s":
         return k8s_executor()
+    if kind in ("multiprocess", "ray"):
+        one_step_in_run()  # a bad setting is an error when the code location loads
     if kind == "multiprocess":
         return step_process_executor.configured(multiprocess_config(), name="multiprocess")
     if kind == "ray":
