@@ -102,7 +102,8 @@ def members_digest(members: Iterable[dict[str, Any]]) -> str:
     """sha256 over ``members``' ``MEMBER_COLUMNS``, in (batch, key) order: equal for two
     snapshots of a directory exactly when they keep the same samples with the same
     captions, classes, sources and buckets (what ``diff_snapshots`` compares)."""
-    rows = sorted(tuple(m[c] for c in MEMBER_COLUMNS) for m in members)
+    # Sorted by (batch, key) alone: the other values may be None, which does not order.
+    rows = sorted((tuple(m[c] for c in MEMBER_COLUMNS) for m in members), key=lambda r: r[:2])
     h = hashlib.sha256()
     for row in rows:
         h.update(json.dumps(row, separators=(",", ":")).encode() + b"\n")
