@@ -172,9 +172,8 @@ def closure_rows(
     corpus' hashes and row ids), and what was read.
 
     Why by row id: the scan that gives the corpus' hashes gives each row's id too, and a
-    closure's rows are scattered over the corpus, where ``phash`` IN-list look-ups cost
-    ~40 ms per 1,024 hashes here against a few ms to take them by id
-    (``benchmarks/bench_dedup_radius.py``)."""
+    closure's rows are scattered over the corpus, where each ``phash`` IN-list look-up
+    pays an index search and a take (the whole gather: ``benchmarks/bench_dedup_radius.py``)."""
     hashes, row_ids = corpus_hashes(view, settings)
     mask = closure_mask(np.asarray(seeds, dtype=np.int64), hashes, settings.radius)
     taken = np.sort(row_ids[mask])

@@ -275,10 +275,10 @@ class _ChunkBuckets:
 
     Why not a sort of the masked hashes: a chunk of at most 16 bits (radius >= 3) is
     grouped by a counting sort (numpy's radix ``argsort`` on uint16 and a ``bincount``;
-    an aligned 16-bit chunk is read in place through a uint16 view): ~12 ms per chunk of
-    10^6 hashes here against ~180 ms for the sort and argsort of the masked 64-bit values
-    (``benchmarks/bench_dedup_radius.py``). Wider chunks keep one argsort and
-    ``searchsorted``."""
+    an aligned 16-bit chunk is read in place through a uint16 view), linear in the hashes,
+    where a sort and an argsort of the masked 64-bit values were the closure's largest cost
+    (the whole gather: ``benchmarks/bench_dedup_radius.py``). Wider chunks keep one argsort
+    and ``searchsorted``."""
 
     def __init__(self, hashes: np.ndarray, mask: np.uint64) -> None:
         self.mask = mask
