@@ -48,6 +48,14 @@ def _ray_cli() -> str:
 MAX_TEMP_DIR_CHARS = 36  # + "/session_<date>_<time>_<pid>/sockets/dash_MetricsHead" <= 107
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (a killed process not yet reaped is dead)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 class LocalRayCluster:
     """``ray start --head`` plus ``worker_nodes`` ``ray start --address`` nodes on loopback.
 
@@ -195,6 +203,12 @@ class LocalRayCluster:
                     os.kill(pid, signal.SIGKILL)
             killed += [pid for pid in left if pid not in killed]
             time.sleep(0.05)
+        # A process still exiting no longer shows its environment (so ``pids`` stops listing
+        # it) but is not dead yet: wait until each killed one is gone or a zombie, so that a
+        # caller sees the node lost, not a node being lost (seen once in CI: a run worker
+        # still alive right after this returned).
+        while time.monotonic() < deadline and any(_running(pid) for pid in killed):
+            time.sleep(0.01)
         return killed
 
     def busy_workers(self, task_name: str) -> list[int]:
