@@ -277,12 +277,19 @@ def _run_ranks_once(
         if p.is_alive():
             p.kill()
             raise AssertionError(f"simulated rank {p.name} hung for {timeout}s")
-    results = []
+    errors, results = [], []
     for r, out in enumerate(outs):
         if not out.exists():
-            raise AssertionError(f"rank {r} died without a result (exit {procs[r].exitcode})")
+            errors.append(f"rank {r} died without a result (exit {procs[r].exitcode})")
+            continue
         data = json.loads(out.read_text())
         if "error" in data:
-            raise AssertionError(f"rank {r} failed:\n{data['error']}")
-        results.append(data["ok"])
+            errors.append(f"rank {r} failed:\n{data['error']}")
+        else:
+            results.append(data["ok"])
+    # Every rank's error, not the first one's: a rank that lost streaming's prefix race
+    # leaves the others failing at a barrier ("Connection reset by peer"), and only its own
+    # error names the race ``run_ranks`` retries on (seen once in CI).
+    if errors:
+        raise AssertionError("\n".join(errors))
     return results
