@@ -4,7 +4,7 @@ What runs: ``gather_corpus`` (what ``phash_clusters`` reads for one batch) for a
 10,000 hashes, half of them 1-3 bit mutations of corpus hashes, against an ``image_hashes``
 table of 10^6 rows in 100 partitions (written through ``Lab.replace_partition``, indexes
 as in production). Side by side in this process: radius 0 (the BTREE look-up of equal
-hashes) and radius 3 (the corpus' distinct hashes read, then ``radius_closure``); CPU time
+hashes) and radius 3 (the corpus' hashes scanned, then ``closure_mask``); CPU time
 (``time.process_time``, Lance's threads included) and wall, median of the repeats.
 
 Tried and measured at commit ``eea3acf`` (reverted): four indexed 16-bit bands of the hash

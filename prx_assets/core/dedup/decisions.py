@@ -9,9 +9,9 @@ and their own keeper: their bits are noise, so they are never merged on the hash
 says which *other* batches' stored decisions no longer hold. Only decision fields count
 (cluster, keeper, is_keeper, low_information): a lower-resolution copy joining an old
 cluster changes nothing stored elsewhere, so no other partition reruns. ``cluster_id`` is
-the keeper's key for that reason. :func:`radius_closure` finds, for a radius r > 0, the
-component closure a batch's hashes belong to (the corpus reader asks it which hashes to
-look up).
+the keeper's key for that reason. :func:`closure_mask` finds, for a radius r > 0, which
+scanned rows are in the component closure of a batch's hashes (the corpus reader then
+takes those rows); :func:`radius_closure` is the same closure as a set of hashes.
 """
 
 from __future__ import annotations
