@@ -30,6 +30,9 @@ from prx_assets.defs.skiplists.intake import opt_out_lists
 from prx_assets.defs.skiplists.sensors import LISTS_TAG, build_opt_out_sensor, opt_out_sensor
 from prx_assets_tests.bounds import MIB, peak_rss_growth, sparse_file
 
+RANGE_START = "dagster/asset_partition_range_start"
+RANGE_END = "dagster/asset_partition_range_end"
+
 PUBLIC = "public-skimage.000"
 STUDIO = "internal-studio.002"
 
@@ -332,8 +335,16 @@ def test_a_shared_url_and_a_key_in_two_lists_of_one_tick(world):
     i, r = w.cycle(None)
     one, two = _intakes(i)
     assert one.startswith("one.txt@") and two.startswith("two.csv@")
-    # One run per partition, naming exactly the lists that affect it.
-    assert sorted(_requests(r)) == [
+    # Both partitions in one run over their range, naming every list that affects one.
+    (request,) = [q for q in r.run_requests if q.asset_selection == [AssetKey("skip_lists")]]
+    assert request.partition_key is None and request.tags[LISTS_TAG] == f"{one},{two}"
+    assert (request.tags[RANGE_START], request.tags[RANGE_END]) == (PUBLIC, STUDIO)
+    assert request.tags["prx/partitions"] == "2" and request.tags["prx/bridged_partitions"] == "0"
+    assert request.run_key.startswith(f"opt_out:{one}+{two}:{PUBLIC}..{STUDIO}:")
+    # One run per partition, naming exactly the lists that affect it, when runs hold one
+    # (a lost cursor: the recorded lists are planned again).
+    r2 = w.tick(None, OptOutResource(max_partitions_per_run=1))
+    assert sorted(_requests(r2)) == [
         (STUDIO, f"opt_out:{two}:{STUDIO}"),
         (PUBLIC, f"opt_out:{one}+{two}:{PUBLIC}"),
     ]

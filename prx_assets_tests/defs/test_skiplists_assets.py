@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from dagster import AssetKey, SensorResult, SkipReason, build_sensor_context, materialize
+from dagster import AssetKey, SensorResult, build_sensor_context, materialize
 from PIL import Image
 
 from prx_assets.core.dedup.corpus import gather_corpus
@@ -437,12 +437,23 @@ def test_policy_change_reruns_only_skip_lists_with_new_decisions(instance, lab_r
         ) as ctx:
             return skip_policy_sensor(ctx)
 
-    assert isinstance(tick(SkipPolicyResource()), SkipReason)
+    def quiet(result) -> str:
+        assert isinstance(result, SensorResult) and not result.run_requests
+        return result.skip_reason.skip_message
+
+    assert "every audited partition is decided" in quiet(tick(SkipPolicyResource()))
     res = tick(nsfw_only)
     assert isinstance(res, SensorResult)
     assert [r.partition_key for r in res.run_requests] == [KEY]
     assert res.run_requests[0].asset_selection == [AssetKey("skip_lists")]
     assert nsfw_only.fingerprint() in res.run_requests[0].run_key
+    # Requested once per stale state: not again while its run has not settled it.
+    with build_sensor_context(
+        instance=instance,
+        cursor=res.cursor,
+        resources={"lab": lab_resource, "skip_policy": nsfw_only},
+    ) as ctx:
+        assert "all requested" in quiet(skip_policy_sensor(ctx))
 
     # Resource and built policy disagree: refused before anything is written.
     bad = _run(instance, lab_resource, policy=nsfw_only, built_with=SkipPolicyResource())
@@ -460,7 +471,7 @@ def test_policy_change_reruns_only_skip_lists_with_new_decisions(instance, lab_r
     assert {r["policy_fingerprint"] for r in after.values()} == {nsfw_only.fingerprint()}
     skips = _sidecar_skips(b)
     assert b.text not in skips and b.flat not in skips and skips[b.heir] == ("duplicate",)
-    assert isinstance(tick(nsfw_only), SkipReason)
+    assert "every audited partition is decided" in quiet(tick(nsfw_only))
 
 
 def _failure_text(result) -> str:
@@ -522,3 +533,81 @@ def test_a_sample_written_without_caption_stays_skipped(instance, lab_resource, 
     assert _sidecar_skips(b)[kept] == ("no_caption",)
     assert _audit(b.store)[kept]["reasons"] == ["no_caption"]
     assert kept not in loader_keys(b.root)
+
+
+RANGE_TAGS = ("dagster/asset_partition_range_start", "dagster/asset_partition_range_end")
+EMPTY = "public-skimage.zz-empty"
+STALE = "public-skimage.stale"
+
+
+def _run_range(instance, lab_resource, first: str, last: str):
+    policy = SkipPolicyResource()
+    return materialize(
+        build_skiplist_assets(policy),
+        instance=instance,
+        resources={"lab": lab_resource, "skip_policy": policy},
+        tags=dict(zip(RANGE_TAGS, (first, last), strict=True)),
+        raise_on_error=False,
+    )
+
+
+def _materialised(instance) -> dict[str, list]:
+    """Partition -> its skip_lists materialisations' metadata, oldest first."""
+    records = instance.fetch_materializations(AssetKey("skip_lists"), limit=100).records
+    out: dict[str, list] = {}
+    for r in reversed(records):
+        out.setdefault(r.partition_key, []).append(r.asset_materialization.metadata)
+    return out
+
+
+def test_a_run_over_a_range_materialises_each_partition_on_its_own(instance, lab_resource, built):
+    """The batched reruns of an opt-out: one run, each partition decided as its own run
+    would and materialised with its own metadata and code version."""
+    b = built
+    instance.add_dynamic_partitions(BATCHES.name, [EMPTY])  # after KEY: the range KEY..EMPTY
+    result = _run_range(instance, lab_resource, KEY, EMPTY)
+    assert result.success
+    events = {m.partition: m for m in result.asset_materializations_for_node("skip_lists")}
+    assert set(events) == {KEY, EMPTY}
+    assert events[KEY].metadata["samples"].value == len(b.keys)
+    assert events[EMPTY].metadata["samples"].value == 0
+    assert events[KEY].tags["dagster/code_version"].startswith("skip_lists-v2-")
+    ranged = _sidecar_skips(b)
+    digest = events[KEY].metadata["skiplist_digest"].value
+    # The same partition alone: the same decisions, the same generation digest.
+    single = _run(instance, lab_resource)
+    assert single.success and _sidecar_skips(b) == ranged
+    md = single.asset_materializations_for_node("skip_lists")[0].metadata
+    assert md["skiplist_digest"].value == digest
+    check = result.get_asset_check_evaluations()[0]
+    assert check.passed and check.metadata["partitions_checked"].value == 2
+
+
+def test_a_partition_failing_in_a_range_fails_alone(instance, lab_resource, built):
+    """One partition's failure does not stop the others, which are recorded as
+    materialised; the run fails and names it; its own skip-lists stay untouched."""
+    b = built
+    rows = b.store.read_batch(SHARD_SAMPLES.name, KEY)
+    stale = rows.set_column(
+        rows.schema.get_field_index("batch"), "batch", pa.array([STALE] * rows.num_rows)
+    )
+    stale = stale.set_column(
+        stale.schema.get_field_index("dir_digest"),
+        "dir_digest",
+        pa.array(["0" * 64] * rows.num_rows),
+    )
+    b.store.replace_partition(SHARD_SAMPLES, STALE, stale)
+    instance.add_dynamic_partitions(BATCHES.name, [STALE, EMPTY])  # order: KEY, STALE, EMPTY
+    files = _skiplist_files(b)
+    result = _run_range(instance, lab_resource, KEY, EMPTY)
+    assert not result.success
+    text = _failure_text(result)
+    assert "failed for 1 of 3 partition(s)" in text and STALE in text
+    assert f"expected mds/512/512x512/{STALE}" in text  # its own error, named
+    done = _materialised(instance)
+    assert set(done) == {KEY, EMPTY}  # each its own event; none for the failed one
+    assert done[KEY][-1]["samples"].value == len(b.keys)
+    assert _skiplist_files(b) != files  # KEY's new generation was published
+    assert _audit(b.store) and STALE not in {
+        r["batch"] for r in b.store.read(SKIP_AUDIT.name).to_pylist()
+    }

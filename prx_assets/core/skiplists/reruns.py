@@ -11,13 +11,15 @@ answers into run requests and never write a table.
 - The skip policy (:func:`stale_policy_batches`): partitions decided under another policy.
 - ``skip_dirty`` (:func:`skip_dirty_reruns`): partitions whose recorded decisions another
   batch's ``skip_lists`` run found contradicted.
+- Batching (:func:`plan_partition_runs`): the partitions a list or a policy change reaches,
+  as a bounded number of runs over ranges of partitions instead of one run each.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -197,6 +199,93 @@ def plan_opt_out_tick(
 def opt_out_run_key(list_ids: Iterable[str], batch: str) -> str:
     """One run per (lists, partition): Dagster never launches the same key twice."""
     return f"opt_out:{'+'.join(sorted(list_ids))}:{batch}"
+
+
+# --------------------------------------------------------------------------- batching
+
+#: Partitions one ``skip_lists`` run covers at most (its range, wanted and bridged).
+DEFAULT_PARTITIONS_PER_RUN = 100
+#: Partitions nobody asked for that a run may cover between two wanted ones rather than
+#: start another run: rerunning one costs its decision work (idempotent, it re-decides on
+#: the current facts), a run of its own the run's fixed cost (a run worker loading the code
+#: location, the run's events), which is several times a partition's decision work.
+DEFAULT_MAX_BRIDGE = 8
+
+
+@dataclass(frozen=True)
+class PartitionRun:
+    """One run over a range of partitions: ``first``..``last`` in the partitions' order.
+
+    ``batches`` is every partition of the range (what the run materialises); ``wanted`` the
+    ones it was requested for, the rest are bridged (between two wanted ones).
+    """
+
+    first: str
+    last: str
+    batches: tuple[str, ...]
+    wanted: tuple[str, ...]
+
+    @property
+    def bridged(self) -> tuple[str, ...]:
+        wanted = set(self.wanted)
+        return tuple(b for b in self.batches if b not in wanted)
+
+    def digest(self) -> str:
+        """Names exactly the partitions the run covers (for run keys)."""
+        return hashlib.sha256("\0".join(self.batches).encode()).hexdigest()[:16]
+
+
+def plan_partition_runs(
+    ordered: Sequence[str],
+    wanted: Collection[str],
+    max_per_run: int = DEFAULT_PARTITIONS_PER_RUN,
+    max_bridge: int = DEFAULT_MAX_BRIDGE,
+) -> list[PartitionRun]:
+    """``wanted`` partitions as runs over contiguous ranges of ``ordered``.
+
+    ``ordered`` is every partition key in the partitions definition's order (a range run
+    materialises every key between its two ends in that order). A run covers at most
+    ``max_per_run`` keys and bridges a gap of at most ``max_bridge`` unwanted keys; a wanted
+    key not in ``ordered`` is not planned (it is no partition). Deterministic: the same
+    inputs give the same runs, hence the same run keys.
+    """
+    if max_per_run < 1 or max_bridge < 0:
+        raise ValueError(f"max_per_run {max_per_run} must be >= 1 and max_bridge {max_bridge} >= 0")
+    want = set(wanted)
+    runs: list[PartitionRun] = []
+    current: list[str] = []  # the open run's keys, ending with a wanted one
+    gap: list[str] = []  # unwanted keys since the open run's last wanted one
+
+    def close() -> None:
+        if current:
+            picked = tuple(k for k in current if k in want)
+            runs.append(PartitionRun(current[0], current[-1], tuple(current), picked))
+            current.clear()
+
+    for key in ordered:
+        if key not in want:
+            if current:
+                gap.append(key)
+                if len(gap) > max_bridge:
+                    close()
+                    gap.clear()
+            continue
+        if current and len(current) + len(gap) + 1 > max_per_run:
+            close()
+            gap.clear()
+        current.extend(gap)
+        gap.clear()
+        current.append(key)
+    close()
+    return runs
+
+
+def opt_out_range_run_key(list_ids: Iterable[str], run: PartitionRun) -> str:
+    """One run per (lists, exact set of partitions): a lost cursor requests the same keys."""
+    lists = "+".join(sorted(list_ids))
+    if len(lists) > 200:  # many lists in one tick: named by digest, listed in the run's tags
+        lists = "lists-" + hashlib.sha256(lists.encode()).hexdigest()[:16]
+    return f"opt_out:{lists}:{run.first}..{run.last}:{run.digest()}"
 
 
 def intake_run_key(list_id: str) -> str:

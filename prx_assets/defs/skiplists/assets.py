@@ -9,13 +9,17 @@ Dagster dependency: ``opt_outs`` is read at run time, so a new list never fans o
 partition under eager automation; the opt-out sensor requests the affected partitions.
 """
 
+import warnings
 from typing import Any
 
 from dagster import (
     AllPartitionMapping,
     AssetDep,
     AssetExecutionContext,
+    AssetMaterialization,
     AssetsDefinition,
+    BackfillPolicy,
+    BetaWarning,
     Failure,
     MaterializeResult,
     MetadataValue,
@@ -28,11 +32,16 @@ from prx_assets.core.skiplists.policy import (
     SkipPolicy,
     SkipPolicyError,
 )
+from prx_assets.core.skiplists.reruns import DEFAULT_PARTITIONS_PER_RUN
 from prx_assets.core.skiplists.runner import PartitionSkipLists, SkipListsError, SkipListsOutcome
-from prx_assets.defs.metadata import counts_table, md_table
+from prx_assets.defs.metadata import bounded, counts_table, md_table
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
-from prx_assets.defs.skiplists.checks import caption_coverage_result, caption_coverage_spec
+from prx_assets.defs.skiplists.checks import (
+    caption_coverage_over_range,
+    caption_coverage_result,
+    caption_coverage_spec,
+)
 from prx_assets.defs.skiplists.config import SkipPolicyResource
 from prx_assets.defs.skiplists.intake import OPT_OUT_LISTS_ASSET, USAGE_POLICY_ASSET
 
@@ -40,6 +49,19 @@ SKIP_LISTS_ASSET = "skip_lists"
 GROUP = "skiplists"
 UPSTREAM: tuple[str, ...] = ("mds_shards", "caption_classes", "phash_clusters")
 MAX_LISTED = 50
+# Dagster's code-version tag on a materialisation (what the UI's staleness compares): set on
+# the events this asset logs itself (see ``_materialize_each``).
+CODE_VERSION_TAG = "dagster/code_version"
+
+# skip_lists has a backfill policy (many partitions per run) and the other stages none, so
+# Dagster warns on every load that a job holding several stages (batch_pipeline, the
+# implicit asset job) resolves to one partition per run: what those jobs mean to do. Only
+# that message is silenced.
+warnings.filterwarnings(
+    "ignore",
+    message=r"Asset job .* materializes assets with varying BackfillPolicies",
+    category=UserWarning,
+)
 
 
 def _policy(skip_policy: SkipPolicyResource, built_fp: str) -> SkipPolicy:
@@ -129,54 +151,122 @@ def build_skiplist_assets(policy: SkipPolicyResource | None = None) -> list[Asse
     except SkipPolicyError as exc:
         raise ValueError(f"invalid skip policy: {exc}") from None
     what = policy.policy().as_dict()
+    code = f"skip_lists-v2-{fp}"
 
-    @asset(
-        name=SKIP_LISTS_ASSET,
-        partitions_def=BATCHES,
-        deps=[
-            *UPSTREAM,
-            # Lineage only (what feeds the decision): the sensors choose which partitions
-            # rerun, see the description.
-            AssetDep(OPT_OUT_LISTS_ASSET, partition_mapping=AllPartitionMapping()),
-            USAGE_POLICY_ASSET,
-        ],
-        group_name=GROUP,
-        kinds={"json", "lance"},
-        code_version=f"skip_lists-v2-{fp}",
-        check_specs=[caption_coverage_spec(SKIP_LISTS_ASSET)],
-        description=(
-            "A new skip-list generation (per-shard sidecars named by a skiplists.json manifest, "
-            "published by one rename per directory, after every directory's files are "
-            "written) for every MDS directory of the batch, and one `skip_audit` row per "
-            "written sample (reasons, opt-out list ids and "
-            "the copy they named, the training copy, since when). Decided per pHash cluster "
-            "across batches: an opt-out of any copy, or an opt-out header captured at ingest "
-            "(X-Robots-Tag noai, tdm-reservation 1, Content-Usage train-ai=n) that the copy's "
-            "source honours (usage_policy.json), skips every copy; one eligible copy "
-            "trains. Unknown facts skip as `pending`. Policy: excluded classes "
-            f"{what['excluded_classes']}, duplicates "
-            f"{'skipped' if what['skip_duplicates'] else 'kept'}, low-information images "
-            f"{'skipped' if what['skip_low_information'] else 'kept'}, no caption skipped; "
-            "opt-outs always. Every opt_out_lists partition and usage_policy feed each "
-            "partition (the lineage edges), so after a new list the UI shows every partition "
-            "as having a changed upstream; only the batches holding a copy of a listed image "
-            "change, and the opt-out sensor reruns exactly those (the list's `batches`), as "
-            "skip_dirty_sensor does for batches whose training copy other batches' facts "
-            "changed. `PENDING` in `prx-assets compliance` says which are still to run."
-        ),
-    )
-    def skip_lists(
-        context: AssetExecutionContext, lab: LabResource, skip_policy: SkipPolicyResource
-    ) -> MaterializeResult:
-        run = PartitionSkipLists(
-            lab.lab(), lab.shards_root, context.partition_key, _policy(skip_policy, fp)
+    # backfill_policy is "beta" in Dagster 1.13: chosen knowingly (the batched reruns).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BetaWarning)
+
+        @asset(
+            name=SKIP_LISTS_ASSET,
+            partitions_def=BATCHES,
+            deps=[
+                *UPSTREAM,
+                # Lineage only (what feeds the decision): the sensors choose which partitions
+                # rerun, see the description.
+                AssetDep(OPT_OUT_LISTS_ASSET, partition_mapping=AllPartitionMapping()),
+                USAGE_POLICY_ASSET,
+            ],
+            group_name=GROUP,
+            kinds={"json", "lance"},
+            code_version=code,
+            # The batched reruns an opt-out or a policy change needs: a backfill of many
+            # partitions runs as runs of up to this many, each partition its own materialisation.
+            backfill_policy=BackfillPolicy.multi_run(DEFAULT_PARTITIONS_PER_RUN),
+            check_specs=[caption_coverage_spec(SKIP_LISTS_ASSET)],
+            description=(
+                "A new skip-list generation (per-shard sidecars named by a skiplists.json manifest, "
+                "published by one rename per directory, after every directory's files are "
+                "written) for every MDS directory of the batch, and one `skip_audit` row per "
+                "written sample (reasons, opt-out list ids and "
+                "the copy they named, the training copy, since when). Decided per pHash cluster "
+                "across batches: an opt-out of any copy, or an opt-out header captured at ingest "
+                "(X-Robots-Tag noai, tdm-reservation 1, Content-Usage train-ai=n) that the copy's "
+                "source honours (usage_policy.json), skips every copy; one eligible copy "
+                "trains. Unknown facts skip as `pending`. Policy: excluded classes "
+                f"{what['excluded_classes']}, duplicates "
+                f"{'skipped' if what['skip_duplicates'] else 'kept'}, low-information images "
+                f"{'skipped' if what['skip_low_information'] else 'kept'}, no caption skipped; "
+                "opt-outs always. Every opt_out_lists partition and usage_policy feed each "
+                "partition (the lineage edges), so after a new list the UI shows every partition "
+                "as having a changed upstream; only the batches holding a copy of a listed image "
+                "change, and the opt-out sensor reruns exactly those (the list's `batches`), as "
+                "skip_dirty_sensor does for batches whose training copy other batches' facts "
+                "changed. `PENDING` in `prx-assets compliance` says which are still to run."
+            ),
         )
-        try:
-            outcome = run.run()
-        except SkipListsError as exc:
-            raise Failure(description=str(exc)) from None
-        _log(context.log, outcome)
-        coverage = caption_coverage_result(outcome.coverage, skip_policy.max_no_caption_share)
-        return MaterializeResult(metadata=_metadata(outcome), check_results=[coverage])
+        def skip_lists(
+            context: AssetExecutionContext, lab: LabResource, skip_policy: SkipPolicyResource
+        ) -> MaterializeResult:
+            policy = _policy(skip_policy, fp)
+            if not context.has_partition_key_range:
+                run = PartitionSkipLists(lab.lab(), lab.shards_root, context.partition_key, policy)
+                try:
+                    outcome = run.run()
+                except SkipListsError as exc:
+                    raise Failure(description=str(exc)) from None
+                _log(context.log, outcome)
+                coverage = caption_coverage_result(
+                    outcome.coverage, skip_policy.max_no_caption_share
+                )
+                return MaterializeResult(metadata=_metadata(outcome), check_results=[coverage])
+            return _materialize_each(context, lab, policy, skip_policy.max_no_caption_share, code)
 
     return [skip_lists]
+
+
+def _materialize_each(
+    context: AssetExecutionContext,
+    lab: LabResource,
+    policy: SkipPolicy,
+    max_no_caption_share: float,
+    code_version: str,
+) -> MaterializeResult:
+    """A run over a range of partitions (the batched reruns of an opt-out or a policy):
+    each partition decided and published alone, in order, exactly as its own run would,
+    and materialised with its own metadata.
+
+    A partition that fails does not stop the others. Dagster records a range run's
+    materialisations only when the step succeeds, so when one fails the partitions that
+    succeeded are recorded here, each its own event with the asset's code version, and the
+    step fails naming the ones that did not: every partition's status is its own.
+    """
+    lab_ = lab.lab()
+    outcomes: dict[str, SkipListsOutcome] = {}
+    failed: dict[str, str] = {}
+    for key in context.partition_keys:
+        try:
+            outcome = PartitionSkipLists(lab_, lab.shards_root, key, policy).run()
+        except Exception as exc:  # one partition's failure, a bug included, is its own
+            why = str(exc) if isinstance(exc, SkipListsError) else f"{type(exc).__name__}: {exc}"
+            failed[key] = why
+            context.log.error(f"{key}: {bounded(why, 400)}")
+            continue
+        _log(context.log, outcome)
+        outcomes[key] = outcome
+    if failed:
+        for key, outcome in outcomes.items():
+            context.log_event(
+                AssetMaterialization(
+                    SKIP_LISTS_ASSET,
+                    partition=key,
+                    metadata=_metadata(outcome),
+                    tags={CODE_VERSION_TAG: code_version},
+                )
+            )
+        names = ", ".join(list(failed)[:MAX_LISTED])
+        first = next(iter(failed.values()))
+        raise Failure(
+            description=(
+                f"skip_lists failed for {len(failed)} of {len(context.partition_keys)} "
+                f"partition(s) of this run ({bounded(names, 2000)}); the other "
+                f"{len(outcomes)} are materialised. First error: {bounded(first, 1000)}"
+            )
+        )
+    for key, outcome in outcomes.items():
+        context.add_asset_metadata(_metadata(outcome), partition_key=key)
+    coverages = {k: o.coverage for k, o in outcomes.items()}
+    return MaterializeResult(
+        metadata={"partitions_in_run": len(outcomes)},
+        check_results=[caption_coverage_over_range(coverages, max_no_caption_share)],
+    )

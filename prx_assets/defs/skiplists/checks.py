@@ -64,6 +64,36 @@ def caption_coverage_result(coverage: CaptionCoverage, max_share: float) -> Asse
     )
 
 
+def caption_coverage_over_range(
+    coverages: dict[str, CaptionCoverage], max_share: float
+) -> AssetCheckResult:
+    """The check of a run over several partitions (an opt-out's or a policy's batched
+    reruns): Dagster records one evaluation per run there, so it fails when any partition
+    is over the share and names those, worst first, with each one's figures."""
+    over = sorted(
+        ((b, c) for b, c in coverages.items() if c.share > max_share),
+        key=lambda bc: (-bc[1].share, bc[0]),
+    )
+    worst = max(coverages.items(), key=lambda bc: (bc[1].share, bc[0]))[1] if coverages else None
+    return AssetCheckResult(
+        check_name=CAPTION_COVERAGE,
+        passed=not over,
+        severity=AssetCheckSeverity.ERROR,
+        metadata={
+            "partitions_checked": len(coverages),
+            "partitions_over_share": MetadataValue.json(
+                [
+                    {"batch": b, "eligible": c.eligible, "without_caption": c.without_caption}
+                    for b, c in over[:MAX_LISTED]
+                ]
+                + ([f"... and {len(over) - MAX_LISTED} more"] if len(over) > MAX_LISTED else [])
+            ),
+            "worst_share_without_caption": round(worst.share, 4) if worst else 0.0,
+            "max_share": max_share,
+        },
+    )
+
+
 def list_accepted_spec(asset: str, partitions_def: PartitionsDefinition) -> AssetCheckSpec:
     """A rejected opt-out list is a legal request not applied: someone must fix the file."""
     with warnings.catch_warnings():

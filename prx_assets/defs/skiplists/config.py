@@ -19,6 +19,7 @@ from prx_assets.core.skiplists.policy import (
     SkipPolicy,
     SkipPolicyError,
 )
+from prx_assets.core.skiplists.reruns import DEFAULT_MAX_BRIDGE, DEFAULT_PARTITIONS_PER_RUN
 from prx_assets.defs.resources import LabResource
 
 DEFAULT_OPTOUTS_DIRNAME = "optouts"
@@ -111,6 +112,20 @@ class OptOutResource(ConfigurableResource):
     max_line_bytes: int = Field(
         default=DEFAULT_MAX_LINE_BYTES,
         description="A txt/CSV line or parquet cell over this rejects the list (entry_too_long).",
+    )
+    max_partitions_per_run: int = Field(
+        default=DEFAULT_PARTITIONS_PER_RUN,
+        description=(
+            "skip_lists partitions one run of a list's reruns covers at most: the partitions a "
+            "list reaches run as ranges of partitions, each partition its own materialisation."
+        ),
+    )
+    max_bridge: int = Field(
+        default=DEFAULT_MAX_BRIDGE,
+        description=(
+            "Partitions a list does not reach that one run may rerun between two it reaches "
+            "(idempotent: they are re-decided on the current facts) rather than start another run."
+        ),
     )
 
     def directory(self, lab: LabResource) -> Path:

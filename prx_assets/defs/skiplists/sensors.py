@@ -10,14 +10,22 @@ runs; none writes a table.
   run found contradicted (``skip_dirty``: e.g. their copy became the training copy because
   the keeper was reclassified).
 
-Why a sensor and one run per partition (measured with Dagster 1.13.27): with the opt-outs as
-an upstream asset of ``skip_lists`` under eager automation every new list reran
-``skip_lists`` for every partition; a sensor that resolves the affected batches and requests
-``skip_lists`` for those partition keys ran exactly those. Each affected partition gets its
-own ``RunRequest`` (``asset_selection=[skip_lists]``) whose run key names the list ids it
-applies, so every run is traceable to the lists that caused it and Dagster never requests
-the same (lists, partition) twice, even when the cursor is lost. The intake's run key is the
-list id, so each list is taken in once.
+Why a sensor (measured with Dagster 1.13.27): with the opt-outs as an upstream asset of
+``skip_lists`` under eager automation every new list reran ``skip_lists`` for every
+partition; a sensor that resolves the affected batches and requests ``skip_lists`` for
+those partition keys runs exactly those.
+
+Why runs over ranges of partitions: a run costs far more than a partition's decision work
+(the run worker loads the code location, ~3.5 s here, against a few tenths of a second of
+decision work), so one run per partition made a list reaching 1,000 partitions take most of
+an hour. The affected partitions are requested as runs over ranges of the partition keys
+(``plan_partition_runs``: at most ``max_partitions_per_run`` per run, bridging gaps of at
+most ``max_bridge`` unaffected partitions, which are re-decided, idempotently); the
+``skip_lists`` asset materialises each partition of its range on its own, with its own
+metadata and status. A range of one partition is a plain partition run. Each run key names
+the list ids and digests the exact partitions, so every run is traceable to the lists that
+caused it and Dagster never requests the same (lists, partitions) twice, even when the
+cursor is lost. The intake's run key is the list id, so each list is taken in once.
 
 Why the opt-out sensor waits for the intake instead of requesting both at once: which
 partitions a list affects is known only once its identifiers are parsed and resolved, and
@@ -26,6 +34,8 @@ that is the intake's (recorded, rerunnable) work, not a sensor tick's.
 Opt-out formats and rules: see :mod:`prx_assets.core.skiplists.optouts`.
 """
 
+import hashlib
+import json
 from pathlib import Path
 
 from dagster import (
@@ -39,15 +49,24 @@ from dagster import (
     SkipReason,
     sensor,
 )
+from dagster._core.storage.tags import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+)
 
 from prx_assets.core.skiplists.intake import list_partition_key
 from prx_assets.core.skiplists.reruns import (
+    DEFAULT_MAX_BRIDGE,
+    DEFAULT_PARTITIONS_PER_RUN,
     OptOutCursor,
     OptOutTick,
+    PartitionRun,
     SkipRerun,
     intake_run_key,
+    opt_out_range_run_key,
     opt_out_run_key,
     plan_opt_out_tick,
+    plan_partition_runs,
     skip_dirty_reruns,
     stale_policy_batches,
 )
@@ -67,6 +86,29 @@ SKIP_DIRTY_REASON_TAG = "prx/skip_dirty_reason"
 __all__ = ["SKIP_LISTS_ASSET", "SkipRerun", "skip_dirty_reruns", "stale_policy_batches"]
 
 LISTS_TAG = "prx/opt_out_lists"
+PARTITIONS_TAG = "prx/partitions"  # how many partitions a range run covers
+BRIDGED_TAG = "prx/bridged_partitions"  # of which not reached by what caused the run
+MAX_TAG_CHARS = 2000
+
+
+def partition_run_tags(run: PartitionRun) -> dict[str, str]:
+    """A range run's tags: the range (what Dagster materialises) and its size; a run of one
+    partition is a plain partition run (no tags)."""
+    if len(run.batches) == 1:
+        return {}
+    return {
+        ASSET_PARTITION_RANGE_START_TAG: run.first,
+        ASSET_PARTITION_RANGE_END_TAG: run.last,
+        PARTITIONS_TAG: str(len(run.batches)),
+        BRIDGED_TAG: str(len(run.bridged)),
+    }
+
+
+def _joined(ids: list[str]) -> str:
+    text = ",".join(ids)
+    if len(text) <= MAX_TAG_CHARS:
+        return text
+    return text[: MAX_TAG_CHARS - 40].rsplit(",", 1)[0] + f",... ({len(ids)} lists)"
 
 
 def build_opt_out_sensor(
@@ -115,16 +157,31 @@ def build_opt_out_sensor(
                 tags={TRIGGER_TAG: "opt_out", LISTS_TAG: f.list_id},
             )
             for f, key in zip(tick.intake, keys, strict=True)
-        ] + [
-            RunRequest(
-                run_key=opt_out_run_key(lists, batch),
-                job_name=opt_out_skip_lists_job.name,
-                partition_key=batch,
-                asset_selection=[AssetKey(SKIP_LISTS_ASSET)],
-                tags={TRIGGER_TAG: "opt_out", LISTS_TAG: ",".join(lists)},
-            )
-            for batch, lists in tick.skip_lists.items()
         ]
+        ordered = context.instance.get_dynamic_partitions(BATCHES.name)
+        runs = plan_partition_runs(
+            ordered, tick.skip_lists, optouts.max_partitions_per_run, optouts.max_bridge
+        )
+        for run in runs:
+            lists = sorted({i for b in run.wanted for i in tick.skip_lists[b]})
+            single = len(run.batches) == 1
+            requests.append(
+                RunRequest(
+                    run_key=(
+                        opt_out_run_key(lists, run.first)
+                        if single
+                        else opt_out_range_run_key(lists, run)
+                    ),
+                    job_name=opt_out_skip_lists_job.name,
+                    partition_key=run.first if single else None,
+                    asset_selection=[AssetKey(SKIP_LISTS_ASSET)],
+                    tags={
+                        TRIGGER_TAG: "opt_out",
+                        LISTS_TAG: _joined(lists),
+                        **partition_run_tags(run),
+                    },
+                )
+            )
         if not requests:
             why = SkipReason(_quiet(tick, directory))
             return SensorResult(skip_reason=why, cursor=cursor.dump())
@@ -160,14 +217,19 @@ def build_skip_policy_sensor(
     name: str = "skip_policy_sensor",
     minimum_interval_seconds: int = 300,
     max_runs_per_tick: int = 50,
+    max_partitions_per_run: int = DEFAULT_PARTITIONS_PER_RUN,
+    max_bridge: int = DEFAULT_MAX_BRIDGE,
     default_status: DefaultSensorStatus = DefaultSensorStatus.RUNNING,
 ) -> SensorDefinition:
     """Reruns skip_lists (only) where ``skip_audit`` was decided under another policy.
 
     Eager automation ignores code-version changes, so the policy fingerprint in the code
-    version marks the asset stale in the UI but reruns nothing; this sensor does. The run
-    key names the configured policy and the stale rows' own marker, so a policy switched
-    back and forth is requested again, and each stale state only once.
+    version marks the asset stale in the UI but reruns nothing; this sensor does, as runs
+    over ranges of partitions (``plan_partition_runs``: a policy change reaches every
+    partition). The cursor keeps each requested partition's stale marker (its audit rows'
+    own), so a partition is requested once per stale state: not again while its run is
+    queued or running, again after a policy switched back and forth. The run key names the
+    policy and digests the (partition, marker) pairs it answers.
     """
 
     @sensor(
@@ -181,22 +243,61 @@ def build_skip_policy_sensor(
         context: SensorEvaluationContext, lab: LabResource, skip_policy: SkipPolicyResource
     ) -> SensorResult | SkipReason:
         fp = skip_policy.fingerprint()
-        registered = set(context.instance.get_dynamic_partitions(BATCHES.name))
+        ordered = context.instance.get_dynamic_partitions(BATCHES.name)
+        registered = set(ordered)
         stale = {b: m for b, m in stale_policy_batches(lab.lab(), fp).items() if b in registered}
-        if not stale:
-            return SkipReason(f"every audited partition is decided under policy {fp}")
-        requests = [
-            RunRequest(
-                run_key=f"skip_policy:{fp}:{batch}:{marker}",
-                partition_key=batch,
-                asset_selection=[AssetKey(SKIP_LISTS_ASSET)],
-                tags={TRIGGER_TAG: "skip_policy"},
+        asked = _requested(context.cursor, fp)
+        asked = {b: m for b, m in asked.items() if stale.get(b) == m}  # still that state
+        todo = {b: m for b, m in stale.items() if asked.get(b) != m}
+        if not todo:
+            why = (
+                f"{len(stale)} partition(s) decided under another policy, all requested"
+                if stale
+                else f"every audited partition is decided under policy {fp}"
             )
-            for batch, marker in list(stale.items())[:max_runs_per_tick]
-        ]
-        return SensorResult(run_requests=requests)
+            return SensorResult(skip_reason=SkipReason(why), cursor=_dump(fp, asked))
+        runs = plan_partition_runs(ordered, todo, max_partitions_per_run, max_bridge)
+        requests = []
+        for run in runs[:max_runs_per_tick]:
+            answered = {b: todo[b] for b in run.wanted}
+            pairs = "\0".join(f"{b}={m}" for b, m in sorted(answered.items()))
+            digest = hashlib.sha256(pairs.encode()).hexdigest()[:16]
+            single = len(run.batches) == 1
+            requests.append(
+                RunRequest(
+                    run_key=(
+                        f"skip_policy:{fp}:{run.first}:{answered[run.first]}"
+                        if single
+                        else f"skip_policy:{fp}:{run.first}..{run.last}:{digest}"
+                    ),
+                    partition_key=run.first if single else None,
+                    asset_selection=[AssetKey(SKIP_LISTS_ASSET)],
+                    tags={TRIGGER_TAG: "skip_policy", **partition_run_tags(run)},
+                )
+            )
+            asked.update(answered)
+        return SensorResult(run_requests=requests, cursor=_dump(fp, asked))
 
     return _skip_policy_sensor
+
+
+def _requested(cursor: str | None, fp: str) -> dict[str, str]:
+    """The policy sensor's cursor: partition -> the stale marker it was requested for, under
+    policy ``fp`` (a cursor of another policy, or none, requested nothing yet)."""
+    if not cursor:
+        return {}
+    try:
+        obj = json.loads(cursor)
+    except ValueError:
+        return {}
+    if not isinstance(obj, dict) or obj.get("policy") != fp:
+        return {}
+    asked = obj.get("requested", {})
+    return {str(b): str(m) for b, m in asked.items()} if isinstance(asked, dict) else {}
+
+
+def _dump(fp: str, asked: dict[str, str]) -> str:
+    return json.dumps({"policy": fp, "requested": dict(sorted(asked.items()))})
 
 
 skip_policy_sensor = build_skip_policy_sensor()
