@@ -9,6 +9,7 @@ Dagster dependency: ``opt_outs`` is read at run time, so a new list never fans o
 partition under eager automation; the opt-out sensor requests the affected partitions.
 """
 
+import time
 import warnings
 from typing import Any
 
@@ -102,7 +103,9 @@ def _log(log: Any, out: SkipListsOutcome) -> None:
         )
 
 
-def _metadata(out: SkipListsOutcome) -> dict[str, Any]:
+def _metadata(out: SkipListsOutcome, seconds: float) -> dict[str, Any]:
+    """``seconds``: the partition's own decision work (read, decide, write, verify), which
+    a run over many partitions shares its fixed cost with."""
     d = out.decisions
     counts = d.reason_counts()
     buckets = [(rel, k + s, k, s) for rel, (k, s) in d.bucket_counts().items()]
@@ -136,6 +139,7 @@ def _metadata(out: SkipListsOutcome) -> dict[str, Any]:
         "policy_fingerprint": out.policy.fingerprint(),
         "skiplist_digest": out.skiplist_digest,
         "skip_audit_lance_version": out.audit_version,
+        "decision_seconds": round(seconds, 4),
     }
 
 
@@ -199,18 +203,8 @@ def build_skiplist_assets(policy: SkipPolicyResource | None = None) -> list[Asse
             context: AssetExecutionContext, lab: LabResource, skip_policy: SkipPolicyResource
         ) -> MaterializeResult:
             policy = _policy(skip_policy, fp)
-            if not context.has_partition_key_range:
-                run = PartitionSkipLists(lab.lab(), lab.shards_root, context.partition_key, policy)
-                try:
-                    outcome = run.run()
-                except SkipListsError as exc:
-                    raise Failure(description=str(exc)) from None
-                _log(context.log, outcome)
-                coverage = caption_coverage_result(
-                    outcome.coverage, skip_policy.max_no_caption_share
-                )
-                return MaterializeResult(metadata=_metadata(outcome), check_results=[coverage])
-            return _materialize_each(context, lab, policy, skip_policy.max_no_caption_share, code)
+            share = skip_policy.max_no_caption_share
+            return _materialize_each(context, lab, policy, share, code)
 
     return [skip_lists]
 
@@ -222,35 +216,52 @@ def _materialize_each(
     max_no_caption_share: float,
     code_version: str,
 ) -> MaterializeResult:
-    """A run over a range of partitions (the batched reruns of an opt-out or a policy):
-    each partition decided and published alone, in order, exactly as its own run would,
-    and materialised with its own metadata.
+    """The run's partition, or each partition of its range (the batched reruns of an
+    opt-out or a policy change) decided and published alone, in order, exactly as its own
+    run would, and materialised with its own metadata.
 
-    A partition that fails does not stop the others. Dagster records a range run's
-    materialisations only when the step succeeds, so when one fails the partitions that
-    succeeded are recorded here, each its own event with the asset's code version, and the
-    step fails naming the ones that did not: every partition's status is its own.
+    In a range, a partition that fails does not stop the others. Dagster records a range
+    run's materialisations only when the step succeeds, so when one fails the partitions
+    that succeeded are recorded here, each its own event with the asset's code version, and
+    the step fails naming the ones that did not: every partition's status is its own.
     """
+    ranged = context.has_partition_key_range
     lab_ = lab.lab()
     outcomes: dict[str, SkipListsOutcome] = {}
+    seconds: dict[str, float] = {}
     failed: dict[str, str] = {}
     for key in context.partition_keys:
+        t0 = time.perf_counter()
         try:
             outcome = PartitionSkipLists(lab_, lab.shards_root, key, policy).run()
-        except Exception as exc:  # one partition's failure, a bug included, is its own
-            why = str(exc) if isinstance(exc, SkipListsError) else f"{type(exc).__name__}: {exc}"
-            failed[key] = why
-            context.log.error(f"{key}: {bounded(why, 400)}")
+        except SkipListsError as exc:
+            if not ranged:
+                raise Failure(description=str(exc)) from None
+            failed[key] = str(exc)
+            context.log.error(f"{key}: {bounded(str(exc), 400)}")
             continue
+        except Exception as exc:  # in a range, one partition's failure (a bug too) is its own
+            if not ranged:
+                raise
+            failed[key] = f"{type(exc).__name__}: {exc}"
+            context.log.error(f"{key}: {bounded(failed[key], 400)}")
+            continue
+        seconds[key] = time.perf_counter() - t0
         _log(context.log, outcome)
         outcomes[key] = outcome
+    if not ranged:
+        ((key, outcome),) = outcomes.items()
+        coverage = caption_coverage_result(outcome.coverage, max_no_caption_share)
+        return MaterializeResult(
+            metadata=_metadata(outcome, seconds[key]), check_results=[coverage]
+        )
     if failed:
         for key, outcome in outcomes.items():
             context.log_event(
                 AssetMaterialization(
                     SKIP_LISTS_ASSET,
                     partition=key,
-                    metadata=_metadata(outcome),
+                    metadata=_metadata(outcome, seconds[key]),
                     tags={CODE_VERSION_TAG: code_version},
                 )
             )
@@ -264,7 +275,7 @@ def _materialize_each(
             )
         )
     for key, outcome in outcomes.items():
-        context.add_asset_metadata(_metadata(outcome), partition_key=key)
+        context.add_asset_metadata(_metadata(outcome, seconds[key]), partition_key=key)
     coverages = {k: o.coverage for k, o in outcomes.items()}
     return MaterializeResult(
         metadata={"partitions_in_run": len(outcomes)},
