@@ -16,7 +16,7 @@ import io
 from pathlib import Path
 
 import pytest
-from dagster import instance_for_test
+from dagster import AssetKey, instance_for_test
 from PIL import Image
 
 from prx_assets.core.tables import IMAGE_HASHES, IMAGES, RESOLUTION, SHARD_SAMPLES, SKIP_AUDIT
@@ -196,3 +196,50 @@ def test_the_planted_copies_are_real_photos_not_blank_images(photos):
         img = Image.open(io.BytesIO(photos[name]))
         extrema = img.convert("L").getextrema()
         assert extrema[1] - extrema[0] > 100, name
+
+
+def test_a_list_reaching_several_batches_is_one_run_and_pending_until_it_ran(platform, photos):
+    """The batched fan-out end to end: one list reaching three batches (one of them with
+    nothing the list names in between, bridged) becomes one run over their range; the
+    compliance report says PENDING until that run ran, PASS after, and the loader no longer
+    yields what the list names."""
+    from prx_assets.core.snapshots.compliance import compliance_report
+
+    p = platform
+    p.land(LARGE, {"large.jpg": photos["large"], "bystander.jpg": photos["bystander"]})
+    middle = "public-optout.002"
+    last = "public-optout.003"
+    p.land(middle, {"astronaut.jpg": jpeg_bytes(_photo("astronaut.png"), quality=95)})
+    p.land(last, {"rocket.jpg": jpeg_bytes(_photo("rocket.jpg"), quality=95)})
+    large, rocket = p.key_of(LARGE, "large.jpg"), p.key_of(last, "rocket.jpg")
+    astronaut = p.key_of(middle, "astronaut.jpg")
+    assert {large, rocket, astronaut} <= set(p.trained_keys())
+
+    p.opt_out("two-batches.txt", [large, rocket])
+    assert p.tick("opt_out_sensor") == ["opt_out_lists:two-batches.txt@" + _digest(p)]
+    requests, p.cursors["opt_out_sensor"] = evaluate_sensor(
+        p.defs, p.instance, "opt_out_sensor", p.cursors["opt_out_sensor"]
+    )
+    (request,) = requests  # one run for every batch the list reaches
+    tags = request.tags
+    assert request.partition_key is None and tags["prx/partitions"] == "3"
+    assert tags["prx/bridged_partitions"] == "1"  # the middle batch: nothing it names
+    start, end = (tags[f"dagster/asset_partition_range_{e}"] for e in ("start", "end"))
+    assert (start, end) == (LARGE, last)
+    list_id = tags["prx/opt_out_lists"]
+    shards = p.root / "shards"
+    assert compliance_report(p.lab, shards, list_id).verdict == "PENDING"
+    assert {large, rocket} <= set(p.trained_keys())
+
+    assert execute_run_request(p.defs, p.instance, request, None)
+    assert compliance_report(p.lab, shards, list_id).verdict == "PASS"
+    trained = set(p.trained_keys())
+    assert large not in trained and rocket not in trained and astronaut in trained
+    for batch in (LARGE, middle, last):  # each partition materialised on its own
+        records = p.instance.fetch_materializations(AssetKey("skip_lists"), limit=50).records
+        assert any(r.partition_key == batch for r in records), batch
+
+
+def _digest(p) -> str:
+    data = (p.root / "optouts" / "two-batches.txt").read_bytes()
+    return hashlib.sha256(data).hexdigest()[:16]

@@ -209,7 +209,7 @@ DEFAULT_PARTITIONS_PER_RUN = 100
 #: start another run: rerunning one costs its decision work (idempotent, it re-decides on
 #: the current facts), a run of its own the run's fixed cost (a run worker loading the code
 #: location, the run's events), which is several times a partition's decision work.
-DEFAULT_MAX_BRIDGE = 8
+DEFAULT_MAX_BRIDGE = 16
 
 
 @dataclass(frozen=True)
