@@ -14,6 +14,7 @@ resources it needs as typed parameters) and builds the sensor with :func:`rerun_
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 from collections.abc import Callable, Sequence
@@ -29,8 +30,93 @@ from dagster import (
     SkipReason,
     sensor,
 )
+from dagster._core.storage.tags import (
+    ASSET_PARTITION_RANGE_END_TAG,
+    ASSET_PARTITION_RANGE_START_TAG,
+)
+
+from prx_assets.core.skiplists.reruns import PartitionRun, plan_partition_runs
+from prx_assets.defs.partitions import BATCHES
 
 Wanted = Callable[..., list[RunRequest]]
+
+PARTITIONS_TAG = "prx/partitions"  # how many partitions a range run covers
+BRIDGED_TAG = "prx/bridged_partitions"  # of which not wanted by what caused the run
+
+
+def partition_run_tags(run: PartitionRun) -> dict[str, str]:
+    """A range run's tags: the range (what Dagster materialises) and its size; a run of one
+    partition is a plain partition run (no tags)."""
+    if len(run.batches) == 1:
+        return {}
+    return {
+        ASSET_PARTITION_RANGE_START_TAG: run.first,
+        ASSET_PARTITION_RANGE_END_TAG: run.last,
+        PARTITIONS_TAG: str(len(run.batches)),
+        BRIDGED_TAG: str(len(run.bridged)),
+    }
+
+
+def request_ranges_once(
+    cursor: str | None,
+    wanted: Sequence[RunRequest],
+    max_runs: int,
+    ordered: Sequence[str],
+    max_per_run: int,
+    max_bridge: int,
+    *,
+    state: str = "stale",
+    reason_tag: str | None = None,
+) -> SensorResult:
+    """:func:`request_once` for partition requests of one asset selection, as runs over
+    ranges of ``ordered`` (``plan_partition_runs``): a run costs seconds before its work.
+
+    Each wanted request is one partition's state (its run key); the cursor holds the state
+    keys requested and still wanted, so a partition is requested once per state, never
+    again while its run is pending. A range run's key digests the state keys it answers;
+    its tags are the first member's plus the range's (``reason_tag``'s value then says how
+    many partitions and the first one's reason). With ``max_per_run`` 1 this is
+    :func:`request_once`.
+    """
+    if max_per_run <= 1:
+        return request_once(cursor, wanted, max_runs, state=state)
+    if any(r.run_key is None or r.partition_key is None for r in wanted):
+        raise ValueError("every request needs a run key and a partition")
+    selections = {tuple(r.asset_selection or ()) for r in wanted}
+    if len(selections) > 1 or len({r.job_name for r in wanted}) > 1:
+        raise ValueError("a range run needs one asset selection and job for every request")
+    by_batch = {r.partition_key: r for r in wanted}
+    if len(by_batch) != len(wanted):
+        raise ValueError("one state per partition: two requests name the same partition")
+    keys = {r.run_key for r in wanted}
+    pending = set(json.loads(cursor)) & keys if cursor else set()
+    todo = {b: r for b, r in by_batch.items() if r.run_key not in pending}
+    requests: list[RunRequest] = []
+    for run in plan_partition_runs(ordered, todo, max_per_run, max_bridge)[:max_runs]:
+        members = [todo[b] for b in run.wanted]
+        first = members[0]
+        if len(run.batches) == 1:
+            requests.append(first)
+        else:
+            digest = hashlib.sha256("\0".join(m.run_key for m in members).encode()).hexdigest()
+            prefix = first.run_key.split(":", 1)[0]
+            tags = dict(first.tags)
+            if reason_tag and reason_tag in tags:
+                tags[reason_tag] = f"{len(members)} partition(s); {tags[reason_tag]}"[:200]
+            requests.append(
+                RunRequest(
+                    run_key=f"{prefix}:{run.first}..{run.last}:{digest[:16]}",
+                    job_name=first.job_name,
+                    asset_selection=first.asset_selection,
+                    tags={**tags, **partition_run_tags(run)},
+                )
+            )
+        pending |= {m.run_key for m in members}
+    new_cursor = json.dumps(sorted(pending))
+    if not requests:
+        why = f"{len(wanted)} {state} partition(s), all requested" if wanted else f"none {state}"
+        return SensorResult(skip_reason=SkipReason(why), cursor=new_cursor)
+    return SensorResult(run_requests=requests, cursor=new_cursor)
 
 
 def request_once(
@@ -88,6 +174,8 @@ def rerun_sensor(
     default_status: DefaultSensorStatus,
     state: str = "stale",
     reason_tag: str | None = None,
+    max_partitions_per_run: int = 1,
+    max_bridge: int = 0,
 ) -> SensorDefinition:
     """A sensor whose tick requests, via :func:`request_once`, what ``wanted`` returns.
 
@@ -95,7 +183,8 @@ def rerun_sensor(
     context name the resources it gets (``lab: LabResource`` gets the ``lab`` resource).
     ``targets``: the assets the requests may select. Each request is logged with its
     ``reason_tag`` value when it has one. ``max_runs_per_tick`` below 1 is refused here,
-    when the sensor is built, not at a tick.
+    when the sensor is built, not at a tick. ``max_partitions_per_run`` above 1: the
+    partitions are requested as runs over ranges (:func:`request_ranges_once`).
     """
     if max_runs_per_tick < 1:
         raise ValueError(f"max_runs_per_tick must be >= 1, got {max_runs_per_tick}")
@@ -113,12 +202,25 @@ def rerun_sensor(
         # Dagster passes required resources as keywords when a sensor is invoked directly,
         # not on a daemon tick; both paths hold them on the context, so read them there.
         resources = {k: getattr(context.resources, k) for k in keys}
-        result = request_once(
-            context.cursor, wanted(context, **resources), max_runs_per_tick, state=state
-        )
+        asked = wanted(context, **resources)
+        if max_partitions_per_run > 1:
+            ordered = context.instance.get_dynamic_partitions(BATCHES.name)
+            result = request_ranges_once(
+                context.cursor,
+                asked,
+                max_runs_per_tick,
+                ordered,
+                max_partitions_per_run,
+                max_bridge,
+                state=state,
+                reason_tag=reason_tag,
+            )
+        else:
+            result = request_once(context.cursor, asked, max_runs_per_tick, state=state)
         for r in result.run_requests or []:
             why = f": {r.tags[reason_tag]}" if reason_tag and reason_tag in r.tags else ""
-            context.log.info(f"{name}: rerun of {r.partition_key}{why}")
+            what = r.partition_key or f"{r.tags.get(PARTITIONS_TAG)} partitions"
+            context.log.info(f"{name}: rerun of {what}{why}")
         return result
 
     return _rerun_sensor

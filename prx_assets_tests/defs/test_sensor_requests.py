@@ -16,7 +16,7 @@ from dagster import (
     instance_for_test,
 )
 
-from prx_assets.defs.sensor_requests import request_once, rerun_sensor
+from prx_assets.defs.sensor_requests import request_once, request_ranges_once, rerun_sensor
 
 
 def req(batch: str, state: str = "s0") -> RunRequest:
@@ -126,3 +126,55 @@ def test_rerun_sensor_refuses_bad_shapes_when_built():
             minimum_interval_seconds=30,
             default_status=DefaultSensorStatus.STOPPED,
         )
+
+
+ORDER = [f"p{i:02d}" for i in range(12)]
+START, END = "dagster/asset_partition_range_start", "dagster/asset_partition_range_end"
+
+
+def sel(batch: str, state: str = "s0") -> RunRequest:
+    return RunRequest(
+        run_key=f"k:{batch}:{state}",
+        partition_key=batch,
+        asset_selection=[AssetKey("x")],
+        tags={"why": f"{batch} {state}", "t": "1"},
+    )
+
+
+def test_ranges_are_requested_once_per_state_and_the_rest_on_later_ticks():
+    wanted = [sel(b) for b in ("p01", "p02", "p03", "p07", "p11")]
+    first = request_ranges_once(None, wanted, 1, ORDER, 4, 1, reason_tag="why")
+    (run,) = first.run_requests
+    assert (run.tags[START], run.tags[END]) == ("p01", "p03") and run.partition_key is None
+    assert run.tags["prx/partitions"] == "3" and run.tags["t"] == "1"
+    assert run.tags["why"] == "3 partition(s); p01 s0" and run.run_key.startswith("k:p01..p03:")
+    assert json.loads(first.cursor) == ["k:p01:s0", "k:p02:s0", "k:p03:s0"]
+    second = request_ranges_once(first.cursor, wanted, 5, ORDER, 4, 1, reason_tag="why")
+    # p07 and p11 are too far apart to bridge: a plain partition run each.
+    assert [(r.partition_key, r.run_key) for r in second.run_requests] == [
+        ("p07", "k:p07:s0"),
+        ("p11", "k:p11:s0"),
+    ]
+    third = request_ranges_once(second.cursor, wanted, 5, ORDER, 4, 1)
+    assert not third.run_requests and "5 stale partition(s), all requested" in str(
+        third.skip_reason.skip_message
+    )
+    # p02 marked again (a new state): requested alone; the settled ones drop out.
+    again = request_ranges_once(third.cursor, [sel("p02", "s1"), sel("p07")], 5, ORDER, 4, 1)
+    assert keys(again) == ["k:p02:s1"] and json.loads(again.cursor) == ["k:p02:s1", "k:p07:s0"]
+
+
+def test_ranges_bridge_small_gaps_and_one_per_run_is_request_once():
+    wanted = [sel("p00"), sel("p02"), sel("p03")]
+    (run,) = request_ranges_once(None, wanted, 5, ORDER, 10, 1).run_requests
+    assert run.tags["prx/partitions"] == "4" and run.tags["prx/bridged_partitions"] == "1"
+    plain = request_ranges_once(None, wanted, 5, ORDER, 1, 0)
+    assert keys(plain) == keys(request_once(None, wanted, 5))
+
+
+def test_ranges_refuse_mixed_selections_and_two_states_of_one_partition():
+    other = RunRequest(run_key="k:p05:s0", partition_key="p05", asset_selection=[AssetKey("y")])
+    with pytest.raises(ValueError, match="one asset selection"):
+        request_ranges_once(None, [sel("p00"), other], 5, ORDER, 10, 1)
+    with pytest.raises(ValueError, match="one state per partition"):
+        request_ranges_once(None, [sel("p00"), sel("p00", "s1")], 5, ORDER, 10, 1)

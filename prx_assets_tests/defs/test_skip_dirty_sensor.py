@@ -70,9 +70,30 @@ def test_partitions_beyond_the_tick_limit_come_on_later_ticks(instance, lab_reso
     instance.add_dynamic_partitions(BATCHES.name, batches)
     for b in batches:
         _mark(lab, b, "k")
-    sensor = build_skip_dirty_sensor(max_runs_per_tick=2)
+    sensor = build_skip_dirty_sensor(max_runs_per_tick=2, max_partitions_per_run=1)
     first = _tick(sensor, instance, lab_resource)
     second = _tick(sensor, instance, lab_resource, first.cursor)
     got = [r.partition_key for r in first.run_requests + second.run_requests]
     assert sorted(got) == batches and len(first.run_requests) == 2
     assert not _tick(sensor, instance, lab_resource, second.cursor).run_requests
+
+
+def test_marked_partitions_run_together_once_per_state(instance, lab_resource):
+    """The default: the marked partitions as one run over their range; requested once
+    while their marks stay, and a new mark on one of them is a new request for it."""
+    lab = lab_resource.lab()
+    batches = [f"src.{i}" for i in range(3)]
+    instance.add_dynamic_partitions(BATCHES.name, batches)
+    for b in batches:
+        _mark(lab, b, "k")
+    sensor = build_skip_dirty_sensor()
+    first = _tick(sensor, instance, lab_resource)
+    (run,) = first.run_requests
+    assert run.partition_key is None and run.tags["prx/partitions"] == "3"
+    assert run.tags["dagster/asset_partition_range_start"] == "src.0"
+    assert run.tags["dagster/asset_partition_range_end"] == "src.2"
+    assert run.tags["prx/skip_dirty_reason"].startswith("3 partition(s); ")
+    assert not _tick(sensor, instance, lab_resource, first.cursor).run_requests
+    _mark(lab, "src.1", "other")  # a new mark: a new state of src.1 alone
+    again = _tick(sensor, instance, lab_resource, first.cursor)
+    assert [r.partition_key for r in again.run_requests] == ["src.1"]

@@ -49,10 +49,6 @@ from dagster import (
     SkipReason,
     sensor,
 )
-from dagster._core.storage.tags import (
-    ASSET_PARTITION_RANGE_END_TAG,
-    ASSET_PARTITION_RANGE_START_TAG,
-)
 
 from prx_assets.core.skiplists.intake import list_partition_key
 from prx_assets.core.skiplists.reruns import (
@@ -60,7 +56,6 @@ from prx_assets.core.skiplists.reruns import (
     DEFAULT_PARTITIONS_PER_RUN,
     OptOutCursor,
     OptOutTick,
-    PartitionRun,
     SkipRerun,
     intake_run_key,
     opt_out_range_run_key,
@@ -73,7 +68,7 @@ from prx_assets.core.skiplists.reruns import (
 from prx_assets.defs.metadata import bounded
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
-from prx_assets.defs.sensor_requests import rerun_sensor
+from prx_assets.defs.sensor_requests import partition_run_tags, rerun_sensor
 from prx_assets.defs.skiplists.assets import SKIP_LISTS_ASSET
 from prx_assets.defs.skiplists.config import OptOutResource, SkipPolicyResource
 from prx_assets.defs.skiplists.intake import OPT_OUT_LISTS, OPT_OUT_LISTS_ASSET
@@ -86,22 +81,7 @@ SKIP_DIRTY_REASON_TAG = "prx/skip_dirty_reason"
 __all__ = ["SKIP_LISTS_ASSET", "SkipRerun", "skip_dirty_reruns", "stale_policy_batches"]
 
 LISTS_TAG = "prx/opt_out_lists"
-PARTITIONS_TAG = "prx/partitions"  # how many partitions a range run covers
-BRIDGED_TAG = "prx/bridged_partitions"  # of which not reached by what caused the run
 MAX_TAG_CHARS = 2000
-
-
-def partition_run_tags(run: PartitionRun) -> dict[str, str]:
-    """A range run's tags: the range (what Dagster materialises) and its size; a run of one
-    partition is a plain partition run (no tags)."""
-    if len(run.batches) == 1:
-        return {}
-    return {
-        ASSET_PARTITION_RANGE_START_TAG: run.first,
-        ASSET_PARTITION_RANGE_END_TAG: run.last,
-        PARTITIONS_TAG: str(len(run.batches)),
-        BRIDGED_TAG: str(len(run.bridged)),
-    }
 
 
 def _joined(ids: list[str]) -> str:
@@ -310,15 +290,19 @@ def build_skip_dirty_sensor(
     *,
     name: str = "skip_dirty_sensor",
     max_runs_per_tick: int = 25,
+    max_partitions_per_run: int = DEFAULT_PARTITIONS_PER_RUN,
+    max_bridge: int = DEFAULT_MAX_BRIDGE,
     minimum_interval_seconds: int = 60,
     default_status: DefaultSensorStatus = DefaultSensorStatus.RUNNING,
 ) -> SensorDefinition:
     """Reruns skip_lists of exactly the partitions ``skip_dirty`` lists (see the module doc).
 
-    One run per partition; the run key digests its marks, so the same state is requested
-    once and a new mark gives a new request. The cursor keeps the keys still marked, so
-    partitions beyond ``max_runs_per_tick`` are requested on later ticks. A failed rerun is
-    not requested again until its marks change: rerun it by hand.
+    Runs over ranges of partitions (``max_partitions_per_run``, ``max_bridge``: as the
+    opt-out sensor's); each partition's state is a key digesting its marks, so the same
+    state is requested once and a new mark gives a new request. The cursor keeps the state
+    keys requested and still marked, so runs beyond ``max_runs_per_tick`` are requested on
+    later ticks. A failed rerun is not requested again until its marks change: rerun it by
+    hand. ``max_partitions_per_run=1``: one run per partition, its run key the state key.
     """
 
     def wanted(context: SensorEvaluationContext, lab: LabResource) -> list[RunRequest]:
@@ -347,6 +331,8 @@ def build_skip_dirty_sensor(
         default_status=default_status,
         state="marked",
         reason_tag=SKIP_DIRTY_REASON_TAG,
+        max_partitions_per_run=max_partitions_per_run,
+        max_bridge=max_bridge,
     )
 
 
