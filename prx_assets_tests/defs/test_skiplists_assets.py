@@ -441,7 +441,7 @@ def test_policy_change_reruns_only_skip_lists_with_new_decisions(instance, lab_r
         assert isinstance(result, SensorResult) and not result.run_requests
         return result.skip_reason.skip_message
 
-    assert "every audited partition is decided" in quiet(tick(SkipPolicyResource()))
+    assert quiet(tick(SkipPolicyResource())) == "none policy-stale"
     res = tick(nsfw_only)
     assert isinstance(res, SensorResult)
     assert [r.partition_key for r in res.run_requests] == [KEY]
@@ -453,7 +453,7 @@ def test_policy_change_reruns_only_skip_lists_with_new_decisions(instance, lab_r
         cursor=res.cursor,
         resources={"lab": lab_resource, "skip_policy": nsfw_only},
     ) as ctx:
-        assert "all requested" in quiet(skip_policy_sensor(ctx))
+        assert quiet(skip_policy_sensor(ctx)) == "1 policy-stale partition(s), all requested"
 
     # Resource and built policy disagree: refused before anything is written.
     bad = _run(instance, lab_resource, policy=nsfw_only, built_with=SkipPolicyResource())
@@ -471,7 +471,7 @@ def test_policy_change_reruns_only_skip_lists_with_new_decisions(instance, lab_r
     assert {r["policy_fingerprint"] for r in after.values()} == {nsfw_only.fingerprint()}
     skips = _sidecar_skips(b)
     assert b.text not in skips and b.flat not in skips and skips[b.heir] == ("duplicate",)
-    assert "every audited partition is decided" in quiet(tick(nsfw_only))
+    assert quiet(tick(nsfw_only)) == "none policy-stale"
 
 
 def _failure_text(result) -> str:

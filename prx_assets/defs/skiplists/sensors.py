@@ -34,13 +34,10 @@ that is the intake's (recorded, rerunnable) work, not a sensor tick's.
 Opt-out formats and rules: see :mod:`prx_assets.core.skiplists.optouts`.
 """
 
-import hashlib
-import json
 from pathlib import Path
 
 from dagster import (
     AssetKey,
-    AssetSelection,
     DefaultSensorStatus,
     RunRequest,
     SensorDefinition,
@@ -205,79 +202,40 @@ def build_skip_policy_sensor(
 
     Eager automation ignores code-version changes, so the policy fingerprint in the code
     version marks the asset stale in the UI but reruns nothing; this sensor does, as runs
-    over ranges of partitions (``plan_partition_runs``: a policy change reaches every
-    partition). The cursor keeps each requested partition's stale marker (its audit rows'
-    own), so a partition is requested once per stale state: not again while its run is
-    queued or running, again after a policy switched back and forth. The run key names the
-    policy and digests the (partition, marker) pairs it answers.
+    over ranges of partitions (a policy change reaches every partition). Each partition's
+    state key names the configured policy and its stale rows' own marker, so a partition is
+    requested once per state (not again while its run is pending), and again after a policy
+    switched back and forth.
     """
 
-    @sensor(
+    def wanted(
+        context: SensorEvaluationContext, lab: LabResource, skip_policy: SkipPolicyResource
+    ) -> list[RunRequest]:
+        fp = skip_policy.fingerprint()
+        registered = set(context.instance.get_dynamic_partitions(BATCHES.name))
+        return [
+            RunRequest(
+                run_key=f"skip_policy:{fp}:{batch}:{marker}",
+                partition_key=batch,
+                asset_selection=[AssetKey(SKIP_LISTS_ASSET)],
+                tags={TRIGGER_TAG: "skip_policy"},
+            )
+            for batch, marker in stale_policy_batches(lab.lab(), fp).items()
+            if batch in registered
+        ]
+
+    return rerun_sensor(
+        wanted,
         name=name,
-        target=AssetSelection.assets(SKIP_LISTS_ASSET),
+        targets=[SKIP_LISTS_ASSET],
+        description="Reruns skip_lists for partitions decided under another skip policy.",
+        max_runs_per_tick=max_runs_per_tick,
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=default_status,
-        description="Reruns skip_lists for partitions decided under another skip policy.",
+        state="policy-stale",
+        max_partitions_per_run=max_partitions_per_run,
+        max_bridge=max_bridge,
     )
-    def _skip_policy_sensor(
-        context: SensorEvaluationContext, lab: LabResource, skip_policy: SkipPolicyResource
-    ) -> SensorResult | SkipReason:
-        fp = skip_policy.fingerprint()
-        ordered = context.instance.get_dynamic_partitions(BATCHES.name)
-        registered = set(ordered)
-        stale = {b: m for b, m in stale_policy_batches(lab.lab(), fp).items() if b in registered}
-        asked = _requested(context.cursor, fp)
-        asked = {b: m for b, m in asked.items() if stale.get(b) == m}  # still that state
-        todo = {b: m for b, m in stale.items() if asked.get(b) != m}
-        if not todo:
-            why = (
-                f"{len(stale)} partition(s) decided under another policy, all requested"
-                if stale
-                else f"every audited partition is decided under policy {fp}"
-            )
-            return SensorResult(skip_reason=SkipReason(why), cursor=_dump(fp, asked))
-        runs = plan_partition_runs(ordered, todo, max_partitions_per_run, max_bridge)
-        requests = []
-        for run in runs[:max_runs_per_tick]:
-            answered = {b: todo[b] for b in run.wanted}
-            pairs = "\0".join(f"{b}={m}" for b, m in sorted(answered.items()))
-            digest = hashlib.sha256(pairs.encode()).hexdigest()[:16]
-            single = len(run.batches) == 1
-            requests.append(
-                RunRequest(
-                    run_key=(
-                        f"skip_policy:{fp}:{run.first}:{answered[run.first]}"
-                        if single
-                        else f"skip_policy:{fp}:{run.first}..{run.last}:{digest}"
-                    ),
-                    partition_key=run.first if single else None,
-                    asset_selection=[AssetKey(SKIP_LISTS_ASSET)],
-                    tags={TRIGGER_TAG: "skip_policy", **partition_run_tags(run)},
-                )
-            )
-            asked.update(answered)
-        return SensorResult(run_requests=requests, cursor=_dump(fp, asked))
-
-    return _skip_policy_sensor
-
-
-def _requested(cursor: str | None, fp: str) -> dict[str, str]:
-    """The policy sensor's cursor: partition -> the stale marker it was requested for, under
-    policy ``fp`` (a cursor of another policy, or none, requested nothing yet)."""
-    if not cursor:
-        return {}
-    try:
-        obj = json.loads(cursor)
-    except ValueError:
-        return {}
-    if not isinstance(obj, dict) or obj.get("policy") != fp:
-        return {}
-    asked = obj.get("requested", {})
-    return {str(b): str(m) for b, m in asked.items()} if isinstance(asked, dict) else {}
-
-
-def _dump(fp: str, asked: dict[str, str]) -> str:
-    return json.dumps({"policy": fp, "requested": dict(sorted(asked.items()))})
 
 
 skip_policy_sensor = build_skip_policy_sensor()
