@@ -86,6 +86,7 @@ def build_world(root: Path, batches: list[str], samples: int, seed: int = 0) -> 
         skip_nothing,
         write_partition_buckets,
     )
+    from prx_assets.core.shards.tables import placement_rows
     from prx_assets.core.tables import (
         CAPTION_CLASSES,
         CAPTIONS,
@@ -104,7 +105,7 @@ def build_world(root: Path, batches: list[str], samples: int, seed: int = 0) -> 
     rows: dict[str, list[dict]] = {
         t.name: [] for t in (IMAGES, RESOLUTION, CAPTIONS, CAPTION_CLASSES, IMAGE_HASHES)
     }
-    shard_rows: list[dict] = []
+    shard_rows: list[pa.Table] = []
     clusters: list[pa.Table] = []
     keys: dict[str, list] = {}
     caption = "A photo of a red boat on a calm lake under a clear sky, seen from the shore."
@@ -132,21 +133,9 @@ def build_world(root: Path, batches: list[str], samples: int, seed: int = 0) -> 
             p.relative_dir: partition_digest(Path(res.shards_root) / p.relative_dir)
             for p in placements
         }
-        for p in placements:
-            shard_rows.append(
-                {
-                    "key": p.key,
-                    "batch": b,
-                    "tier": p.tier,
-                    "shape": p.shape,
-                    "relative_dir": p.relative_dir,
-                    "shard": p.shard,
-                    "index_in_shard": p.index_in_shard,
-                    "sample_index": p.sample_index,
-                    "dir_digest": digests[p.relative_dir],
-                    "caption_fingerprint": "alt_text-bench",
-                }
-            )
+        jpeg = {m.key: (hashlib.sha256(m.image).hexdigest(), len(m.image)) for m in mds}
+        fingerprints = dict.fromkeys(ks, "alt_text-bench")
+        shard_rows.append(placement_rows(placements, b, digests, jpeg, fingerprints))
         hashes = []
         for i, k in enumerate(ks):
             rows[IMAGES.name].append(
@@ -203,7 +192,7 @@ def build_world(root: Path, batches: list[str], samples: int, seed: int = 0) -> 
         clusters.append(plan_batch(b, corpus, None, settings).rows)  # the real dedup rule
     for spec in (IMAGES, RESOLUTION, CAPTIONS, CAPTION_CLASSES, IMAGE_HASHES):
         lab.append(spec, pa.Table.from_pylist(rows[spec.name], schema=spec.schema))
-    lab.append(SHARD_SAMPLES, pa.Table.from_pylist(shard_rows, schema=SHARD_SAMPLES.schema))
+    lab.append(SHARD_SAMPLES, pa.concat_tables(shard_rows))
     lab.append(PHASH_CLUSTERS, pa.concat_tables(clusters))
     return keys
 
@@ -405,7 +394,11 @@ def main() -> int:
     ]
     out = {
         "benchmark": "bench_optout_fanout",
-        "command": "python -m benchmarks.bench_optout_fanout" + (" --quick" if args.quick else ""),
+        "command": "python -m benchmarks.bench_optout_fanout"
+        + (" --quick" if args.quick else "")
+        + (f" --partitions {args.partitions}" if args.partitions else "")
+        + (f" --baseline {args.baseline}" if args.baseline else "")
+        + (f" --samples {args.samples}" if args.samples != 8 else ""),
         "partitions": n,
         "samples_per_partition": args.samples,
         "world_build_s": round(build_s, 1),
@@ -418,7 +411,11 @@ def main() -> int:
         "elapsed_s": round(time.perf_counter() - started, 1),
         "headlines": headlines,
     }
-    name = "bench_optout_fanout.quick.json" if args.quick else "bench_optout_fanout.json"
+    # Only the default runs write the files the docs quote; other sizes go beside them.
+    if args.partitions or args.baseline or args.samples != 8:
+        name = f"bench_optout_fanout.n{n}-k{k}-s{args.samples}.json"
+    else:
+        name = "bench_optout_fanout.quick.json" if args.quick else "bench_optout_fanout.json"
     (RESULTS / name).write_text(json.dumps(out, indent=1) + "\n")
     print("\n".join(headlines))
     return 0
