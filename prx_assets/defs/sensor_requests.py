@@ -92,7 +92,12 @@ def request_ranges_once(
     pending = set(json.loads(cursor)) & keys if cursor else set()
     todo = {b: r for b, r in by_batch.items() if r.run_key not in pending}
     requests: list[RunRequest] = []
-    for run in plan_partition_runs(ordered, todo, max_per_run, max_bridge)[:max_runs]:
+    runs = plan_partition_runs(ordered, todo, max_per_run, max_bridge)
+    known = set(ordered)
+    # A partition not (or no longer) in the order is requested alone, as before batching:
+    # Dagster says what became of it rather than the sensor leaving it out unsaid.
+    runs += [PartitionRun(b, b, (b,), (b,)) for b in todo if b not in known]
+    for run in runs[:max_runs]:
         members = [todo[b] for b in run.wanted]
         first = members[0]
         if len(run.batches) == 1:

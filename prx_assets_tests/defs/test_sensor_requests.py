@@ -178,3 +178,11 @@ def test_ranges_refuse_mixed_selections_and_two_states_of_one_partition():
         request_ranges_once(None, [sel("p00"), other], 5, ORDER, 10, 1)
     with pytest.raises(ValueError, match="one state per partition"):
         request_ranges_once(None, [sel("p00"), sel("p00", "s1")], 5, ORDER, 10, 1)
+
+
+def test_a_partition_outside_the_order_is_still_requested_alone():
+    result = request_ranges_once(None, [sel("p00"), sel("p01"), sel("gone")], 5, ORDER, 10, 1)
+    assert [(r.partition_key, r.run_key) for r in result.run_requests][1:] == [
+        ("gone", "k:gone:s0")
+    ]
+    assert "k:gone:s0" in json.loads(result.cursor)

@@ -194,9 +194,12 @@ def build_skiplist_assets(policy: SkipPolicyResource | None = None) -> list[Asse
                 "opt-outs always. Every opt_out_lists partition and usage_policy feed each "
                 "partition (the lineage edges), so after a new list the UI shows every partition "
                 "as having a changed upstream; only the batches holding a copy of a listed image "
-                "change, and the opt-out sensor reruns exactly those (the list's `batches`), as "
+                "change, and the opt-out sensor reruns those (the list's `batches`), as "
                 "skip_dirty_sensor does for batches whose training copy other batches' facts "
-                "changed. `PENDING` in `prx-assets compliance` says which are still to run."
+                "changed: in runs over ranges of partitions (up to 100 a run, each partition "
+                "its own materialisation; a few partitions between two reached ones are "
+                "re-decided too rather than starting another run). `PENDING` in "
+                "`prx-assets compliance` says which are still to run."
             ),
         )
         def skip_lists(
