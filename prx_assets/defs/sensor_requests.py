@@ -193,6 +193,11 @@ def rerun_sensor(
     """
     if max_runs_per_tick < 1:
         raise ValueError(f"max_runs_per_tick must be >= 1, got {max_runs_per_tick}")
+    if max_partitions_per_run < 1 or max_bridge < 0:
+        raise ValueError(
+            f"max_partitions_per_run must be >= 1 and max_bridge >= 0, got "
+            f"{max_partitions_per_run} and {max_bridge}"
+        )
     keys = _resource_keys(wanted)
 
     @sensor(

@@ -126,6 +126,30 @@ def test_rerun_sensor_refuses_bad_shapes_when_built():
             minimum_interval_seconds=30,
             default_status=DefaultSensorStatus.STOPPED,
         )
+    for per_run, bridge in ((0, 0), (10, -1)):
+        with pytest.raises(ValueError, match="max_partitions_per_run must be >= 1"):
+            rerun_sensor(
+                lambda context: [],
+                name="x",
+                targets=["target_asset"],
+                description="x",
+                max_runs_per_tick=1,
+                minimum_interval_seconds=30,
+                default_status=DefaultSensorStatus.STOPPED,
+                max_partitions_per_run=per_run,
+                max_bridge=bridge,
+            )
+
+
+def test_opt_out_settings_refuse_runs_of_no_partition():
+    from pydantic import ValidationError
+
+    from prx_assets.defs.skiplists.config import OptOutResource
+
+    with pytest.raises(ValidationError):
+        OptOutResource(max_partitions_per_run=0)
+    with pytest.raises(ValidationError):
+        OptOutResource(max_bridge=-1)
 
 
 ORDER = [f"p{i:02d}" for i in range(12)]

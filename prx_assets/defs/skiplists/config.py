@@ -115,6 +115,7 @@ class OptOutResource(ConfigurableResource):
     )
     max_partitions_per_run: int = Field(
         default=DEFAULT_PARTITIONS_PER_RUN,
+        ge=1,
         description=(
             "skip_lists partitions one run of a list's reruns covers at most: the partitions a "
             "list reaches run as ranges of partitions, each partition its own materialisation."
@@ -122,6 +123,7 @@ class OptOutResource(ConfigurableResource):
     )
     max_bridge: int = Field(
         default=DEFAULT_MAX_BRIDGE,
+        ge=0,
         description=(
             "Partitions a list does not reach that one run may rerun between two it reaches "
             "(idempotent: they are re-decided on the current facts) rather than start another run."
