@@ -17,6 +17,9 @@ under a fresh ``DAGSTER_HOME``), and the real sensors. Then, side by side in thi
   left) and after the last (``PASS``).
 - **one run per partition** (what the sensor did before, ``max_partitions_per_run=1``): a
   second list naming one image in each of K partitions (default 10), each its own run.
+- **scattered**: a third list naming one image in a random 10 % of the partitions (the
+  default settings): how many runs, how many partitions between them were bridged (rerun
+  without being reached), and the runs' wall per reached partition against one run each.
 
 Per-partition overhead = (wall of every run, whole processes) minus the partitions' own
 decision work (``decision_seconds``, each partition's metadata, measured inside the
@@ -372,8 +375,17 @@ def main() -> int:
             k,
         )
         print(f"one run per partition: {json.dumps(single)[:600]}", flush=True)
+        reached = random.Random(7).sample(batches, max(2, n // 10))  # scattered, 10 %
+        scattered = fan_out(
+            d, "scattered.txt", [keys[b][2] for b in reached], OptOutResource(), len(reached)
+        )
+        print(f"scattered: {json.dumps(scattered)[:600]}", flush=True)
     plan = planning_only()
     ratio = batched["overhead_per_partition_s"] / single["overhead_per_partition_s"]
+    # What the scattered list's reached partitions cost each (bridged ones' work included),
+    # against what one run each would have: that run's overhead plus the decision work.
+    per_reached = scattered["skip_lists_runs_wall_s"] / len(reached)
+    one_each = single["overhead_per_partition_s"] + single["decision_seconds_median"]
     headlines = [
         f"runs for a list reaching {n} partitions: {batched['runs']} "
         f"(one per partition before: {n})",
@@ -388,6 +400,9 @@ def main() -> int:
         f"{'met' if batched['overhead_per_partition_s'] <= TARGET_OVERHEAD_S else 'MISSED'}",
         f"decision work per partition (median): {batched['decision_seconds_median']:.3f} s "
         f"(no target; {args.samples} samples per partition)",
+        f"a list reaching a random {len(reached)} of {n} partitions: {scattered['runs']} runs, "
+        f"{scattered['partitions'] - len(reached)} bridged partitions rerun, "
+        f"{per_reached:.3f} s of runs per reached partition (one run each: ~{one_each:.3f} s)",
         f"planning: a list reaching {plan['reached']} random partitions of "
         f"{plan['partitions']}: {plan['runs']} runs ({plan['bridged_partitions']} bridged "
         f"partitions rerun); every partition: {plan['runs_when_every_partition_is_reached']} runs",
@@ -404,6 +419,12 @@ def main() -> int:
         "world_build_s": round(build_s, 1),
         "batched": batched,
         "one_run_per_partition": single,
+        "scattered_10_percent": {
+            **scattered,
+            "reached": len(reached),
+            "runs_wall_per_reached_partition_s": round(per_reached, 4),
+            "one_run_each_estimate_s": round(one_each, 4),
+        },
         "overhead_ratio_batched_vs_one_per_partition": round(ratio, 4),
         "planning": plan,
         "target_overhead_per_partition_s": TARGET_OVERHEAD_S,
