@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,7 @@ def build_world(root: Path, batches: list[str], samples: int, seed: int = 0) -> 
     res = LabResource(data_root=str(root))
     lab = res.lab()
     settings = DedupSettings()
-    t0 = __import__("datetime").datetime(2024, 1, 1, tzinfo=__import__("datetime").UTC)
+    t0 = datetime(2024, 1, 1, tzinfo=UTC)
     rows: dict[str, list[dict]] = {
         t.name: [] for t in (IMAGES, RESOLUTION, CAPTIONS, CAPTION_CLASSES, IMAGE_HASHES)
     }

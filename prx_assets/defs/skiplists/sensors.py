@@ -15,10 +15,11 @@ Why a sensor (measured with Dagster 1.13.27): with the opt-outs as an upstream a
 partition; a sensor that resolves the affected batches and requests ``skip_lists`` for
 those partition keys runs exactly those.
 
-Why runs over ranges of partitions: a run costs far more than a partition's decision work
-(the run worker loads the code location, ~3.5 s here, against a few tenths of a second of
-decision work), so one run per partition made a list reaching 1,000 partitions take most of
-an hour. The affected partitions are requested as runs over ranges of the partition keys
+Why runs over ranges of partitions: a run costs far more than a small partition's decision
+work (3.5–4.4 s per run here, the run worker loading the code location and the run's
+events, against ~0.1 s of decision work for a partition of a few samples:
+``python -m benchmarks.bench_optout_fanout``), so one run per partition made a list reaching
+1,000 partitions cost about an hour of runs, one at a time. The affected partitions are requested as runs over ranges of the partition keys
 (``plan_partition_runs``: at most ``max_partitions_per_run`` per run, bridging gaps of at
 most ``max_bridge`` unaffected partitions, which are re-decided, idempotently); the
 ``skip_lists`` asset materialises each partition of its range on its own, with its own
@@ -111,7 +112,10 @@ def build_opt_out_sensor(
         context: SensorEvaluationContext, lab: LabResource, optouts: OptOutResource
     ) -> SensorResult:
         cursor = OptOutCursor.load(context.cursor)
-        registered = set(context.instance.get_dynamic_partitions(BATCHES.name))
+        # Read once: the partitions a tick plans for are exactly the ones it orders into runs
+        # (a partition added or removed between two reads would be planned but not run).
+        ordered = context.instance.get_dynamic_partitions(BATCHES.name)
+        registered = set(ordered)
         directory = optouts.directory(lab)
         limit = max(1, optouts.max_lists_per_tick)
         tick = plan_opt_out_tick(lab.lab(), directory, cursor, limit, registered)
@@ -135,7 +139,6 @@ def build_opt_out_sensor(
             )
             for f, key in zip(tick.intake, keys, strict=True)
         ]
-        ordered = context.instance.get_dynamic_partitions(BATCHES.name)
         runs = plan_partition_runs(
             ordered, tick.skip_lists, optouts.max_partitions_per_run, optouts.max_bridge
         )
