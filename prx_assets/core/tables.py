@@ -13,7 +13,13 @@ from prx_assets.core.ingest.tables import IMAGES, REJECTS
 from prx_assets.core.lab import VERSION_PINS, TableSpec
 from prx_assets.core.resolution.tables import RESOLUTION
 from prx_assets.core.shards.tables import BUCKET_ASSIGNMENTS, SHARD_SAMPLES
-from prx_assets.core.skiplists.tables import OPT_OUT_LISTS, OPT_OUTS, SKIP_AUDIT, SKIP_DIRTY
+from prx_assets.core.skiplists.tables import (
+    OPT_OUT_LISTS,
+    OPT_OUT_PROBLEMS,
+    OPT_OUTS,
+    SKIP_AUDIT,
+    SKIP_DIRTY,
+)
 from prx_assets.core.snapshots.tables import (
     SNAPSHOT_DIRECTORIES,
     SNAPSHOT_SAMPLES,
@@ -35,6 +41,7 @@ LAB_TABLES: tuple[TableSpec, ...] = (
     SHARD_SAMPLES,
     OPT_OUTS,
     OPT_OUT_LISTS,
+    OPT_OUT_PROBLEMS,
     SKIP_AUDIT,
     SKIP_DIRTY,
     TRAINING_SNAPSHOTS,

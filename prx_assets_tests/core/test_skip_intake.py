@@ -24,7 +24,7 @@ from prx_assets.core.skiplists.intake import (
     list_partition_key,
 )
 from prx_assets.core.skiplists.reruns import OptOutCursor, plan_opt_out_tick
-from prx_assets.core.tables import IMAGES, OPT_OUT_LISTS, OPT_OUTS
+from prx_assets.core.tables import IMAGES, OPT_OUT_LISTS, OPT_OUT_PROBLEMS, OPT_OUTS
 from prx_assets_tests.core.skip_world import World, key_of
 from prx_assets_tests.spawned import spawn_pool
 
@@ -68,8 +68,7 @@ def test_an_accepted_list_is_recorded_once_whatever_the_replays(world, drop):
     (item,) = [find_list_file(drop, lid) for lid in _ids(drop)]
     out = ListIntake(world.lab, drop, item.list_id, now=T1).run()
     assert out.accepted and out.reason is None and out.format == "txt"
-    assert out.identifiers == 3 and out.batches == [A, B]
-    assert out.matched == {(A, key_of("photo")), (B, key_of("lonely"))}
+    assert out.identifiers == 3 and out.batches == (A, B) and out.matched_images == 2
     lists = _rows(world.lab, OPT_OUT_LISTS, item.list_id)
     assert [(r["status"], r["rows"], r["matched_images"], r["batches"]) for r in lists] == [
         ("accepted", 3, 2, [A, B])
@@ -95,7 +94,7 @@ def test_a_malformed_list_is_recorded_rejected_and_applies_nothing(world, drop):
     (lid,) = _ids(drop)
     out = ListIntake(world.lab, drop, lid, now=T1).run()
     assert not out.accepted and out.reason.startswith("bad_identifier: ")
-    assert out.opt_outs_version is None and out.matched == frozenset()
+    assert out.opt_outs_version is None and out.matched_images == 0 and out.batches == ()
     (row,) = _rows(world.lab, OPT_OUT_LISTS, lid)
     assert row["status"] == "rejected" and row["reason"] == out.reason
     assert _rows(world.lab, OPT_OUTS, lid) == []
@@ -106,6 +105,64 @@ def test_over_the_cap_is_rejected_unparsed(world, drop):
     (lid,) = _ids(drop)
     out = ListIntake(world.lab, drop, lid, max_list_bytes=50, now=T1).run()
     assert out.reason.startswith("too_large: ") and _rows(world.lab, OPT_OUTS, lid) == []
+
+
+def _matched(lab: Lab, list_id: str) -> list[tuple[str, str, str | None]]:
+    rows = lab.read(OPT_OUTS.name, filter=f"list_id = '{list_id}'").to_pylist()
+    return sorted({(r["identifier"], r["matched_batch"] or "-", r["matched_key"]) for r in rows})
+
+
+def test_a_list_streamed_in_chunks_records_what_a_whole_read_does(world, drop, tmp_path):
+    # Chunks of 2 identifiers against one chunk for the whole list, on two copies of one
+    # lab: the same matches and counts; a repeat in another chunk is one more row (readers
+    # take the rows as a set), a repeat within a chunk is not.
+    lines = [
+        key_of("lonely"),
+        "https://example.org/p.jpg",
+        "b" * 64,
+        key_of("copy"),
+        key_of("lonely"),  # a repeat, in another chunk of 2
+    ]
+    _write(drop, "registry.txt", "\n".join(lines) + "\n")
+    (lid,) = _ids(drop)
+    whole_lab = _copy_world(world, tmp_path / "whole")
+    streamed = ListIntake(world.lab, drop, lid, chunk_entries=2, now=T1).run()
+    whole = ListIntake(whole_lab, drop, lid, chunk_entries=100, now=T1).run()
+    for out in (streamed, whole):
+        assert out.accepted and out.matched_images == 3 and out.batches == (A, B)
+    assert (streamed.identifiers, whole.identifiers) == (5, 4)
+    assert world.lab.count(OPT_OUTS.name, f"list_id = '{lid}'") == 5
+    assert _matched(world.lab, lid) == _matched(whole_lab, lid)
+    assert len(_matched(whole_lab, lid)) == 4
+
+
+def _copy_world(world: World, root: Path) -> Lab:
+    shutil.copytree(world.lab.root, root)
+    return Lab(root)
+
+
+def test_a_source_that_records_malformed_entries_applies_the_rest(world, drop):
+    _write(drop, "dump.txt", f"{key_of('lonely')}\nnot an identifier\n\n{key_of('photo')}\n")
+    (lid,) = _ids(drop)
+    strict = ListIntake(world.lab, drop, lid, now=T1).run()
+    assert not strict.accepted and "line 2" in strict.reason
+    assert _rows(world.lab, OPT_OUTS, lid) == []  # fail closed: nothing of it applies
+    out = ListIntake(world.lab, drop, lid, on_malformed="record", now=T1).run()
+    assert out.accepted and out.malformed == 1 and out.identifiers == 2
+    assert {k for _, _, k in _matched(world.lab, lid)} == {key_of("lonely"), key_of("photo")}
+    (problem,) = _rows(world.lab, OPT_OUT_PROBLEMS, lid)
+    assert problem["position"] == "line 2" and "not an identifier" in problem["problem"]
+    (row,) = _rows(world.lab, OPT_OUT_LISTS, lid)
+    assert (row["status"], row["malformed"], row["rows"]) == ("accepted", 1, 2)
+
+
+def test_a_structural_problem_rejects_under_either_policy(world, drop):
+    (drop / "dump.txt").write_bytes(key_of("lonely").encode() + b"\n\xff\xfe\n")
+    (lid,) = _ids(drop)
+    for policy in ("reject", "record"):
+        out = ListIntake(world.lab, drop, lid, on_malformed=policy, chunk_entries=1).run()
+        assert not out.accepted and out.reason.startswith("bad_encoding: ")
+        assert _rows(world.lab, OPT_OUTS, lid) == []  # the first chunk's rows never committed
 
 
 def test_a_vanished_or_rewritten_file_records_nothing(world, drop):

@@ -24,7 +24,7 @@ from prx_assets.defs.ingest.assets import raw_images
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.resources import LabResource
 from prx_assets.defs.skiplists.assets import build_skiplist_assets
-from prx_assets.defs.skiplists.config import OptOutResource, SkipPolicyResource
+from prx_assets.defs.skiplists.config import OptOutResource, OptOutSource, SkipPolicyResource
 from prx_assets.defs.skiplists.intake import OPT_OUT_LISTS as LIST_PARTITIONS
 from prx_assets.defs.skiplists.intake import opt_out_lists
 from prx_assets.defs.skiplists.sensors import LISTS_TAG, build_opt_out_sensor, opt_out_sensor
@@ -443,23 +443,25 @@ def test_a_huge_list_is_rejected_in_bounded_memory_and_the_next_list_still_appli
     sparse_file(Path(w.dir) / "a-huge.txt", 200 * MIB, prefix=b"https://example.org/")
     key = w.images[STUDIO][0]["key"]
     w.drop("b-good.txt", key + "\n")
-    tick, growth = peak_rss_growth(lambda: w.tick(None))  # hashes both files as streams
+    # A source that caps its lists (no cap is the default: lists are streamed).
+    capped = OptOutResource(sources=[OptOutSource(pattern="a-huge*", max_list_bytes=64 * MIB)])
+    tick, growth = peak_rss_growth(lambda: w.tick(None, capped))  # hashes both as streams
     assert growth < 100 * MIB, f"the tick's peak RSS grew by {growth / MIB:.0f} MiB"
     huge, good = _intakes(tick)
-    _, growth = peak_rss_growth(lambda: w.run(tick))
+    _, growth = peak_rss_growth(lambda: w.run(tick, capped))
     assert growth < 100 * MIB, f"the intake runs' peak RSS grew by {growth / MIB:.0f} MiB"
     lists = w.lists()
     assert huge.startswith("a-huge.txt@") and good.startswith("b-good.txt@")
     assert lists[huge]["status"] == "rejected"
     assert lists[huge]["reason"].startswith("too_large: ") and len(lists[huge]["reason"]) < 500
     assert lists[good]["status"] == "accepted"
-    assert _requests(w.tick(tick.cursor)) == [(STUDIO, f"opt_out:{good}:{STUDIO}")]
+    assert _requests(w.tick(tick.cursor, capped)) == [(STUDIO, f"opt_out:{good}:{STUDIO}")]
 
 
 def test_a_line_over_the_cap_is_rejected_with_a_bounded_reason_and_log(world, capfd):
     w = world
     sparse_file(Path(w.dir) / "one-line.txt", 200 * MIB, prefix=b"https://example.org/")
-    generous = OptOutResource(max_list_bytes=300 * MIB)
+    generous = OptOutResource()  # no size limit: streamed, the line limit still holds
     tick = w.tick(None, generous)
     _, growth = peak_rss_growth(lambda: w.run(tick, generous))
     assert growth < 100 * MIB, f"the intake run's peak RSS grew by {growth / MIB:.0f} MiB"

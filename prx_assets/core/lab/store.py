@@ -525,6 +525,37 @@ class Lab(VersionPins):
         self.after_commit(spec)
         return self.dataset(spec.name).version
 
+    def write_rows(self, spec: TableSpec, batches: Iterable[pa.RecordBatch]) -> list:
+        """Stream ``batches`` into new, uncommitted fragment files of ``spec``'s table
+        (bounded memory: rows are written as they come) and return the fragments, for
+        ``commit_rows``. Nothing is visible until then; files of fragments never committed
+        (a refused or killed run) are what ``remove_orphaned_files`` removes. Tables with
+        blob columns go through ``replace_partition`` instead."""
+        if spec.blobs:
+            raise ValueError(f"{spec.name} has blob columns: use replace_partition")
+        ds = self.ensure(spec)
+        stored = pa.schema([ds.schema.field(n) for n in spec.schema.names])
+        reader = pa.RecordBatchReader.from_batches(
+            stored, (b.select(stored.names).cast(stored) for b in batches)
+        )
+        fragments = write_fragments(reader, ds, schema=stored)
+        crashpoint("lab.fragments_written")
+        return list(fragments)
+
+    def commit_rows(
+        self, spec: TableSpec, column: str, value: str, fragments: Sequence, rows: int
+    ) -> int:
+        """Make the rows of ``fragments`` (``write_rows``) exactly the rows of ``spec``
+        whose ``column`` is ``value``, in one commit (the old ones marked deleted and the
+        new ones added by one ``Update``, as ``replace_partition`` does for a batch): a rerun
+        leaves the same rows, never both. The caller wrote only rows of that value. Returns
+        the table version after the commit's index upkeep."""
+        predicate = f"{column} = {sql_literal(value)}"
+        with self._partition_lock(spec.name, f"{column}\0{value}"):
+            _, committed = self._commit_replacement(spec, predicate, list(fragments), rows, 8)
+        self.after_commit(spec, committed)
+        return self.dataset(spec.name).version
+
     def add_columns(self, table: str, fields: Sequence[pa.Field]) -> int:
         """Append null columns to ``table`` (a metadata-only commit): how a table written
         under an older spec gains the fields a newer one added. Returns the version."""

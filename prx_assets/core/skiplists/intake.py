@@ -8,23 +8,32 @@ sensor requests ``skip_lists`` for exactly the partitions holding any copy of an
 list names (:mod:`prx_assets.core.skiplists.reruns`).
 
 The run is read -> decide -> write -> verify: find the list's file by its id (a file name
-and a content hash: the id never becomes a path), parse it as a stream within the caps
-(:mod:`prx_assets.core.skiplists.optouts`), resolve what it names through the ``images``
-indexes (:mod:`prx_assets.core.skiplists.matching`), replace the list's rows in one commit
-per table (a replay writes the same rows, keeping the first arrival time), and check that
-the rows are there. A malformed list is recorded as ``rejected`` with its reason and
-nothing of it is applied. Lists are additive: no run withdraws an opt-out.
+and a content hash: the id never becomes a path), read it as a stream of entries
+(:mod:`prx_assets.core.skiplists.optouts`), and for each chunk of ``chunk_entries``
+identifiers resolve what they name through the ``images`` indexes
+(:mod:`prx_assets.core.skiplists.matching`: one probe per 512 values, so the cost follows
+the list, not the lab) and write their ``opt_outs`` rows into uncommitted fragment files;
+then commit them as the list's rows in one commit (a replay writes the same rows, keeping
+the first arrival time) and check that they are there. Memory follows the chunk: a
+registry of 10^8 identifiers is never held. A malformed list is recorded as ``rejected``
+with its reason and nothing of it is applied (unless its source records malformed entries
+and applies the rest: ``on_malformed``). Lists are additive: no run withdraws an opt-out.
+
+Identifiers repeated across chunks of one list are stored once per chunk (rows with the
+same identity): every reader takes opt-out rows as a set, so a repeat changes no decision.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from prx_assets.core.lab import Lab, TableSpec, sql_literal
@@ -32,18 +41,31 @@ from prx_assets.core.skiplists.identifiers import OptOutIdentifier
 from prx_assets.core.skiplists.matching import resolve_identifiers
 from prx_assets.core.skiplists.optouts import (
     DEFAULT_MAX_LINE_BYTES,
-    DEFAULT_MAX_LIST_BYTES,
+    Entry,
+    ListReader,
     OptOutListError,
+    _Problems,
+    check_digest,
     discover_lists,
     file_sha256,
     make_list_id,
-    parse_list_file,
 )
-from prx_assets.core.tables import IMAGES, OPT_OUT_LISTS, OPT_OUTS, REJECTS
+from prx_assets.core.tables import IMAGES, OPT_OUT_LISTS, OPT_OUT_PROBLEMS, OPT_OUTS, REJECTS
 from prx_assets.core.text import printable_name
 
 STATUS_ACCEPTED = "accepted"
 STATUS_REJECTED = "rejected"
+MALFORMED_REJECT = "reject"  # fail closed: a list with a malformed entry applies nothing
+MALFORMED_RECORD = "record"  # the source says so: record each malformed entry, apply the rest
+MALFORMED_POLICIES = (MALFORMED_REJECT, MALFORMED_RECORD)
+#: Identifiers resolved and written per step of the stream: memory follows this, not the list
+#: (``bench_optout_registry`` measures the peak).
+DEFAULT_CHUNK_ENTRIES = 100_000
+#: Malformed entries stored per list in ``opt_out_problems`` (each with its line); the list's
+#: row counts them all.
+MAX_RECORDED_PROBLEMS = 10_000
+_HEX16 = re.compile(r"^[0-9a-f]{16}")
+_MASK = (1 << 64) - 1
 # Dagster refuses partition keys holding "..."; a list id never holds "%" unescaped
 # (``text.printable_name`` escapes it), so this spelling of the dots is unambiguous.
 _DOTS, _DOTS_IN_KEY = "...", "%2E%2E%2E"
@@ -144,10 +166,12 @@ def list_row(
     rows: int = 0,
     matched_images: int = 0,
     batches: Sequence[str] = (),
+    malformed: int = 0,
 ) -> pa.Table:
     return pa.Table.from_pylist(
         [
             {
+                "malformed": malformed,
                 "list_id": list_id,
                 "path": path,
                 "format": fmt,
@@ -164,6 +188,29 @@ def list_row(
     )
 
 
+def ensure_list_columns(lab: Lab) -> None:
+    """An ``opt_out_lists`` table written before a column was declared gets it (null for
+    the lists recorded then)."""
+    stored = lab.view().schema(OPT_OUT_LISTS.name)
+    if stored is None:
+        return
+    missing = [f for f in OPT_OUT_LISTS.schema if f.name not in stored.names]
+    if missing:
+        lab.add_columns(OPT_OUT_LISTS.name, missing)
+
+
+def problem_rows(list_id: str, problems: Sequence[tuple[str, str]]) -> pa.Table:
+    """``opt_out_problems`` rows: one per recorded malformed entry (where, why)."""
+    return pa.table(
+        {
+            "list_id": [list_id] * len(problems),
+            "position": [w for w, _ in problems],
+            "problem": [p for _, p in problems],
+        },
+        schema=OPT_OUT_PROBLEMS.schema,
+    )
+
+
 @dataclass(frozen=True)
 class IntakeOutcome:
     """What one intake recorded for one list."""
@@ -174,24 +221,73 @@ class IntakeOutcome:
     status: str  # accepted | rejected
     reason: str | None  # "<code>: <details>" when rejected (bounded)
     format: str | None
-    identifiers: int  # distinct identifiers in the list
-    matched: frozenset[tuple[str, str]]  # (batch, key) images named when it arrived
+    identifiers: int  # identifier rows taken (distinct within each chunk of the stream)
+    matched_images: int  # distinct (batch, key) images named when it arrived
+    batches: tuple[str, ...]  # sorted: the batches holding one of them
     received_at: datetime
     opt_outs_version: int | None  # None: rejected, opt_outs untouched
     opt_out_lists_version: int
+    malformed: int = 0  # malformed entries (recorded, skipped) under on_malformed="record"
     indexes_created: tuple[str, ...] = field(default=())
 
     @property
     def accepted(self) -> bool:
         return self.status == STATUS_ACCEPTED
 
+
+class _Taken:
+    """What the stream of one list gave so far: counts, matches, malformed entries."""
+
+    def __init__(self, on_malformed: str) -> None:
+        self.on_malformed = on_malformed
+        self.rows = 0
+        self.identifiers = 0
+        self.problems = _Problems()
+        self.recorded: list[tuple[str, str]] = []  # (where, problem), the first few
+        self.batches: set[str] = set()
+        self._keys: list[np.ndarray] = []  # 64-bit prefixes of matched keys, per chunk
+        self.error: OptOutListError | None = None
+
+    def note_problem(self, where: str, problem: str) -> None:
+        self.problems.add(problem)
+        if len(self.recorded) < MAX_RECORDED_PROBLEMS:
+            self.recorded.append((where, problem))
+
+    def note_matches(self, pairs: Iterable[tuple[str, str]]) -> None:
+        prefixes = []
+        for batch, key in pairs:
+            self.batches.add(batch)
+            prefixes.append(int(key[:16], 16) if _HEX16.match(key) else hash(key) & _MASK)
+        if prefixes:
+            self._keys.append(np.unique(np.asarray(prefixes, dtype=np.uint64)))
+
     @property
-    def batches(self) -> list[str]:
-        return sorted({b for b, _ in self.matched})
+    def matched_images(self) -> int:
+        """Distinct images matched (by the first 64 bits of their sha256 key: 8 bytes per
+        match held, and a count, not a decision: the rows hold every match exactly)."""
+        if not self._keys:
+            return 0
+        return int(np.unique(np.concatenate(self._keys)).size)
+
+    @property
+    def rejected(self) -> bool:
+        return self.error is not None or (
+            self.problems.count > 0 and self.on_malformed == MALFORMED_REJECT
+        )
 
 
 class ListIntake:
-    """Take one opt-out list into the lab (see the module docstring); ``run()`` once."""
+    """Take one opt-out list into the lab (see the module docstring); ``run()`` once.
+
+    The list is streamed: read ``chunk_entries`` identifiers at a time, resolve that chunk
+    through the ``images`` indexes, write its ``opt_outs`` rows into uncommitted fragment
+    files, and commit them all at once at the end (``Lab.commit_rows``): memory follows the
+    chunk, not the list, and readers see the list's old rows or all its new ones.
+    ``max_list_bytes`` (None: no limit) refuses a larger file unread; ``on_malformed``:
+    ``"reject"`` (the default: fail closed, nothing of a list with a malformed entry is
+    applied) or ``"record"`` (a registry that says so: each malformed entry is recorded in
+    ``opt_out_problems`` with its line, the count in the list's row, the rest applies).
+    """
 
     def __init__(
         self,
@@ -199,15 +295,23 @@ class ListIntake:
         directory: str | Path,
         list_id: str,
         *,
-        max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
+        max_list_bytes: int | None = None,
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+        on_malformed: str = MALFORMED_REJECT,
+        chunk_entries: int = DEFAULT_CHUNK_ENTRIES,
         now: datetime | None = None,
     ) -> None:
+        if on_malformed not in MALFORMED_POLICIES:
+            raise ValueError(f"on_malformed must be one of {MALFORMED_POLICIES}")
+        if chunk_entries < 1:
+            raise ValueError("chunk_entries must be at least 1")
         self.lab = lab
         self.directory = Path(directory)
         self.list_id = list_id
         self.max_list_bytes = max_list_bytes
         self.max_line_bytes = max_line_bytes
+        self.on_malformed = on_malformed
+        self.chunk_entries = chunk_entries
         self.now = now or datetime.now(UTC)
 
     def run(self) -> IntakeOutcome:
@@ -218,17 +322,32 @@ class ListIntake:
             f"rejects.{c}"
             for c in self.lab.ensure_indexes(REJECTS)  # alias look-ups
         )
+        ensure_list_columns(self.lab)
         prior = recorded_list(self.lab, item.list_id)
         received_at = prior["received_at"] if prior else self.now
         shown = printable_name(os.fsencode(item.path))
+        taken = _Taken(self.on_malformed)
+        fmt: str | None = None
+        fragments: list = []
         try:
-            parsed = parse_list_file(
-                item.path,
-                max_list_bytes=self.max_list_bytes,
-                max_line_bytes=self.max_line_bytes,
-                expected_sha256=item.sha256,
-            )
+            with ListReader(
+                item.path, max_list_bytes=self.max_list_bytes, max_line_bytes=self.max_line_bytes
+            ) as reader:
+                fmt = reader.format
+                fragments = self.lab.write_rows(
+                    OPT_OUTS, self._rows(reader.entries(), taken, received_at)
+                )
+                if taken.error is None:
+                    check_digest(reader.shown, reader.digest(), item.sha256)
+            if taken.error is not None:
+                raise taken.error
+            if taken.rejected:
+                raise taken.problems.error(reader.shown)
+            if taken.identifiers == 0:
+                raise OptOutListError("empty", f"{reader.shown} holds no identifiers")
         except OptOutListError as exc:
+            # Fragments written before the problem was found are never committed (what
+            # ``Lab.remove_orphaned_files`` removes): nothing of the list is applied.
             row = list_row(item.list_id, shown, item.sha256, received_at, fmt=None, error=exc)
             return IntakeOutcome(
                 list_id=item.list_id,
@@ -238,24 +357,27 @@ class ListIntake:
                 reason=exc.reason,
                 format=None,
                 identifiers=0,
-                matched=frozenset(),
+                matched_images=0,
+                batches=(),
                 received_at=received_at,
                 opt_outs_version=None,
                 opt_out_lists_version=self._record(OPT_OUT_LISTS, row),
                 indexes_created=indexes,
             )
-        matches = resolve_identifiers(self.lab, parsed.identifiers)
-        pairs = frozenset(p for ms in matches.values() for p in ms)
-        opt_outs = self._record(OPT_OUTS, opt_out_rows(item.list_id, matches, received_at))
+        opt_outs = self.lab.commit_rows(OPT_OUTS, "list_id", item.list_id, fragments, taken.rows)
+        self._verify(OPT_OUTS, taken.rows)
+        if taken.recorded or self.lab.exists(OPT_OUT_PROBLEMS.name):
+            self._record(OPT_OUT_PROBLEMS, problem_rows(item.list_id, taken.recorded))
         row = list_row(
             item.list_id,
             shown,
             item.sha256,
             received_at,
-            fmt=parsed.format,
-            rows=len(parsed.identifiers),
-            matched_images=len(pairs),
-            batches=sorted({b for b, _ in pairs}),
+            fmt=fmt,
+            rows=taken.identifiers,
+            matched_images=taken.matched_images,
+            batches=sorted(taken.batches),
+            malformed=taken.problems.count,
         )
         return IntakeOutcome(
             list_id=item.list_id,
@@ -263,22 +385,62 @@ class ListIntake:
             sha256=item.sha256,
             status=STATUS_ACCEPTED,
             reason=None,
-            format=parsed.format,
-            identifiers=len(parsed.identifiers),
-            matched=pairs,
+            format=fmt,
+            identifiers=taken.identifiers,
+            matched_images=taken.matched_images,
+            batches=tuple(sorted(taken.batches)),
             received_at=received_at,
             opt_outs_version=opt_outs,
             opt_out_lists_version=self._record(OPT_OUT_LISTS, row),
+            malformed=taken.problems.count,
             indexes_created=indexes,
         )
+
+    def _rows(
+        self, entries: Iterator[Entry], taken: _Taken, received_at: datetime
+    ) -> Iterator[pa.RecordBatch]:
+        """The list's ``opt_outs`` rows, a chunk at a time. A structural error ends the
+        stream (kept in ``taken.error``, raised by ``run``: an exception raised inside
+        Lance's writer would lose its reason); under ``reject``, the first malformed entry
+        stops the writing (the rest is read only to count and quote what is malformed)."""
+        chunk: set[OptOutIdentifier] = set()
+        try:
+            for entry in entries:
+                if entry.identifier is None:
+                    taken.note_problem(entry.where, entry.problem or entry.where)
+                    continue
+                if taken.rejected:
+                    continue
+                chunk.add(entry.identifier)
+                if len(chunk) >= self.chunk_entries:
+                    yield self._resolved(sorted(chunk), taken, received_at)
+                    chunk = set()
+        except OptOutListError as exc:
+            taken.error = exc
+            return
+        if chunk and not taken.rejected:
+            yield self._resolved(sorted(chunk), taken, received_at)
+
+    def _resolved(
+        self, chunk: list[OptOutIdentifier], taken: _Taken, received_at: datetime
+    ) -> pa.RecordBatch:
+        matches = resolve_identifiers(self.lab, chunk)
+        taken.note_matches(p for ms in matches.values() for p in ms)
+        rows = opt_out_rows(self.list_id, matches, received_at)
+        taken.rows += rows.num_rows
+        taken.identifiers += len(chunk)
+        return rows.combine_chunks().to_batches()[0]
+
+    def _verify(self, spec: TableSpec, expected: int) -> None:
+        stored = self.lab.count(spec.name, f"list_id = {sql_literal(self.list_id)}")
+        if stored != expected:
+            raise IntakeError(
+                f"{spec.name} holds {stored} row(s) of list {self.list_id} after writing "
+                f"{expected}: rerun the intake"
+            )
 
     def _record(self, spec: TableSpec, rows: pa.Table) -> int:
         """Replace this list's rows of ``spec`` in one commit, then check they are there."""
         version = self.lab.replace_rows(spec, "list_id", self.list_id, rows)
-        stored = self.lab.count(spec.name, f"list_id = {sql_literal(self.list_id)}")
-        if stored != rows.num_rows:
-            raise IntakeError(
-                f"{spec.name} holds {stored} row(s) of list {self.list_id} after writing "
-                f"{rows.num_rows}: rerun the intake"
-            )
+        self._verify(spec, rows.num_rows)
         return version

@@ -21,19 +21,28 @@ and rename it into place: names starting with ``.`` or ``_`` or ending in ``.tmp
 
 Identifier kinds and their canonical forms: :mod:`prx_assets.core.skiplists.identifiers`.
 
-Limits (so a hostile or broken file cannot bloat an intake run): a list file is parsed as a
-stream, never read whole. A file over ``DEFAULT_MAX_LIST_BYTES`` (64 MiB; the opt-out
-resource's ``max_list_bytes``) is rejected as ``too_large`` by its size, before a byte is
-parsed (for parquet the uncompressed identifier columns count too); split bigger lists. A
-txt/CSV line or a parquet cell over ``DEFAULT_MAX_LINE_BYTES`` (64 KiB; ``max_line_bytes``)
-rejects the list as ``entry_too_long`` without being held whole. Every rejection reason
-quotes at most 200 characters of an entry and counts the rest (``text.quote_bounded``).
+Size: a list file is read as a stream of entries (``ListReader``), never whole, and the
+intake writes it a chunk at a time, so a registry dump of 10^8 identifiers is taken in
+bounded memory (``bench_optout_registry``). There is no size limit unless the list's source
+sets one (``OptOutResource.sources[].max_list_bytes``, or ``max_list_bytes`` for lists no
+source matches): a file over it is rejected as ``too_large`` by its size, before a byte is
+parsed (for parquet the uncompressed identifier columns count too). A txt/CSV line or a
+parquet cell over ``DEFAULT_MAX_LINE_BYTES`` (64 KiB; ``max_line_bytes``) rejects the list
+as ``entry_too_long`` without being held whole. Every rejection reason quotes at most 200
+characters of an entry and counts the rest (``text.quote_bounded``).
 
-A file with any malformed entry is rejected as a whole (nothing of it is applied), with the
-reason recorded in ``opt_out_lists`` (status ``rejected``); later lists are unaffected. Fix
-the file and drop it again: a list is identified by its file name and the sha256 of its
-bytes, so new content is a new list. Lists are additive: editing or deleting a file never
-withdraws an opt-out already recorded.
+Malformed entries: by default (fail closed) a file with any malformed entry is rejected as
+a whole (nothing of it is applied), with the reason (the first few entries, with their
+lines, and the count) recorded in ``opt_out_lists`` (status ``rejected``); later lists are
+unaffected. A source whose registry says its valid entries stand on their own may set
+``on_malformed: record``: each malformed entry is then recorded with its line in
+``opt_out_problems`` (the first 10,000; the list's ``malformed`` column counts them all)
+and the rest of the list applies. A structural problem (not UTF-8, no identifier column, a
+line over the limit) rejects the list under either policy. Fix the file and drop it again:
+a list is identified by its file name and the sha256 of its bytes, so new content is a new
+list. Lists are additive: editing or deleting a file never withdraws an opt-out already
+recorded; a registry's delta of additions is just another list (its intake costs the
+delta, not the registry).
 """
 
 from __future__ import annotations
@@ -65,7 +74,7 @@ from prx_assets.core.text import bound_text, printable_name, quote_bounded, read
 
 FORMATS: dict[str, str] = {".txt": "txt", ".csv": "csv", ".parquet": "parquet"}
 MAX_REPORTED = 5  # malformed entries quoted in a rejection reason
-DEFAULT_MAX_LIST_BYTES = 64 * 1024 * 1024  # one list file; larger lists are split
+DEFAULT_MAX_LIST_BYTES = 64 * 1024 * 1024  # whole-list parsing (parse_list_file)'s default cap
 DEFAULT_MAX_LINE_BYTES = 64 * 1024  # one txt/CSV line, one parquet cell
 PARQUET_BATCH_ROWS = 4096
 
@@ -170,19 +179,46 @@ class _Problems:
         if len(self.shown) < MAX_REPORTED:
             self.shown.append(bound_text(message, 400))
 
-
-def _finish(path: str, fmt: str, found: Iterable[OptOutIdentifier], bad: _Problems) -> OptOutList:
-    if bad.count:
-        shown = "; ".join(bad.shown)
-        more = f" (and {bad.count - len(bad.shown)} more)" if bad.count > len(bad.shown) else ""
-        raise OptOutListError(
+    def error(self, path: str) -> OptOutListError:
+        shown = "; ".join(self.shown)
+        more = f" (and {self.count - len(self.shown)} more)" if self.count > len(self.shown) else ""
+        return OptOutListError(
             "bad_identifier",
-            f"{path}: {bad.count} malformed entr{'y' if bad.count == 1 else 'ies'}: {shown}{more}",
+            f"{path}: {self.count} malformed entr{'y' if self.count == 1 else 'ies'}: "
+            f"{shown}{more}",
         )
-    identifiers = tuple(sorted(set(found)))
-    if not identifiers:
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a list as read: an identifier, or why the entry is malformed.
+
+    ``where`` says where it is in the file (``line 12``, ``row 7``), so a malformed entry is
+    reported, and recorded, with its position."""
+
+    where: str
+    identifier: OptOutIdentifier | None
+    problem: str | None = None  # bounded; set exactly when ``identifier`` is None
+
+
+def _bad(where: str, message: str) -> Entry:
+    return Entry(where, None, bound_text(f"{where}: {message}", 400))
+
+
+def _collect(path: str, fmt: str, entries: Iterable[Entry]) -> OptOutList:
+    """A whole (small) list: every entry held, malformed ones rejecting it."""
+    found: set[OptOutIdentifier] = set()
+    bad = _Problems()
+    for entry in entries:
+        if entry.identifier is None:
+            bad.add(entry.problem or entry.where)
+        else:
+            found.add(entry.identifier)
+    if bad.count:
+        raise bad.error(path)
+    if not found:
         raise OptOutListError("empty", f"{path} holds no identifiers")
-    return OptOutList(path=path, format=fmt, identifiers=identifiers)
+    return OptOutList(path=path, format=fmt, identifiers=tuple(sorted(found)))
 
 
 def _text_lines(stream: BinaryIO, path: str, max_line_bytes: int) -> Iterator[tuple[int, str]]:
@@ -210,21 +246,25 @@ def _text_lines(stream: BinaryIO, path: str, max_line_bytes: int) -> Iterator[tu
             ) from None
 
 
-def parse_txt(
-    data: bytes | BinaryIO, path: str = "<txt>", max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
-) -> OptOutList:
-    stream = io.BytesIO(data) if isinstance(data, bytes | bytearray) else data
-    found: list[OptOutIdentifier] = []
-    bad = _Problems()
+def txt_entries(
+    stream: BinaryIO, path: str = "<txt>", max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+) -> Iterator[Entry]:
+    """The entries of a txt list, one per non-blank line, as they are read."""
     for lineno, line in _text_lines(stream, path, max_line_bytes):
         text = _COMMENT_RE.sub("", line).strip()
         if not text:
             continue
         try:
-            found.append(parse_identifier(text))
+            yield Entry(f"line {lineno}", parse_identifier(text))
         except ValueError as exc:
-            bad.add(f"line {lineno}: {exc}")
-    return _finish(path, "txt", found, bad)
+            yield _bad(f"line {lineno}", str(exc))
+
+
+def parse_txt(
+    data: bytes | BinaryIO, path: str = "<txt>", max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+) -> OptOutList:
+    stream = io.BytesIO(data) if isinstance(data, bytes | bytearray) else data
+    return _collect(path, "txt", txt_entries(stream, path, max_line_bytes))
 
 
 def _column_roles(names: Sequence[str], path: str) -> tuple[dict[str, str], str | None]:
@@ -256,14 +296,12 @@ def _column_roles(names: Sequence[str], path: str) -> tuple[dict[str, str], str 
     return roles, source_col
 
 
-def _row_identifiers(
+def _row_entries(
     where: str,
     row: Mapping[str, Any],
     roles: Mapping[str, str],
     source_col: str | None,
-    found: list[OptOutIdentifier],
-    bad: _Problems,
-) -> None:
+) -> Iterator[Entry]:
     source = row.get(source_col) if source_col else None
     source = source.strip() if isinstance(source, str) and source.strip() else None
     n = 0
@@ -273,19 +311,18 @@ def _row_identifiers(
             continue
         n += 1
         try:
-            found.append(identifier_of_kind(kind, str(cell).strip(), source))
+            yield Entry(where, identifier_of_kind(kind, str(cell).strip(), source))
         except ValueError as exc:
-            bad.add(f"{where}, column {quote_bounded(column, 60)}: {exc}")
+            problem = f"{where}, column {quote_bounded(column, 60)}: {exc}"
+            yield Entry(where, None, bound_text(problem, 400))
     if n == 0:
-        bad.add(f"{where}: no identifier in any of {sorted(roles)}")
+        yield _bad(where, f"no identifier in any of {sorted(roles)}")
 
 
-def parse_csv(
-    data: bytes | BinaryIO, path: str = "<csv>", max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
-) -> OptOutList:
-    stream = io.BytesIO(data) if isinstance(data, bytes | bytearray) else data
-    found: list[OptOutIdentifier] = []
-    bad = _Problems()
+def csv_entries(
+    stream: BinaryIO, path: str = "<csv>", max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+) -> Iterator[Entry]:
+    """The entries of a CSV list (one per identifier cell), as they are read."""
     lines = (text + "\n" for _, text in _text_lines(stream, path, max_line_bytes))
     try:
         reader = csv.reader(lines, strict=True)
@@ -298,24 +335,30 @@ def parse_csv(
                 continue  # blank line
             where = f"line {reader.line_num}"
             if len(cells) != len(header):
-                bad.add(f"{where}: {len(cells)} fields, the header has {len(header)}")
+                yield _bad(where, f"{len(cells)} fields, the header has {len(header)}")
                 continue
-            row = dict(zip(header, cells, strict=True))
-            _row_identifiers(where, row, roles, source_col, found, bad)
+            yield from _row_entries(where, dict(zip(header, cells, strict=True)), roles, source_col)
     except csv.Error as exc:
         raise OptOutListError("unreadable", f"{path}: not valid CSV ({exc})") from None
-    return _finish(path, "csv", found, bad)
 
 
-def parse_parquet(
+def parse_csv(
+    data: bytes | BinaryIO, path: str = "<csv>", max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+) -> OptOutList:
+    stream = io.BytesIO(data) if isinstance(data, bytes | bytearray) else data
+    return _collect(path, "csv", csv_entries(stream, path, max_line_bytes))
+
+
+def parquet_entries(
     data: bytes | BinaryIO,
     path: str = "<parquet>",
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
-    max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
-) -> OptOutList:
+    max_list_bytes: int | None = DEFAULT_MAX_LIST_BYTES,
+) -> Iterator[Entry]:
     """Parquet in record batches. Besides the file's own size, the uncompressed size of its
-    identifier columns must stay under ``max_list_bytes`` (a compressed column is read whole
-    page by page), and no cell may be longer than ``max_line_bytes``."""
+    identifier columns must stay under ``max_list_bytes`` when there is a limit (a
+    compressed column is read whole page by page), and no cell may be longer than
+    ``max_line_bytes``."""
     source = pa.BufferReader(data) if isinstance(data, bytes | bytearray) else data
     try:
         pf = pq.ParquetFile(source)
@@ -341,14 +384,12 @@ def parse_parquet(
         for name in wanted
         if name in positions
     )
-    if unpacked > max_list_bytes:
+    if max_list_bytes is not None and unpacked > max_list_bytes:
         raise OptOutListError(
             "too_large",
             f"{path}: its identifier columns hold {unpacked:,} bytes uncompressed, over the "
             f"{max_list_bytes:,}-byte limit; split the list",
         )
-    found: list[OptOutIdentifier] = []
-    bad = _Problems()
     row = 0
     try:
         for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=wanted):
@@ -367,14 +408,22 @@ def parse_parquet(
             for i in range(batch.num_rows):
                 row += 1
                 cells = {name: values[i] for name, values in columns.items()}
-                _row_identifiers(f"row {row}", cells, roles, source_col, found, bad)
+                yield from _row_entries(f"row {row}", cells, roles, source_col)
     except (pa.ArrowException, OSError, ValueError) as exc:
         if isinstance(exc, OptOutListError):
             raise
         raise OptOutListError(
             "unreadable", f"{path}: not a readable parquet file ({exc})"
         ) from None
-    return _finish(path, "parquet", found, bad)
+
+
+def parse_parquet(
+    data: bytes | BinaryIO,
+    path: str = "<parquet>",
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    max_list_bytes: int | None = DEFAULT_MAX_LIST_BYTES,
+) -> OptOutList:
+    return _collect(path, "parquet", parquet_entries(data, path, max_line_bytes, max_list_bytes))
 
 
 def _too_large(path: str, size: int, max_list_bytes: int) -> OptOutListError:
@@ -385,14 +434,14 @@ def _too_large(path: str, size: int, max_list_bytes: int) -> OptOutListError:
     )
 
 
-def _parse_stream(
-    fmt: str, stream: BinaryIO, path: str, max_list_bytes: int, max_line_bytes: int
-) -> OptOutList:
+def _entries(
+    fmt: str, stream: BinaryIO, path: str, max_list_bytes: int | None, max_line_bytes: int
+) -> Iterator[Entry]:
     if fmt == "txt":
-        return parse_txt(stream, path, max_line_bytes)
+        return txt_entries(stream, path, max_line_bytes)
     if fmt == "csv":
-        return parse_csv(stream, path, max_line_bytes)
-    return parse_parquet(stream, path, max_line_bytes, max_list_bytes)
+        return csv_entries(stream, path, max_line_bytes)
+    return parquet_entries(stream, path, max_line_bytes, max_list_bytes)
 
 
 def _format_of(name: str) -> str:
@@ -409,15 +458,16 @@ def parse_list_bytes(
     data: bytes,
     name: str,
     *,
-    max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
+    max_list_bytes: int | None = DEFAULT_MAX_LIST_BYTES,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
 ) -> OptOutList:
     """Parse list bytes by the file name's extension; ``OptOutListError`` when malformed."""
     fmt = _format_of(name)
-    if len(data) > max_list_bytes:
+    if max_list_bytes is not None and len(data) > max_list_bytes:
         raise _too_large(printable_name(name), len(data), max_list_bytes)
-    return _parse_stream(
-        fmt, io.BytesIO(data), printable_name(name), max_list_bytes, max_line_bytes
+    shown = printable_name(name)
+    return _collect(
+        shown, fmt, _entries(fmt, io.BytesIO(data), shown, max_list_bytes, max_line_bytes)
     )
 
 
@@ -450,45 +500,111 @@ class _HashingReader(io.RawIOBase):
         return self.sha.hexdigest()
 
 
+class ListReader:
+    """A list file read as a stream of entries, in bounded memory whatever its size.
+
+    ``with ListReader(path) as reader: for entry in reader.entries(): ...`` then
+    ``reader.digest()``: the sha256 of every byte of the file, read to its end (the bytes
+    the entries came from; a file rewritten in place while read hashes differently, and a
+    file that grows while read is refused as ``changed``). ``max_list_bytes`` (None: no
+    limit, the default of a streamed intake) refuses a larger file by its size before a
+    byte is parsed; lines (and parquet cells) over ``max_line_bytes`` reject the list without
+    being held whole. Structural problems (encoding, header, a too-long line) raise
+    ``OptOutListError``; a malformed entry is an ``Entry`` with its ``problem``, for the
+    caller's policy to reject the list or record it and go on.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        max_list_bytes: int | None = None,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+    ) -> None:
+        self.path = Path(path)
+        self.shown = printable_name(os.fsencode(self.path))
+        self.format = _format_of(self.path.name)
+        self.max_list_bytes = max_list_bytes
+        self.max_line_bytes = max_line_bytes
+        self._fh: BinaryIO | None = None
+        self._reader: _HashingReader | None = None
+        self._digest: str | None = None
+
+    def __enter__(self) -> ListReader:
+        try:
+            fh = _open_list(self.path)
+        except OSError as exc:
+            raise OptOutListError(
+                "unreadable", f"{self.shown}: cannot be opened ({exc.strerror})"
+            ) from None
+        try:
+            size = os.fstat(fh.fileno()).st_size
+            if self.max_list_bytes is not None and size > self.max_list_bytes:
+                raise _too_large(self.shown, size, self.max_list_bytes)
+            self.size = size
+            self._reader = _HashingReader(fh, size)
+            if self.format == "parquet":  # random access: hash it whole first, then parse
+                self._digest = self._reader.finish()
+                fh.seek(0)
+        except BaseException:
+            fh.close()
+            raise
+        self._fh = fh
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fh is not None:
+            self._fh.close()
+
+    def entries(self) -> Iterator[Entry]:
+        assert self._fh is not None and self._reader is not None, "use ListReader in a with"
+        if self.format == "parquet":
+            yield from parquet_entries(
+                self._fh, self.shown, self.max_line_bytes, self.max_list_bytes
+            )
+            return
+        self._stream = io.BufferedReader(self._reader, 1 << 16)
+        yield from _entries(
+            self.format, self._stream, self.shown, self.max_list_bytes, self.max_line_bytes
+        )
+
+    def digest(self) -> str:
+        """The sha256 of the whole file (call once the entries are read)."""
+        if self._digest is None:
+            assert self._reader is not None
+            stream = getattr(self, "_stream", None)
+            if stream is not None:
+                while stream.read(1 << 20):  # the rest (nothing, at EOF): hash covers it all
+                    pass
+            self._digest = self._reader.finish()
+        return self._digest
+
+
 def parse_list_file(
     path: str | Path,
     *,
-    max_list_bytes: int = DEFAULT_MAX_LIST_BYTES,
+    max_list_bytes: int | None = DEFAULT_MAX_LIST_BYTES,
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     expected_sha256: str | None = None,
 ) -> OptOutList:
-    """Parse a list file as a stream, in bounded memory whatever it holds.
+    """Parse a (small) list file whole: every identifier held, any malformed entry
+    rejecting it (the intake streams instead: ``ListReader``).
 
-    A file over ``max_list_bytes`` is refused by its size before a byte is parsed; lines
-    (and parquet cells) over ``max_line_bytes`` reject the list without being held whole.
     ``expected_sha256``: the hash its list id was made from; different bytes (the file was
     rewritten in place) reject the list as ``changed`` rather than record other content.
     """
-    path = Path(path)
-    shown = printable_name(os.fsencode(path))
-    fmt = _format_of(path.name)
-    try:
-        fh = _open_list(path)
-    except OSError as exc:
-        raise OptOutListError("unreadable", f"{shown}: cannot be opened ({exc.strerror})") from None
-    with fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size > max_list_bytes:
-            raise _too_large(shown, size, max_list_bytes)
-        reader = _HashingReader(fh, max_list_bytes)
-        stream = io.BufferedReader(reader, 1 << 16)
-        if fmt == "parquet":  # random access: hash it whole first, then read from the start
-            digest = reader.finish()
-            fh.seek(0)
-            parsed = parse_parquet(fh, shown, max_line_bytes, max_list_bytes)
-        else:
-            parsed = _parse_stream(fmt, stream, shown, max_list_bytes, max_line_bytes)
-            stream.read()  # the rest (nothing, at EOF) so the hash covers the whole file
-            digest = reader.finish()
+    with ListReader(path, max_list_bytes=max_list_bytes, max_line_bytes=max_line_bytes) as r:
+        parsed = _collect(r.shown, r.format, r.entries())
+        digest = r.digest()
+    check_digest(r.shown, digest, expected_sha256)
+    return parsed
+
+
+def check_digest(shown: str, digest: str, expected_sha256: str | None) -> None:
+    """Refuse bytes other than the ones a list id was made from (rewritten in place)."""
     if expected_sha256 is not None and digest != expected_sha256:
         raise OptOutListError(
             "changed",
             f"{shown} changed while it was read (sha256 {digest[:16]}, "
             f"expected {expected_sha256[:16]}); its new content is read as a new list",
         )
-    return parsed

@@ -39,14 +39,31 @@ OPT_OUT_LISTS = TableSpec(
             pa.field("sha256", pa.string(), nullable=False),
             pa.field("status", pa.string(), nullable=False),  # accepted | rejected
             pa.field("reason", pa.string()),  # "<code>: <details>" when rejected
-            pa.field("rows", pa.int64()),  # distinct identifiers in the list
+            # identifier rows taken (a streamed list: distinct within each chunk of it)
+            pa.field("rows", pa.int64()),
             pa.field("matched_images", pa.int64()),  # (batch, key) pairs matched on arrival
             pa.field("batches", pa.list_(pa.string())),  # batches holding a match on arrival
             pa.field("received_at", pa.timestamp("us", tz="UTC"), nullable=False),
+            # malformed entries skipped (recorded in opt_out_problems) under a source's
+            # on_malformed="record"; 0 otherwise (a malformed entry rejects the list)
+            pa.field("malformed", pa.int64()),
         ]
     ),
     identity=("list_id",),
     indexes=(("list_id", "BTREE"), ("status", "BITMAP")),
+)
+
+OPT_OUT_PROBLEMS = TableSpec(
+    name="opt_out_problems",
+    schema=pa.schema(
+        [
+            pa.field("list_id", pa.string(), nullable=False),
+            pa.field("position", pa.string(), nullable=False),  # "line 12", "row 7"
+            pa.field("problem", pa.string(), nullable=False),  # bounded reason
+        ]
+    ),
+    identity=("list_id", "position", "problem"),
+    indexes=(("list_id", "BTREE"),),
 )
 
 SKIP_AUDIT = TableSpec(

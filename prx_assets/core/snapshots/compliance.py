@@ -223,8 +223,10 @@ def find_list(lab: Lab, name: str) -> dict[str, Any]:
 def _reached(lab: Lab, list_id: str) -> dict[tuple[str, str], str]:
     """(batch, key) -> "direct" or "duplicate of <key>" for every image the list reaches."""
     out: dict[tuple[str, str], str] = {}
-    rows = lab.read(
-        "opt_outs", ["matched_batch", "matched_key"], f"list_id = {sql_literal(list_id)}"
+    rows = lab.read(  # matched rows only: a registry's millions of unmatched rows stay unread
+        "opt_outs",
+        ["matched_batch", "matched_key"],
+        f"list_id = {sql_literal(list_id)} AND matched_key IS NOT NULL",
     ).to_pylist()
     for r in rows:
         if r["matched_key"]:

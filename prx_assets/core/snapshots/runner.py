@@ -186,7 +186,11 @@ def _opted_out_keys(view: LabView) -> dict[str, str]:
     ids = accepted.column("list_id").to_pylist() if accepted.num_rows else []
     if not ids:
         return {}
-    rows = view.read("opt_outs", ["list_id", "matched_key"], in_list("list_id", ids)).to_pydict()
+    rows = view.read(  # matched rows only: a registry's unmatched millions stay unread
+        "opt_outs",
+        ["list_id", "matched_key"],
+        f"{in_list('list_id', ids)} AND matched_key IS NOT NULL",
+    ).to_pydict()
     return {k: lid for lid, k in zip(rows["list_id"], rows["matched_key"], strict=True) if k}
 
 

@@ -6,13 +6,16 @@ sensor then reruns it for the partitions decided under another policy.
 """
 
 import os
+from fnmatch import fnmatchcase
 from pathlib import Path
+from typing import Literal
 
-from dagster import ConfigurableResource
+from dagster import Config, ConfigurableResource
 from pydantic import Field
 
 from prx_assets.core.ingest.signals import UsagePolicy, UsagePolicyError
-from prx_assets.core.skiplists.optouts import DEFAULT_MAX_LINE_BYTES, DEFAULT_MAX_LIST_BYTES
+from prx_assets.core.skiplists.intake import MALFORMED_REJECT
+from prx_assets.core.skiplists.optouts import DEFAULT_MAX_LINE_BYTES
 from prx_assets.core.skiplists.policy import (
     DEFAULT_EXCLUDED_CLASSES,
     EXCLUDABLE_CLASSES,
@@ -95,6 +98,29 @@ class SkipPolicyResource(ConfigurableResource):
         return self.policy().fingerprint()
 
 
+class OptOutSource(Config):
+    """How the lists of one source (a registry, a legal desk) are taken in: its files are
+    the ones whose name matches ``pattern``."""
+
+    pattern: str = Field(description="Glob over the list file's name, e.g. 'dntr-*.parquet'.")
+    max_list_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "A list file of this source over this size is rejected whole (too_large), "
+            "unparsed. None: no limit (the list is streamed; memory follows the chunk)."
+        ),
+    )
+    on_malformed: Literal["reject", "record"] = Field(
+        default=MALFORMED_REJECT,
+        description=(
+            "reject (fail closed): a list with any malformed entry is rejected and none of it "
+            "applies. record: only where the source says so (a registry dump): each "
+            "malformed entry is recorded with its line in opt_out_problems, the rest applies."
+        ),
+    )
+
+
 class OptOutResource(ConfigurableResource):
     """Where the opt-out sensor looks for new lists, and how many it takes per tick."""
 
@@ -105,9 +131,20 @@ class OptOutResource(ConfigurableResource):
     max_lists_per_tick: int = Field(
         default=8, description="New lists handled per tick; the rest wait for the next one."
     )
-    max_list_bytes: int = Field(
-        default=DEFAULT_MAX_LIST_BYTES,
-        description="A list file over this size is rejected whole (too_large), unparsed.",
+    max_list_bytes: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "For lists no source matches: a file over this size is rejected whole "
+            "(too_large), unparsed. None (default): no limit, the list is streamed."
+        ),
+    )
+    sources: list[OptOutSource] = Field(
+        default_factory=list,
+        description=(
+            "Per-source intake settings, the first whose pattern matches a list's file name "
+            "wins; other lists get max_list_bytes and on_malformed=reject."
+        ),
     )
     max_line_bytes: int = Field(
         default=DEFAULT_MAX_LINE_BYTES,
@@ -129,6 +166,13 @@ class OptOutResource(ConfigurableResource):
             "(idempotent: they are re-decided on the current facts) rather than start another run."
         ),
     )
+
+    def source_for(self, file_name: str) -> OptOutSource:
+        """The intake settings of the list file ``file_name`` (its printable name)."""
+        for source in self.sources:
+            if fnmatchcase(file_name, source.pattern):
+                return source
+        return OptOutSource(pattern="*", max_list_bytes=self.max_list_bytes)
 
     def directory(self, lab: LabResource) -> Path:
         return Path(self.landing_dir or os.path.join(lab.data_root, DEFAULT_OPTOUTS_DIRNAME))

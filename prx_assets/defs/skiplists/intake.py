@@ -60,8 +60,9 @@ def _metadata(out: IntakeOutcome) -> dict[str, Any]:
         "reason": MetadataValue.text(out.reason or ""),
         "format": out.format or "",
         "identifiers": out.identifiers,
-        "matched_images": len(out.matched),
-        "batches": MetadataValue.json(out.batches[:MAX_BATCHES_LISTED]),
+        "matched_images": out.matched_images,
+        "malformed_entries": out.malformed,
+        "batches": MetadataValue.json(list(out.batches[:MAX_BATCHES_LISTED])),
         "path": MetadataValue.text(out.path),
         "sha256": out.sha256,
         "received_at": out.received_at.isoformat(),
@@ -80,8 +81,8 @@ def _metadata(out: IntakeOutcome) -> dict[str, Any]:
     code_version="opt_out_lists-v1",
     check_specs=[list_accepted_spec(OPT_OUT_LISTS_ASSET, OPT_OUT_LISTS)],
     description=(
-        "One opt-out list (partition: its id, file name @ sha256 prefix), parsed as a stream "
-        "within the size caps and recorded: its `opt_out_lists` row (accepted, or rejected "
+        "One opt-out list (partition: its id, file name @ sha256 prefix), streamed in chunks "
+        "(any size unless its source sets a cap; memory follows the chunk) and recorded: its `opt_out_lists` row (accepted, or rejected "
         "with the reason) and, when accepted, one `opt_outs` row per identifier and image it "
         "names. A rejected list is recorded as such and its partition FAILS (red), with "
         "the reason: none of it is applied, and compliance says NOT APPLIED. Requested by "
@@ -92,12 +93,15 @@ def _metadata(out: IntakeOutcome) -> dict[str, Any]:
 def opt_out_lists(
     context: AssetExecutionContext, lab: LabResource, optouts: OptOutResource
 ) -> MaterializeResult:
+    list_id = list_id_of_partition(context.partition_key)
+    source = optouts.source_for(list_id.rsplit("@", 1)[0])
     intake = ListIntake(
         lab.lab(),
         optouts.directory(lab),
-        list_id_of_partition(context.partition_key),
-        max_list_bytes=optouts.max_list_bytes,
+        list_id,
+        max_list_bytes=source.max_list_bytes,
         max_line_bytes=optouts.max_line_bytes,
+        on_malformed=source.on_malformed,
     )
     try:
         out = intake.run()
@@ -118,6 +122,7 @@ def opt_out_lists(
         )
     context.log.info(
         f"opt-out list {out.list_id}: {out.identifiers} identifier(s), "
-        f"{len(out.matched)} image(s) matched"
+        f"{out.matched_images} image(s) matched"
+        + (f", {out.malformed} malformed entr(ies) recorded and skipped" if out.malformed else "")
     )
     return MaterializeResult(metadata=_metadata(out), check_results=[list_accepted_result(out)])
