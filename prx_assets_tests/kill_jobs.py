@@ -81,6 +81,13 @@ def ingest_batch(lab_root: str, landing: str, batch: str, rows_per_record_batch:
     store.replace_partition(REJECTS, ref.key, run.rejects)
 
 
+def take_in_list(lab_root: str, directory: str, list_id: str, chunk_entries: int) -> None:
+    """One opt-out list's intake, streamed in chunks of ``chunk_entries`` identifiers."""
+    from prx_assets.core.skiplists.intake import ListIntake
+
+    ListIntake(Lab(lab_root), directory, list_id, chunk_entries=chunk_entries).run()
+
+
 def materialize_asset(
     asset: str, data_root: str, batch: str, policy: dict[str, Any], run_config: dict[str, Any]
 ) -> None:
@@ -158,6 +165,7 @@ JOBS = {
     "refresh_skiplists": refresh_skiplists,
     "ingest_batch": ingest_batch,
     "materialize_asset": materialize_asset,
+    "take_in_list": take_in_list,
     "loader_keys": loader_keys,
     "make_snapshot": make_snapshot,
 }

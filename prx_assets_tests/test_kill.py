@@ -725,6 +725,77 @@ def _caption_rows(keys: list[str], version: str) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=CAPTIONS.schema)
 
 
+def _list_rows(lab_root: Path, list_id: str) -> dict[str, list]:
+    from prx_assets.core.lab import Lab
+
+    lab = Lab(lab_root)
+    out = {}
+    for table, cols in (
+        ("opt_outs", ["identifier", "matched_batch", "matched_key"]),
+        ("opt_out_lists", ["status", "rows", "matched_images"]),
+    ):
+        rows = lab.read(table, cols, f"list_id = '{list_id}'") if lab.exists(table) else None
+        out[table] = sorted(map(str, rows.to_pylist())) if rows is not None else []
+    return out
+
+
+def test_kill_streamed_opt_out_intake(forkserver, workdir: Path):
+    """A list taken in as 3 chunks, killed mid-stream, between its fragments and its commit,
+    after the opt_outs commit, and from outside when its first data file appears: its rows
+    are all there or none (never a part of the list), and the rerun records exactly what
+    an uninterrupted intake does."""
+    from prx_assets.core.lab import Lab
+    from prx_assets.core.skiplists.intake import ListIntake
+    from prx_assets.core.skiplists.optouts import file_sha256, make_list_id
+    from prx_assets_tests.core.skip_world import World, key_of
+
+    base = workdir / "intake"
+    shutil.rmtree(base, ignore_errors=True)
+    world = World(Lab(base / "pristine"))
+    names = [f"img{i}" for i in range(6)]
+    for i, name in enumerate(names):
+        world.image(name, f"src.{i % 2}")
+    world.commit()
+    drop = base / "optouts"
+    drop.mkdir()
+    lines = [key_of(n) for n in names] + ["c" * 64, "https://example.org/none.jpg"]
+    (drop / "registry.txt").write_text("\n".join(lines) + "\n")
+    list_id = make_list_id("registry.txt", file_sha256(drop / "registry.txt"))
+    reference = base / "reference"
+    shutil.copytree(base / "pristine", reference)
+    ListIntake(Lab(reference), drop, list_id, chunk_entries=3).run()
+    want = _list_rows(reference, list_id)
+    assert len(want["opt_outs"]) == 8 and "accepted" in want["opt_out_lists"][0]
+    lab = base / "trial"
+
+    def first_data_file() -> Callable[[], bool]:
+        return appears(lab / "opt_outs.lance" / "data", lambda n: n.endswith(".lance"))
+
+    plan = [
+        ("lab.fragments_written:1", None),  # opt_outs' fragments all written, not committed
+        ("lab.committed:1", None),  # opt_outs committed, opt_out_lists not yet
+        (None, first_data_file),  # kill -9 from outside, at the first data file
+    ]
+    for crash_at, watch in plan:
+        shutil.rmtree(lab, ignore_errors=True)
+        shutil.copytree(base / "pristine", lab)
+        kwargs = {
+            "lab_root": str(lab),
+            "directory": str(drop),
+            "list_id": list_id,
+            "chunk_entries": 3,
+        }
+        trial = run_trial(forkserver, "take_in_list", kwargs, crash_at, watch() if watch else None)
+        after = _list_rows(lab, list_id)
+        if trial.exitcode == 0:  # the watcher lost the race: the intake finished whole
+            assert crash_at is None and after == want
+            continue
+        assert after["opt_outs"] in ([], want["opt_outs"]), f"{crash_at}: a part of the list"
+        assert after["opt_out_lists"] == [], f"{crash_at}: recorded before its rows committed"
+        kill_jobs.take_in_list(**kwargs)  # the rerun
+        assert _list_rows(lab, list_id) == want, f"after {crash_at or 'watcher'} and a rerun"
+
+
 @pytest.fixture(scope="module")
 def pipeline_states(workdir: Path, demo_source) -> PipelineStates:
     """The demo batch through every stage, by real materialisations, to four states."""

@@ -278,6 +278,25 @@ def test_the_intake_partition_shows_the_outcome_and_a_rejection_fails_it(world):
     assert data.metadata["identifiers"].value == 0
 
 
+def test_a_source_recording_malformed_entries_applies_the_rest_and_says_so(world):
+    # Per source: the registry's dumps record malformed entries; other lists fail closed.
+    w = world
+    key = w.images[STUDIO][0]["key"]
+    w.drop("dntr-dump.txt", f"{key}\nnot an identifier\n")
+    w.drop("legal.txt", f"{key}\nnot an identifier\n")
+    optouts = OptOutResource(sources=[OptOutSource(pattern="dntr-*", on_malformed="record")])
+    tick = w.tick(None, optouts)
+    dump, legal = _intakes(tick)
+    recorded, rejected = w.run(tick, optouts)
+    md = recorded.asset_materializations_for_node("opt_out_lists")[0].metadata
+    assert md["status"].value == "accepted" and md["malformed_entries"].value == 1
+    assert md["identifiers"].value == 1 and md["matched_images"].value == 1
+    assert not rejected.success and w.lists()[legal]["status"] == "rejected"
+    problems = w.store.read("opt_out_problems").to_pylist()
+    assert [(p["list_id"], p["position"]) for p in problems] == [(dump, "line 2")]
+    assert _requests(w.tick(tick.cursor, optouts)) == [(STUDIO, f"opt_out:{dump}:{STUDIO}")]
+
+
 def test_a_file_changed_before_its_intake_records_nothing_and_its_new_bytes_are_a_new_list(world):
     w = world
     path = w.drop("legal.txt", w.images[STUDIO][0]["key"] + "\n")
