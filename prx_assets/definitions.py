@@ -75,6 +75,7 @@ def build_defs(
     embedder: EmbedderResource | None = None,
     dedup: DedupConfigResource | None = None,
     skip_policy: SkipPolicyResource | None = None,
+    optouts: OptOutResource | None = None,
 ) -> Definitions:
     """Definitions bound to one data root, one set of model backends and one policy.
 
@@ -134,7 +135,7 @@ def build_defs(
             "embedder": embedder,
             "dedup": dedup,
             "skip_policy": skip_policy,
-            "optouts": OptOutResource(),
+            "optouts": optouts or OptOutResource(),
         },
         executor=configured_executor(),
     )

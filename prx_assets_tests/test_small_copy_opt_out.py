@@ -24,6 +24,7 @@ from prx_assets.definitions import DOWNSTREAM_OF_DEDUP, build_defs
 from prx_assets.defs.dedup.settle import settle_dedup_in_process
 from prx_assets.defs.partitions import BATCHES
 from prx_assets.defs.run_requests import QUIET, evaluate_sensor, execute_run_request
+from prx_assets.defs.skiplists.config import OptOutResource, OptOutSource
 from prx_assets.demo.jpegs import PHOTO_DIR, jpeg_bytes
 from prx_assets_tests.loader_keys import loader_keys
 
@@ -60,9 +61,9 @@ def photos() -> dict[str, bytes]:
 class Platform:
     """One data root, its definitions and a real (temporary sqlite) Dagster instance."""
 
-    def __init__(self, root: Path, instance) -> None:
+    def __init__(self, root: Path, instance, optouts: OptOutResource | None = None) -> None:
         self.root = root
-        self.defs = build_defs(str(root))
+        self.defs = build_defs(str(root), optouts=optouts)
         self.instance = instance
         self.lab = self.defs.resources["lab"].lab()
         self.cursors: dict[str, str | None] = {}
@@ -188,6 +189,38 @@ def test_a_list_recorded_before_the_small_copy_arrives_reaches_the_large_copy(pl
     row = p.audit(LARGE)[large]
     assert row["excluded"] and "opt_out" in row["reasons"], row
     assert large not in p.trained_keys()
+
+
+def test_a_registry_withdrawal_lets_the_image_train_again_and_is_recorded(tmp_path, photos):
+    # A registry (source "dntr", allowed to withdraw) opts the bystander out in its dump,
+    # then withdraws it in a delta: the sensor reruns the batch, the bystander trains again,
+    # the trail keeps both rows, and compliance of the dump passes and names the withdrawal.
+    from prx_assets.core.snapshots.compliance import compliance_report
+    from prx_assets.core.tables import OPT_OUTS
+
+    registry = OptOutSource(pattern="dntr-*", name="dntr", allow_withdrawals=True)
+    with instance_for_test() as instance:
+        p = Platform(tmp_path / "data", instance, OptOutResource(sources=[registry]))
+        p.land(LARGE, {"large.jpg": photos["large"], "bystander.jpg": photos["bystander"]})
+        large, bystander = p.key_of(LARGE, "large.jpg"), p.key_of(LARGE, "bystander.jpg")
+        p.opt_out("dntr-dump.csv", ["key", bystander])
+        assert f"skip_lists:{LARGE}" in p.settle("opt_out_sensor")
+        assert p.trained_keys() == [large]
+        assert p.audit(LARGE)[bystander]["excluded"] is True
+
+        p.opt_out("dntr-delta-0001.csv", ["key,action", f"{bystander},withdraw"])
+        runs = p.settle("opt_out_sensor")
+        assert f"skip_lists:{LARGE}" in runs, runs  # the withdrawal reruns its batch
+        assert sorted(p.trained_keys()) == sorted([large, bystander])
+        assert p.audit(LARGE)[bystander]["excluded"] is False
+        trail = p.lab.read(OPT_OUTS.name, ["list_id", "action"], f"matched_key = '{bystander}'")
+        assert sorted((r["list_id"].split("@")[0], r["action"]) for r in trail.to_pylist()) == [
+            ("dntr-delta-0001.csv", "withdraw"),
+            ("dntr-dump.csv", "add"),
+        ]
+        report = compliance_report(p.lab, p.root / "shards", "dntr-dump.csv")
+        assert report.verdict == "PASS" and report.withdrawn == [(LARGE, bystander)]
+        assert "withdrawn by its source" in report.reason
 
 
 def test_the_planted_copies_are_real_photos_not_blank_images(photos):

@@ -40,7 +40,10 @@ from prx_assets.core.lab import Lab, TableSpec, sql_literal
 from prx_assets.core.skiplists.identifiers import OptOutIdentifier
 from prx_assets.core.skiplists.matching import resolve_identifiers
 from prx_assets.core.skiplists.optouts import (
+    ACTION_ADD,
+    ACTION_WITHDRAW,
     DEFAULT_MAX_LINE_BYTES,
+    DEFAULT_SOURCE,
     Entry,
     ListReader,
     OptOutListError,
@@ -135,11 +138,16 @@ def opt_out_rows(
     list_id: str,
     matches: Mapping[OptOutIdentifier, Sequence[tuple[str, str]]],
     received_at: datetime,
+    withdrawn: Iterable[OptOutIdentifier] = (),
 ) -> pa.Table:
-    """``opt_outs`` rows: one per (identifier, matched image), or one with no match."""
+    """``opt_outs`` rows: one per (identifier, matched image), or one with no match;
+    identifiers in ``withdrawn`` are withdrawals (``action`` "withdraw"), the rest opt-outs."""
     cols: dict[str, list[Any]] = {f.name: [] for f in OPT_OUTS.schema}
+    withdrawn = set(withdrawn)
     for ident in sorted(matches):
+        action = ACTION_WITHDRAW if ident in withdrawn else ACTION_ADD
         for batch, key in matches[ident] or [(None, None)]:
+            cols["action"].append(action)
             cols["list_id"].append(list_id)
             cols["identifier"].append(ident.value)
             cols["identifier_kind"].append(ident.kind)
@@ -167,11 +175,13 @@ def list_row(
     matched_images: int = 0,
     batches: Sequence[str] = (),
     malformed: int = 0,
+    source: str = DEFAULT_SOURCE,
 ) -> pa.Table:
     return pa.Table.from_pylist(
         [
             {
                 "malformed": malformed,
+                "source": source,
                 "list_id": list_id,
                 "path": path,
                 "format": fmt,
@@ -189,14 +199,16 @@ def list_row(
 
 
 def ensure_list_columns(lab: Lab) -> None:
-    """An ``opt_out_lists`` table written before a column was declared gets it (null for
-    the lists recorded then)."""
-    stored = lab.view().schema(OPT_OUT_LISTS.name)
-    if stored is None:
-        return
-    missing = [f for f in OPT_OUT_LISTS.schema if f.name not in stored.names]
-    if missing:
-        lab.add_columns(OPT_OUT_LISTS.name, missing)
+    """``opt_out_lists`` / ``opt_outs`` tables written before a column was declared get it
+    (null for the rows recorded then: no malformed count, source "default", action add)."""
+    view = lab.view()
+    for spec in (OPT_OUT_LISTS, OPT_OUTS):
+        stored = view.schema(spec.name)
+        if stored is None:
+            continue
+        missing = [f for f in spec.schema if f.name not in stored.names]
+        if missing:
+            lab.add_columns(spec.name, missing)
 
 
 def problem_rows(list_id: str, problems: Sequence[tuple[str, str]]) -> pa.Table:
@@ -228,6 +240,8 @@ class IntakeOutcome:
     opt_outs_version: int | None  # None: rejected, opt_outs untouched
     opt_out_lists_version: int
     malformed: int = 0  # malformed entries (recorded, skipped) under on_malformed="record"
+    withdrawals: int = 0  # identifier rows that withdraw an earlier opt-out of the source
+    source: str = DEFAULT_SOURCE
     indexes_created: tuple[str, ...] = field(default=())
 
     @property
@@ -242,6 +256,7 @@ class _Taken:
         self.on_malformed = on_malformed
         self.rows = 0
         self.identifiers = 0
+        self.withdrawals = 0
         self.problems = _Problems()
         self.recorded: list[tuple[str, str]] = []  # (where, problem), the first few
         self.batches: set[str] = set()
@@ -287,6 +302,8 @@ class ListIntake:
     ``"reject"`` (the default: fail closed, nothing of a list with a malformed entry is
     applied) or ``"record"`` (a registry that says so: each malformed entry is recorded in
     ``opt_out_problems`` with its line, the count in the list's row, the rest applies).
+    ``source``: the list's source (recorded); ``allow_withdrawals``: whether that source may
+    withdraw its earlier opt-outs (a list with a withdrawal from any other is rejected).
     """
 
     def __init__(
@@ -299,6 +316,8 @@ class ListIntake:
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         on_malformed: str = MALFORMED_REJECT,
         chunk_entries: int = DEFAULT_CHUNK_ENTRIES,
+        source: str = DEFAULT_SOURCE,
+        allow_withdrawals: bool = False,
         now: datetime | None = None,
     ) -> None:
         if on_malformed not in MALFORMED_POLICIES:
@@ -312,6 +331,8 @@ class ListIntake:
         self.max_line_bytes = max_line_bytes
         self.on_malformed = on_malformed
         self.chunk_entries = chunk_entries
+        self.source = source
+        self.allow_withdrawals = allow_withdrawals
         self.now = now or datetime.now(UTC)
 
     def run(self) -> IntakeOutcome:
@@ -348,7 +369,15 @@ class ListIntake:
         except OptOutListError as exc:
             # Fragments written before the problem was found are never committed (what
             # ``Lab.remove_orphaned_files`` removes): nothing of the list is applied.
-            row = list_row(item.list_id, shown, item.sha256, received_at, fmt=None, error=exc)
+            row = list_row(
+                item.list_id,
+                shown,
+                item.sha256,
+                received_at,
+                fmt=None,
+                error=exc,
+                source=self.source,
+            )
             return IntakeOutcome(
                 list_id=item.list_id,
                 path=shown,
@@ -362,6 +391,7 @@ class ListIntake:
                 received_at=received_at,
                 opt_outs_version=None,
                 opt_out_lists_version=self._record(OPT_OUT_LISTS, row),
+                source=self.source,
                 indexes_created=indexes,
             )
         opt_outs = self.lab.commit_rows(OPT_OUTS, "list_id", item.list_id, fragments, taken.rows)
@@ -378,6 +408,7 @@ class ListIntake:
             matched_images=taken.matched_images,
             batches=sorted(taken.batches),
             malformed=taken.problems.count,
+            source=self.source,
         )
         return IntakeOutcome(
             list_id=item.list_id,
@@ -393,6 +424,8 @@ class ListIntake:
             opt_outs_version=opt_outs,
             opt_out_lists_version=self._record(OPT_OUT_LISTS, row),
             malformed=taken.problems.count,
+            withdrawals=taken.withdrawals,
+            source=self.source,
             indexes_created=indexes,
         )
 
@@ -403,32 +436,41 @@ class ListIntake:
         stream (kept in ``taken.error``, raised by ``run``: an exception raised inside
         Lance's writer would lose its reason); under ``reject``, the first malformed entry
         stops the writing (the rest is read only to count and quote what is malformed)."""
-        chunk: set[OptOutIdentifier] = set()
+        chunk: dict[OptOutIdentifier, bool] = {}  # identifier -> withdrawn (an add wins)
         try:
             for entry in entries:
                 if entry.identifier is None:
                     taken.note_problem(entry.where, entry.problem or entry.where)
                     continue
+                if entry.action == ACTION_WITHDRAW and not self.allow_withdrawals:
+                    raise OptOutListError(
+                        "withdrawal_not_allowed",
+                        f"{entry.where} withdraws an opt-out, and source {self.source!r} is not "
+                        "configured to withdraw (allow_withdrawals): nothing of the list applies",
+                    )
                 if taken.rejected:
                     continue
-                chunk.add(entry.identifier)
+                withdraw = entry.action == ACTION_WITHDRAW
+                chunk[entry.identifier] = chunk.get(entry.identifier, True) and withdraw
                 if len(chunk) >= self.chunk_entries:
-                    yield self._resolved(sorted(chunk), taken, received_at)
-                    chunk = set()
+                    yield self._resolved(chunk, taken, received_at)
+                    chunk = {}
         except OptOutListError as exc:
             taken.error = exc
             return
         if chunk and not taken.rejected:
-            yield self._resolved(sorted(chunk), taken, received_at)
+            yield self._resolved(chunk, taken, received_at)
 
     def _resolved(
-        self, chunk: list[OptOutIdentifier], taken: _Taken, received_at: datetime
+        self, chunk: Mapping[OptOutIdentifier, bool], taken: _Taken, received_at: datetime
     ) -> pa.RecordBatch:
-        matches = resolve_identifiers(self.lab, chunk)
+        matches = resolve_identifiers(self.lab, sorted(chunk))
         taken.note_matches(p for ms in matches.values() for p in ms)
-        rows = opt_out_rows(self.list_id, matches, received_at)
+        withdrawn = [i for i, w in chunk.items() if w]
+        rows = opt_out_rows(self.list_id, matches, received_at, withdrawn)
         taken.rows += rows.num_rows
         taken.identifiers += len(chunk)
+        taken.withdrawals += len(withdrawn)
         return rows.combine_chunks().to_batches()[0]
 
     def _verify(self, spec: TableSpec, expected: int) -> None:

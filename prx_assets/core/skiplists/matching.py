@@ -19,7 +19,9 @@ matches the kept (batch, key).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from typing import Any
 
 import pyarrow as pa
 
@@ -33,7 +35,8 @@ from prx_assets.core.skiplists.identifiers import (
     KINDS,
     OptOutIdentifier,
 )
-from prx_assets.core.tables import IMAGES, OPT_OUTS, REJECTS, SHARD_SAMPLES
+from prx_assets.core.skiplists.optouts import ACTION_ADD, ACTION_WITHDRAW, DEFAULT_SOURCE
+from prx_assets.core.tables import IMAGES, OPT_OUT_LISTS, OPT_OUTS, REJECTS, SHARD_SAMPLES
 
 LOOKUP_CHUNK = 512  # values per ``IN (...)`` probe: each is one scalar-index lookup
 
@@ -164,6 +167,84 @@ def candidate_identifiers(images: pa.Table) -> dict[tuple[str, str], set[str]]:
     return out
 
 
+def list_arrivals(view: LabView, list_ids: Iterable[str]) -> dict[str, tuple[str, datetime]]:
+    """list id -> (source, received_at) of the *accepted* lists among ``list_ids`` (a table
+    from before sources: every list's source is the default one)."""
+    ids = sorted(set(list_ids))
+    if not ids or not view.exists(OPT_OUT_LISTS.name):
+        return {}
+    schema = view.schema(OPT_OUT_LISTS.name)
+    has_source = schema is not None and "source" in schema.names
+    columns = ["list_id", "received_at", *(["source"] if has_source else [])]
+    out: dict[str, tuple[str, datetime]] = {}
+    for chunk in chunked(ids, LOOKUP_CHUNK):
+        flt = f"{in_list('list_id', chunk)} AND status = 'accepted'"
+        for r in view.read(OPT_OUT_LISTS.name, columns, flt).to_pylist():
+            out[r["list_id"]] = (r.get("source") or DEFAULT_SOURCE, r["received_at"])
+    return out
+
+
+def standing_opt_outs(view: LabView, rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The opt-out rows of ``rows`` (``opt_outs`` rows with ``list_id``, ``identifier``,
+    ``identifier_kind`` and, where the table has it, ``action``) that stand: every opt-out
+    (``action`` add or null) unless a withdrawal of the same identifier, from an accepted
+    list of the *same source* received *strictly later*, takes it back. ``rows`` must hold
+    every row of the identifiers it names (withdrawals included).
+
+    Fail closed: an opt-out whose own list is not recorded as accepted still stands (its
+    source and arrival are unknown), a withdrawal whose list is not recorded as accepted
+    withdraws nothing, and within one list an opt-out is never withdrawn."""
+    adds = [r for r in rows if (r.get("action") or ACTION_ADD) != ACTION_WITHDRAW]
+    pulls = [r for r in rows if r.get("action") == ACTION_WITHDRAW]
+    if not pulls:
+        return adds
+    arrivals = list_arrivals(view, {r["list_id"] for r in rows})
+    latest: dict[tuple[str, str, str], datetime] = {}  # (kind, identifier, source) -> at
+    for r in pulls:
+        known = arrivals.get(r["list_id"])
+        if known is None:
+            continue
+        slot = (r["identifier_kind"], r["identifier"], known[0])
+        if slot not in latest or known[1] > latest[slot]:
+            latest[slot] = known[1]
+    standing = []
+    for r in adds:
+        known = arrivals.get(r["list_id"])
+        if known is not None:
+            source, at = known
+            withdrawn_at = latest.get((r["identifier_kind"], r["identifier"], source))
+            if withdrawn_at is not None and withdrawn_at > at:
+                continue
+        standing.append(r)
+    return standing
+
+
+def opt_out_columns(view: LabView) -> list[str]:
+    """The ``opt_outs`` columns a withdrawal-aware reader needs (no ``action`` in a table
+    from before withdrawals: every row is an opt-out)."""
+    schema = view.schema(OPT_OUTS.name)
+    columns = ["list_id", "identifier", "identifier_kind"]
+    return columns + (["action"] if schema is not None and "action" in schema.names else [])
+
+
+def standing_rows(view: LabView, rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The opt-out rows among ``rows`` (any subset of ``opt_outs``, e.g. one list's matched
+    rows) that stand (``standing_opt_outs``), every row of their identifiers read to know."""
+    adds = [r for r in rows if (r.get("action") or ACTION_ADD) != ACTION_WITHDRAW]
+    if "action" not in opt_out_columns(view) or not adds:
+        return adds
+    identifiers = sorted({r["identifier"] for r in adds})
+    standing: set[tuple[str, str, str]] = set()
+    columns = opt_out_columns(view)
+    for chunk in chunked(identifiers, LOOKUP_CHUNK):
+        every = view.read(OPT_OUTS.name, columns, in_list("identifier", chunk)).to_pylist()
+        standing |= {
+            (r["list_id"], r["identifier_kind"], r["identifier"])
+            for r in standing_opt_outs(view, every)
+        }
+    return [r for r in adds if (r["list_id"], r["identifier_kind"], r["identifier"]) in standing]
+
+
 def opted_out_keys(lab: Lab, images: pa.Table) -> dict[str, tuple[str, ...]]:
     """Image key -> sorted ids of the accepted lists that name it, matched from the images'
     side (``identifier IN (...)`` probes on the ``opt_outs`` BTREE index), by the images'
@@ -178,18 +259,12 @@ def opted_out_keys(lab: Lab, images: pa.Table) -> dict[str, tuple[str, ...]]:
     candidates = candidate_identifiers(ids)
     hits: dict[str, set[str]] = {}
     values = sorted({v for _, v in candidates})
+    columns = opt_out_columns(view)
     for chunk in chunked(values, LOOKUP_CHUNK):
-        rows = view.read(
-            OPT_OUTS.name,
-            ["list_id", "identifier", "identifier_kind"],
-            in_list("identifier", chunk),
-        )
-        for list_id, ident, kind in zip(
-            *(rows.column(c).to_pylist() for c in ("list_id", "identifier", "identifier_kind")),
-            strict=True,
-        ):
-            for key in candidates.get((kind, ident), ()):
-                hits.setdefault(key, set()).add(list_id)
+        rows = view.read(OPT_OUTS.name, columns, in_list("identifier", chunk)).to_pylist()
+        for r in standing_opt_outs(view, rows):
+            for key in candidates.get((r["identifier_kind"], r["identifier"]), ()):
+                hits.setdefault(key, set()).add(r["list_id"])
     return {k: tuple(sorted(v)) for k, v in sorted(hits.items())}
 
 

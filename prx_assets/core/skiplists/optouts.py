@@ -19,6 +19,13 @@ and rename it into place: names starting with ``.`` or ``_`` or ending in ``.tmp
   ignored. Every non-empty recognised cell is one identifier; each row needs at least one.
 - ``*.parquet``: the same columns as CSV, string-typed; nulls are empty cells.
 
+Withdrawals (CSV and parquet): an ``action`` column, ``add`` (or empty, or ``opt_out``) or
+``withdraw``; every identifier of a row takes its row's action. A withdrawal is how a
+registry's delta says an owner took back an earlier opt-out: it cancels the opt-outs of the
+same identifier from *earlier* lists of the *same source*, and only for a source configured
+with ``allow_withdrawals`` (any other list holding one is rejected, fail closed). Within one
+list, an identifier both added and withdrawn is an opt-out.
+
 Identifier kinds and their canonical forms: :mod:`prx_assets.core.skiplists.identifiers`.
 
 Size: a list file is read as a stream of entries (``ListReader``), never whole, and the
@@ -89,6 +96,11 @@ _COLUMN_KINDS: dict[str, str] = {
     "sample_id": KIND_SOURCE_ID,
 }
 _SOURCE_COLUMN = "source"
+_ACTION_COLUMN = "action"
+ACTION_ADD = "add"
+ACTION_WITHDRAW = "withdraw"
+DEFAULT_SOURCE = "default"  # the source of lists no configured source matches
+_ACTIONS = {"": ACTION_ADD, "add": ACTION_ADD, "opt_out": ACTION_ADD, "withdraw": ACTION_WITHDRAW}
 
 
 class OptOutListError(ValueError):
@@ -115,7 +127,8 @@ class OptOutList:
 
     path: str
     format: str
-    identifiers: tuple[OptOutIdentifier, ...]  # distinct, sorted
+    identifiers: tuple[OptOutIdentifier, ...]  # distinct, sorted: the opt-outs
+    withdrawals: tuple[OptOutIdentifier, ...] = ()  # distinct, sorted (none named above)
 
 
 # --------------------------------------------------------------------------- files
@@ -199,6 +212,7 @@ class Entry:
     where: str
     identifier: OptOutIdentifier | None
     problem: str | None = None  # bounded; set exactly when ``identifier`` is None
+    action: str = ACTION_ADD  # ACTION_WITHDRAW: a withdrawal (CSV/parquet ``action`` column)
 
 
 def _bad(where: str, message: str) -> Entry:
@@ -208,17 +222,25 @@ def _bad(where: str, message: str) -> Entry:
 def _collect(path: str, fmt: str, entries: Iterable[Entry]) -> OptOutList:
     """A whole (small) list: every entry held, malformed ones rejecting it."""
     found: set[OptOutIdentifier] = set()
+    withdrawn: set[OptOutIdentifier] = set()
     bad = _Problems()
     for entry in entries:
         if entry.identifier is None:
             bad.add(entry.problem or entry.where)
+        elif entry.action == ACTION_WITHDRAW:
+            withdrawn.add(entry.identifier)
         else:
             found.add(entry.identifier)
     if bad.count:
         raise bad.error(path)
-    if not found:
+    if not found and not withdrawn:
         raise OptOutListError("empty", f"{path} holds no identifiers")
-    return OptOutList(path=path, format=fmt, identifiers=tuple(sorted(found)))
+    return OptOutList(
+        path=path,
+        format=fmt,
+        identifiers=tuple(sorted(found)),
+        withdrawals=tuple(sorted(withdrawn - found)),  # in one list, the opt-out wins
+    )
 
 
 def _text_lines(stream: BinaryIO, path: str, max_line_bytes: int) -> Iterator[tuple[int, str]]:
@@ -267,10 +289,10 @@ def parse_txt(
     return _collect(path, "txt", txt_entries(stream, path, max_line_bytes))
 
 
-def _column_roles(names: Sequence[str], path: str) -> tuple[dict[str, str], str | None]:
-    """Column name -> kind for the recognised columns, and the source column if any."""
+def _column_roles(names: Sequence[str], path: str) -> tuple[dict[str, str], str | None, str | None]:
+    """Column name -> kind for the recognised columns, and the source and action columns."""
     roles: dict[str, str] = {}
-    source_col = None
+    source_col = action_col = None
     seen: dict[str, str] = {}
     for name in names:
         norm = (name or "").strip().lower()
@@ -285,6 +307,8 @@ def _column_roles(names: Sequence[str], path: str) -> tuple[dict[str, str], str 
             roles[name] = _COLUMN_KINDS[norm]
         elif norm == _SOURCE_COLUMN:
             source_col = name
+        elif norm == _ACTION_COLUMN:
+            action_col = name
     if not roles:
         shown = ", ".join(quote_bounded(n, 60) for n in list(names)[:20])
         more = f" and {len(names) - 20} more" if len(names) > 20 else ""
@@ -293,7 +317,7 @@ def _column_roles(names: Sequence[str], path: str) -> tuple[dict[str, str], str 
             f"{path}: no identifier column in [{shown}{more}]; expected one of "
             f"{sorted(_COLUMN_KINDS)}",
         )
-    return roles, source_col
+    return roles, source_col, action_col
 
 
 def _row_entries(
@@ -301,9 +325,19 @@ def _row_entries(
     row: Mapping[str, Any],
     roles: Mapping[str, str],
     source_col: str | None,
+    action_col: str | None = None,
 ) -> Iterator[Entry]:
     source = row.get(source_col) if source_col else None
     source = source.strip() if isinstance(source, str) and source.strip() else None
+    raw_action = row.get(action_col) if action_col else None
+    action = _ACTIONS.get(str(raw_action or "").strip().lower())
+    if action is None:
+        yield _bad(
+            where,
+            f"action {quote_bounded(str(raw_action), 60)} is not one of "
+            f"{sorted(a for a in _ACTIONS if a)}",
+        )
+        return
     n = 0
     for column, kind in roles.items():
         cell = row.get(column)
@@ -311,7 +345,7 @@ def _row_entries(
             continue
         n += 1
         try:
-            yield Entry(where, identifier_of_kind(kind, str(cell).strip(), source))
+            yield Entry(where, identifier_of_kind(kind, str(cell).strip(), source), None, action)
         except ValueError as exc:
             problem = f"{where}, column {quote_bounded(column, 60)}: {exc}"
             yield Entry(where, None, bound_text(problem, 400))
@@ -329,7 +363,7 @@ def csv_entries(
         header = next(reader, None)
         if header is None:
             raise OptOutListError("empty", f"{path} is empty (a header row is required)")
-        roles, source_col = _column_roles(header, path)
+        roles, source_col, action_col = _column_roles(header, path)
         for cells in reader:
             if not any(c.strip() for c in cells):
                 continue  # blank line
@@ -337,7 +371,8 @@ def csv_entries(
             if len(cells) != len(header):
                 yield _bad(where, f"{len(cells)} fields, the header has {len(header)}")
                 continue
-            yield from _row_entries(where, dict(zip(header, cells, strict=True)), roles, source_col)
+            row = dict(zip(header, cells, strict=True))
+            yield from _row_entries(where, row, roles, source_col, action_col)
     except csv.Error as exc:
         raise OptOutListError("unreadable", f"{path}: not valid CSV ({exc})") from None
 
@@ -367,8 +402,8 @@ def parquet_entries(
         raise OptOutListError(
             "unreadable", f"{path}: not a readable parquet file ({exc})"
         ) from None
-    roles, source_col = _column_roles(schema.names, path)
-    wanted = [*roles, *([source_col] if source_col else [])]
+    roles, source_col, action_col = _column_roles(schema.names, path)
+    wanted = [*roles, *(c for c in (source_col, action_col) if c)]
     for name in wanted:
         typ = schema.field(name).type
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_null(typ)):
@@ -408,7 +443,7 @@ def parquet_entries(
             for i in range(batch.num_rows):
                 row += 1
                 cells = {name: values[i] for name, values in columns.items()}
-                yield from _row_entries(f"row {row}", cells, roles, source_col)
+                yield from _row_entries(f"row {row}", cells, roles, source_col, action_col)
     except (pa.ArrowException, OSError, ValueError) as exc:
         if isinstance(exc, OptOutListError):
             raise

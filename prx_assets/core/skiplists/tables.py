@@ -18,9 +18,12 @@ OPT_OUTS = TableSpec(
             # One row per image the identifier matched when the list arrived (null: none yet).
             pa.field("matched_key", pa.string()),
             pa.field("matched_batch", pa.string()),
+            # "add" (an opt-out) or "withdraw" (a registry's withdrawal of its own earlier
+            # opt-out of this identifier); null: add (rows from before withdrawals)
+            pa.field("action", pa.string()),
         ]
     ),
-    identity=("list_id", "identifier", "matched_batch", "matched_key"),
+    identity=("list_id", "identifier", "action", "matched_batch", "matched_key"),
     indexes=(
         ("identifier", "BTREE"),
         ("list_id", "BTREE"),
@@ -47,6 +50,9 @@ OPT_OUT_LISTS = TableSpec(
             # malformed entries skipped (recorded in opt_out_problems) under a source's
             # on_malformed="record"; 0 otherwise (a malformed entry rejects the list)
             pa.field("malformed", pa.int64()),
+            # the source (OptOutResource.sources[].name) the list came from: a withdrawal
+            # only withdraws opt-outs of its own source; null: "default"
+            pa.field("source", pa.string()),
         ]
     ),
     identity=("list_id",),

@@ -36,6 +36,8 @@ from prx_assets.core.lab import Lab, in_list, sql_literal
 from prx_assets.core.markdown import md_code, md_table
 from prx_assets.core.shards.mds import relative_partition_dir
 from prx_assets.core.skiplists.live import LiveGenerations, Unreadable
+from prx_assets.core.skiplists.matching import opt_out_columns, standing_rows
+from prx_assets.core.skiplists.optouts import ACTION_ADD
 from prx_assets.core.snapshots.runner import list_snapshots
 from prx_assets.core.snapshots.tables import SNAPSHOT_SAMPLES
 
@@ -74,6 +76,9 @@ class ComplianceReport:
     images: list[ImageCompliance]
     snapshots_after: list[str]
     list_reason: str | None = None  # intake's reason when rejected
+    # (batch, key) images it named whose opt-out its source withdrew since (a later list of
+    # the same source): no longer required out of training, and not part of the verdict
+    withdrawn: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -133,9 +138,15 @@ class ComplianceReport:
             return (
                 rerun.lstrip("; ") + f" (first: {first.batch} {first.key[:16]}: {first.not_held})"
             )
+        pulled = (
+            f"; {len(self.withdrawn)} image(s) it named were withdrawn by its source since "
+            "(no longer required out)"
+            if self.withdrawn
+            else ""
+        )
         return (
             f"every sharded image it reaches ({sharded} of {len(self.images)}) is excluded for it "
-            "by its live skip-lists, and no live snapshot made after it arrived holds one"
+            "by its live skip-lists, and no live snapshot made after it arrived holds one" + pulled
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -150,6 +161,7 @@ class ComplianceReport:
             "pending_batches": self.pending_batches,
             "snapshots_after_arrival": self.snapshots_after,
             "images": [i.__dict__ for i in self.images],
+            "withdrawn": [{"batch": b, "key": k} for b, k in self.withdrawn],
         }
 
     def headline(self) -> str:
@@ -163,7 +175,12 @@ class ComplianceReport:
             f"({sum(i.via == 'direct' for i in self.images)} directly, "
             f"{sum(i.placement is not None for i in self.images)} sharded), "
             f"{len(self.pending)} not yet excluded by their live skip-lists, "
-            f"{len(self.violations)} still in a snapshot made after it arrived."
+            f"{len(self.violations)} still in a snapshot made after it arrived"
+            + (
+                f"; {len(self.withdrawn)} withdrawn by its source since (not required out)."
+                if self.withdrawn
+                else "."
+            )
         )
         table = md_table(
             [
@@ -220,17 +237,24 @@ def find_list(lab: Lab, name: str) -> dict[str, Any]:
     raise ComplianceError(f"no opt-out list {name[:200]!r} (known: {len(rows)} lists)")
 
 
-def _reached(lab: Lab, list_id: str) -> dict[tuple[str, str], str]:
-    """(batch, key) -> "direct" or "duplicate of <key>" for every image the list reaches."""
+def _reached(lab: Lab, list_id: str) -> tuple[dict[tuple[str, str], str], set[tuple[str, str]]]:
+    """(batch, key) -> "direct" or "duplicate of <key>" for every image the list reaches,
+    and the (batch, key) images it named whose opt-outs its source withdrew since (no longer
+    required out of training for this list)."""
     out: dict[tuple[str, str], str] = {}
-    rows = lab.read(  # matched rows only: a registry's millions of unmatched rows stay unread
+    view = lab.view()
+    rows = view.read(  # matched rows only: a registry's millions of unmatched rows stay unread
         "opt_outs",
-        ["matched_batch", "matched_key"],
+        [*opt_out_columns(view), "matched_batch", "matched_key"],
         f"list_id = {sql_literal(list_id)} AND matched_key IS NOT NULL",
     ).to_pylist()
-    for r in rows:
-        if r["matched_key"]:
-            out[(r["matched_batch"], r["matched_key"])] = "direct"
+    for r in standing_rows(view, rows):
+        out[(r["matched_batch"], r["matched_key"])] = "direct"
+    withdrawn = {
+        (r["matched_batch"], r["matched_key"])
+        for r in rows
+        if (r.get("action") or ACTION_ADD) == ACTION_ADD
+    } - set(out)
     direct_keys = sorted({k for _, k in out})
     if direct_keys and lab.exists("phash_clusters"):
         mine = lab.read("phash_clusters", ["key", "cluster_id"], in_list("key", direct_keys))
@@ -259,7 +283,7 @@ def _reached(lab: Lab, list_id: str) -> dict[tuple[str, str], str]:
                 out.setdefault(
                     (r["batch"], r["key"]), f"duplicate of {via[0]}" if via else "direct"
                 )
-    return out
+    return out, withdrawn - set(out)
 
 
 def _holding(
@@ -360,7 +384,7 @@ def compliance_report(lab: Lab, shards_root: str | os.PathLike[str], name: str) 
     tree whose live skip-lists must hold the list (the data root's ``shards``)."""
     row = find_list(lab, name)
     list_id, received = row["list_id"], row["received_at"]
-    reached = _reached(lab, list_id) if row["status"] == ACCEPTED else {}
+    reached, withdrawn = _reached(lab, list_id) if row["status"] == ACCEPTED else ({}, set())
     holding = _holding(lab, os.fspath(shards_root), list_id, received, reached)
     snapshots = list_snapshots(lab)
     created = {s["snapshot_id"]: s["created_at"] for s in snapshots}
@@ -396,7 +420,13 @@ def compliance_report(lab: Lab, shards_root: str | os.PathLike[str], name: str) 
             )
         )
     return ComplianceReport(
-        list_id, row["status"], received, images, after, list_reason=row.get("reason")
+        list_id,
+        row["status"],
+        received,
+        images,
+        after,
+        list_reason=row.get("reason"),
+        withdrawn=sorted(withdrawn),
     )
 
 

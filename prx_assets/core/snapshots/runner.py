@@ -43,6 +43,7 @@ import pyarrow as pa
 from prx_assets.core.crashpoints import crashpoint
 from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
 from prx_assets.core.shards.mds import MDS_DIRNAME, moved_away_batches, moved_away_message
+from prx_assets.core.skiplists.matching import opt_out_columns, standing_rows
 from prx_assets.core.skiplists.sidecars import (
     INDEX_BASENAME,
     SkipListError,
@@ -179,7 +180,8 @@ def _lookup(view: LabView, table: str, columns: list[str]) -> dict[tuple[str, st
 
 
 def _opted_out_keys(view: LabView) -> dict[str, str]:
-    """Image key -> an accepted list naming it (directly matched on arrival)."""
+    """Image key -> an accepted list naming it (directly matched on arrival), unless its
+    source withdrew that opt-out since."""
     if not view.exists("opt_outs") or not view.exists("opt_out_lists"):
         return {}
     accepted = view.read("opt_out_lists", ["list_id"], "status = 'accepted'")
@@ -188,10 +190,12 @@ def _opted_out_keys(view: LabView) -> dict[str, str]:
         return {}
     rows = view.read(  # matched rows only: a registry's unmatched millions stay unread
         "opt_outs",
-        ["list_id", "matched_key"],
+        [*opt_out_columns(view), "matched_key"],
         f"{in_list('list_id', ids)} AND matched_key IS NOT NULL",
-    ).to_pydict()
-    return {k: lid for lid, k in zip(rows["list_id"], rows["matched_key"], strict=True) if k}
+    ).to_pylist()
+    # An opt-out its registry withdrew later no longer names the image (the skip decision
+    # reads the same rule: ``matching.standing_opt_outs``).
+    return {r["matched_key"]: r["list_id"] for r in standing_rows(view, rows)}
 
 
 def existing(lab: Lab, snapshot_id: str) -> dict[str, Any] | None:

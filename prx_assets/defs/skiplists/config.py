@@ -15,7 +15,7 @@ from pydantic import Field
 
 from prx_assets.core.ingest.signals import UsagePolicy, UsagePolicyError
 from prx_assets.core.skiplists.intake import MALFORMED_REJECT
-from prx_assets.core.skiplists.optouts import DEFAULT_MAX_LINE_BYTES
+from prx_assets.core.skiplists.optouts import DEFAULT_MAX_LINE_BYTES, DEFAULT_SOURCE
 from prx_assets.core.skiplists.policy import (
     DEFAULT_EXCLUDED_CLASSES,
     EXCLUDABLE_CLASSES,
@@ -103,6 +103,23 @@ class OptOutSource(Config):
     the ones whose name matches ``pattern``."""
 
     pattern: str = Field(description="Glob over the list file's name, e.g. 'dntr-*.parquet'.")
+    name: str = Field(
+        default=DEFAULT_SOURCE,
+        min_length=1,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description=(
+            "The source's name, recorded with each of its lists: a withdrawal withdraws only "
+            "opt-outs of lists of the same name."
+        ),
+    )
+    allow_withdrawals: bool = Field(
+        default=False,
+        description=(
+            "Whether this source's lists may withdraw its own earlier opt-outs (an 'action' "
+            "column of 'withdraw'); a list with a withdrawal from any other source is rejected."
+        ),
+    )
     max_list_bytes: int | None = Field(
         default=None,
         ge=1,

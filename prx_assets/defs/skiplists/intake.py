@@ -62,6 +62,8 @@ def _metadata(out: IntakeOutcome) -> dict[str, Any]:
         "identifiers": out.identifiers,
         "matched_images": out.matched_images,
         "malformed_entries": out.malformed,
+        "withdrawals": out.withdrawals,
+        "source": MetadataValue.text(out.source),
         "batches": MetadataValue.json(list(out.batches[:MAX_BATCHES_LISTED])),
         "path": MetadataValue.text(out.path),
         "sha256": out.sha256,
@@ -102,6 +104,8 @@ def opt_out_lists(
         max_list_bytes=source.max_list_bytes,
         max_line_bytes=optouts.max_line_bytes,
         on_malformed=source.on_malformed,
+        source=source.name,
+        allow_withdrawals=source.allow_withdrawals,
     )
     try:
         out = intake.run()
@@ -124,5 +128,6 @@ def opt_out_lists(
         f"opt-out list {out.list_id}: {out.identifiers} identifier(s), "
         f"{out.matched_images} image(s) matched"
         + (f", {out.malformed} malformed entr(ies) recorded and skipped" if out.malformed else "")
+        + (f", {out.withdrawals} withdrawal(s) of source {out.source}" if out.withdrawals else "")
     )
     return MaterializeResult(metadata=_metadata(out), check_results=[list_accepted_result(out)])
