@@ -17,7 +17,10 @@ then commit them as the list's rows in one commit (a replay writes the same rows
 the first arrival time) and check that they are there. Memory follows the chunk: a
 registry of 10^8 identifiers is never held. A malformed list is recorded as ``rejected``
 with its reason and nothing of it is applied (unless its source records malformed entries
-and applies the rest: ``on_malformed``). Lists are additive: no run withdraws an opt-out.
+and applies the rest: ``on_malformed``). Lists are additive, except that a source allowed
+to withdraw may take back its own earlier opt-outs with ``withdraw`` rows (recorded like
+opt-outs; which opt-outs stand is decided where they are read:
+``matching.standing_opt_outs``).
 
 Identifiers repeated across chunks of one list are stored once per chunk (rows with the
 same identity): every reader takes opt-out rows as a set, so a repeat changes no decision.

@@ -227,11 +227,17 @@ def opt_out_columns(view: LabView) -> list[str]:
     return columns + (["action"] if schema is not None and "action" in schema.names else [])
 
 
+def has_withdrawals(view: LabView) -> bool:
+    """Whether any list recorded a withdrawal (``action`` BITMAP index): until one does,
+    every opt-out stands and nothing more is read."""
+    return view.count(OPT_OUTS.name, f"action = {sql_literal(ACTION_WITHDRAW)}") > 0
+
+
 def standing_rows(view: LabView, rows: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The opt-out rows among ``rows`` (any subset of ``opt_outs``, e.g. one list's matched
     rows) that stand (``standing_opt_outs``), every row of their identifiers read to know."""
     adds = [r for r in rows if (r.get("action") or ACTION_ADD) != ACTION_WITHDRAW]
-    if "action" not in opt_out_columns(view) or not adds:
+    if "action" not in opt_out_columns(view) or not adds or not has_withdrawals(view):
         return adds
     identifiers = sorted({r["identifier"] for r in adds})
     standing: set[tuple[str, str, str]] = set()

@@ -29,6 +29,7 @@ OPT_OUTS = TableSpec(
         ("list_id", "BTREE"),
         ("matched_key", "BTREE"),
         ("matched_batch", "BITMAP"),
+        ("action", "BITMAP"),
     ),
 )
 
