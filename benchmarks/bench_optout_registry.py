@@ -64,7 +64,7 @@ def build_lab(root: Path, n: int) -> None:
     import pyarrow as pa
 
     from prx_assets.core.lab import Lab
-    from prx_assets.core.tables import IMAGES
+    from prx_assets.core.tables import IMAGES, PHASH_CLUSTERS
 
     lab = Lab(root)
     per = n // PARTITIONS
@@ -83,6 +83,22 @@ def build_lab(root: Path, n: int) -> None:
             for f in IMAGES.schema
         ]
         lab.replace_partition(IMAGES, batch, pa.Table.from_arrays(arrays, schema=IMAGES.schema))
+        # Decided pHash clusters: every image its own, but 1 in 100 shares one with the next
+        # image (the opt-out sensor widens what a list names to every copy).
+        cluster = [f"c{i - 1 if i % 100 == 1 else i}" for i in ids]
+        ccols = {
+            "key": cols["key"],
+            "batch": cols["batch"],
+            "cluster_id": cluster,
+            "low_information": [False] * per,
+        }
+        carrays = [
+            pa.array(ccols[f.name], f.type) if f.name in ccols else pa.nulls(per, f.type)
+            for f in PHASH_CLUSTERS.schema
+        ]
+        lab.replace_partition(
+            PHASH_CLUSTERS, batch, pa.Table.from_arrays(carrays, schema=PHASH_CLUSTERS.schema)
+        )
     lab.ensure_indexes(IMAGES)
 
 
@@ -131,14 +147,22 @@ def child(lab_root: str, directory: str, list_id: str, mode: str) -> None:
     from prx_assets.core.skiplists.optouts import ListReader
 
     c, w = time.process_time(), time.perf_counter()
-    if mode == "parse":
+    if mode == "reach":  # the opt-out sensor's work for a recorded list, at its next tick
+        from prx_assets.core.skiplists.reruns import affected_copies
+
+        reached = affected_copies(Lab(lab_root), [list_id])
+        out: dict[str, Any] = {
+            "copies": len(reached.copies),
+            "batches": len(reached.lists_by_batch),
+        }
+    elif mode == "parse":
         item = find_list_file(directory, list_id)
         n = 0
         with ListReader(item.path) as reader:
             for entry in reader.entries():
                 n += entry.identifier is not None
             reader.digest()
-        out: dict[str, Any] = {"identifiers": n}
+        out = {"identifiers": n}
     else:
         res = ListIntake(Lab(lab_root), directory, list_id, now=datetime.now(UTC)).run()
         out = {
@@ -248,8 +272,15 @@ def main() -> None:
         small = in_child(root, drop, ids[tenth], "intake")
         full = in_child(root, drop, ids[registry], "intake")
         inc = in_child(root, drop, ids[delta], "intake")
+        reach = in_child(root, drop, ids[registry], "reach")
         check = brute_force_check(root, registry, ids[registry], seed=3)
-    for name, res in (("parse_only", parse), ("registry", full), ("tenth", small), ("delta", inc)):
+    for name, res in (
+        ("parse_only", parse),
+        ("registry", full),
+        ("tenth", small),
+        ("delta", inc),
+        ("sensor_reach", reach),
+    ):
         out[name] = res
     out["planted_matches"] = planted
     out["planted_delta_matches"] = planted_delta
@@ -275,6 +306,9 @@ def main() -> None:
         f"delta: {delta_n:,} identifiers in {inc['wall_s']:.1f} s ({delta_us:.1f} us/identifier,"
         f" {inc['matched_images']:,} matched, planted {planted_delta:,}); peak "
         f"{inc['peak_rss_mb']:,.0f} MB",
+        f"opt-out sensor's next tick for the registry (every copy through the pHash "
+        f"clusters): {reach['wall_s']:.1f} s, {reach['copies']:,} copies in "
+        f"{reach['batches']} batches, peak {reach['peak_rss_mb']:,.0f} MB",
         f"verdict: {'PASS' if ok and full['peak_rss_mb'] <= TARGET_PEAK_MB else 'FAIL'}",
     ]
     out["summary"] = lines

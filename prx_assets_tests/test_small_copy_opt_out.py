@@ -221,6 +221,9 @@ def test_a_registry_withdrawal_lets_the_image_train_again_and_is_recorded(tmp_pa
         report = compliance_report(p.lab, p.root / "shards", "dntr-dump.csv")
         assert report.verdict == "PASS" and report.withdrawn == [(LARGE, bystander)]
         assert "withdrawn by its source" in report.reason
+        delta = compliance_report(p.lab, p.root / "shards", "dntr-delta-0001.csv")
+        assert delta.verdict == "PASS" and delta.withdraws == 1 and delta.images == []
+        assert "it withdraws 1 earlier opt-out(s) of its source" in delta.reason
 
 
 def test_the_planted_copies_are_real_photos_not_blank_images(photos):

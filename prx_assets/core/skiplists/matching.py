@@ -10,6 +10,12 @@ partition, never the corpus:
   which accepted lists name any of them (``opt_outs.identifier`` BTREE): matching from the
   partition side, so a list received before a batch was ingested still applies to it.
 
+Withdrawals: a registry allowed to withdraw records ``withdraw`` rows like opt-outs (with
+the images they matched, so the sensor reruns those partitions); which opt-outs stand is
+decided where rows are read (``standing_opt_outs``): an opt-out stands unless a withdrawal
+of the same identifier, from an accepted list of the same source received strictly later,
+takes it back. Nothing else withdraws, and anything unknown leaves the opt-out standing.
+
 Aliases: a file ingest refused as a byte-identical repeat of one it kept
 (``rejects.reason = ALIAS_REASON``) carried its own URL and ``source:id``; the same bytes
 train under the kept copy's name. Both directions match those names exactly like the kept

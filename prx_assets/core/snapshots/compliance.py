@@ -37,7 +37,7 @@ from prx_assets.core.markdown import md_code, md_table
 from prx_assets.core.shards.mds import relative_partition_dir
 from prx_assets.core.skiplists.live import LiveGenerations, Unreadable
 from prx_assets.core.skiplists.matching import opt_out_columns, standing_rows
-from prx_assets.core.skiplists.optouts import ACTION_ADD
+from prx_assets.core.skiplists.optouts import ACTION_ADD, ACTION_WITHDRAW
 from prx_assets.core.snapshots.runner import list_snapshots
 from prx_assets.core.snapshots.tables import SNAPSHOT_SAMPLES
 
@@ -79,6 +79,7 @@ class ComplianceReport:
     # (batch, key) images it named whose opt-out its source withdrew since (a later list of
     # the same source): no longer required out of training, and not part of the verdict
     withdrawn: list[tuple[str, str]] = field(default_factory=list)
+    withdraws: int = 0  # identifiers this list itself withdraws (a registry's delta)
 
     @property
     def verdict(self) -> str:
@@ -143,6 +144,10 @@ class ComplianceReport:
             "(no longer required out)"
             if self.withdrawn
             else ""
+        ) + (
+            f"; it withdraws {self.withdraws} earlier opt-out(s) of its source"
+            if self.withdraws
+            else ""
         )
         return (
             f"every sharded image it reaches ({sharded} of {len(self.images)}) is excluded for it "
@@ -162,6 +167,7 @@ class ComplianceReport:
             "snapshots_after_arrival": self.snapshots_after,
             "images": [i.__dict__ for i in self.images],
             "withdrawn": [{"batch": b, "key": k} for b, k in self.withdrawn],
+            "withdraws": self.withdraws,
         }
 
     def headline(self) -> str:
@@ -427,6 +433,24 @@ def compliance_report(lab: Lab, shards_root: str | os.PathLike[str], name: str) 
         after,
         list_reason=row.get("reason"),
         withdrawn=sorted(withdrawn),
+        withdraws=_withdraws(lab, list_id) if row["status"] == ACCEPTED else 0,
+    )
+
+
+def _withdraws(lab: Lab, list_id: str) -> int:
+    """Withdrawal rows of the list (``action`` BITMAP and ``list_id`` BTREE indexes)."""
+    view = lab.view()
+    if "action" not in opt_out_columns(view):
+        return 0
+    return len(
+        {
+            r["identifier"]
+            for r in view.read(
+                "opt_outs",
+                ["identifier"],
+                f"list_id = {sql_literal(list_id)} AND action = {sql_literal(ACTION_WITHDRAW)}",
+            ).to_pylist()
+        }
     )
 
 
