@@ -126,7 +126,11 @@ def _rows(lab: Lab, name: str) -> list[dict]:
         and not (pa.types.is_list(f.type) and pa.types.is_timestamp(f.type.value_type))
     ]
     identity = [c for c in BY_NAME[name].identity if c in keep]
-    return table.select(keep).sort_by([(c, "ascending") for c in identity]).to_pylist()
+    rows = table.select(keep).sort_by([(c, "ascending") for c in identity]).to_pylist()
+    # A model's probabilities are not bit-reproducible across processes (torch's reductions
+    # follow its thread count, which differs between a Ray worker and the local step under
+    # load: seen 0.98314792 vs 0.98314798 in one full-suite run); everything else is exact.
+    return [{k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()} for row in rows]
 
 
 def test_the_default_path_never_imports_ray(local_run):
