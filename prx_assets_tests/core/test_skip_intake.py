@@ -12,6 +12,7 @@ import shutil
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 
 from prx_assets.core.lab import Lab
@@ -230,6 +231,30 @@ def test_the_tick_plan_asks_for_intake_then_exactly_the_partitions_reached(world
     applied = plan_opt_out_tick(world.lab, drop, cursor, 8, {A, C})
     assert applied.skip_lists == {} and applied.waiting == [B, C]
     assert len(applied.recorded) == 2
+
+
+def test_the_reach_is_the_intakes_and_a_list_recorded_without_one_is_reached_by_the_tick(
+    world, drop
+):
+    # The intake run records which batches hold a copy (through the pHash cluster) and which
+    # of them have one in a shard; the sensor's tick only reads that. A list recorded before
+    # intakes did (null reach) is reached by the tick itself, with the same answer.
+    _write(drop, "one.txt", key_of("photo") + "\n" + key_of("unsharded") + "\n")
+    (lid,) = _ids(drop)
+    out = ListIntake(world.lab, drop, lid, now=T1).run()
+    (row,) = _rows(world.lab, OPT_OUT_LISTS, lid)
+    assert (row["reach_batches"], row["reach_sharded"]) == ([A, B, C], [A, B])
+    assert out.reach_sharded == (A, B)
+    computed = plan_opt_out_tick(world.lab, drop, OptOutCursor(), 8, {A, B, C})
+    assert computed.skip_lists == {A: [lid], B: [lid]} and computed.waiting == [C]
+    # The tick reads the recorded reach, not the lab (a planted narrower reach is followed).
+    narrow = {**row, "reach_batches": [A], "reach_sharded": [A]}
+    world.lab.replace_rows(OPT_OUT_LISTS, "list_id", lid, pa.Table.from_pylist([narrow]))
+    assert plan_opt_out_tick(world.lab, drop, OptOutCursor(), 8, {A, B, C}).skip_lists == {A: [lid]}
+    legacy = {**row, "reach_batches": None, "reach_sharded": None}
+    world.lab.replace_rows(OPT_OUT_LISTS, "list_id", lid, pa.Table.from_pylist([legacy]))
+    recomputed = plan_opt_out_tick(world.lab, drop, OptOutCursor(), 8, {A, B, C})
+    assert (recomputed.skip_lists, recomputed.waiting) == (computed.skip_lists, computed.waiting)
 
 
 def test_the_cursor_of_the_sensor_before_intake_runs_still_loads(world, drop):

@@ -40,8 +40,9 @@ import numpy as np
 import pyarrow as pa
 
 from prx_assets.core.lab import Lab, TableSpec, sql_literal
+from prx_assets.core.skiplists.decisions import cluster_copies
 from prx_assets.core.skiplists.identifiers import OptOutIdentifier
-from prx_assets.core.skiplists.matching import resolve_identifiers
+from prx_assets.core.skiplists.matching import resolve_identifiers, sharded_batches
 from prx_assets.core.skiplists.optouts import (
     ACTION_ADD,
     ACTION_WITHDRAW,
@@ -179,12 +180,15 @@ def list_row(
     batches: Sequence[str] = (),
     malformed: int = 0,
     source: str = DEFAULT_SOURCE,
+    reach: tuple[Sequence[str], Sequence[str]] | None = None,
 ) -> pa.Table:
     return pa.Table.from_pylist(
         [
             {
                 "malformed": malformed,
                 "source": source,
+                "reach_batches": None if reach is None else sorted(reach[0]),
+                "reach_sharded": None if reach is None else sorted(reach[1]),
                 "list_id": list_id,
                 "path": path,
                 "format": fmt,
@@ -212,6 +216,26 @@ def ensure_list_columns(lab: Lab) -> None:
         missing = [f for f in spec.schema if f.name not in stored.names]
         if missing:
             lab.add_columns(spec.name, missing)
+
+
+def list_reach(lab: Lab, list_id: str) -> tuple[list[str], list[str]]:
+    """The batches holding a copy (through the pHash clusters) of an image the list's rows
+    matched, and those of them where such a copy is in a shard: what the opt-out sensor
+    reruns for the list. Read from the committed rows, so a replay computes the same."""
+    rows = lab.read(
+        OPT_OUTS.name,
+        ["matched_batch", "matched_key"],
+        f"list_id = {sql_literal(list_id)} AND matched_key IS NOT NULL",
+    )
+    pairs = set(
+        zip(
+            rows.column("matched_batch").to_pylist(),
+            rows.column("matched_key").to_pylist(),
+            strict=True,
+        )
+    )
+    copies = cluster_copies(lab, pairs)
+    return sorted({b for b, _ in copies}), sorted(sharded_batches(lab, copies))
 
 
 def problem_rows(list_id: str, problems: Sequence[tuple[str, str]]) -> pa.Table:
@@ -245,6 +269,7 @@ class IntakeOutcome:
     malformed: int = 0  # malformed entries (recorded, skipped) under on_malformed="record"
     withdrawals: int = 0  # identifier rows that withdraw an earlier opt-out of the source
     source: str = DEFAULT_SOURCE
+    reach_sharded: tuple[str, ...] = ()  # batches with a sharded copy: what the sensor reruns
     indexes_created: tuple[str, ...] = field(default=())
 
     @property
@@ -401,6 +426,7 @@ class ListIntake:
         self._verify(OPT_OUTS, taken.rows)
         if taken.recorded or self.lab.exists(OPT_OUT_PROBLEMS.name):
             self._record(OPT_OUT_PROBLEMS, problem_rows(item.list_id, taken.recorded))
+        reach = list_reach(self.lab, item.list_id)
         row = list_row(
             item.list_id,
             shown,
@@ -412,6 +438,7 @@ class ListIntake:
             batches=sorted(taken.batches),
             malformed=taken.problems.count,
             source=self.source,
+            reach=reach,
         )
         return IntakeOutcome(
             list_id=item.list_id,
@@ -429,6 +456,7 @@ class ListIntake:
             malformed=taken.problems.count,
             withdrawals=taken.withdrawals,
             source=self.source,
+            reach_sharded=tuple(reach[1]),
             indexes_created=indexes,
         )
 

@@ -107,6 +107,10 @@ class RecordedList:
     list_id: str
     status: str
     reason: str | None
+    # What the intake computed (``intake.list_reach``); None: a list recorded before it did,
+    # whose reach the sensor computes itself (``affected_copies``).
+    reach_batches: tuple[str, ...] | None = None
+    reach_sharded: tuple[str, ...] | None = None
 
     @property
     def accepted(self) -> bool:
@@ -118,8 +122,16 @@ def recorded_lists(lab: Lab, list_ids: Iterable[str]) -> dict[str, RecordedList]
     ids = sorted(set(list_ids))
     if not ids:
         return {}
-    rows = lab.read(OPT_OUT_LISTS.name, ["list_id", "status", "reason"], in_list("list_id", ids))
-    return {r["list_id"]: RecordedList(**r) for r in rows.to_pylist()}
+    schema = lab.view().schema(OPT_OUT_LISTS.name)
+    reach = [c for c in ("reach_batches", "reach_sharded") if schema and c in schema.names]
+    rows = lab.read(
+        OPT_OUT_LISTS.name, ["list_id", "status", "reason", *reach], in_list("list_id", ids)
+    )
+    out = {}
+    for r in rows.to_pylist():
+        got = {c: (None if r.get(c) is None else tuple(r[c])) for c in reach}
+        out[r["list_id"]] = RecordedList(r["list_id"], r["status"], r["reason"], **got)
+    return out
 
 
 @dataclass(frozen=True)
@@ -184,13 +196,25 @@ def plan_opt_out_tick(
         cursor.awaiting.discard(r.list_id)
         cursor.applied.add(r.list_id)
 
-    affected = affected_copies(lab, [r.list_id for r in ready if r.accepted])
-    batches = set(affected.lists_by_batch)
-    wanted = batches & sharded_batches(lab, affected.copies) & registered
+    accepted = [r for r in ready if r.accepted]
+    # A list's reach is the intake run's (computed there, out of the tick's time limit); a
+    # list recorded before intakes computed it is reached here, as before.
+    legacy = [r.list_id for r in accepted if r.reach_batches is None or r.reach_sharded is None]
+    affected = affected_copies(lab, legacy)
+    lists_by_batch = {b: set(ls) for b, ls in affected.lists_by_batch.items()}
+    sharded = sharded_batches(lab, affected.copies)
+    for r in accepted:
+        if r.reach_batches is None or r.reach_sharded is None:
+            continue
+        for b in r.reach_batches:
+            lists_by_batch.setdefault(b, set()).add(r.list_id)
+        sharded |= set(r.reach_sharded)
+    batches = set(lists_by_batch)
+    wanted = batches & sharded & registered
     return OptOutTick(
         intake=intake,
         recorded=ready,
-        skip_lists={b: sorted(affected.lists_by_batch[b]) for b in sorted(wanted)},
+        skip_lists={b: sorted(lists_by_batch[b]) for b in sorted(wanted)},
         waiting=sorted(batches - wanted),
         awaiting=sorted(cursor.awaiting),
     )

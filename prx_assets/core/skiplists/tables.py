@@ -54,6 +54,12 @@ OPT_OUT_LISTS = TableSpec(
             # the source (OptOutResource.sources[].name) the list came from: a withdrawal
             # only withdraws opt-outs of its own source; null: "default"
             pa.field("source", pa.string()),
+            # Computed by the intake run after its commit (null: a list recorded before):
+            # the batches holding a copy, through the pHash clusters, of an image the list
+            # matched, and those of them with such a copy in a shard (what the opt-out
+            # sensor reruns), so a registry's reach is never computed inside a sensor tick.
+            pa.field("reach_batches", pa.list_(pa.string())),
+            pa.field("reach_sharded", pa.list_(pa.string())),
         ]
     ),
     identity=("list_id",),

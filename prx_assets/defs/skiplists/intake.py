@@ -63,6 +63,7 @@ def _metadata(out: IntakeOutcome) -> dict[str, Any]:
         "matched_images": out.matched_images,
         "malformed_entries": out.malformed,
         "withdrawals": out.withdrawals,
+        "partitions_to_rerun": len(out.reach_sharded),
         "source": MetadataValue.text(out.source),
         "batches": MetadataValue.json(list(out.batches[:MAX_BATCHES_LISTED])),
         "path": MetadataValue.text(out.path),
