@@ -26,6 +26,7 @@ KIND_SOURCE_ID = "source_id"
 KINDS: tuple[str, ...] = (KIND_KEY, KIND_URL, KIND_SOURCE_ID)
 
 _KEY_RE = re.compile(r"^[0-9a-fA-F]{64}$")
+_SPACE_RE = re.compile(r"\s")  # what str.isspace() calls whitespace, for str patterns
 
 
 @dataclass(frozen=True, order=True)
@@ -46,7 +47,7 @@ def content_key(text: str) -> OptOutIdentifier:
 
 
 def url_identifier(text: str) -> OptOutIdentifier:
-    if any(c.isspace() for c in text):
+    if _SPACE_RE.search(text):  # (a regex: a per-character loop was a third of a URL's parse)
         raise ValueError(f"{quote_bounded(text)} is not a URL (contains whitespace)")
     try:
         parts = urlsplit(text)

@@ -33,6 +33,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,7 @@ DEFAULT_CHUNK_ENTRIES = 100_000
 MAX_RECORDED_PROBLEMS = 10_000
 _HEX16 = re.compile(r"^[0-9a-f]{16}")
 _MASK = (1 << 64) - 1
+_IDENT_ORDER = attrgetter("kind", "value")  # C-level tuple order, not dataclass __lt__
 # Dagster refuses partition keys holding "..."; a list id never holds "%" unescaped
 # (``text.printable_name`` escapes it), so this spelling of the dots is unambiguous.
 _DOTS, _DOTS_IN_KEY = "...", "%2E%2E%2E"
@@ -148,7 +150,7 @@ def opt_out_rows(
     identifiers in ``withdrawn`` are withdrawals (``action`` "withdraw"), the rest opt-outs."""
     cols: dict[str, list[Any]] = {f.name: [] for f in OPT_OUTS.schema}
     withdrawn = set(withdrawn)
-    for ident in sorted(matches):
+    for ident in sorted(matches, key=_IDENT_ORDER):  # (kind, value) is unique per identifier
         action = ACTION_WITHDRAW if ident in withdrawn else ACTION_ADD
         for batch, key in matches[ident] or [(None, None)]:
             cols["action"].append(action)
@@ -495,7 +497,7 @@ class ListIntake:
     def _resolved(
         self, chunk: Mapping[OptOutIdentifier, bool], taken: _Taken, received_at: datetime
     ) -> pa.RecordBatch:
-        matches = resolve_identifiers(self.lab, sorted(chunk))
+        matches = resolve_identifiers(self.lab, list(chunk))
         taken.note_matches(p for ms in matches.values() for p in ms)
         withdrawn = [i for i, w in chunk.items() if w]
         rows = opt_out_rows(self.list_id, matches, received_at, withdrawn)

@@ -45,6 +45,10 @@ from prx_assets.core.skiplists.optouts import ACTION_ADD, ACTION_WITHDRAW, DEFAU
 from prx_assets.core.tables import IMAGES, OPT_OUT_LISTS, OPT_OUTS, REJECTS, SHARD_SAMPLES
 
 LOOKUP_CHUNK = 512  # values per ``IN (...)`` probe: each is one scalar-index lookup
+#: Values per probe when resolving a list's identifiers at intake (a registry's chunk of
+#: 100k): larger probes cost less per value (50k keys + 50k URLs against 10^5 images:
+#: 1.17 s at 8,192 a probe, 1.89 s at 512; measured in a one-off script, not a benchmark).
+RESOLVE_CHUNK = 8192
 
 
 def match_filter(kind: str, values: Sequence[str]) -> str:
@@ -110,7 +114,7 @@ def _resolve_in(
             probe = sorted(i.value for i in group)
             column = {KIND_KEY: "key", KIND_URL: "url"}[kind]
             columns = list(dict.fromkeys(["batch", "key", column]))
-        for chunk in chunked(probe, LOOKUP_CHUNK):
+        for chunk in chunked(probe, RESOLVE_CHUNK):
             flt = match_filter(kind, chunk)
             if alias:
                 flt = f"{ALIAS_FILTER} AND {flt}"
