@@ -527,7 +527,7 @@ class Lab(VersionPins):
 
     def write_rows(self, spec: TableSpec, batches: Iterable[pa.RecordBatch]) -> list:
         """Stream ``batches`` into new, uncommitted fragment files of ``spec``'s table
-        (bounded memory: rows are written as they come) and return the fragments, for
+        (bounded memory: ``ROWS_PER_WRITE`` rows are held at a time) and return the fragments, for
         ``commit_rows``. Nothing is visible until then; files of fragments never committed
         (a refused or killed run) are what ``remove_orphaned_files`` removes. Tables with
         blob columns go through ``replace_partition`` instead."""
@@ -541,8 +541,8 @@ class Lab(VersionPins):
             # The rows of one write are gathered here first, in this thread, then handed to
             # Lance whole: a generator pulled from inside Lance's writer (which here resolves
             # identifiers through other Lance reads) grew the process by ~25 MB per 100k
-            # rows for as long as the stream lasted (measured with the intake of a 2M-line
-            # list); gathered, memory stays flat at one write's rows (ROWS_PER_WRITE).
+            # rows for as long as the stream lasted (the intake of a 2M-line list, in a one-off
+            # script; bench_optout_registry checks the peak before the commit); gathered, memory stays flat at one write's rows (ROWS_PER_WRITE).
             part = list(_take_rows(source, ROWS_PER_WRITE))
             if not part:
                 break

@@ -11,7 +11,7 @@ The run is read -> decide -> write -> verify: find the list's file by its id (a 
 and a content hash: the id never becomes a path), read it as a stream of entries
 (:mod:`prx_assets.core.skiplists.optouts`), and for each chunk of ``chunk_entries``
 identifiers resolve what they name through the ``images`` indexes
-(:mod:`prx_assets.core.skiplists.matching`: one probe per 512 values, so the cost follows
+(:mod:`prx_assets.core.skiplists.matching`: one probe per 8,192 values, so the cost follows
 the list, not the lab) and write their ``opt_outs`` rows into uncommitted fragment files;
 then commit them as the list's rows in one commit (a replay writes the same rows, keeping
 the first arrival time) and check that they are there. Memory follows the chunk: a

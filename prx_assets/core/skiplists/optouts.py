@@ -563,6 +563,7 @@ class ListReader:
         self.max_line_bytes = max_line_bytes
         self._fh: BinaryIO | None = None
         self._reader: _HashingReader | None = None
+        self._stream: io.BufferedReader | None = None  # txt/CSV: what entries read through
         self._digest: str | None = None
 
     def __enter__(self) -> ListReader:
@@ -607,9 +608,8 @@ class ListReader:
         """The sha256 of the whole file (call once the entries are read)."""
         if self._digest is None:
             assert self._reader is not None
-            stream = getattr(self, "_stream", None)
-            if stream is not None:
-                while stream.read(1 << 20):  # the rest (nothing, at EOF): hash covers it all
+            if self._stream is not None:
+                while self._stream.read(1 << 20):  # the rest (nothing, at EOF): hash covers it all
                     pass
             self._digest = self._reader.finish()
         return self._digest
