@@ -108,7 +108,8 @@ def materialize_asset(
 
 
 def make_snapshot(lab_root: str, shards_root: str, name: str) -> None:
-    """``snapshot create``: pins, ``snapshot_samples``, staged manifest, row, published."""
+    """``snapshot create``: pins, generations and directory rows, staged manifest, row,
+    published."""
     create_snapshot(Lab(lab_root), shards_root, name)
 
 

@@ -24,8 +24,20 @@ from prx_assets.core.skiplists.sidecars import load_generation, sweep, update_sk
 from prx_assets.core.snapshots.compliance import compliance_report
 from prx_assets.core.snapshots.diff import diff_snapshots
 from prx_assets.core.snapshots.manifest import SnapshotError, read_snapshot
+from prx_assets.core.snapshots.members import (
+    MEMBER_COLUMNS,
+    MEMBERSHIP_TABLES,
+    frozen,
+    iter_members,
+)
 from prx_assets.core.snapshots.pins import PINS_DIRNAME, RETAINED_DIRNAME
-from prx_assets.core.snapshots.runner import MEMBER_COLUMNS, create_snapshot, retire_snapshot
+from prx_assets.core.snapshots.runner import (
+    SOURCE_TABLES,
+    create_snapshot,
+    holder,
+    retire_snapshot,
+    snapshots_containing,
+)
 from prx_assets.core.tables import spec
 from prx_assets.defs.captions.resources import CaptionerResource
 from prx_assets.defs.run_requests import evaluate_sensor, execute_run_request
@@ -52,9 +64,13 @@ def _shards(platform) -> str:
     return os.path.join(platform.data_root, "shards")
 
 
+def _member_rows(lab: Lab, snapshot_id: str) -> list[dict]:
+    """The samples the snapshot holds, derived from its frozen directories."""
+    return [r for chunk in iter_members(lab, frozen(lab, snapshot_id)) for r in chunk]
+
+
 def _members(lab: Lab, snapshot_id: str) -> set[tuple[str, str]]:
-    rows = lab.read("snapshot_samples", ["batch", "key"], f"snapshot_id = '{snapshot_id}'")
-    return set(zip(rows.column("batch").to_pylist(), rows.column("key").to_pylist(), strict=True))
+    return {(r["batch"], r["key"]) for r in _member_rows(lab, snapshot_id)}
 
 
 def _opt_out(platform, name: str, keys: list[str]) -> None:
@@ -197,11 +213,8 @@ def test_diff_counts_by_reason_after_an_opt_out_and_a_captioner_swap(platform, c
 
 
 def _members_by_batch(lab: Lab, snapshot_id: str) -> dict[str, set[tuple]]:
-    rows = lab.read(
-        "snapshot_samples", list(MEMBER_COLUMNS), f"snapshot_id = '{snapshot_id}'"
-    ).to_pylist()
     out: dict[str, set[tuple]] = {}
-    for r in rows:
+    for r in _member_rows(lab, snapshot_id):
         out.setdefault(r["batch"], set()).add(tuple(r[c] for c in MEMBER_COLUMNS))
     return out
 
@@ -242,18 +255,13 @@ def test_a_diff_reads_only_the_batches_whose_members_changed(platform):
     # A batch per read gives the same answer as one read of every changed batch.
     assert _same_result(diff_snapshots(lab, "s1", "s2", chunk_samples=1), diff)
 
-    # A snapshot without directory digests (made before they were recorded) is compared
-    # whole, sample by sample: the same answer.
-    lab.replace_rows(
-        spec("snapshot_directories"),
-        "snapshot_id",
-        "s1",
-        spec("snapshot_directories").schema.empty_table(),
-    )
-    whole = diff_snapshots(lab, "s1", "s2")
-    with_samples = before.keys() | after.keys()
-    assert whole.batches_unchanged is None and whole.batches_compared == len(with_samples)
-    assert _same_result(whole, diff)
+    # Membership is derived from the directory rows: a snapshot missing one of them is
+    # refused (by the diff, the audit's lineage and compliance), never read as holding less.
+    lab.delete("snapshot_directories", f"snapshot_id = 's1' AND batch = '{batch}'")
+    with pytest.raises(SnapshotError, match="cannot be established"):
+        diff_snapshots(lab, "s1", "s2")
+    with pytest.raises(SnapshotError, match="cannot be established"):
+        snapshots_containing(lab, opted)
 
 
 def _duplicate_pair(lab: Lab, members: set[tuple[str, str]]) -> tuple[tuple, tuple]:
@@ -363,16 +371,30 @@ def test_cleanup_keeps_pinned_lance_versions_until_retired(platform):
         version_min_age=timedelta(0),
     )
     assert lab.read("skip_audit", ["key"], version=version).num_rows == expected
+    members = _members(lab, "keep")
+    assert lab.pinned_by(holder("keep")) == out.manifest.lab_versions
     retire_snapshot(lab, root, "keep")
-    lab.maintain(
-        spec("skip_audit"),
-        retention=timedelta(0),
-        orphan_min_age=timedelta(0),
-        keep_versions=1,  # by count as well: the newest only, nothing pinned any more
-        version_min_age=timedelta(0),
-    )
+    # Retired: only the versions its membership and diff reasons are derived from stay
+    # pinned (skip_audit among them), so its history still answers after a cleanup.
+    assert lab.pinned_by(holder("keep")) == {
+        t: v for t, v in out.manifest.lab_versions.items() if t in MEMBERSHIP_TABLES
+    }
+    assert set(MEMBERSHIP_TABLES) < set(SOURCE_TABLES)
+    for table in MEMBERSHIP_TABLES:
+        lab.maintain(
+            spec(table),
+            retention=timedelta(0),
+            orphan_min_age=timedelta(0),
+            keep_versions=1,
+            version_min_age=timedelta(0),
+        )
+    assert lab.read("skip_audit", ["key"], version=version).num_rows == expected
+    assert _members(lab, "keep") == members
+    # A version no snapshot pins does go: the one the policy change superseded last.
+    released = lab.version("skip_audit") - 1
+    assert released != version
     with pytest.raises((OSError, ValueError)):  # the version's manifest is gone
-        lab.dataset("skip_audit", version=version)
+        lab.dataset("skip_audit", version=released)
 
 
 def _intake_only(platform, rejected: bool = False) -> None:

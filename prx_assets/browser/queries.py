@@ -48,6 +48,7 @@ from prx_assets.core.lab import (
 )
 from prx_assets.core.skiplists.live import LiveGenerations, Unreadable
 from prx_assets.core.skiplists.sidecars import REASON_CODES
+from prx_assets.core.snapshots.members import holders
 from prx_assets.core.snapshots.pins import SNAPSHOT_ID_RE
 
 #: The tables the browser reads, as the registry declares them.
@@ -71,9 +72,13 @@ TEXT_INDEX = (CAPTIONS, "caption")
 OPTIONAL_TABLES: dict[str, str] = {
     BUCKETS: "the shards stage has not written bucket_assignments yet",
     SKIP_AUDIT: "the skip-lists stage has not written skip_audit yet",
-    "snapshot_samples": "no training snapshot has been made yet (prx-assets snapshot create)",
+    "training_snapshots": "no training snapshot has been made yet (prx-assets snapshot create)",
 }
-SNAPSHOT_SAMPLES = "snapshot_samples"
+SNAPSHOTS = "training_snapshots"
+# The snapshot filter is never a table predicate: which samples a snapshot holds is derived
+# from its frozen directories (core/snapshots/members.py), so it always runs as a post-filter
+# on candidate keys. Its ``_Plan.post`` entry carries the snapshot ids, one per line.
+SNAPSHOT_FILTER = "snapshot membership"
 SKIP_STATES: tuple[str, ...] = ("kept", "excluded")
 SKIP_CHOICES: tuple[str, ...] = (*SKIP_STATES, *REASON_CODES)
 
@@ -257,8 +262,6 @@ class Filters:
             if reasons:
                 parts.append(f"array_has_any(reasons, [{', '.join(map(sql_literal, reasons))}])")
             out.setdefault(SKIP_AUDIT, []).append("(" + " OR ".join(parts) + ")")
-        if self.snapshots:
-            out.setdefault(SNAPSHOT_SAMPLES, []).append(in_list("snapshot_id", self.snapshots))
         return {t: " AND ".join(conds) for t, conds in out.items()}
 
     def to_dict(self) -> dict[str, Any]:
@@ -494,8 +497,8 @@ class LabQueries:
             if not tables[table]["present"]:
                 for name in filters:
                     disabled[name] = f"no {table} table in the lab yet"
-        if not self.view().exists(SNAPSHOT_SAMPLES):
-            disabled["snapshot"] = OPTIONAL_TABLES[SNAPSHOT_SAMPLES]
+        if not self.view().exists(SNAPSHOTS):
+            disabled["snapshot"] = OPTIONAL_TABLES[SNAPSHOTS]
         if not tables[CAPTIONS]["present"]:
             disabled["q"] = "no captions table in the lab yet"
         if not tables[EMBEDDINGS]["present"]:
@@ -569,10 +572,25 @@ class LabQueries:
             if total is None:
                 total = self._need(table).count(table)
             plan.post.append((table, predicate, n / max(1, total)))
+        if f.snapshots:
+            self._need(SNAPSHOTS)
+            plan.post.append((SNAPSHOT_FILTER, "\n".join(f.snapshots), self._kept_share(f)))
         if keysets:
             plan.keys = set.intersection(*keysets)
         plan.post.sort(key=lambda p: p[2])  # the most selective first: fewer keys next
         return plan
+
+    def _kept_share(self, f: Filters) -> float:
+        """The largest share of sharded samples the chosen snapshots keep (how many
+        candidates a snapshot-filtered page needs)."""
+        rows = (
+            self.view()
+            .read(SNAPSHOTS, ["samples", "kept_samples"], in_list("snapshot_id", f.snapshots))
+            .to_pylist()
+        )
+        if not rows:
+            raise QueryError(f"no training snapshot named {f.snapshots[0][:80]!r}")
+        return max((r["kept_samples"] or 0) / max(1, r["samples"] or 0) for r in rows)
 
     def _post_filter(
         self, result: Result, keys: list[str], post: Sequence[tuple[str, str, float]]
@@ -581,6 +599,9 @@ class LabQueries:
         for table, predicate, _ in post:
             if not passing:
                 break
+            if table == SNAPSHOT_FILTER:
+                passing &= self._held(result, passing, set(predicate.split("\n")))
+                continue
             rows = self._read(
                 result,
                 table,
@@ -590,6 +611,14 @@ class LabQueries:
             )
             passing &= set(rows.column("key").to_pylist())
         return passing
+
+    def _held(self, result: Result, keys: set[str], snapshots: set[str]) -> set[str]:
+        """The ``keys`` one of ``snapshots`` held (derived: ``members.holders``)."""
+        t0 = time.perf_counter()
+        held = {k for (_, k), ids in holders(self.lab, keys).items() if ids & snapshots}
+        ms = round((time.perf_counter() - t0) * 1000, 2)
+        result.steps.append(Step(SNAPSHOTS, f"held by {len(snapshots)} snapshot(s)", len(held), ms))
+        return held
 
     def _ranked(
         self,
@@ -753,8 +782,9 @@ class LabQueries:
             result.hits = self._details(result, hits[:limit], f)
             return _finish(result, t0)
         # No selective filter: list the most selective broad one, post-filter the rest.
-        primary, predicate = plan.post[0][:2] if plan.post else (IMAGES, f.batch_clause())
-        rest = plan.post[1:]
+        listable = [p for p in plan.post if p[0] != SNAPSHOT_FILTER]
+        primary, predicate = listable[0][:2] if listable else (IMAGES, f.batch_clause())
+        rest = [p for p in plan.post if not listable or p is not listable[0]]
 
         def page(k: int) -> list[dict[str, Any]]:
             return self._read(

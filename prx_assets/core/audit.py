@@ -43,6 +43,7 @@ from prx_assets.core.ingest.tables import ALIAS_REASON
 from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
 from prx_assets.core.markdown import md_code
 from prx_assets.core.skiplists.live import LiveGenerations, Unreadable
+from prx_assets.core.snapshots.runner import snapshots_containing
 from prx_assets.core.tables import LAB_TABLES
 
 # The registry lists the tables in the order a data lead reads a trail in: where an image
@@ -644,27 +645,22 @@ def audit_image(
             trail.tables[table] = rows
             trail.versions[table] = snap.versions[table]
     trail.copies = _verdicts(snap, trail)
-    trail.snapshots = _snapshot_lineage(snap, trail.tables.get("snapshot_samples", []))
+    trail.snapshots = _snapshot_lineage(lab, trail.keys)
     return trail
 
 
-def _snapshot_lineage(snap: _Snapshot, members: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The snapshots (id, status, date) whose ``snapshot_samples`` hold the audited keys."""
-    if not members or "training_snapshots" not in snap.versions:
-        return []
-    ids = sorted({m["snapshot_id"] for m in members})
-    info = {
-        r["snapshot_id"]: r for r in snap.read("training_snapshots", in_list("snapshot_id", ids))
-    }
+def _snapshot_lineage(lab: Lab, keys: list[str]) -> list[dict[str, Any]]:
+    """The committed snapshots (id, status, date) whose training set held the audited keys,
+    derived from their frozen directories (``snapshots.members.holders``: fails closed)."""
     out = [
         {
-            "snapshot_id": m["snapshot_id"],
-            "created_at": info[m["snapshot_id"]]["created_at"],
-            "status": info[m["snapshot_id"]]["status"],
-            "batch": m["batch"],
-            "key": m["key"],
+            "snapshot_id": s["snapshot_id"],
+            "created_at": s["created_at"],
+            "status": s["status"],
+            "batch": s["batch"],
+            "key": key,
         }
-        for m in members
-        if m["snapshot_id"] in info  # rows of an attempt that never committed are not lineage
+        for key, held in snapshots_containing(lab, keys).items()
+        for s in held
     ]
     return sorted(out, key=lambda r: (r["created_at"], r["snapshot_id"], r["batch"], r["key"]))

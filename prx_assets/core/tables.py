@@ -21,6 +21,7 @@ from prx_assets.core.skiplists.tables import (
     SKIP_DIRTY,
 )
 from prx_assets.core.snapshots.tables import (
+    SKIP_GENERATIONS,
     SNAPSHOT_DIRECTORIES,
     SNAPSHOT_SAMPLES,
     TRAINING_SNAPSHOTS,
@@ -47,6 +48,7 @@ LAB_TABLES: tuple[TableSpec, ...] = (
     TRAINING_SNAPSHOTS,
     SNAPSHOT_SAMPLES,
     SNAPSHOT_DIRECTORIES,
+    SKIP_GENERATIONS,
     VERSION_PINS,
 )
 """Every lab table, in the order a data lead reads an image's trail."""

@@ -525,6 +525,22 @@ class Lab(VersionPins):
         self.after_commit(spec)
         return self.dataset(spec.name).version
 
+    def insert_missing(self, spec: TableSpec, rows: pa.Table) -> int:
+        """Add the ``rows`` whose identity the table does not hold yet, in one commit
+        (``merge_insert`` inserting only unmatched rows): for content-addressed rows that
+        are written once and never change, so a replay or a racing writer adds nothing
+        twice. Returns the table version."""
+        rows = rows.select(spec.schema.names).cast(spec.schema)
+        ds = self.ensure(spec)
+        if not rows.num_rows:
+            return ds.version
+        ds.merge_insert(list(spec.identity)).when_not_matched_insert_all().execute(
+            self._to_stored(spec, rows)
+        )
+        self.ensure_indexes(spec)
+        self.after_commit(spec)
+        return self.dataset(spec.name).version
+
     def write_rows(self, spec: TableSpec, batches: Iterable[pa.RecordBatch]) -> list:
         """Stream ``batches`` into new, uncommitted fragment files of ``spec``'s table
         (bounded memory: ``ROWS_PER_WRITE`` rows are held at a time) and return the fragments, for

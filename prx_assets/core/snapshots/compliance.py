@@ -3,7 +3,8 @@
 For a list (``opt_out_lists``): when it arrived, the images it matched directly (``opt_outs``
 rows with a match) and through duplicate clusters (every other copy in the same
 ``phash_clusters`` cluster, and every ``skip_audit`` row excluded because of the list), which
-snapshots contained each of them (``snapshot_samples``), and the first snapshot made after
+snapshots contained each of them (derived from their frozen directories:
+core/snapshots/members.py), and the first snapshot made after
 the list arrived that excludes it.
 
 Each report ends in one verdict; only ``PASS`` means "applied and holding":
@@ -38,8 +39,8 @@ from prx_assets.core.shards.mds import relative_partition_dir
 from prx_assets.core.skiplists.live import LiveGenerations, Unreadable
 from prx_assets.core.skiplists.matching import opt_out_columns, standing_rows
 from prx_assets.core.skiplists.optouts import ACTION_ADD, ACTION_WITHDRAW
+from prx_assets.core.snapshots.members import holders
 from prx_assets.core.snapshots.runner import list_snapshots
-from prx_assets.core.snapshots.tables import SNAPSHOT_SAMPLES
 
 MAX_LISTED = 50
 PASS, FAIL, PENDING, NOT_APPLIED = "PASS", "FAIL", "PENDING", "NOT APPLIED"
@@ -398,17 +399,11 @@ def compliance_report(lab: Lab, shards_root: str | os.PathLike[str], name: str) 
     live_after = {
         s["snapshot_id"] for s in snapshots if s["created_at"] > received and s["status"] == "live"
     }
-    held: dict[tuple[str, str], set[str]] = {}
-    keys = sorted({k for _, k in reached})
-    if keys and lab.exists(SNAPSHOT_SAMPLES.name):
-        rows = lab.read(
-            SNAPSHOT_SAMPLES.name, ["snapshot_id", "batch", "key"], in_list("key", keys)
-        )
-        for sid, batch, key in zip(
-            *(rows.column(c).to_pylist() for c in ("snapshot_id", "batch", "key")), strict=True
-        ):
-            if sid in created:
-                held.setdefault((batch, key), set()).add(sid)
+    # Derived from each snapshot's frozen directories (fails closed when it cannot be).
+    held = {
+        ident: {sid for sid in ids if sid in created}
+        for ident, ids in holders(lab, {k for _, k in reached}).items()
+    }
     images = []
     for (batch, key), via in sorted(reached.items()):
         inside = held.get((batch, key), set())

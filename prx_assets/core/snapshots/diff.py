@@ -1,9 +1,10 @@
 """What changed between the training sets of two snapshots, and why.
 
-Membership comes from ``snapshot_samples`` (the samples each snapshot trains on), read only
-for the batches whose directories differ: each snapshot records per directory a digest of
-the samples it keeps there (``snapshot_directories``), and a batch with the same directories
-and digests in both is skipped unread. The changed batches are read a few at a time, so a
+Membership is derived (core/snapshots/members.py: ``shard_samples`` at each snapshot's pinned
+version, less what its frozen skip-list generations skip) only for the batches whose
+directories differ: each snapshot records per directory a digest of the samples it keeps
+there (``snapshot_directories``), and a batch with the same directories and digests in both
+is skipped unread. The changed batches are read a few at a time, so a
 diff's memory grows with its largest changed batch, not with the snapshots. The reason
 a sample left or joined is read from the lab *at the versions each snapshot pinned*
 (``skip_audit`` of the later snapshot for a removal, of the earlier one for an addition),
@@ -26,7 +27,6 @@ bytes differ: a captioner swap re-renders them). Counts are exact; sample keys a
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,8 +34,13 @@ from typing import Any
 
 from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
 from prx_assets.core.markdown import md_table
-from prx_assets.core.snapshots.manifest import SnapshotError
-from prx_assets.core.snapshots.runner import MEMBER_COLUMNS, existing
+from prx_assets.core.snapshots.members import (
+    MEMBER_COLUMNS,
+    Frozen,
+    frozen,
+    frozen_batches,
+    members_of_batches,
+)
 from prx_assets.core.snapshots.tables import SNAPSHOT_DIRECTORIES, SNAPSHOT_SAMPLES
 
 REASONS = (
@@ -163,20 +168,18 @@ def md_table_value(value: str) -> str:
 
 
 def _members(
-    view: LabView, snapshot_id: str, batches: str | None
+    lab: Lab, snap: Frozen, view: LabView, batches: list[str] | None
 ) -> dict[tuple[str, str], dict[str, Any]]:
-    where = f"snapshot_id = {sql_literal(snapshot_id)}"
+    """(batch, key) -> member row of ``snap`` in ``batches`` (None: every batch, for a
+    snapshot made before directory digests, compared whole)."""
     if batches is not None:
-        where += f" AND {batches}"
-    rows = view.read(SNAPSHOT_SAMPLES.name, list(MEMBER_COLUMNS), where).to_pylist()
+        rows = members_of_batches(lab, snap, batches, view)
+    elif snap.legacy:
+        where = f"snapshot_id = {sql_literal(snap.snapshot_id)}"
+        rows = lab.read(SNAPSHOT_SAMPLES.name, list(MEMBER_COLUMNS), where).to_pylist()
+    else:  # ``frozen`` checked its directory rows are all there
+        rows = members_of_batches(lab, snap, frozen_batches(lab, snap.snapshot_id), view)
     return {(r["batch"], r["key"]): r for r in rows}
-
-
-def _versions(lab: Lab, snapshot_id: str) -> dict[str, int]:
-    row = existing(lab, snapshot_id)
-    if row is None:
-        raise SnapshotError(f"no training snapshot {snapshot_id!r} in the lab")
-    return json.loads(row["lab_versions"] or "{}")
 
 
 def _directories(lab: Lab, snapshot_id: str) -> dict[str, dict[str, tuple[str, int]]] | None:
@@ -326,7 +329,8 @@ def diff_snapshots(
     (about ``chunk_samples`` samples per read): memory grows with the largest changed batch,
     not with the snapshots, and time with what changed. Snapshots made before directory
     digests were recorded are compared whole."""
-    va, vb = _versions(lab, a), _versions(lab, b)
+    snap_a, snap_b = frozen(lab, a), frozen(lab, b)
+    va, vb = snap_a.versions, snap_b.versions
     dirs_a, dirs_b = _directories(lab, a), _directories(lab, b)
     if dirs_a is None or dirs_b is None:
         chunks: list[list[str] | None] = [None]
@@ -347,10 +351,10 @@ def diff_snapshots(
         if len(g.keys) < max_keys:
             g.keys.append(row["key"])
 
-    with lab.view() as members, lab.view(va) as view_a, lab.view(vb) as view_b:
+    with lab.view(va) as view_a, lab.view(vb) as view_b:
         for chunk in chunks:
             where = None if chunk is None else in_list("batch", chunk)
-            ma, mb = _members(members, a, where), _members(members, b, where)
+            ma, mb = _members(lab, snap_a, view_a, chunk), _members(lab, snap_b, view_b, chunk)
             a_samples += len(ma)
             b_samples += len(mb)
             batches_compared += len(

@@ -12,19 +12,24 @@ code fingerprints found there. Making one (``create_snapshot``):
    ``shard_samples`` (a directory the lab does not describe exactly refuses the snapshot);
 3. refuses when a kept sample is an image an accepted opt-out list names (the list's
    skip-lists have not run yet: a snapshot must never freeze an opted-out image);
-4. pins the Lance versions (``Lab.pin_versions``), writes ``snapshot_samples``, stages the
-   manifest file (``.<id>.json.staged``, atomic), commits the ``training_snapshots`` row
-   (the commit point), then publishes the manifest under the name the loader reads
-   (``<id>.json``; core/snapshots/manifest.py). The loader reads only a published manifest,
+4. pins the Lance versions (``Lab.pin_versions``), records the skip-list generations no
+   earlier snapshot froze (``skip_generations``, once per generation) and one
+   ``snapshot_directories`` row per directory, stages the manifest file
+   (``.<id>.json.staged``, atomic), commits the ``training_snapshots`` row (the commit
+   point), then publishes the manifest under the name the loader reads (``<id>.json``;
+   core/snapshots/manifest.py). Nothing is written per sample: which samples a snapshot
+   holds is derived from these rows and ``shard_samples`` at its pinned version
+   (core/snapshots/members.py), so a snapshot costs O(directories). The loader reads only a published manifest,
    and one is published only once its row is committed, so every snapshot a loader can
    train on is one that ``snapshot list``, compliance and retirement see.
 
 A rerun with an existing name returns the existing snapshot untouched (snapshots are
 immutable), publishing its manifest if the run that committed it was killed before that;
 one interrupted after its staged manifest but before its row is completed from that file.
-Retiring (``retire_snapshot``) removes the pins of its files and Lance versions and deletes
-retained directory copies nobody pins any more; its rows stay, marked ``retired``, so the
-audit and compliance reports keep the history.
+Retiring (``retire_snapshot``) removes the pins of its files and of its Lance versions but
+those of ``members.MEMBERSHIP_TABLES`` and deletes retained directory copies nobody pins any
+more; its rows and those versions stay, marked ``retired``, so the audit, compliance and
+diff keep answering which samples it held.
 """
 
 from __future__ import annotations
@@ -65,9 +70,16 @@ from prx_assets.core.snapshots.manifest import (
     stage_snapshot_file,
     staged_path,
 )
+from prx_assets.core.snapshots.members import (
+    MEMBER_COLUMNS,
+    MEMBERSHIP_TABLES,
+    generation_rows,
+    holders,
+    recorded_generations,
+)
 from prx_assets.core.snapshots.tables import (
+    SKIP_GENERATIONS,
     SNAPSHOT_DIRECTORIES,
-    SNAPSHOT_SAMPLES,
     TRAINING_SNAPSHOTS,
 )
 
@@ -86,17 +98,7 @@ SOURCE_TABLES: tuple[str, ...] = (
     "skip_audit",
 )
 MAX_LISTED = 20
-# What a diff compares of a sample both snapshots hold (``snapshot_samples`` columns), and
-# so what a directory's ``members_sha256`` covers.
-MEMBER_COLUMNS: tuple[str, ...] = (
-    "batch",
-    "key",
-    "tier",
-    "shape",
-    "source",
-    "caption_fingerprint",
-    "class_fingerprint",
-)
+BATCHES_PER_READ = 64  # batches whose lab rows a snapshot holds at once
 
 
 def members_digest(members: Iterable[dict[str, Any]]) -> str:
@@ -169,10 +171,12 @@ def _distinct(view: LabView, table: str, column: str) -> list[str]:
     return sorted({v for v in rows.column(column).to_pylist() if v is not None})
 
 
-def _lookup(view: LabView, table: str, columns: list[str]) -> dict[tuple[str, str], tuple]:
+def _lookup(
+    view: LabView, table: str, columns: list[str], batches: list[str]
+) -> dict[tuple[str, str], tuple]:
     if not view.exists(table):
         return {}
-    rows = view.read(table, ["batch", "key", *columns]).to_pydict()
+    rows = view.read(table, ["batch", "key", *columns], in_list("batch", batches)).to_pydict()
     return {
         (b, k): tuple(rows[c][i] for c in columns)
         for i, (b, k) in enumerate(zip(rows["batch"], rows["key"], strict=True))
@@ -235,99 +239,110 @@ def create_snapshot(
 
     view = lab.view()
     versions = view.pin(SOURCE_TABLES)
-    placed = _placements(view)
-    source = _lookup(view, "images", ["source"])
-    classes = _lookup(view, "caption_classes", ["backend_fingerprint"])
     opted_out = _opted_out_keys(view)
 
-    directories: list[PinnedDirectory] = []
-    members: list[dict[str, Any]] = []
-    directory_rows: list[dict[str, Any]] = []
+    new_generations: list[dict[str, Any]] = []
+    total_kept = 0
     pinned: list[Path] = []
     try:
-        for rel in _scan(root / "mds"):
-            d = root / rel
-            with pins.directory_lock(d):
-                try:
-                    gen = load_generation(d)
-                except SkipListError as exc:
-                    raise SnapshotError(f"{rel}: cannot be frozen: {exc}") from None
-                entries = gen.manifest.entries
-                pins.write_pin(
-                    d,
-                    snapshot_id,
-                    gen.manifest.index_sha256,
-                    gen.generation,
-                    [e.sidecar for e in entries],
-                    durable=False,  # made durable together below, before the commit
-                )
-            pinned.append(d)
-            crashpoint("snapshots.pinned")
-            slots = placed.get(rel, {})
-            samples = kept = 0
-            first_member = len(members)
-            for shard, n in read_index_shards(d):
-                samples += n
-                skipped = set(gen.skiplists[shard].indices)
-                for index in range(n):
-                    slot = slots.get((shard, index))
-                    if slot is None:
-                        raise SnapshotError(
-                            f"{rel}: {shard} #{index} has no shard_samples row: the lab does "
-                            "not describe this directory (materialise mds_shards for its batch)"
-                        )
-                    if index in skipped:
-                        continue
-                    kept += 1
-                    batch, key, tier, shape, caption_fp = slot
-                    if key in opted_out:
-                        raise SnapshotError(
-                            f"{rel}: {shard} #{index} is image {key[:16]}…, which opt-out list "
-                            f"{opted_out[key][:120]!r} names, yet its skip-lists keep it: run "
-                            f"skip_lists for batch {batch[:120]!r} before snapshotting"
-                        )
-                    members.append(
-                        {
-                            "snapshot_id": snapshot_id,
-                            "batch": batch,
-                            "key": key,
-                            "tier": tier,
-                            "shape": shape,
-                            "source": (source.get((batch, key)) or (None,))[0],
-                            "relative_dir": rel,
-                            "shard": shard,
-                            "index_in_shard": index,
-                            "caption_fingerprint": caption_fp,
-                            "class_fingerprint": (classes.get((batch, key)) or (None,))[0],
-                        }
+        rels = _scan(root / "mds")
+        known = recorded_generations(lab, rels)
+        by_batch: dict[str, list[str]] = {}
+        for rel in rels:
+            by_batch.setdefault(rel.rsplit("/", 1)[-1], []).append(rel)
+        by_rel: dict[str, PinnedDirectory] = {}
+        row_of: dict[str, dict[str, Any]] = {}
+        batches = sorted(by_batch)
+        # A few batches at a time: memory bounded by the batches read, not by the tree.
+        for first in range(0, len(batches), BATCHES_PER_READ):
+            chunk = batches[first : first + BATCHES_PER_READ]
+            placed = _placements(view, chunk)
+            source = _lookup(view, "images", ["source"], chunk)
+            classes = _lookup(view, "caption_classes", ["backend_fingerprint"], chunk)
+            for rel in (r for b in chunk for r in by_batch[b]):
+                d = root / rel
+                with pins.directory_lock(d):
+                    try:
+                        gen = load_generation(d)
+                    except SkipListError as exc:
+                        raise SnapshotError(f"{rel}: cannot be frozen: {exc}") from None
+                    entries = gen.manifest.entries
+                    pins.write_pin(
+                        d,
+                        snapshot_id,
+                        gen.manifest.index_sha256,
+                        gen.generation,
+                        [e.sidecar for e in entries],
+                        durable=False,  # made durable together below, before the commit
                     )
-            if len(slots) != samples:
-                raise SnapshotError(
-                    f"{rel}: shard_samples holds {len(slots)} rows for {samples} samples: the lab "
-                    "and the shard tree disagree (materialise mds_shards for its batch)"
-                )
-            directories.append(
-                PinnedDirectory(
+                pinned.append(d)
+                crashpoint("snapshots.pinned")
+                slots = placed.get(rel, {})
+                samples = kept = 0
+                members: list[dict[str, Any]] = []  # this directory's, for its digest
+                counts = dict(read_index_shards(d))
+                for shard, n in counts.items():
+                    samples += n
+                    skipped = set(gen.skiplists[shard].indices)
+                    for index in range(n):
+                        slot = slots.get((shard, index))
+                        if slot is None:
+                            raise SnapshotError(
+                                f"{rel}: {shard} #{index} has no shard_samples row: the lab does "
+                                "not describe this directory (materialise mds_shards for its batch)"
+                            )
+                        if index in skipped:
+                            continue
+                        kept += 1
+                        batch, key, tier, shape, caption_fp = slot
+                        if key in opted_out:
+                            raise SnapshotError(
+                                f"{rel}: {shard} #{index} is image {key[:16]}…, which opt-out list "
+                                f"{opted_out[key][:120]!r} names, yet its skip-lists keep it: run "
+                                f"skip_lists for batch {batch[:120]!r} before snapshotting"
+                            )
+                        members.append(
+                            {
+                                "batch": batch,
+                                "key": key,
+                                "tier": tier,
+                                "shape": shape,
+                                "source": (source.get((batch, key)) or (None,))[0],
+                                "caption_fingerprint": caption_fp,
+                                "class_fingerprint": (classes.get((batch, key)) or (None,))[0],
+                            }
+                        )
+                if len(slots) != samples:
+                    raise SnapshotError(
+                        f"{rel}: shard_samples holds {len(slots)} rows for {samples} samples: the lab "
+                        "and the shard tree disagree (materialise mds_shards for its batch)"
+                    )
+                by_rel[rel] = PinnedDirectory(
                     rel, gen.manifest.index_sha256, gen.generation, entries, samples, kept
                 )
-            )
-            directory_rows.append(
-                {
+                total_kept += kept
+                row_of[rel] = {
                     "snapshot_id": snapshot_id,
                     "batch": rel.rsplit("/", 1)[-1],
                     "relative_dir": rel,
                     "index_sha256": gen.manifest.index_sha256,
                     "generation": gen.generation,
-                    "members_sha256": members_digest(members[first_member:]),
+                    "members_sha256": members_digest(members),
                     "samples": samples,
                     "kept_samples": kept,
                 }
-            )
+                if (rel, gen.generation) not in known:
+                    known.add((rel, gen.generation))
+                    new_generations += generation_rows(
+                        rel, gen.generation, entries, gen.skiplists, counts
+                    )
+        directories = [by_rel[r] for r in rels]  # the tree's order, as scanned
+        directory_rows = [row_of[r] for r in rels]
         if not directories:
             raise SnapshotError(
                 f"no bucket x batch directory under {root / 'mds'}: nothing to freeze"
             )
-        if not allow_empty and not members:
+        if not allow_empty and not total_kept:
             total = sum(d.samples for d in directories)
             raise SnapshotError(
                 f"0 of {total} samples are in training (every one is skipped): nothing "
@@ -345,17 +360,16 @@ def create_snapshot(
         manifest = parse_snapshot(data, str(path))
         os.sync()  # every pin durable before anything that commits the snapshot
         lab.pin_versions(holder(snapshot_id), versions)
+        # Content-addressed: a generation an earlier (or a killed) attempt recorded is not
+        # written twice, and rows of a killed attempt are true for whoever freezes it next.
+        lab.insert_missing(
+            SKIP_GENERATIONS, pa.Table.from_pylist(new_generations, schema=SKIP_GENERATIONS.schema)
+        )
         lab.replace_rows(
             SNAPSHOT_DIRECTORIES,
             "snapshot_id",
             snapshot_id,
             pa.Table.from_pylist(directory_rows, schema=SNAPSHOT_DIRECTORIES.schema),
-        )
-        lab.replace_rows(
-            SNAPSHOT_SAMPLES,
-            "snapshot_id",
-            snapshot_id,
-            pa.Table.from_pylist(members, schema=SNAPSHOT_SAMPLES.schema),
         )
         stage_snapshot_file(root, snapshot_id, data)
         crashpoint("snapshots.file_written")
@@ -386,12 +400,15 @@ def _publish_committed(root: Path, row: dict[str, Any]) -> None:
     publish_snapshot_file(root, snapshot_id)
 
 
-def _placements(view: LabView) -> dict[str, dict[tuple[str, int], tuple]]:
-    """relative_dir -> (shard, index) -> (batch, key, tier, shape, caption fingerprint)."""
+def _placements(view: LabView, batches: list[str]) -> dict[str, dict[tuple[str, int], tuple]]:
+    """relative_dir -> (shard, index) -> (batch, key, tier, shape, caption fingerprint), for
+    the directories of ``batches``."""
     if not view.exists("shard_samples"):
         return {}
     cols = ["relative_dir", "shard", "index_in_shard", "batch", "key", "tier", "shape"]
-    rows = view.read("shard_samples", [*cols, "caption_fingerprint"]).to_pydict()
+    rows = view.read(
+        "shard_samples", [*cols, "caption_fingerprint"], in_list("batch", batches)
+    ).to_pydict()
     out: dict[str, dict[tuple[str, int], tuple]] = {}
     for i, rel in enumerate(rows["relative_dir"]):
         out.setdefault(rel, {})[(rows["shard"][i], int(rows["index_in_shard"][i]))] = (
@@ -473,7 +490,13 @@ def retire_snapshot(
         ):
             if where.is_dir() and pins.remove_pin(where, snapshot_id):
                 removed += 1
-    lab.unpin(holder(snapshot_id))
+    if row is None:  # never committed: nothing to answer for, every version is released
+        lab.unpin(holder(snapshot_id))
+    else:  # which samples it held stays answerable: the membership versions stay pinned
+        lab.pin_versions(
+            holder(snapshot_id),
+            {t: v for t, v in manifest.lab_versions.items() if t in MEMBERSHIP_TABLES},
+        )
     retained = pins.drop_unpinned_retained(root)
     if row is not None and not already:
         row = dict(row)
@@ -489,26 +512,23 @@ def retire_snapshot(
 
 
 def snapshots_containing(lab: Lab, keys: Iterable[str]) -> dict[str, list[dict[str, Any]]]:
-    """Image key -> the snapshots whose training set held it (id, batch, created_at, status)."""
-    keys = sorted(set(keys))
-    if not keys or not lab.exists(SNAPSHOT_SAMPLES.name):
+    """Image key -> the snapshots whose training set held it (id, batch, created_at, status),
+    derived from each snapshot's frozen directories (``members.holders``)."""
+    held = holders(lab, keys)
+    if not held:
         return {}
     info = {r["snapshot_id"]: r for r in list_snapshots(lab)}
-    rows = lab.read(SNAPSHOT_SAMPLES.name, ["snapshot_id", "batch", "key"], in_list("key", keys))
     out: dict[str, list[dict[str, Any]]] = {}
-    for sid, batch, key in zip(
-        *(rows.column(c).to_pylist() for c in ("snapshot_id", "batch", "key")), strict=True
-    ):
-        if sid not in info:  # samples of an attempt that never committed its row
-            continue
-        out.setdefault(key, []).append(
-            {
-                "snapshot_id": sid,
-                "batch": batch,
-                "created_at": info[sid]["created_at"],
-                "status": info[sid]["status"],
-            }
-        )
+    for (batch, key), ids in held.items():
+        for sid in ids:
+            out.setdefault(key, []).append(
+                {
+                    "snapshot_id": sid,
+                    "batch": batch,
+                    "created_at": info[sid]["created_at"],
+                    "status": info[sid]["status"],
+                }
+            )
     for v in out.values():
-        v.sort(key=lambda r: (r["created_at"], r["snapshot_id"]))
+        v.sort(key=lambda r: (r["created_at"], r["snapshot_id"], r["batch"]))
     return out

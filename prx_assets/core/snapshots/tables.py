@@ -1,6 +1,12 @@
 """The snapshot stage's lab tables: one row per training snapshot, one per directory it
-froze (with a digest of its members, so a diff skips what did not change), one per sample it
-holds."""
+froze (with a digest of its members, so a diff skips what did not change), and one per
+shard of each skip-list generation a snapshot froze (shared by every snapshot that froze
+the same generation). No row per sample: which samples a snapshot holds is derived from
+these and ``shard_samples`` at the snapshot's pinned version (core/snapshots/members.py),
+so a snapshot costs O(directories) in the lab.
+
+``snapshot_samples`` is the per-sample table older versions wrote; it is no longer written
+and is read only for the snapshots that have rows in it (made before this change)."""
 
 from __future__ import annotations
 
@@ -49,8 +55,7 @@ SNAPSHOT_SAMPLES = TableSpec(
             pa.field("class_fingerprint", pa.string()),
         ]
     ),
-    # Only samples the snapshot trains on (kept by its pinned skip-lists): "which snapshots
-    # contained image K" is one indexed lookup on key.
+    # Legacy (read-only): snapshots made by older versions listed their samples here.
     identity=("snapshot_id", "batch", "key"),
     indexes=(("key", "BTREE"), ("snapshot_id", "BITMAP"), ("batch", "BITMAP")),
 )
@@ -76,4 +81,23 @@ SNAPSHOT_DIRECTORIES = TableSpec(
     # batches whose directories differ.
     identity=("snapshot_id", "relative_dir"),
     indexes=(("snapshot_id", "BITMAP"), ("batch", "BITMAP")),
+)
+
+SKIP_GENERATIONS = TableSpec(
+    name="skip_generations",
+    schema=pa.schema(
+        [
+            pa.field("relative_dir", pa.string(), nullable=False),
+            pa.field("generation", pa.string(), nullable=False),  # skiplists.json self-hash
+            pa.field("shard", pa.string(), nullable=False),
+            pa.field("sidecar_sha256", pa.string(), nullable=False),  # as the manifest names it
+            pa.field("samples", pa.int32(), nullable=False),  # samples in the shard
+            pa.field("skipped", pa.list_(pa.int32()), nullable=False),  # sorted indices
+        ]
+    ),
+    # Content-addressed by (directory, generation): written once, the first time a snapshot
+    # freezes that generation, from the verified sidecars; later snapshots of an unchanged
+    # directory add nothing. A generation's rows are never replaced or deleted.
+    identity=("relative_dir", "generation", "shard"),
+    indexes=(("relative_dir", "BTREE"), ("generation", "BTREE")),
 )
