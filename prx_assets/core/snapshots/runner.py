@@ -51,6 +51,7 @@ from prx_assets.core.shards.mds import MDS_DIRNAME, moved_away_batches, moved_aw
 from prx_assets.core.skiplists.matching import opt_out_columns, standing_rows
 from prx_assets.core.skiplists.sidecars import (
     INDEX_BASENAME,
+    Generation,
     SkipListError,
     load_generation,
     read_index_shards,
@@ -168,7 +169,7 @@ def _distinct(view: LabView, table: str, column: str) -> list[str]:
     rows = view.read(table, [column]) if view.exists(table) else pa.table({})
     if not rows.num_rows:
         return []
-    return sorted({v for v in rows.column(column).to_pylist() if v is not None})
+    return sorted(v for v in rows.column(column).unique().to_pylist() if v is not None)
 
 
 def _lookup(
@@ -206,6 +207,94 @@ def existing(lab: Lab, snapshot_id: str) -> dict[str, Any] | None:
     """The ``training_snapshots`` row of ``snapshot_id``, None when there is none."""
     rows = lab.read(TRAINING_SNAPSHOTS.name, None, f"snapshot_id = {sql_literal(snapshot_id)}")
     return rows.to_pylist()[0] if rows.num_rows else None
+
+
+@dataclass(frozen=True)
+class _BatchRows:
+    """What the lab says of a few batches, as ``_freeze_directory`` checks it."""
+
+    placed: dict[str, dict[tuple[str, int], tuple]]  # relative_dir -> slot -> sample
+    source: dict[tuple[str, str], tuple]
+    classes: dict[tuple[str, str], tuple]
+    opted_out: dict[str, str]  # image key -> an accepted list naming it
+
+
+def _freeze_directory(
+    root: Path, rel: str, snapshot_id: str, lab_rows: _BatchRows
+) -> tuple[PinnedDirectory, dict[str, Any], Generation, dict[str, int]]:
+    """Pin one directory's live generation and check the lab describes it exactly: its
+    ``PinnedDirectory``, its ``snapshot_directories`` row, the generation and each shard's
+    sample count. Refuses (``SnapshotError``) an
+    unverifiable generation, a slot without a ``shard_samples`` row, and a kept sample an
+    accepted opt-out names."""
+    d = root / rel
+    with pins.directory_lock(d):
+        try:
+            gen = load_generation(d)
+        except SkipListError as exc:
+            raise SnapshotError(f"{rel}: cannot be frozen: {exc}") from None
+        entries = gen.manifest.entries
+        pins.write_pin(
+            d,
+            snapshot_id,
+            gen.manifest.index_sha256,
+            gen.generation,
+            [e.sidecar for e in entries],
+            durable=False,  # made durable together by the caller, before the commit
+        )
+    crashpoint("snapshots.pinned")
+    slots = lab_rows.placed.get(rel, {})
+    samples = kept = 0
+    members: list[dict[str, Any]] = []  # this directory's, for its digest
+    counts = dict(read_index_shards(d))
+    for shard, n in counts.items():
+        samples += n
+        skipped = set(gen.skiplists[shard].indices)
+        for index in range(n):
+            slot = slots.get((shard, index))
+            if slot is None:
+                raise SnapshotError(
+                    f"{rel}: {shard} #{index} has no shard_samples row: the lab does "
+                    "not describe this directory (materialise mds_shards for its batch)"
+                )
+            if index in skipped:
+                continue
+            kept += 1
+            batch, key, tier, shape, caption_fp = slot
+            if key in lab_rows.opted_out:
+                raise SnapshotError(
+                    f"{rel}: {shard} #{index} is image {key[:16]}…, which opt-out list "
+                    f"{lab_rows.opted_out[key][:120]!r} names, yet its skip-lists keep it: "
+                    f"run skip_lists for batch {batch[:120]!r} before snapshotting"
+                )
+            members.append(
+                {
+                    "batch": batch,
+                    "key": key,
+                    "tier": tier,
+                    "shape": shape,
+                    "source": (lab_rows.source.get((batch, key)) or (None,))[0],
+                    "caption_fingerprint": caption_fp,
+                    "class_fingerprint": (lab_rows.classes.get((batch, key)) or (None,))[0],
+                }
+            )
+    if len(slots) != samples:
+        raise SnapshotError(
+            f"{rel}: shard_samples holds {len(slots)} rows for {samples} samples: the lab "
+            "and the shard tree disagree (materialise mds_shards for its batch)"
+        )
+    row = {
+        "snapshot_id": snapshot_id,
+        "batch": rel.rsplit("/", 1)[-1],
+        "relative_dir": rel,
+        "index_sha256": gen.manifest.index_sha256,
+        "generation": gen.generation,
+        "members_sha256": members_digest(members),
+        "samples": samples,
+        "kept_samples": kept,
+    }
+    pinned = PinnedDirectory(rel, gen.manifest.index_sha256, gen.generation, entries, samples, kept)
+    return pinned, row, gen, counts
 
 
 def create_snapshot(
@@ -259,82 +348,16 @@ def create_snapshot(
             placed = _placements(view, chunk)
             source = _lookup(view, "images", ["source"], chunk)
             classes = _lookup(view, "caption_classes", ["backend_fingerprint"], chunk)
+            lab_rows = _BatchRows(placed, source, classes, opted_out)
             for rel in (r for b in chunk for r in by_batch[b]):
-                d = root / rel
-                with pins.directory_lock(d):
-                    try:
-                        gen = load_generation(d)
-                    except SkipListError as exc:
-                        raise SnapshotError(f"{rel}: cannot be frozen: {exc}") from None
-                    entries = gen.manifest.entries
-                    pins.write_pin(
-                        d,
-                        snapshot_id,
-                        gen.manifest.index_sha256,
-                        gen.generation,
-                        [e.sidecar for e in entries],
-                        durable=False,  # made durable together below, before the commit
-                    )
-                pinned.append(d)
-                crashpoint("snapshots.pinned")
-                slots = placed.get(rel, {})
-                samples = kept = 0
-                members: list[dict[str, Any]] = []  # this directory's, for its digest
-                counts = dict(read_index_shards(d))
-                for shard, n in counts.items():
-                    samples += n
-                    skipped = set(gen.skiplists[shard].indices)
-                    for index in range(n):
-                        slot = slots.get((shard, index))
-                        if slot is None:
-                            raise SnapshotError(
-                                f"{rel}: {shard} #{index} has no shard_samples row: the lab does "
-                                "not describe this directory (materialise mds_shards for its batch)"
-                            )
-                        if index in skipped:
-                            continue
-                        kept += 1
-                        batch, key, tier, shape, caption_fp = slot
-                        if key in opted_out:
-                            raise SnapshotError(
-                                f"{rel}: {shard} #{index} is image {key[:16]}…, which opt-out list "
-                                f"{opted_out[key][:120]!r} names, yet its skip-lists keep it: run "
-                                f"skip_lists for batch {batch[:120]!r} before snapshotting"
-                            )
-                        members.append(
-                            {
-                                "batch": batch,
-                                "key": key,
-                                "tier": tier,
-                                "shape": shape,
-                                "source": (source.get((batch, key)) or (None,))[0],
-                                "caption_fingerprint": caption_fp,
-                                "class_fingerprint": (classes.get((batch, key)) or (None,))[0],
-                            }
-                        )
-                if len(slots) != samples:
-                    raise SnapshotError(
-                        f"{rel}: shard_samples holds {len(slots)} rows for {samples} samples: the lab "
-                        "and the shard tree disagree (materialise mds_shards for its batch)"
-                    )
-                by_rel[rel] = PinnedDirectory(
-                    rel, gen.manifest.index_sha256, gen.generation, entries, samples, kept
-                )
-                total_kept += kept
-                row_of[rel] = {
-                    "snapshot_id": snapshot_id,
-                    "batch": rel.rsplit("/", 1)[-1],
-                    "relative_dir": rel,
-                    "index_sha256": gen.manifest.index_sha256,
-                    "generation": gen.generation,
-                    "members_sha256": members_digest(members),
-                    "samples": samples,
-                    "kept_samples": kept,
-                }
+                pinned.append(root / rel)
+                frozen_dir, row, gen, counts = _freeze_directory(root, rel, snapshot_id, lab_rows)
+                by_rel[rel], row_of[rel] = frozen_dir, row
+                total_kept += frozen_dir.kept_samples
                 if (rel, gen.generation) not in known:
                     known.add((rel, gen.generation))
                     new_generations += generation_rows(
-                        rel, gen.generation, entries, gen.skiplists, counts
+                        rel, gen.generation, gen.manifest.entries, gen.skiplists, counts
                     )
         directories = [by_rel[r] for r in rels]  # the tree's order, as scanned
         directory_rows = [row_of[r] for r in rels]
