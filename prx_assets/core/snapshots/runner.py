@@ -106,12 +106,15 @@ def members_digest(members: Iterable[dict[str, Any]]) -> str:
     """sha256 over ``members``' ``MEMBER_COLUMNS``, in (batch, key) order: equal for two
     snapshots of a directory exactly when they keep the same samples with the same
     captions, classes, sources and buckets (what ``diff_snapshots`` compares)."""
+    return _digest_rows([tuple(m[c] for c in MEMBER_COLUMNS) for m in members])
+
+
+def _digest_rows(rows: list[tuple]) -> str:
+    """``members_digest`` of rows already in ``MEMBER_COLUMNS`` order: one JSON array of the
+    rows sorted by (batch, key) (one encoder call per directory, not one per sample)."""
     # Sorted by (batch, key) alone: the other values may be None, which does not order.
-    rows = sorted((tuple(m[c] for c in MEMBER_COLUMNS) for m in members), key=lambda r: r[:2])
-    h = hashlib.sha256()
-    for row in rows:
-        h.update(json.dumps(row, separators=(",", ":")).encode() + b"\n")
-    return h.hexdigest()
+    rows.sort(key=lambda r: r[:2])
+    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
 
 
 def holder(snapshot_id: str) -> str:
@@ -245,7 +248,7 @@ def _freeze_directory(
     crashpoint("snapshots.pinned")
     slots = lab_rows.placed.get(rel, {})
     samples = kept = 0
-    members: list[dict[str, Any]] = []  # this directory's, for its digest
+    members: list[tuple] = []  # this directory's, in MEMBER_COLUMNS order, for its digest
     counts = dict(read_index_shards(d))
     for shard, n in counts.items():
         samples += n
@@ -268,15 +271,15 @@ def _freeze_directory(
                     f"run skip_lists for batch {batch[:120]!r} before snapshotting"
                 )
             members.append(
-                {
-                    "batch": batch,
-                    "key": key,
-                    "tier": tier,
-                    "shape": shape,
-                    "source": (lab_rows.source.get((batch, key)) or (None,))[0],
-                    "caption_fingerprint": caption_fp,
-                    "class_fingerprint": (lab_rows.classes.get((batch, key)) or (None,))[0],
-                }
+                (
+                    batch,
+                    key,
+                    tier,
+                    shape,
+                    (lab_rows.source.get((batch, key)) or (None,))[0],
+                    caption_fp,
+                    (lab_rows.classes.get((batch, key)) or (None,))[0],
+                )
             )
     if len(slots) != samples:
         raise SnapshotError(
@@ -289,7 +292,7 @@ def _freeze_directory(
         "relative_dir": rel,
         "index_sha256": gen.manifest.index_sha256,
         "generation": gen.generation,
-        "members_sha256": members_digest(members),
+        "members_sha256": _digest_rows(members),
         "samples": samples,
         "kept_samples": kept,
     }
