@@ -171,3 +171,24 @@ def test_membership_that_cannot_be_established_is_refused(tmp_path):
     )
     with pytest.raises(SnapshotError, match="cannot be established"):
         members_of_batches(lab2, frozen(lab2, "a"), [rels2[0].rsplit("/", 1)[-1]])
+
+
+def test_a_snapshot_an_older_version_made_is_read_from_its_sample_rows(tmp_path):
+    """Older versions listed a snapshot's samples in ``snapshot_samples``: such a snapshot
+    is read from there (its generations were never recorded), with the same answers."""
+    from prx_assets.core.snapshots.tables import SKIP_GENERATIONS, SNAPSHOT_SAMPLES
+
+    lab, root, rels = _tree(tmp_path, directories=3)
+    create_snapshot(lab, root, "old")
+    derived = [r for rows in iter_members(lab, frozen(lab, "old")) for r in rows]
+    held = holders(lab, [r["key"] for r in derived])
+    rows = [
+        {**{c: r[c] for c in r if c in SNAPSHOT_SAMPLES.schema.names}, "snapshot_id": "old"}
+        for r in derived
+    ]
+    lab.append(SNAPSHOT_SAMPLES, pa.Table.from_pylist(rows, schema=SNAPSHOT_SAMPLES.schema))
+    lab.delete(SKIP_GENERATIONS.name, "true")  # as an older version left it: none recorded
+    snap = frozen(lab, "old")
+    assert snap.legacy
+    assert [r for rows in iter_members(lab, snap) for r in rows] == derived
+    assert holders(lab, [r["key"] for r in derived]) == held

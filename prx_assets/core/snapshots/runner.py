@@ -19,9 +19,10 @@ code fingerprints found there. Making one (``create_snapshot``):
    point), then publishes the manifest under the name the loader reads (``<id>.json``;
    core/snapshots/manifest.py). Nothing is written per sample: which samples a snapshot
    holds is derived from these rows and ``shard_samples`` at its pinned version
-   (core/snapshots/members.py), so a snapshot costs O(directories). The loader reads only a published manifest,
-   and one is published only once its row is committed, so every snapshot a loader can
-   train on is one that ``snapshot list``, compliance and retirement see.
+   (core/snapshots/members.py), so a snapshot costs O(directories). The loader reads only
+   a published manifest, and one is published only once its row is committed, so every
+   snapshot a loader can train on is one that ``snapshot list``, compliance and
+   retirement see.
 
 A rerun with an existing name returns the existing snapshot untouched (snapshots are
 immutable), publishing its manifest if the run that committed it was killed before that;
@@ -227,9 +228,8 @@ def _freeze_directory(
 ) -> tuple[PinnedDirectory, dict[str, Any], Generation, dict[str, int]]:
     """Pin one directory's live generation and check the lab describes it exactly: its
     ``PinnedDirectory``, its ``snapshot_directories`` row, the generation and each shard's
-    sample count. Refuses (``SnapshotError``) an
-    unverifiable generation, a slot without a ``shard_samples`` row, and a kept sample an
-    accepted opt-out names."""
+    sample count. Refuses (``SnapshotError``) an unverifiable generation, a slot without a
+    ``shard_samples`` row, and a kept sample an accepted opt-out names."""
     d = root / rel
     with pins.directory_lock(d):
         try:
