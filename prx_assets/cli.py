@@ -99,6 +99,8 @@ def audit(args: argparse.Namespace) -> int:
     missing = _no_lab(resource)
     if missing:
         return missing
+    from prx_assets.core.snapshots.manifest import SnapshotError
+
     try:
         trail = audit_image(
             Lab(resource.lab_root),
@@ -108,6 +110,9 @@ def audit(args: argparse.Namespace) -> int:
         )
     except NoLab as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except SnapshotError as exc:  # which snapshots held it cannot be established: no answer
+        print(f"error: {visible(bounded(str(exc)))}", file=sys.stderr)
         return 2
     if args.json:
         print(trail.to_json())
@@ -174,14 +179,17 @@ def compliance(args: argparse.Namespace) -> int:
     """One opt-out list's verdict (first line: the word and why), its images and the snapshots
     holding them. Exit 0 only on PASS (applied and holding); 1 FAIL (a live snapshot made
     after it arrived holds one of its images), 3 PENDING (skip_lists has not applied it
-    everywhere yet), 4 NOT APPLIED (rejected, or never taken in), 2 no lab."""
+    everywhere yet), 4 NOT APPLIED (rejected, or never taken in), 2 no lab or no answer
+    (which snapshots hold its images cannot be established)."""
     import json
 
+    from prx_assets.core.markdown import bounded, visible
     from prx_assets.core.snapshots.compliance import (
         NOT_APPLIED,
         ComplianceError,
         compliance_report,
     )
+    from prx_assets.core.snapshots.manifest import SnapshotError
     from prx_assets.defs.resources import LabResource, default_data_root
 
     resource = LabResource(data_root=args.data_root or default_data_root())
@@ -193,6 +201,9 @@ def compliance(args: argparse.Namespace) -> int:
     except ComplianceError as exc:
         print(f"{NOT_APPLIED}: {exc}: intake has not taken it in (no opt_out_lists row)")
         return COMPLIANCE_EXIT[NOT_APPLIED]
+    except SnapshotError as exc:  # never a verdict it cannot back
+        print(f"error: no verdict: {visible(bounded(str(exc)))}", file=sys.stderr)
+        return 2
     print(
         json.dumps(report.as_dict(), indent=1, default=str) if args.json else report.to_markdown()
     )

@@ -489,6 +489,13 @@ def test_the_asset_its_compliance_check_the_jobs_and_the_cli(platform, capsys):
     assert not check.passed and check.metadata["verdicts"].value == {"NOT APPLIED": 1, "PASS": 1}
     assert "bad_identifier" in check.metadata["not_passing"].value
 
+    # A snapshot whose directory rows are not all there: no verdict and no audit answer.
+    lab.delete("snapshot_directories", "snapshot_id = 'd2'")
+    assert main(["compliance", "takedown.txt", "--data-root", platform.data_root]) == 2
+    assert "cannot be established" in capsys.readouterr().err
+    assert main(["audit", keeper_key, "--data-root", platform.data_root]) == 2
+    assert "cannot be established" in capsys.readouterr().err
+
 
 def test_commands_on_a_data_root_without_a_lab_say_so(tmp_path, capsys):
     from prx_assets.browser.queries import LabQueries, NotFound

@@ -347,9 +347,9 @@ def holders(lab: Lab, keys: Iterable[str]) -> dict[tuple[str, str], set[str]]:
     ``shard_samples`` version, plus the frozen directories and generations they land in."""
     keys = sorted(set(keys))
     out: dict[tuple[str, str], set[str]] = {}
-    snaps = committed(lab)
-    if not keys or not snaps:
+    if not keys:
         return out
+    snaps = committed(lab)
     legacy = [s.snapshot_id for s in snaps if s.legacy]
     for chunk in _chunks(keys):
         if legacy:
@@ -362,8 +362,14 @@ def holders(lab: Lab, keys: Iterable[str]) -> dict[tuple[str, str], set[str]]:
                 out.setdefault((r["batch"], r["key"]), set()).add(r["snapshot_id"])
     by_version: dict[int, list[str]] = {}
     for s in snaps:
-        if not s.legacy and "shard_samples" in s.versions:
-            by_version.setdefault(s.versions["shard_samples"], []).append(s.snapshot_id)
+        if s.legacy:
+            continue
+        if "shard_samples" not in s.versions:  # ``create_snapshot`` never commits one
+            raise SnapshotError(
+                f"snapshot {s.snapshot_id!r} pinned no shard_samples version: which samples "
+                "it held cannot be established"
+            )
+        by_version.setdefault(s.versions["shard_samples"], []).append(s.snapshot_id)
     for version, ids in sorted(by_version.items()):
         slots: list[dict[str, Any]] = []
         with lab.view({"shard_samples": version}) as view:
