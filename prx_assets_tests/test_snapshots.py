@@ -495,6 +495,14 @@ def test_the_asset_its_compliance_check_the_jobs_and_the_cli(platform, capsys):
     assert "cannot be established" in capsys.readouterr().err
     assert main(["audit", keeper_key, "--data-root", platform.data_root]) == 2
     assert "cannot be established" in capsys.readouterr().err
+    # The browser: a filter on that snapshot has no answer (500 with the reason); one on
+    # an intact snapshot still answers.
+    from prx_assets.browser.app import BrowserApp
+
+    app = BrowserApp(LabQueries(lab, refresh_s=0))
+    broken = app.handle("GET", "/api/search?snapshot=d2", "127.0.0.1")
+    assert broken.status == 500 and b"cannot be established" in broken.body
+    assert app.handle("GET", "/api/search?snapshot=d3", "127.0.0.1").status == 200
 
 
 def test_commands_on_a_data_root_without_a_lab_say_so(tmp_path, capsys):

@@ -37,6 +37,7 @@ from prx_assets.browser.queries import (
 )
 from prx_assets.browser.thumbs import THUMB_SIZES, ThumbnailCache
 from prx_assets.core.ingest.decode import DecodeRejected
+from prx_assets.core.snapshots.manifest import SnapshotError
 
 LOOPBACK_HOSTS: frozenset[str] = frozenset({"localhost", "127.0.0.1", "::1"})
 STATIC_FILES: dict[str, str] = {
@@ -128,6 +129,8 @@ class BrowserApp:
             return _error(404, str(exc))
         except DecodeRejected as exc:
             return _error(422, f"the image cannot be shown: {exc}")
+        except SnapshotError as exc:  # which snapshots held it cannot be established
+            return _error(500, f"no answer: {exc}")
         except Exception as exc:  # noqa: BLE001 - a bad request must not kill the server
             traceback.print_exc(file=sys.stderr)
             return _error(500, f"internal error: {type(exc).__name__}")

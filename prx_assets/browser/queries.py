@@ -615,7 +615,7 @@ class LabQueries:
     def _held(self, result: Result, keys: set[str], snapshots: set[str]) -> set[str]:
         """The ``keys`` one of ``snapshots`` held (derived: ``members.holders``)."""
         t0 = time.perf_counter()
-        held = {k for (_, k), ids in holders(self.lab, keys).items() if ids & snapshots}
+        held = {k for (_, k), ids in holders(self.lab, keys, snapshots).items() if ids}
         ms = round((time.perf_counter() - t0) * 1000, 2)
         result.steps.append(Step(SNAPSHOTS, f"held by {len(snapshots)} snapshot(s)", len(held), ms))
         return held

@@ -115,6 +115,12 @@ def committed(lab: Lab) -> list[Frozen]:
     return [_frozen(lab, r) for r in rows]
 
 
+def _committed_ids(lab: Lab) -> set[str]:
+    if not lab.exists(TRAINING_SNAPSHOTS.name):
+        return set()
+    return set(lab.read(TRAINING_SNAPSHOTS.name, ["snapshot_id"]).column(0).to_pylist())
+
+
 def frozen(lab: Lab, snapshot_id: str) -> Frozen:
     """The committed snapshot ``snapshot_id``; ``SnapshotError`` when there is none."""
     rows = (
@@ -341,15 +347,22 @@ def _legacy_batches(lab: Lab, snapshot_id: str) -> list[str]:
 # --------------------------------------------------------------------------- by key
 
 
-def holders(lab: Lab, keys: Iterable[str]) -> dict[tuple[str, str], set[str]]:
+def holders(
+    lab: Lab, keys: Iterable[str], snapshots: Iterable[str] | None = None
+) -> dict[tuple[str, str], set[str]]:
     """(batch, key) -> the committed snapshots holding it, for every sample of ``keys``
-    some snapshot holds. Costs one indexed look-up of the keys per distinct pinned
+    some snapshot holds (of ``snapshots`` only, when given: a name that is not a committed
+    snapshot holds nothing). Costs one indexed look-up of the keys per distinct pinned
     ``shard_samples`` version, plus the frozen directories and generations they land in."""
     keys = sorted(set(keys))
     out: dict[tuple[str, str], set[str]] = {}
     if not keys:
         return out
-    snaps = committed(lab)
+    if snapshots is None:
+        snaps = committed(lab)
+    else:
+        wanted = set(snapshots)
+        snaps = [frozen(lab, sid) for sid in sorted(wanted & _committed_ids(lab))]
     legacy = [s.snapshot_id for s in snaps if s.legacy]
     for chunk in _chunks(keys):
         if legacy:
