@@ -47,6 +47,7 @@ from prx_assets.core.shards.mds import MDSSample, recover_partition
 from prx_assets.core.skiplists.sidecars import (
     INDEX_BASENAME,
     MANIFEST_BASENAME,
+    RETENTION_ENV,
     load_generation,
     read_index_shards,
 )
@@ -65,8 +66,18 @@ TRIAL_TIMEOUT_S = 120.0
 # -- the harness -------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_sidecar_retention():
+    """The trials kill writers inside their sweeps (``skiplists.stale_removed``), which
+    delete superseded sidecars only without the retention: 0 here, set before the
+    forkserver starts so every trial and rerun runs the same way."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(RETENTION_ENV, "0")
+        yield
+
+
 @pytest.fixture(scope="module")
-def forkserver():
+def forkserver(_no_sidecar_retention):  # noqa: ARG001 - ordering: env before the server
     """A forkserver context whose server has imported every writer (see kill_jobs)."""
     with forkserver_preloading(["prx_assets_tests.kill_jobs"]) as ctx:
         yield ctx

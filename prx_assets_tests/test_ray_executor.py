@@ -28,6 +28,7 @@ from prx_assets.core.lab import Lab
 from prx_assets.core.ray_local import LocalRayCluster
 from prx_assets.core.shards.runner import BatchShards, ShardOutcome
 from prx_assets.core.shards.settings import PIECE_SAMPLES
+from prx_assets.core.skiplists.sidecars import SIDECAR_SUFFIX, load_generation
 from prx_assets.core.tables import BY_NAME, SHARD_SAMPLES
 from prx_assets.core.workers import InlinePool, ItemFailed
 from prx_assets.demo.photo_batch import write_photo_batch
@@ -108,11 +109,16 @@ def _delta(before: dict[int, int], after: dict[int, int]) -> dict[int, int]:
 
 
 def _tree(root: Path) -> dict[str, str]:
-    """Every file under ``root``: relative path -> sha256 of its bytes."""
+    """Every file under ``root`` but superseded sidecars (kept for their retention, as many
+    as generations were published there): relative path -> sha256 of its bytes."""
     return {
         p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(root.rglob("*"))
         if p.is_file()
+        and not (
+            p.name.endswith(SIDECAR_SUFFIX)
+            and p.name not in load_generation(p.parent).manifest.sidecars
+        )
     }
 
 

@@ -20,7 +20,12 @@ import pytest
 from prx_assets.browser.queries import Filters, LabQueries, QueryError
 from prx_assets.core.audit import audit_image
 from prx_assets.core.lab import Lab
-from prx_assets.core.skiplists.sidecars import load_generation, sweep, update_skiplists
+from prx_assets.core.skiplists.sidecars import (
+    RETENTION_ENV,
+    load_generation,
+    sweep,
+    update_skiplists,
+)
 from prx_assets.core.snapshots.compliance import compliance_report
 from prx_assets.core.snapshots.diff import diff_snapshots
 from prx_assets.core.snapshots.manifest import SnapshotError, read_snapshot
@@ -110,7 +115,8 @@ def test_a_snapshot_freezes_exactly_what_the_loader_trains_on(platform):
     assert set(lab.pinned_versions()) >= {"skip_audit", "shard_samples"}
 
 
-def test_a_changed_sidecar_after_pinning_is_refused_and_so_is_resuming(platform):
+def test_a_changed_sidecar_after_pinning_is_refused_and_so_is_resuming(platform, monkeypatch):
+    monkeypatch.setenv(RETENTION_ENV, "0")  # the pin, not the retention, keeps the sidecars
     lab, root = _lab(platform), _shards(platform)
     create_snapshot(lab, root, "run-a")
     buckets = discover_streams(root, snapshot="run-a")

@@ -34,8 +34,17 @@ export) unless skip-lists are ignored on purpose.
 
 Fail closed: every stream needs its directory's live skip-list generation (the
 ``skiplists.json`` manifest and the sidecars it names, ``core/skiplists/sidecars.py``), written for
-the very ``index.json`` streaming loaded; a missing manifest, a manifest for another index,
-a missing, altered or out-of-range sidecar all stop the dataset with ``SkipListError``.
+the very ``index.json`` streaming loaded; a missing manifest or a manifest for another index
+stops the dataset's construction, a missing, altered or out-of-range sidecar stops it with
+``SkipListError``. A directory read in place has its manifest verified at construction
+(which gives every shard's kept count) and each sidecar verified against the manifest when
+its shard is first read, before any of its samples is returned (``FilteredShard``): building
+the dataset then reads no sidecar, the cost that kept construction far from plain streaming with
+real skip-lists (``benchmarks/bench_tree_growth.py --skip-every 7``). The sidecars of a
+superseded generation outlive it (``sidecars.DEFAULT_RETENTION_S``), so a job built before an
+opt-out keeps reading the generation it was built on, as a job holding every skip-list in
+memory did; past the retention, its next new shard stops it. A remote stream fetches every
+sidecar at construction, into the cache.
 Reading without skip-lists is a deliberate, loud choice: ``skiplists="ignore-UNSAFE"``
 (``IGNORE_SKIPLISTS_UNSAFE``), which warns (``UnscreenedDataWarning``) on every stream it
 opens and digests differently from any screened sample space.
@@ -63,6 +72,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import hashlib
 import os
 import time
@@ -88,6 +98,7 @@ from prx_assets.core.skiplists.sidecars import (
     MANIFEST_BASENAME,
     SIDECAR_SUFFIX,
     Manifest,
+    ManifestEntry,
     SkipList,
     SkipListCorrupt,
     SkipListError,
@@ -95,7 +106,8 @@ from prx_assets.core.skiplists.sidecars import (
     SkipListStale,
     check_manifest_lists_shards,
     check_manifest_written_for,
-    digest_skip_sets,
+    digest_generations,
+    known_empty,
     parse_manifest,
     verify_sidecar,
 )
@@ -290,20 +302,54 @@ class FilteredShard(_ShardView):
     for a directory read in place) is the whole per-sample overhead.
 
     ``skipped``: the shard's verified skip indices (strictly increasing, each a sample of
-    the shard: ``SkipList.check_range``). The kept rows are derived from them on the first
-    read, in the process that reads: building the dataset touches every shard of every
-    directory, a training process reads a few of them (measured with
-    ``benchmarks/bench_tree_growth.py --samples-per-dir 1000 --skip-every 7``).
+    the shard: ``SkipList.check_range``), or None with ``sidecar`` = (path, manifest entry)
+    for a shard read in place: the sidecar is then read and verified against the entry
+    (sha256, schema, range, and the skip count the kept count was built from) on the
+    shard's first read, in the process that reads, before any of its samples is returned.
+    Building the dataset touches every shard of every directory, a training process reads
+    a few of them (measured with ``benchmarks/bench_tree_growth.py --samples-per-dir 1000
+    --skip-every 7``). The kept rows are derived at the same moment.
     """
 
     def __init__(
-        self, reader: Any, skipped: tuple[int, ...], pin: DirectoryPin | None = None
+        self,
+        reader: Any,
+        skipped: tuple[int, ...] | None,
+        pin: DirectoryPin | None = None,
+        sidecar: tuple[str, ManifestEntry] | None = None,
     ) -> None:
+        if skipped is None and (sidecar is None or sidecar[1].skipped is None):
+            raise ValueError("a deferred sidecar needs its manifest entry's skip count")
         self.reader = reader
         self.skipped = skipped
-        self.samples = int(reader.samples) - len(skipped)
+        self.sidecar = sidecar
+        count = len(skipped) if skipped is not None else int(sidecar[1].skipped)  # type: ignore[index, arg-type]
+        self.samples = int(reader.samples) - count
         self.pin = pin
         self._keep: list[int] | None = None
+
+    def verified_skips(self) -> tuple[int, ...]:
+        """The skip indices, reading and verifying a deferred sidecar first."""
+        skipped = self.skipped
+        if skipped is not None:
+            return skipped
+        assert self.sidecar is not None
+        path, entry = self.sidecar
+        try:
+            data = read_whole_file(path)
+        except FileNotFoundError:
+            if self.pin is not None:
+                self.pin.check()  # the directory was replaced: that is what to say
+            raise SkipListCorrupt(
+                f"{path} is gone: the skip-list generation this dataset was built on names "
+                "it (superseded longer ago than the retention, PRX_SKIPLIST_RETENTION_S, or "
+                "deleted); none of its shard's samples is read. Build the dataset again"
+            ) from None
+        if self.pin is not None:
+            self.pin.check()  # read from the directory the index and manifest came from
+        skiplist = verify_sidecar(entry, data, path, int(self.reader.samples))
+        self.skipped = skiplist.indices
+        return skiplist.indices
 
     @property
     def keep(self) -> list[int]:
@@ -311,7 +357,7 @@ class FilteredShard(_ShardView):
         keep = self._keep
         if keep is None:
             mask = np.ones(int(self.reader.samples), dtype=bool)
-            mask[np.asarray(self.skipped, dtype=np.int64)] = False
+            mask[np.asarray(self.verified_skips(), dtype=np.int64)] = False
             keep = self._keep = np.flatnonzero(mask).tolist()
         return keep
 
@@ -458,9 +504,9 @@ class SkipListStream(Stream):
     Arguments are streaming's ``Stream`` ones (``remote`` may be any URL streaming can read,
     or a local path it copies from; ``local`` is the cache, or the data itself when there is
     no remote), plus ``skiplists`` (``"require"``, the default, or ``"ignore-UNSAFE"``).
-    After ``get_shards``: ``skip_sets`` (every shard with its skipped indices, for the
-    digest; None when read unscreened), ``generation``, ``index_sha256``, ``dropped_shards``,
-    ``raw_samples`` and ``kept_samples``.
+    After ``get_shards``: ``generation`` (the manifest's self-hash, for the digest; None
+    when read unscreened), ``index_sha256``, ``dropped_shards``, ``raw_samples`` and
+    ``kept_samples``.
     """
 
     def __init__(
@@ -496,7 +542,6 @@ class SkipListStream(Stream):
         # Manifest bytes already parsed and verified on their own (by discovery): reused only
         # when the manifest read at construction is byte for byte the same.
         self.known_manifest = known_manifest
-        self.skip_sets: list[tuple[str, tuple[int, ...]]] | None = None
         self.generation: str | None = None
         self.index_sha256: str | None = None  # of the index the skip-lists were checked against
         self.dropped_shards: list[str] = []
@@ -630,9 +675,13 @@ class SkipListStream(Stream):
             readers.append(reader)
         return readers, index_raw
 
-    def _load_skiplists(self, readers: list[Any], index_raw: bytes) -> tuple[str, list[SkipList]]:
+    def _load_skiplists(
+        self, readers: list[Any], index_raw: bytes
+    ) -> tuple[str, list[SkipList | ManifestEntry]]:
         """The live generation for these readers (built from ``index_raw``): (generation id,
-        skip list per reader)."""
+        per reader its verified ``SkipList`` or, read in place from a version 2 manifest,
+        the ``ManifestEntry`` whose sidecar ``FilteredShard`` verifies on the shard's first
+        read). The manifest is verified here, whole, against the index and the readers."""
         for attempt in range(_FETCH_ATTEMPTS):
             data, source = self._fetch(MANIFEST_BASENAME)
             if data is None:
@@ -657,8 +706,18 @@ class SkipListStream(Stream):
             check_manifest_lists_shards(
                 manifest, [(_shard_name(r), int(r.samples)) for r in readers], source
             )
-            out: list[SkipList] = []
+            # In place, a sidecar is read when its shard is (the superseded generation's
+            # files outlive it: sidecars.DEFAULT_RETENTION_S); copied from a remote, every
+            # sidecar is fetched now, into the cache beside the index.
+            defer = self._reads_local() and manifest.has_counts
+            out: list[SkipList | ManifestEntry] = []
             for entry, reader in zip(manifest.entries, readers, strict=True):
+                if known_empty(entry):
+                    out.append(SkipList.empty(entry.shard))
+                    continue
+                if defer:
+                    out.append(entry)
+                    continue
                 sidecar, where = self._fetch(entry.sidecar)
                 if sidecar is None:
                     break
@@ -697,7 +756,7 @@ class SkipListStream(Stream):
 
     def _pinned_read(
         self, world: World, allow_unsafe_types: bool
-    ) -> tuple[list[Any], str, list[SkipList]]:
+    ) -> tuple[list[Any], str, list[SkipList | ManifestEntry]]:
         """Readers, generation and skip-lists, all read from one directory: its identity is
         the same before the index is read and after the last sidecar (else read again),
         and is kept as ``_pin`` for the reads that follow."""
@@ -751,20 +810,27 @@ class SkipListStream(Stream):
             readers, _ = self._readers_and_index(world, allow_unsafe_types)
             self.raw_samples = int(sum(r.samples for r in readers))
             warn_unscreened(self.remote or self.local_dir, stacklevel=4)
-            self.skip_sets, self.generation = None, None
+            self.generation = None
             self.kept_samples = self.raw_samples
             return readers
         readers, self.generation, skiplists = self._pinned_read(world, allow_unsafe_types)
-        self._shard_sha256 = _recorded_sha256(readers)  # what each download must match
+        in_place = self._reads_local()
+        # What each download must match (nothing is downloaded for a stream read in place).
+        self._shard_sha256 = {} if in_place else _recorded_sha256(readers)
         self.raw_samples = int(sum(r.samples for r in readers))
         # Read in place, every sample read checks the directory is still the pinned one;
         # into a cache, each shard download does (``_download_file``).
-        pin = self._pin if self._reads_local() else None
-        skip_sets: list[tuple[str, tuple[int, ...]]] = []
+        pin = self._pin if in_place else None
         kept_readers: list[Any] = []
         for reader, skiplist in zip(readers, skiplists, strict=True):
             name = _shard_name(reader)
-            skip_sets.append((name, skiplist.indices))
+            if isinstance(skiplist, ManifestEntry):  # verified on the shard's first read
+                if skiplist.skipped == reader.samples:
+                    self.dropped_shards.append(name)  # every sample skipped, by its count
+                else:
+                    path = f"{self.local_dir}/{skiplist.sidecar}"
+                    kept_readers.append(FilteredShard(reader, None, pin, (path, skiplist)))
+                continue
             skiplist.check_range(reader.samples)  # verified when read; kept here too
             if skiplist.indices and len(skiplist.indices) == reader.samples:
                 self.dropped_shards.append(name)  # every sample skipped
@@ -772,7 +838,6 @@ class SkipListStream(Stream):
                 kept_readers.append(FilteredShard(reader, skiplist.indices, pin))
             else:
                 kept_readers.append(reader if pin is None else PinnedShard(reader, pin))
-        self.skip_sets = skip_sets
         self.kept_samples = int(sum(r.samples for r in kept_readers))
         if not kept_readers:
             raise SkipListError(
@@ -850,6 +915,26 @@ def _is_peek(shm: Any, kept_prefix: int | None) -> bool:
     return prefix.isdigit() and int(prefix) != kept_prefix
 
 
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """Pause CPython's cyclic garbage collector for the block (as it was after).
+
+    Building a loader allocates a few dozen long-lived objects per directory (streams,
+    readers, shard views, parsed manifests); every ~700 net allocations CPython runs a
+    collection, and its full collections re-traverse every object still alive, so at
+    10,000 directories a quarter of the construction CPU went to collections that free
+    nothing (``benchmarks/bench_tree_growth.py``). Reference counting still frees
+    everything acyclic meanwhile; cycles made in the block are collected after it.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 class SkipListDataset(StreamingDataset):
     """``StreamingDataset`` over ``SkipListStream``s: the sample space excludes skipped rows.
 
@@ -875,28 +960,33 @@ class SkipListDataset(StreamingDataset):
         **kwargs: Any,
     ) -> None:
         check_skiplists_mode(skiplists)
-        if streams:
-            if remote or local:
-                raise ValueError("pass either streams or remote/local, not both")
-            streams = [
-                s if isinstance(s, SkipListStream) else SkipListStream.from_stream(s, skiplists)
-                for s in streams
+        with collection_paused():
+            if streams:
+                if remote or local:
+                    raise ValueError("pass either streams or remote/local, not both")
+                streams = [
+                    s if isinstance(s, SkipListStream) else SkipListStream.from_stream(s, skiplists)
+                    for s in streams
+                ]
+            else:
+                if not (remote or local):
+                    raise ValueError("pass streams, or remote and/or local")
+                streams = [
+                    SkipListStream(remote=remote, local=local, split=split, skiplists=skiplists)
+                ]
+            if kwargs.get("replication") not in (None, 1):
+                raise ValueError("replication is not supported with skip-lists (untested)")
+            streams = self._init_streaming(streams, kwargs)
+            self.allow_skiplist_change = allow_skiplist_change
+            self.bucket_name = bucket_name or ", ".join(s.remote or s.local_dir for s in streams)
+            self.skiplist_digest = digest_generations([s.generation for s in streams])
+            self.snapshot = snapshot_of(streams)  # the training snapshot read (None: live data)
+            self.raw_num_samples = int(sum(s.raw_samples for s in streams))
+            self.dropped_shards = [
+                (s.local_dir, name) for s in streams for name in s.dropped_shards
             ]
-        else:
-            if not (remote or local):
-                raise ValueError("pass streams, or remote and/or local")
-            streams = [SkipListStream(remote=remote, local=local, split=split, skiplists=skiplists)]
-        if kwargs.get("replication") not in (None, 1):
-            raise ValueError("replication is not supported with skip-lists (untested)")
-        streams = self._init_streaming(streams, kwargs)
-        self.allow_skiplist_change = allow_skiplist_change
-        self.bucket_name = bucket_name or ", ".join(s.remote or s.local_dir for s in streams)
-        self.skiplist_digest = digest_skip_sets([s.skip_sets for s in streams])
-        self.snapshot = snapshot_of(streams)  # the training snapshot read (None: live data)
-        self.raw_num_samples = int(sum(s.raw_samples for s in streams))
-        self.dropped_shards = [(s.local_dir, name) for s in streams for name in s.dropped_shards]
-        self._check_ranks_agree()
-        self._warn_if_small()
+            self._check_ranks_agree()
+            self._warn_if_small()
 
     def _init_streaming(
         self, streams: list[SkipListStream], kwargs: dict[str, Any]

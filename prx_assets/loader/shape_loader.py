@@ -42,6 +42,7 @@ from prx_assets.loader.dataset import (
     SkipListDataset,
     check_resume_snapshot,
     check_skiplists_mode,
+    collection_paused,
     default_num_canonical_nodes,
     snapshot_of,
 )
@@ -110,26 +111,28 @@ class ShapeBatchedLoader:
         self.num_canonical_nodes = num_canonical_nodes or default_num_canonical_nodes(shuffle_algo)
         self.datasets: dict[str, SkipListDataset] = {}
         self.loaders: dict[str, DataLoader] = {}
-        for shape, group in group_by_shape(buckets).items():
-            ds = SkipListDataset(
-                streams=[b.to_stream(skiplists) for b in group],
-                batch_size=batch_size,
-                shuffle=shuffle,
-                shuffle_seed=shuffle_seed,
-                shuffle_algo=shuffle_algo,
-                num_canonical_nodes=self.num_canonical_nodes,
-                allow_skiplist_change=allow_skiplist_change,
-                bucket_name=shape,
-                **(dataset_kwargs or {}),
-            )
-            self.datasets[shape] = ds
-            self.loaders[shape] = DataLoader(
-                ds,
-                batch_size=batch_size,
-                num_workers=num_workers,
-                collate_fn=collate_fn or collate_samples,
-                **(dataloader_kwargs or {}),
-            )
+        # Many buckets: one pause for all (``collection_paused``).
+        with collection_paused():
+            for shape, group in group_by_shape(buckets).items():
+                ds = SkipListDataset(
+                    streams=[b.to_stream(skiplists) for b in group],
+                    batch_size=batch_size,
+                    shuffle=shuffle,
+                    shuffle_seed=shuffle_seed,
+                    shuffle_algo=shuffle_algo,
+                    num_canonical_nodes=self.num_canonical_nodes,
+                    allow_skiplist_change=allow_skiplist_change,
+                    bucket_name=shape,
+                    **(dataset_kwargs or {}),
+                )
+                self.datasets[shape] = ds
+                self.loaders[shape] = DataLoader(
+                    ds,
+                    batch_size=batch_size,
+                    num_workers=num_workers,
+                    collate_fn=collate_fn or collate_samples,
+                    **(dataloader_kwargs or {}),
+                )
         self.shapes = list(self.datasets)
         self.snapshot = snapshot_of(buckets)  # training snapshot read (None: live data)
         self._epoch = 0

@@ -7,14 +7,17 @@ import json
 import os
 import random
 import signal
+import time
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from prx_assets.core.skiplists.sidecars import (
+    DEFAULT_RETENTION_S,
     MANIFEST_BASENAME,
     REASON_CODES,
+    RETENTION_ENV,
     SKIPLIST_FORMAT,
     SKIPLIST_VERSION,
     ManifestEntry,
@@ -25,6 +28,7 @@ from prx_assets.core.skiplists.sidecars import (
     SkipListVersionError,
     canonical_json,
     current_generation,
+    digest_generations,
     load_generation,
     load_skiplists,
     parse_skiplist,
@@ -35,6 +39,7 @@ from prx_assets.core.skiplists.sidecars import (
     read_skiplist,
     skiplist_digest,
     stage_generation,
+    sweep,
     update_skiplists,
     verify_sidecar,
     write_partition_skiplists,
@@ -126,8 +131,12 @@ def test_generations_are_content_addressed_and_reruns_byte_identical(part):
     assert _files(d) == before
     assert {n: (d / n).stat().st_mtime_ns for n in before} == mtimes
     # New decisions: the changed shard gets a new file, the others keep theirs (same
-    # content, same name), and the superseded file is swept: one sidecar per shard remains.
+    # content, same name); the superseded file outlives the flip for the retention (a job
+    # built on it reads it when it reaches the shard), then goes: one sidecar per shard.
     write_partition_skiplists(d, {})
+    (superseded,) = {n for n in before if n.startswith(shards[1][0] + ".")}
+    assert (d / superseded).is_file() and superseded not in load_generation(d).manifest.sidecars
+    assert sweep(d, retention_s=0) == [superseded]
     after = _files(d)
     changed = {n for n in before if n.startswith(shards[1][0] + ".")}
     assert len(changed) == 1 and not changed & set(after)
@@ -136,6 +145,7 @@ def test_generations_are_content_addressed_and_reruns_byte_identical(part):
     assert all(sl.indices == () for sl in load_skiplists(d).values())
     # Going back gives byte-identical files to the first time.
     write_partition_skiplists(d, first)
+    sweep(d, retention_s=0)
     assert _files(d) == before
 
 
@@ -248,27 +258,67 @@ def test_the_manifest_is_the_only_way_in(part, tmp_path):
         load_skiplists(d)
 
 
-def test_digest_identifies_the_filtered_sample_space(tmp_path):
+def test_digest_identifies_the_generations_read(tmp_path):
+    """The digest is over each directory's generation (the manifest's self-hash: index and
+    every sidecar's bytes), so it is known without reading a sidecar; any new generation
+    changes it, a relabel too (a resume then needs allow_skiplist_change=True)."""
     a, b = tmp_path / "a", tmp_path / "b"
     sa, sb = _partition(a), _partition(b, n=24)
     write_partition_skiplists(a, {})
     write_partition_skiplists(b, {})
     base = skiplist_digest([a, b])
     assert len(base) == 64
+    assert base == digest_generations([current_generation(a), current_generation(b)])
 
     update_skiplists(a, {sa[1][0]: {3: ["duplicate"]}})
     one = skiplist_digest([a, b])
     assert one != base
-    update_skiplists(a, {sa[1][0]: {3: ["quality", "opt_out"]}})  # relabel only
+    write_partition_skiplists(a, {sa[1][0]: {3: ["duplicate"]}})  # the same decisions again
     assert skiplist_digest([a, b]) == one
+    update_skiplists(a, {sa[1][0]: {3: ["quality", "opt_out"]}})  # relabel only
+    relabelled = skiplist_digest([a, b])
+    assert relabelled not in (base, one)
     update_skiplists(a, {sa[1][0]: {4: ["duplicate"]}})  # another index
-    assert skiplist_digest([a, b]) != one
-    update_skiplists(a, {sa[1][0]: {}, sa[2][0]: {3: ["duplicate"]}})  # same index, other shard
-    assert skiplist_digest([a, b]) not in (base, one)
+    assert skiplist_digest([a, b]) not in (base, one, relabelled)
+    update_skiplists(a, {sa[1][0]: {3: ["duplicate"]}})  # back: the same generation as `one`
+    assert skiplist_digest([a, b]) == one
     assert skiplist_digest([b, a]) != skiplist_digest([a, b])  # stream order matters
+    assert digest_generations([None]) != digest_generations([current_generation(a)])
     with pytest.raises(TypeError):
         skiplist_digest(str(a))  # type: ignore[arg-type]
+    # A damaged sidecar has no digest: the offline tool verifies the whole generation.
+    live = load_generation(a).manifest.entries[1]
+    (a / live.sidecar).write_bytes(b"{}")
+    with pytest.raises(SkipListCorrupt):
+        skiplist_digest([a, b])
     assert sb
+
+
+def test_a_superseded_generation_outlives_its_flip_for_the_retention(part, monkeypatch):
+    """Its sidecars' retention starts when it is superseded (``publish_generation`` touches
+    them before the flip), not when they were written; stray names and temporaries do not
+    wait; the setting is read from the environment and refused when not a number."""
+    monkeypatch.delenv(RETENTION_ENV, raising=False)
+    d, shards = part
+    write_partition_skiplists(d, {shards[1][0]: {0: ["quality"]}})
+    old = d / load_generation(d).manifest.entries[1].sidecar
+    os.utime(old, (1_000_000, 1_000_000))  # written long ago
+    stray = d / f"{shards[0][0]}.skip.json"  # a name no manifest can hold
+    stray.write_bytes(b"{}")
+    write_partition_skiplists(d, {})
+    assert old.is_file() and not stray.exists()
+    assert time.time() - old.stat().st_mtime < 3600  # the flip started its retention
+    assert sweep(d) == []
+    later = time.time() + DEFAULT_RETENTION_S + 60
+    assert sweep(d, now=later) == [old.name]
+    assert load_generation(d).skiplists[shards[1][0]].indices == ()  # the live one stays
+    monkeypatch.setenv(RETENTION_ENV, "0")
+    write_partition_skiplists(d, {shards[1][0]: {1: ["quality"]}})
+    write_partition_skiplists(d, {})  # superseded and swept at once
+    assert len([p for p in os.listdir(d) if p.endswith(".skip.json")]) == len(shards)
+    monkeypatch.setenv(RETENTION_ENV, "a week")
+    with pytest.raises(ValueError, match="PRX_SKIPLIST_RETENTION_S"):
+        sweep(d)
 
 
 def test_property_random_skips_round_trip_and_counts(part):
@@ -359,9 +409,10 @@ def _view(d: Path) -> dict[str, tuple[int, ...]]:
     return {name: sl.indices for name, sl in load_skiplists(d).items()}
 
 
-def test_a_killed_rewrite_leaves_the_old_or_the_new_set_never_a_mix(part):
+def test_a_killed_rewrite_leaves_the_old_or_the_new_set_never_a_mix(part, monkeypatch):
     """Finding: killed part-way, a directory held some old-policy and some new-policy
-    sidecars (neither decision set)."""
+    sidecars (neither decision set). Without retention, so every rewrite writes its files."""
+    monkeypatch.setenv(RETENTION_ENV, "0")
     d, shards = part
     old = {name: {0: ["duplicate"]} for name, _ in shards}
     new = {name: {1: ["opt_out"], 2: ["quality"]} for name, _ in shards}

@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from prx_assets.core.shards.mds import MDSSample, skip_nothing, write_bucket_partition
-from prx_assets.core.skiplists.sidecars import load_generation, sweep, update_skiplists
+from prx_assets.core.skiplists.sidecars import (
+    RETENTION_ENV,
+    load_generation,
+    sweep,
+    update_skiplists,
+)
 from prx_assets.core.snapshots.manifest import (
     PinnedDirectory,
     SnapshotError,
@@ -60,7 +65,10 @@ def _pin(d: Path, snapshot_id: str) -> None:
     )
 
 
-def test_a_sweep_keeps_pinned_sidecars_and_deletes_nothing_behind_an_unreadable_pin(tmp_path):
+def test_a_sweep_keeps_pinned_sidecars_and_deletes_nothing_behind_an_unreadable_pin(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv(RETENTION_ENV, "0")  # the pin, not the retention, keeps them
     d = _write(tmp_path, "first")
     old = load_generation(d)
     _pin(d, "run-a")

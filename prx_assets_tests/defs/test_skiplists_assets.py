@@ -26,6 +26,7 @@ from prx_assets.core.skiplists.sidecars import (
     load_generation,
     load_skiplists,
     read_skiplist,
+    sweep,
 )
 from prx_assets.core.tables import (
     CAPTION_CLASSES,
@@ -262,6 +263,13 @@ def _skiplist_files(b: Built) -> dict[Path, bytes]:
 def _sidecar_skips(b: Built) -> dict[str, tuple[str, ...]]:
     """Key -> reasons, read back from the live generations (every sidecar re-read too)."""
     out = {}
+    files = set(_skiplist_files(b))
+    assert len(files) >= sum(len(load_skiplists(x)) + 1 for x in b.dirs())
+    # Beyond the live generation only superseded sidecars (kept for the retention) remain,
+    # and a sweep without retention leaves one sidecar per shard and the manifest.
+    assert not any(p.name.startswith(".") for p in files)
+    for d in b.dirs():
+        sweep(d, retention_s=0)
     assert len(_skiplist_files(b)) == sum(len(load_skiplists(x)) + 1 for x in b.dirs())
     for d in b.dirs():
         live = load_generation(d)

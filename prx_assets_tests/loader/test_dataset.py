@@ -23,6 +23,7 @@ from prx_assets.core.skiplists.sidecars import (
     SkipListMissing,
     SkipListStale,
     canonical_json,
+    known_empty,
     load_generation,
     skiplist_digest,
     update_skiplists,
@@ -190,7 +191,23 @@ def _rehash(obj: dict) -> bytes:
     return canonical_json(obj) + b"\n"
 
 
+def _shard_keys(m: MdsRoot, rel: str, shard: int) -> set[str]:
+    return set(m.shards[rel][shard])
+
+
+def _read_until_refused(ds: SkipListDataset, error: type[Exception], match: str) -> set[str]:
+    """Iterate ``ds`` until it raises ``error``; the keys it yielded before."""
+    seen: set[str] = set()
+    with pytest.raises(error, match=match):
+        for sample in ds:
+            seen.add(sample["key"])
+    return seen
+
+
 def test_tampered_sidecar_stops_the_dataset(mds_root: MdsRoot):
+    """A sidecar is verified when its shard is first read (the dataset is built from the
+    manifest's counts): a tampered or missing one stops the read before any sample of its
+    shard is returned, in order or shuffled, however often it is tried."""
     rel = RELPATHS[0]
     mds_root.apply_skips({rel: {0: {2: ["opt_out"]}}})
     path = _live_sidecar(mds_root, rel, 0)
@@ -198,17 +215,58 @@ def test_tampered_sidecar_stops_the_dataset(mds_root: MdsRoot):
     obj = json.loads(original)
     obj["indices"] = []
     obj["reasons"] = []
+    guarded = _shard_keys(mds_root, rel, 0)
     path.write_text(json.dumps(obj))  # un-skip an opt-out by hand
-    with pytest.raises(SkipListCorrupt, match="sha256 differs from the manifest"):
-        _dataset(mds_root)
+    for shuffle in (False, True):
+        ds = _dataset(mds_root, shuffle=shuffle)
+        assert ds.num_samples == 119  # the manifest's count: built without the sidecar
+        seen = _read_until_refused(ds, SkipListCorrupt, "sha256 differs from the manifest")
+        assert not seen & guarded
+        del ds
     path.write_bytes(_rehash(obj))  # even with a valid self-hash: the manifest pins the bytes
-    with pytest.raises(SkipListCorrupt, match="sha256 differs from the manifest"):
-        _dataset(mds_root)
+    ds = _dataset(mds_root, shuffle=False)
+    assert not _read_until_refused(ds, SkipListCorrupt, "sha256 differs") & guarded
+    del ds
     path.unlink()  # a sidecar the manifest names is gone: not "nothing skipped"
-    with pytest.raises(SkipListCorrupt, match="does not exist"):
-        _dataset(mds_root)
+    ds = _dataset(mds_root, shuffle=False)
+    assert not _read_until_refused(ds, SkipListCorrupt, "is gone") & guarded
+    del ds
+    gc.collect()
     path.write_bytes(original)
-    assert _dataset(mds_root).num_samples == 119
+    ds = _dataset(mds_root)
+    keys = {s["key"] for s in ds}
+    assert len(keys) == 119 and mds_root.shards[rel][0][2] not in keys
+
+
+def test_a_job_keeps_its_generation_across_an_opt_out_until_the_retention_ends(
+    mds_root: MdsRoot, monkeypatch
+):
+    """A dataset built before a new generation is published reads the one it was built on
+    (its sidecars outlive the flip: ``DEFAULT_RETENTION_S``), exactly as it was built, in
+    dataloader workers too; once they are swept, the next read of that shard stops it."""
+    from prx_assets.core.skiplists.sidecars import RETENTION_ENV, sweep
+
+    monkeypatch.delenv(RETENTION_ENV, raising=False)
+    rel = RELPATHS[0]
+    mds_root.apply_skips({rel: {0: {2: ["opt_out"]}}})
+    before = _dataset(mds_root)
+    digest = before.skiplist_digest
+    victim = mds_root.shards[rel][0][5]
+    update_skiplists(mds_root.dir(rel), {mds_root.shard_names(rel)[0]: {5: ["opt_out"]}})
+    assert sweep(mds_root.dir(rel)) == []  # the superseded sidecar is within its retention
+    keys = _epoch_keys(before, num_workers=2)
+    assert len(keys) == 119 and victim in keys and mds_root.shards[rel][0][2] not in keys
+    assert _dataset(mds_root).skiplist_digest != digest  # a new job: the new generation
+    assert victim not in {s["key"] for s in _dataset(mds_root)}
+    # Past the retention (0 here) the superseded sidecar is swept: a job built on it stops
+    # at its next read of that shard instead of reading it unscreened.
+    update_skiplists(mds_root.dir(rel), {mds_root.shard_names(rel)[0]: {6: ["opt_out"]}})
+    old = _dataset(mds_root, shuffle=False)
+    update_skiplists(mds_root.dir(rel), {mds_root.shard_names(rel)[0]: {7: ["opt_out"]}})
+    monkeypatch.setenv(RETENTION_ENV, "0")
+    assert sweep(mds_root.dir(rel))  # the generation `old` was built on is gone
+    guarded = _shard_keys(mds_root, rel, 0)
+    assert not _read_until_refused(old, SkipListCorrupt, "is gone") & guarded
 
 
 def test_manifest_is_checked_against_the_index(mds_root: MdsRoot):
@@ -266,7 +324,9 @@ def test_remote_stream_copies_shards_and_fetches_skiplists(mds_root: MdsRoot, tm
     assert keys == {k for s in mds_root.shards[rel] for k in s} - skipped
     cached = set(p.name for p in local.iterdir())
     live = load_generation(remote).manifest
-    assert MANIFEST_BASENAME in cached and live.sidecars <= cached  # mirrored beside index
+    skipping = {e.sidecar for e in live.entries if not known_empty(e)}
+    assert skipping  # an empty sidecar's bytes are fixed by its sha256: not fetched
+    assert MANIFEST_BASENAME in cached and skipping <= cached  # mirrored beside index
     assert names[0] in cached and names[2] not in cached  # the all-skipped shard never copied
     assert ds.skiplist_digest == skiplist_digest([remote])
     assert ds.streams[0].generation == live.generation
@@ -279,7 +339,9 @@ def test_remote_stream_copies_shards_and_fetches_skiplists(mds_root: MdsRoot, tm
     keys = {s["key"] for s in ds}
     assert mds_root.shards[rel][0][1] in keys and new_victim not in keys
     cached = {p.name for p in local.iterdir() if p.name.endswith(".skip.json")}
-    assert cached == load_generation(remote).manifest.sidecars  # old mirrors dropped
+    live = load_generation(remote).manifest
+    assert {e.sidecar for e in live.entries if not known_empty(e)} <= cached <= live.sidecars
+    assert cached  # ... and the old generation's mirrors dropped
     del ds
 
     # The remote loses its manifest (never screened, or removed): refused, mirror dropped.

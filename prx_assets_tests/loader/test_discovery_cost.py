@@ -94,8 +94,14 @@ def test_counts_the_manifest_claims_are_checked_by_the_dataset(mds_root: MdsRoot
     _rewrite_manifest(d, hide_the_skip)
     found = discover_streams(mds_root.root)  # discovery believes it: every sample kept
     assert {b.relpath: b.counts.kept_samples for b in found}[rel] == 40
+    # The dataset is built from the claim; the first read of that shard checks it, before
+    # any of the shard's samples is returned.
+    loader = ShapeBatchedLoader(found, batch_size=4, num_canonical_nodes=1)
+    seen: set[str] = set()
     with pytest.raises(SkipListCorrupt, match="its manifest says 0"):
-        ShapeBatchedLoader(found, batch_size=4, num_canonical_nodes=1)
+        for batch in loader:
+            seen.update(batch["key"])
+    assert not seen & set(mds_root.shards[rel][1])
     with pytest.raises(SkipListCorrupt, match="its manifest says 0"):
         load_generation(d)
     assert skipped  # the opted-out sample exists and was never yielded
@@ -109,14 +115,20 @@ def test_counts_the_manifest_claims_are_checked_by_the_dataset(mds_root: MdsRoot
         _loader(mds_root)
 
 
-def test_a_missing_sidecar_stops_the_loader_though_discovery_never_reads_it(mds_root: MdsRoot):
+def test_a_missing_sidecar_stops_the_loader_at_its_shard_though_discovery_never_reads_it(
+    mds_root: MdsRoot,
+):
     rel = "1/24x16/b0"
     mds_root.apply_skips({rel: {0: {1: ["opt_out"]}}})
     live = load_generation(mds_root.dir(rel))
     found = discover_streams(mds_root.root)
     (mds_root.dir(rel) / live.manifest.entries[0].sidecar).unlink()
-    with pytest.raises(SkipListCorrupt, match="does not exist"):
-        ShapeBatchedLoader(found, batch_size=4, num_canonical_nodes=1)
+    loader = ShapeBatchedLoader(found, batch_size=4, num_canonical_nodes=1)
+    seen: set[str] = set()
+    with pytest.raises(SkipListCorrupt, match="is gone"):
+        for batch in loader:
+            seen.update(batch["key"])
+    assert not seen & set(mds_root.shards[rel][0])
 
 
 def test_a_version_1_manifest_is_counted_through_its_sidecars(mds_root: MdsRoot):

@@ -13,7 +13,10 @@ A generation is published by one atomic rename of ``skiplists.json``; that is th
 commit step ("write the files, then publish one small pointer", which works the same on
 object storage: upload the sidecars, then put the manifest last). Readers go through the
 manifest only, so they see the complete previous generation or the complete new one, never
-a mix; files the manifest does not name are ignored by readers and swept by writers.
+a mix; files the manifest does not name are ignored by readers and swept by writers: a
+superseded generation's sidecars once ``PRX_SKIPLIST_RETENTION_S`` (default 7 days) has passed
+since it was superseded, because the loader verifies a shard's sidecar when it first reads the
+shard and a job built on that generation must still find it (``DEFAULT_RETENTION_S``).
 
 Sidecar payload (format ``prx-skiplist`` version 1, unchanged)::
 
@@ -53,12 +56,14 @@ directory is its manifest's self-hash.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import operator
 import os
 import re
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +93,7 @@ REASON_CODES: tuple[str, ...] = (
     "no_caption",
     "pending",  # a decision it depends on is not known yet: skipped until it is
 )
-_DIGEST_FORMAT = "prx-skiplist-digest/1"
+_DIGEST_FORMAT = "prx-skiplist-digest/2"  # /1 digested the skipped indices
 _NAME_HASH_CHARS = 16
 _SIDECAR_RE = re.compile(
     r"^(?P<shard>.+)\.(?P<hash>[0-9a-f]{16})" + re.escape(SIDECAR_SUFFIX) + "$"
@@ -96,6 +101,27 @@ _SIDECAR_RE = re.compile(
 # What ``atomic_write_bytes`` leaves when killed: ".<target>.<pid>.<8 hex>.tmp".
 _TMP_RE = re.compile(r"^\.(?P<target>.+)\.\d+\.[0-9a-f]{8}\.tmp$")
 _READ_ATTEMPTS = 3  # a generation switched (and swept) while being read: read it again
+# How long a superseded generation's sidecars outlive it (seconds). The loader verifies a
+# shard's sidecar when it first reads the shard, not when the dataset is built, so a
+# training job built on generation G still reads G's sidecars after G is superseded: they
+# stay this long after the flip (``publish_generation`` touches them), then a sweep deletes
+# them. A job still reading G after that stops at its next new shard (fail closed).
+RETENTION_ENV = "PRX_SKIPLIST_RETENTION_S"
+DEFAULT_RETENTION_S = 7 * 24 * 3600.0
+
+
+def superseded_retention_s() -> float:
+    """The retention in force: ``PRX_SKIPLIST_RETENTION_S`` when set (0: sweep at once)."""
+    raw = os.environ.get(RETENTION_ENV)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_RETENTION_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{RETENTION_ENV}={raw[:40]!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise ValueError(f"{RETENTION_ENV}={raw[:40]!r} must be >= 0")
+    return value
 
 
 class SkipListError(ValueError):
@@ -342,8 +368,29 @@ def _load_json(data: bytes, source: str, what: str) -> dict:
     return obj
 
 
-def _check_self_hash(obj: dict, source: str, what: str) -> str:
+_SELF_HASH_KEY = b',"sha256":"'
+
+
+def _check_self_hash(obj: dict, source: str, what: str, data: bytes | None = None) -> str:
+    """``obj``'s ``sha256``, checked to be the hash of the canonical JSON of its other keys.
+
+    With the file's ``data``: writers write exactly ``canonical_json`` of the whole object
+    and a newline, in which the self-hash is the first ``,"sha256":"`` (keys are sorted;
+    a quote inside a string is escaped), so those bytes without that member are the
+    canonical JSON hashed: one sha256 of a slice instead of re-encoding the object (half of
+    a manifest's parse, which discovery pays per directory). Bytes laid out otherwise take
+    the re-encoding path, which decides.
+    """
     claimed = obj["sha256"]
+    if data is not None and isinstance(claimed, str):
+        at = data.find(_SELF_HASH_KEY)
+        end = at + len(_SELF_HASH_KEY) + len(claimed) + 1
+        if at >= 0 and data[at + len(_SELF_HASH_KEY) : end] == claimed.encode() + b'"':
+            body = data[:at] + data[end:]
+            if body.endswith(b"\n"):
+                body = body[:-1]
+            if _sha256(body) == claimed:
+                return claimed
     actual = _sha256(canonical_json({k: v for k, v in obj.items() if k != "sha256"}))
     if claimed != actual:
         raise SkipListCorrupt(
@@ -452,6 +499,11 @@ def read_skiplist(path: str | os.PathLike[str]) -> SkipList:
     return parse_skiplist(data, str(path), expected_shard=m.group("shard"))
 
 
+_MANIFEST_KEYS = frozenset({"format", "version", "index_sha256", "shards", "sha256"})
+_ENTRY_KEYS_V1 = frozenset({"shard", "sidecar", "sha256"})
+_ENTRY_KEYS_V2 = _ENTRY_KEYS_V1 | {"samples", "skipped"}
+
+
 def parse_manifest(data: bytes, source: str) -> Manifest:
     """Validate manifest bytes on their own (format, version, schema, self-hash, names)."""
     obj = _load_json(data, source, f"{MANIFEST_FORMAT} manifest")
@@ -463,22 +515,19 @@ def parse_manifest(data: bytes, source: str) -> Manifest:
             f"{source}: manifest format version {version!r}, this reader understands "
             f"versions {list(MANIFEST_VERSIONS_READ)} only"
         )
-    expected_keys = {"format", "version", "index_sha256", "shards", "sha256"}
-    if set(obj) != expected_keys:
+    if obj.keys() != _MANIFEST_KEYS:
         raise SkipListCorrupt(
             f"{source}: keys {sorted(obj)} differ from the manifest v{version} "
-            f"schema {sorted(expected_keys)}"
+            f"schema {sorted(_MANIFEST_KEYS)}"
         )
-    entry_keys = {"shard", "sidecar", "sha256"} | (
-        {"samples", "skipped"} if version >= 2 else set()
-    )
-    own = _check_self_hash(obj, source, "manifest")
+    entry_keys = _ENTRY_KEYS_V2 if version >= 2 else _ENTRY_KEYS_V1
+    own = _check_self_hash(obj, source, "manifest", data)
     shards = obj["shards"]
     if not isinstance(obj["index_sha256"], str) or not isinstance(shards, list):
         raise SkipListCorrupt(f"{source}: index_sha256/shards have the wrong types")
     entries = []
     for item in shards:
-        if not isinstance(item, dict) or set(item) != entry_keys:
+        if not isinstance(item, dict) or item.keys() != entry_keys:
             raise SkipListCorrupt(f"{source}: bad shard entry {str(item)[:200]!r}")
         shard, sidecar, sha = item["shard"], item["sidecar"], item["sha256"]
         try:
@@ -549,15 +598,22 @@ def _empty_sidecar_sha256(shard_basename: str) -> str:
     return _sha256(encode_skiplist(shard_basename, {}))
 
 
+def known_empty(entry: ManifestEntry) -> bool:
+    """Whether a verified manifest's entry names the canonical empty sidecar of its shard:
+    its sha256 fixes the file's bytes to the one encoding that skips nothing, so what it
+    skips (nothing) is known without reading it. Most shards of a screened tree are so."""
+    return entry.skipped == 0 and entry.sha256 == _empty_sidecar_sha256(entry.shard)
+
+
 def verify_sidecar(entry: ManifestEntry, data: bytes, source: str, samples: int) -> SkipList:
     """A sidecar's bytes checked against its manifest entry and its shard's size."""
     if _sha256(data) != entry.sha256:
         raise SkipListCorrupt(
             f"{source}: sha256 differs from the manifest's: edited or damaged after it was written"
         )
-    if entry.skipped == 0 and entry.sha256 == _empty_sidecar_sha256(entry.shard):
+    if known_empty(entry):
         # These bytes are the canonical empty sidecar of this shard (their sha256 says so):
-        # nothing to parse, nothing skipped. Most shards of a screened tree look like this.
+        # nothing to parse, nothing skipped.
         return SkipList(shard=entry.shard, indices=(), reasons=(), path=source)
     skiplist = parse_skiplist(data, source, expected_shard=entry.shard, digest_verified=True)
     skiplist.check_range(samples)
@@ -632,15 +688,26 @@ def _is_ours(entry: str) -> bool:
     )
 
 
-def sweep(partition_dir: str | os.PathLike[str], keep: Iterable[str] = ()) -> list[str]:
-    """Delete skip-list files no one may read: sidecars not in ``keep`` nor named by the live
-    manifest, and temporaries left by killed writers. Returns the names removed."""
+def sweep(
+    partition_dir: str | os.PathLike[str],
+    keep: Iterable[str] = (),
+    *,
+    retention_s: float | None = None,
+    now: float | None = None,
+) -> list[str]:
+    """Delete skip-list files no one may read: sidecars not in ``keep``, not named by the
+    live manifest and not modified within ``retention_s`` (default
+    ``superseded_retention_s()``: a superseded generation's sidecars are touched when it is
+    superseded, so running jobs built on it can still verify them), and temporaries left by
+    killed writers. Returns the names removed."""
     d = Path(partition_dir)
     protected = set(keep)
     try:
         protected |= parse_manifest(_read_manifest_bytes(d), str(d)).sidecars
     except SkipListError:
         pass  # no readable live generation: nothing on disk is protected by one
+    retention = superseded_retention_s() if retention_s is None else retention_s
+    cutoff = (time.time() if now is None else now) - retention
     removed = []
     # Sidecars a live training snapshot pins are kept (core/snapshots/pins.py); the lock
     # keeps a snapshot from pinning a generation while it is being swept.
@@ -652,6 +719,13 @@ def sweep(partition_dir: str | os.PathLike[str], keep: Iterable[str] = ()) -> li
         for entry in sorted(os.listdir(d)):
             if entry in protected or not _is_ours(entry):
                 continue
+            # Temporaries and names no manifest can name go at once.
+            if retention > 0 and _SIDECAR_RE.match(entry) is not None:
+                try:
+                    if os.stat(d / entry).st_mtime > cutoff:
+                        continue  # superseded (or staged) recently: a job may still read it
+                except FileNotFoundError:
+                    continue
             try:
                 (d / entry).unlink()
             except FileNotFoundError:
@@ -661,6 +735,21 @@ def sweep(partition_dir: str | os.PathLike[str], keep: Iterable[str] = ()) -> li
     if removed:
         fsync_path(d)
     return removed
+
+
+def _retain_superseded(d: Path, current: bytes | None, new: frozenset[str]) -> None:
+    """Start the retention of the sidecars the live generation names and ``new`` does not:
+    their mtime becomes now, before the flip, so no sweep between the flip and a running
+    job's first read of them deletes them (see ``DEFAULT_RETENTION_S``)."""
+    if current is None:
+        return
+    try:
+        old = parse_manifest(current, str(d / MANIFEST_BASENAME)).sidecars
+    except SkipListError:
+        return  # an unreadable live generation: no job can have been built on it
+    for name in sorted(old - new):
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(d / name)
 
 
 @dataclass(frozen=True)
@@ -736,6 +825,7 @@ def publish_generation(staged: StagedGeneration) -> str:
     path = d / MANIFEST_BASENAME
     current = path.read_bytes() if path.is_file() else None
     if current != staged.manifest_bytes:
+        _retain_superseded(d, current, staged.sidecars)
         atomic_write_bytes(
             path,
             staged.manifest_bytes,
@@ -813,42 +903,35 @@ def update_skiplists(
 # -- digests and counts ----------------------------------------------------------------------
 
 
-def digest_skip_sets(
-    partitions: Sequence[Sequence[tuple[str, Sequence[int]]] | None],
-) -> str:
-    """One sha256 over (shard name, skipped indices) of each shard of each partition, in order.
+def digest_generations(generations: Sequence[str | None]) -> str:
+    """One sha256 over the skip-list generation of each directory, in order: the identity of
+    the filtered sample space a loader reads (what a checkpoint is taken against, what the
+    ranks of a job must agree on).
 
-    ``None`` for a partition read without skip-lists (unscreened): it digests differently
-    from "screened, nothing skipped", so a checkpoint never moves between the two silently.
-    Shared by ``skiplist_digest`` (files on disk) and the loader (sidecars it fetched).
+    A generation is its manifest's self-hash, which covers the ``index.json`` it was written
+    for and every sidecar's sha256: two loaders with the same digest skip exactly the same
+    samples, and the digest is known from the manifests alone, so building a dataset need
+    not read a sidecar. It is finer than the skipped indices: a new generation that only
+    relabels reasons changes it too (a resume then needs ``allow_skiplist_change=True``).
+    ``None`` for a directory read without skip-lists (unscreened): it digests differently
+    from any screened one, so a checkpoint never moves between the two silently.
     """
-    body = [
-        "unscreened"
-        if part is None
-        else [[name, list(map(int, indices))] for name, indices in part]
-        for part in partitions
-    ]
-    return _sha256(canonical_json({"format": _DIGEST_FORMAT, "partitions": body}))
+    body = ["unscreened" if g is None else str(g) for g in generations]
+    return _sha256(canonical_json({"format": _DIGEST_FORMAT, "generations": body}))
 
 
 def published_digest(published: Sequence[PublishedGeneration]) -> str:
     """:func:`skiplist_digest` of directories this process just published, in the order
     given, from what it wrote (equal to reading them back: the files are that content)."""
-    return digest_skip_sets([list(p.skip_sets) for p in published])
+    return digest_generations([p.generation for p in published])
 
 
 def skiplist_digest(dirs: Sequence[str | os.PathLike[str]]) -> str:
-    """Digest of the filtered sample space of these directories, in the order given.
-
-    What it identifies is which indices of which shards are gone, not the bytes of the
-    files: relabelling a skip's reasons does not change it, moving one index does.
-    """
+    """Digest of the live generations of these directories, in the order given, each fully
+    verified (``load_generation``): the loader's ``skiplist_digest`` over the same tree."""
     if isinstance(dirs, str | os.PathLike):
         raise TypeError("skiplist_digest takes a sequence of partition directories")
-    parts = []
-    for d in dirs:
-        parts.append([(name, s.indices) for name, s in load_skiplists(d).items()])
-    return digest_skip_sets(parts)
+    return digest_generations([load_generation(d).generation for d in dirs])
 
 
 @dataclass(frozen=True)
