@@ -28,7 +28,8 @@ the list's new rows comes after it).
     python -m benchmarks.bench_optout_registry [--quick]
 
 ``--quick``: 10^6 identifiers against 10^5 images, a 10^4 delta (the full run's scale is
-what the results file quotes).
+what the results file quotes). ``--lab``/``--registry``/``--delta`` run other sizes and write
+``bench_optout_registry.lab<N>-reg<N>-delta<N>.json``.
 """
 
 from __future__ import annotations
@@ -333,14 +334,18 @@ def main() -> None:
         f"verdict: {'PASS' if ok and full['peak_rss_mb'] <= TARGET_PEAK_MB else 'FAIL'}",
     ]
     out["summary"] = lines
+    custom = args.lab or args.registry or args.delta
     out["command"] = "python -m benchmarks.bench_optout_registry" + (
         " --quick" if args.quick else ""
     )
-    custom = args.lab or args.registry or args.delta
-    if not custom:
-        target = QUICK_RESULTS if args.quick else RESULTS
-        target.parent.mkdir(exist_ok=True)
-        target.write_text(json.dumps(out, indent=2) + "\n")
+    target = QUICK_RESULTS if args.quick else RESULTS
+    if custom:  # its own file, named by its sizes, never the default run's
+        out["command"] += f" --lab {lab_n} --registry {reg_n} --delta {delta_n}"
+        target = RESULTS.with_name(
+            f"bench_optout_registry.lab{lab_n}-reg{reg_n}-delta{delta_n}.json"
+        )
+    target.parent.mkdir(exist_ok=True)
+    target.write_text(json.dumps(out, indent=2) + "\n")
     print("\n".join(lines))
 
 

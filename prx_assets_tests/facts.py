@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from prx_assets.core.dedup.corpus import gather_corpus
 from prx_assets.core.dedup.decisions import DedupSettings, plan_batch
+from prx_assets.core.dedup.tables import with_phash_halves
 from prx_assets.core.lab import Lab
 from prx_assets.core.tables import (
     CAPTION_CLASSES,
@@ -83,7 +84,9 @@ def plant_decision_facts(
         for i, k in enumerate(order)
     ]
     store.replace_partition(
-        IMAGE_HASHES, batch, pa.Table.from_pylist(hashes, schema=IMAGE_HASHES.schema)
+        IMAGE_HASHES,
+        batch,
+        with_phash_halves(pa.Table.from_pylist(hashes, schema=IMAGE_HASHES.schema)),
     )
     gathered = gather_corpus(store, batch, settings)
     plan = plan_batch(batch, gathered.corpus, gathered.stored, settings)

@@ -10,7 +10,6 @@ workers busy long enough to be killed in the middle of it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -28,11 +27,11 @@ from prx_assets.core.lab import Lab
 from prx_assets.core.ray_local import LocalRayCluster
 from prx_assets.core.shards.runner import BatchShards, ShardOutcome
 from prx_assets.core.shards.settings import PIECE_SAMPLES
-from prx_assets.core.skiplists.sidecars import SIDECAR_SUFFIX, load_generation
 from prx_assets.core.tables import BY_NAME, SHARD_SAMPLES
 from prx_assets.core.workers import InlinePool, ItemFailed
 from prx_assets.demo.photo_batch import write_photo_batch
 from prx_assets_tests.ray_pipeline import late_square, materialize_batch, refuse_seven
+from prx_assets_tests.trees import live_tree
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "photos.big"
@@ -108,20 +107,6 @@ def _delta(before: dict[int, int], after: dict[int, int]) -> dict[int, int]:
     return {pid: n - before.get(pid, 0) for pid, n in after.items() if n > before.get(pid, 0)}
 
 
-def _tree(root: Path) -> dict[str, str]:
-    """Every file under ``root`` but superseded sidecars (kept for their retention, as many
-    as generations were published there): relative path -> sha256 of its bytes."""
-    return {
-        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-        and not (
-            p.name.endswith(SIDECAR_SUFFIX)
-            and p.name not in load_generation(p.parent).manifest.sidecars
-        )
-    }
-
-
 def _rows(lab: Lab, name: str) -> list[dict]:
     """A table's rows in identity order, without wall-clock columns (when a row was made)."""
     table = lab.read(name)
@@ -153,10 +138,10 @@ def test_a_batch_on_ray_gives_the_local_paths_bytes_and_rows(local_run, ray_run)
     # bucket: core/shards/pieces.py) ran on the cluster's workers (each stage joins the
     # cluster with its own pool, so each brings its own worker processes; image_hashes
     # reuses ingest's stored thumbnails and has no per-image task here).
-    shards = _tree(local / "shards")
+    shards = live_tree(local / "shards")
     assert sum(tasks.values()) >= samples + _pieces(shards) and len(tasks) >= 2, tasks
     assert shards and any(p.endswith(".mds") for p in shards)
-    assert _tree(on_ray / "shards") == shards
+    assert live_tree(on_ray / "shards") == shards
     local_lab, ray_lab = Lab(local / "lab"), Lab(on_ray / "lab")
     names = sorted(p.name.removesuffix(".lance") for p in (local / "lab").glob("*.lance"))
     assert SHARD_SAMPLES.name in names
@@ -187,7 +172,7 @@ def test_a_worker_killed_mid_step_is_retried_and_the_partition_completes(
     tmp_path, cluster, ray_run, monkeypatch
 ):
     on_ray, _ = ray_run
-    reference_shards = _tree(on_ray / "shards")
+    reference_shards = live_tree(on_ray / "shards")
     reference_rows = _rows(Lab(on_ray / "lab"), SHARD_SAMPLES.name)
     root = tmp_path / "data"
     shutil.copytree(on_ray, root)
@@ -232,7 +217,7 @@ def test_a_worker_killed_mid_step_is_retried_and_the_partition_completes(
     assert [n for n in after if after[n] != actors_before[n]] == [
         n for n in actors_before if actors_before[n] == killed
     ]
-    assert _tree(root / "shards") == reference_shards
+    assert live_tree(root / "shards") == reference_shards
     assert _rows(Lab(root / "lab"), SHARD_SAMPLES.name) == reference_rows
 
 

@@ -921,9 +921,10 @@ def collection_paused() -> Iterator[None]:
 
     Building a loader allocates a few dozen long-lived objects per directory (streams,
     readers, shard views, parsed manifests); every ~700 net allocations CPython runs a
-    collection, and its full collections re-traverse every object still alive, so at
-    10,000 directories a quarter of the construction CPU went to collections that free
-    nothing (``benchmarks/bench_tree_growth.py``). Reference counting still frees
+    collection, and its full collections re-traverse every object still alive: at 10,000
+    directories a large share of the construction CPU went to collections that free nothing
+    (seen in a one-off timing with the collector on and off; the effect on the whole is
+    what ``benchmarks/bench_tree_growth.py`` measures). Reference counting still frees
     everything acyclic meanwhile; cycles made in the block are collected after it.
     """
     was_enabled = gc.isenabled()

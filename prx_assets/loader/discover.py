@@ -174,6 +174,7 @@ def _local_counts(
     return (counts if counts is not None else partition_counts(where)), (data, manifest)
 
 
+@collection_paused()  # long-lived objects per directory: dataset.collection_paused
 def discover_streams(
     root: str | os.PathLike[str],
     tiers: Collection[str | int] | None = None,
@@ -203,38 +204,6 @@ def discover_streams(
     ``snapshot`` froze (local roots; ``prx_assets.loader.snapshots``), refusing any that
     changed unless ``pinned_changes="reproduce-UNSAFE"``.
     """
-    with collection_paused():  # long-lived objects per directory: dataset.collection_paused
-        return _discover_streams(
-            root,
-            tiers,
-            shapes,
-            batches,
-            weights,
-            cache_dir=cache_dir,
-            partitions=partitions,
-            source=source,
-            drop_empty=drop_empty,
-            skiplists=skiplists,
-            snapshot=snapshot,
-            pinned_changes=pinned_changes,
-        )
-
-
-def _discover_streams(
-    root: str | os.PathLike[str],
-    tiers: Collection[str | int] | None = None,
-    shapes: Collection[str | tuple[int, int]] | None = None,
-    batches: Collection[str] | None = None,
-    weights: Mapping[str, float] | None = None,
-    *,
-    cache_dir: str | os.PathLike[str] | None = None,
-    partitions: Sequence[str] | None = None,
-    source: str | None = None,
-    drop_empty: bool = True,
-    skiplists: str = REQUIRE_SKIPLISTS,
-    snapshot: str | None = None,
-    pinned_changes: str = "refuse",
-) -> list[BucketStream]:
     check_skiplists_mode(skiplists)
     if snapshot is not None:
         from prx_assets.loader.snapshots import snapshot_streams

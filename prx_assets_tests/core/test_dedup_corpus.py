@@ -6,7 +6,7 @@ from prx_assets.core.dedup import corpus as C
 from prx_assets.core.dedup import decisions as D
 from prx_assets.core.lab import Lab
 from prx_assets.core.tables import IMAGE_HASHES
-from prx_assets_tests.core.dedup_rows import S0, by_key, hash_table, run_batch
+from prx_assets_tests.core.dedup_rows import S0, brute_closure, by_key, hash_table, run_batch
 
 
 def test_gather_finds_shared_hashes_through_the_index_and_former_members(tmp_path):
@@ -83,19 +83,7 @@ def test_gather_at_radius_takes_exactly_the_closure_rows_of_the_pinned_version(t
     g = C.gather_corpus(view, "new", s2)
 
     rows = lab.read(IMAGE_HASHES.name, None, "batch != 'late'").to_pylist()
-    live = [r for r in rows if r["phash_version"] == "fast-v1" and r["ac_energy"] >= 1.0]
-    seen = {h & (2**64 - 1) for h in base}
-    frontier = set(seen)
-    while frontier:
-        nxt = {
-            r["phash"] & (2**64 - 1)
-            for r in live
-            if r["phash"] & (2**64 - 1) not in seen
-            and any(((r["phash"] & (2**64 - 1)) ^ f).bit_count() <= 2 for f in frontier)
-        }
-        seen |= nxt
-        frontier = nxt
-    want = sorted(r["key"] for r in live if r["phash"] & (2**64 - 1) in seen)
+    want = sorted(brute_closure(rows, base, 2))
     assert sorted(g.corpus.column("key").to_pylist()) == want
     assert len([k for k in want if k.startswith("k")]) == 30  # every near copy found
     assert g.hashes_version == view.version(IMAGE_HASHES.name)

@@ -45,6 +45,7 @@ from prx_assets.demo.photo_batch import write_photo_batch
 from prx_assets.instance import ensure_instance
 from prx_assets_tests.ops.conftest import postgres_server  # noqa: F401 - a fixture
 from prx_assets_tests.s3.conftest import ACCESS_KEY, SECRET_KEY
+from prx_assets_tests.trees import live_tree
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -56,14 +57,6 @@ SHORT = {
     "run_monitoring": {"poll_interval_seconds": 1, "free_slots_after_run_end_seconds": 1},
     "run_queue": {"user_code_failure_retry_delay": 1},
 }
-
-
-def _tree(root: Path) -> dict[str, str]:
-    return {
-        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
 
 
 def _remote_tree(shards_uri: str) -> dict[str, str]:
@@ -108,7 +101,7 @@ def _local_reference(data_root: Path) -> dict[str, str]:
         instance.add_dynamic_partitions(BATCHES.name, KEYS)
         for key in KEYS:
             assert job.execute_in_process(partition_key=key, instance=instance).success
-    tree = _tree(data_root / "shards")
+    tree = live_tree(data_root / "shards")
     assert sum(p.endswith(".mds") for p in tree) >= len(KEYS), tree
     return tree
 

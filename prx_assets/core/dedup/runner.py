@@ -57,6 +57,7 @@ from prx_assets.core.dedup.phash import (
     thumbnail_from_bytes,
 )
 from prx_assets.core.dedup.reruns import state_row
+from prx_assets.core.dedup.tables import HALF_COLUMNS, phash_halves
 from prx_assets.core.ingest.decode import DecodeRejected
 from prx_assets.core.lab import Lab, LabView, in_list, sql_literal
 from prx_assets.core.lab.fragments import PartitionFragments, WrittenFragments
@@ -157,6 +158,8 @@ def hash_record_batch(batch: str, good: list[dict], results: list) -> pa.RecordB
                 "key": row["key"],
                 "batch": batch,
                 "phash": hash_to_int64(res.hash),
+                "phash_hi": res.hash >> 32,  # the halves the near-duplicate indexes probe
+                "phash_lo": res.hash & 0xFFFFFFFF,
                 "phash_mode": res.mode,
                 "phash_version": res.version,
                 "ac_energy": res.ac_energy,
@@ -237,6 +240,26 @@ class HashOutcome:
     #: first worker error: a wrong ``PRX_SHARED_FILESYSTEM`` or a lost node shows here.
     chunks_hashed_by_step: int = 0
     first_worker_error: str | None = None
+
+
+def add_phash_halves(lab: Lab) -> bool:
+    """Give an ``image_hashes`` table written before ``phash_hi``/``phash_lo`` existed those
+    columns, derived from every row's ``phash`` in one commit (new rows carry them; a table
+    without them cannot take rows written under the current spec). True when it did.
+
+    Until every row has its halves, near-duplicate look-ups scan the corpus instead of
+    probing the halves' indexes (``corpus.halves_indexed``): the look-up stays exact."""
+    schema = lab.view().schema(IMAGE_HASHES.name)
+    if schema is None or all(c in schema.names for c in HALF_COLUMNS):
+        return False
+
+    def derive(batch: pa.RecordBatch) -> pa.RecordBatch:
+        hi, lo = phash_halves(batch.column("phash"))
+        return pa.RecordBatch.from_arrays([hi, lo], names=list(HALF_COLUMNS))
+
+    lab.add_derived_columns(IMAGE_HASHES.name, ["phash"], derive)
+    lab.ensure_indexes(IMAGE_HASHES)
+    return True
 
 
 class BatchHashes:
@@ -403,6 +426,7 @@ class BatchHashes:
         return written
 
     def run(self) -> HashOutcome:
+        add_phash_halves(self.lab)  # rows written before the halves existed gain them first
         view = self.lab.view()  # resolution and images opened once for the whole run
         keys, ineligible = self.keys_to_hash(view)
         t0 = time.perf_counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 
 from prx_assets.core.lab import TableSpec
@@ -21,11 +22,49 @@ IMAGE_HASHES = TableSpec(
             pa.field("low_information", pa.bool_()),
             pa.field("pixels", pa.int64()),  # width * height, for the keeper rule
             pa.field("file_size", pa.int64()),
+            # The hash's upper and lower 32 bits (0 .. 2^32 - 1), each a BTREE: a pair within
+            # Hamming 3 is within 1 on one half (pigeonhole), so near-duplicates are found by
+            # probing 33 values per half (core/dedup/corpus.py, ``closure_rows``). Null on
+            # rows written before they existed: then the corpus is scanned instead.
+            pa.field("phash_hi", pa.int64()),
+            pa.field("phash_lo", pa.int64()),
         ]
     ),
     identity=("batch", "key"),
-    indexes=(("key", "BTREE"), ("batch", "BITMAP"), ("phash", "BTREE")),
+    indexes=(
+        ("key", "BTREE"),
+        ("batch", "BITMAP"),
+        ("phash", "BTREE"),
+        ("phash_hi", "BTREE"),
+        ("phash_lo", "BTREE"),
+    ),
 )
+HALF_COLUMNS = ("phash_hi", "phash_lo")
+
+
+def phash_halves(phash: pa.Array | pa.ChunkedArray) -> tuple[pa.Array, pa.Array]:
+    """The upper and lower 32 bits of int64 hashes (bit patterns), as int64 in 0 .. 2^32-1;
+    nulls stay null."""
+    arr = phash.combine_chunks() if isinstance(phash, pa.ChunkedArray) else phash
+    valid = arr.is_valid().to_numpy(zero_copy_only=False)
+    u = arr.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64).view(np.uint64)
+    hi = (u >> np.uint64(32)).astype(np.int64)
+    lo = (u & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    mask = ~valid
+    return pa.array(hi, pa.int64(), mask=mask), pa.array(lo, pa.int64(), mask=mask)
+
+
+def with_phash_halves(table: pa.Table | pa.RecordBatch) -> pa.Table | pa.RecordBatch:
+    """``table`` with ``phash_hi``/``phash_lo`` derived from its ``phash`` (replacing any)."""
+    hi, lo = phash_halves(table.column("phash"))
+    for name, values in zip(HALF_COLUMNS, (hi, lo), strict=True):
+        at = table.schema.get_field_index(name)
+        field = pa.field(name, pa.int64())
+        table = (
+            table.set_column(at, field, values) if at >= 0 else table.append_column(field, values)
+        )
+    return table
+
 
 PHASH_CLUSTERS = TableSpec(
     name="phash_clusters",

@@ -591,6 +591,20 @@ class Lab(VersionPins):
             ds.add_columns(pa.schema(list(fields)))
         return self.dataset(table).version
 
+    def add_derived_columns(
+        self,
+        table: str,
+        read_columns: Sequence[str],
+        derive: Callable[[pa.RecordBatch], pa.RecordBatch],
+    ) -> int:
+        """Add the columns ``derive`` computes from ``read_columns`` to every row of
+        ``table``, in one commit (Lance writes the new columns' files beside each fragment;
+        the existing data is not rewritten): how a table written under an older spec gains
+        a field derived from the ones it has. Returns the version."""
+        ds = self.dataset(table)
+        ds.add_columns(derive, read_columns=list(read_columns))
+        return self.dataset(table).version
+
     def ensure_scalar_indexes(self, table: str, indexes: Iterable[tuple[str, str]]) -> list[str]:
         """Create the missing scalar indexes of a non-empty table; the columns indexed now.
 

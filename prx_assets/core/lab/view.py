@@ -115,6 +115,12 @@ class LabView:
         version = self.version(table)
         return None if version is None else TableAt(self.lab.root, table, version)
 
+    def count_rows(self, table: str, filter: str | None = None) -> int:
+        """Rows of ``table`` (matching ``filter``) at this view's version; 0 when absent.
+        Without a filter, from the manifest alone."""
+        ds = self._ds(table)
+        return 0 if ds is None else int(ds.count_rows(filter))
+
     def schema(self, table: str) -> pa.Schema | None:
         ds = self._ds(table)
         return None if ds is None else logical_schema(ds.schema)
