@@ -174,7 +174,8 @@ NEAR_AUTO, NEAR_INDEX, NEAR_SCAN = "auto", "index", "scan"
 # ``auto`` probes the indexes while their probe values are fewer than the corpus rows over
 # this ratio, else scans the corpus' hashes: what a probe value costs against a scanned row
 # (``python -m benchmarks.bench_dedup_radius`` runs both paths side by side and prints it:
-# 103-141 at 10^6-2x10^6 hashes here). Past ``SCAN_MAX_ROWS`` it always probes: the scan
+# 90 and 60.5 at 10^6 and 10^7 hashes in bench_dedup_radius.json, 60-166 over three runs
+# here). Past ``SCAN_MAX_ROWS`` it always probes: the scan
 # holds a hash and a row id (16 bytes) per corpus row in the step's memory (4 GiB there).
 PROBE_TO_SCAN_COST = 150
 SCAN_MAX_ROWS = 1 << 28
