@@ -85,17 +85,22 @@ def postgres_running() -> Iterator[dict]:
 
 
 def dagster_storage(pg: dict) -> dict:
-    """An instance's ``storage`` block for the server ``pg`` (as dagster_postgres.yaml)."""
-    return {
-        "storage": {
-            "postgres": {
-                "postgres_db": {
-                    "hostname": pg["host"],
-                    "port": pg["port"],
-                    "username": pg["user"],
-                    "password": "",
-                    "db_name": pg["db"],
-                }
-            }
-        }
+    """An instance's ``storage`` block for the server ``pg``: dagster_postgres.yaml's own
+    block (the project's storage class), its ``env:`` settings replaced by ``pg``'s."""
+    import yaml
+
+    config = yaml.safe_load(
+        (Path(__file__).resolve().parents[1] / "dagster_postgres.yaml").read_text()
+    )
+    storage = config["storage"]
+    values = {
+        "PRX_PG_HOST": pg["host"],
+        "PRX_PG_PORT": pg["port"],
+        "PRX_PG_USER": pg["user"],
+        "PRX_PG_PASSWORD": "",
+        "PRX_PG_DB": pg["db"],
     }
+    db = storage["custom"]["config"]["postgres_db"]
+    for key, setting in db.items():
+        db[key] = values[setting["env"]]
+    return {"storage": storage}

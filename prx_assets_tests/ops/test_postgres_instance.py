@@ -16,7 +16,8 @@ def _postgres_overrides(pg) -> dict:
     """The storage block of dagster_postgres.yaml, with the env indirection resolved."""
     with open(Path(__file__).resolve().parents[2] / "dagster_postgres.yaml") as f:
         config = yaml.safe_load(f)
-    db = config["storage"]["postgres"]["postgres_db"]
+    assert config["storage"]["custom"]["module"] == "prx_assets.pg_storage"
+    db = config["storage"]["custom"]["config"]["postgres_db"]
     assert {v["env"] for v in db.values()} == {
         "PRX_PG_HOST",
         "PRX_PG_PORT",
@@ -29,7 +30,7 @@ def _postgres_overrides(pg) -> dict:
 
 def test_runs_events_and_partitions_land_in_postgres(postgres_server, lab_resource):
     with instance_for_test(overrides=_postgres_overrides(postgres_server)) as instance:
-        assert type(instance.run_storage).__name__ == "PostgresRunStorage"
+        assert type(instance.run_storage).__name__ == "PrxPostgresRunStorage"
         key = "public-sklearn.001"
         instance.add_dynamic_partitions(BATCHES.name, [key])
         result = materialize(
@@ -93,7 +94,7 @@ def test_the_shared_config_monitors_runs_and_judges_only_this_hosts(
         monkeypatch.setenv(name, value)
     instance = ensure_instance(home)
     try:
-        assert type(instance.run_storage).__name__ == "PostgresRunStorage"
+        assert type(instance.run_storage).__name__ == "PrxPostgresRunStorage"
         assert instance.run_monitoring_enabled
         assert instance.run_monitoring_max_resume_run_attempts == 0
         launcher = instance.run_launcher
