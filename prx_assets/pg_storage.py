@@ -114,9 +114,35 @@ def _new_pools_in_child() -> None:
 os.register_at_fork(after_in_child=_new_pools_in_child)
 
 
+def _from_config(cls: type, inst_data: ConfigurableClassData | None, config_value: Any) -> Any:
+    """``cls`` built from a ``postgres_db`` block (Dagster's own ``from_config_value``
+    builds Dagster's class, whatever class it is called on)."""
+    return cls(
+        inst_data=inst_data,
+        postgres_url=pg_url_from_config(config_value),
+        should_autocreate_tables=config_value.get("should_autocreate_tables", True),
+        token_provider=get_token_provider_from_config(config_value),
+    )
+
+
 class _RemembersSchema:
     """Remembers which schema probes answered yes and shares the process's pooled engine
-    (see the module docstring)."""
+    (see the module docstring). First in each storage's bases: Dagster's storage class
+    comes after it."""
+
+    def __init__(
+        self,
+        postgres_url: str,
+        should_autocreate_tables: bool = True,
+        inst_data: ConfigurableClassData | None = None,
+        token_provider: Any = None,
+    ) -> None:
+        super().__init__(postgres_url, should_autocreate_tables, inst_data, token_provider)  # type: ignore[call-arg]
+        self._share_engine(postgres_url, token_provider)
+
+    @classmethod
+    def from_config_value(cls, inst_data, config_value):  # noqa: ANN001, ANN206
+        return _from_config(cls, inst_data, config_value)
 
     def _share_engine(self, postgres_url: str, token_provider: Any) -> None:
         size = pool_size_from_env()
@@ -135,32 +161,9 @@ class _RemembersSchema:
             known.add(what)
         return answer
 
-    @classmethod
-    def _from_config(cls, inst_data: ConfigurableClassData | None, config_value: Any) -> Any:
-        return cls(
-            inst_data=inst_data,
-            postgres_url=pg_url_from_config(config_value),
-            should_autocreate_tables=config_value.get("should_autocreate_tables", True),
-            token_provider=get_token_provider_from_config(config_value),
-        )
-
 
 class PrxPostgresRunStorage(_RemembersSchema, PostgresRunStorage):
     """Dagster's run storage; its column and table probes remembered once present."""
-
-    def __init__(
-        self,
-        postgres_url: str,
-        should_autocreate_tables: bool = True,
-        inst_data: ConfigurableClassData | None = None,
-        token_provider: Any = None,
-    ) -> None:
-        super().__init__(postgres_url, should_autocreate_tables, inst_data, token_provider)
-        self._share_engine(postgres_url, token_provider)
-
-    @classmethod
-    def from_config_value(cls, inst_data, config_value):  # noqa: ANN001, ANN206
-        return cls._from_config(inst_data, config_value)
 
     def has_run_stats_index_cols(self) -> bool:
         return self._present(("runs", "start_time"), super().has_run_stats_index_cols)
@@ -183,20 +186,6 @@ class PrxPostgresRunStorage(_RemembersSchema, PostgresRunStorage):
 class PrxPostgresEventLogStorage(_RemembersSchema, PostgresEventLogStorage):
     """Dagster's event log storage; its column and table probes remembered once present."""
 
-    def __init__(
-        self,
-        postgres_url: str,
-        should_autocreate_tables: bool = True,
-        inst_data: ConfigurableClassData | None = None,
-        token_provider: Any = None,
-    ) -> None:
-        super().__init__(postgres_url, should_autocreate_tables, inst_data, token_provider)
-        self._share_engine(postgres_url, token_provider)
-
-    @classmethod
-    def from_config_value(cls, inst_data, config_value):  # noqa: ANN001, ANN206
-        return cls._from_config(inst_data, config_value)
-
     def has_table(self, table_name: str) -> bool:
         probe = super().has_table
         return self._present((table_name,), lambda: probe(table_name))
@@ -208,20 +197,6 @@ class PrxPostgresEventLogStorage(_RemembersSchema, PostgresEventLogStorage):
 
 class PrxPostgresScheduleStorage(_RemembersSchema, PostgresScheduleStorage):
     """Dagster's schedule storage; its table probes remembered once present."""
-
-    def __init__(
-        self,
-        postgres_url: str,
-        should_autocreate_tables: bool = True,
-        inst_data: ConfigurableClassData | None = None,
-        token_provider: Any = None,
-    ) -> None:
-        super().__init__(postgres_url, should_autocreate_tables, inst_data, token_provider)
-        self._share_engine(postgres_url, token_provider)
-
-    @classmethod
-    def from_config_value(cls, inst_data, config_value):  # noqa: ANN001, ANN206
-        return cls._from_config(inst_data, config_value)
 
     def _has_instigators_table(self, conn) -> bool:  # noqa: ANN001
         probe = super()._has_instigators_table
@@ -265,14 +240,8 @@ class PrxPostgresStorage(DagsterPostgresStorage):
     def config_type(cls) -> UserConfigSchema:
         return pg_config()
 
-    @classmethod
-    def from_config_value(cls, inst_data, config_value):  # noqa: ANN001, ANN206
-        return cls(
-            inst_data=inst_data,
-            postgres_url=pg_url_from_config(config_value),
-            should_autocreate_tables=config_value.get("should_autocreate_tables", True),
-            token_provider=get_token_provider_from_config(config_value),
-        )
+    # the same classmethod as the three storages' (it builds the class it is called on)
+    from_config_value = _RemembersSchema.__dict__["from_config_value"]
 
     def _data(self, class_name: str) -> ConfigurableClassData | None:
         if self.inst_data is None:

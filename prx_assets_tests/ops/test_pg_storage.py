@@ -106,7 +106,8 @@ def test_only_a_yes_is_remembered() -> None:
     time, so the answer turns to yes once ``dagster instance migrate`` added it."""
 
     class Probe(_RemembersSchema):
-        pass
+        def __init__(self) -> None:  # no storage behind it: the memo alone
+            pass
 
     answers = iter([False, False, True])
     asked = []
