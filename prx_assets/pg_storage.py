@@ -7,9 +7,9 @@ statement log of that benchmark (``--pg-statements``) showed Dagster's PostgreSQ
 (dagster-postgres 0.29.27, pinned) spending about half of the server's statement time on
 *catalog* queries: SQLAlchemy's reflection of the ``runs`` and ``asset_keys`` columns on
 every run-records query and every stored asset event (``has_run_stats_index_cols``,
-``_has_asset_key_col_on_connection``: four catalog queries each, the column query ~5-11 ms
-of server time), and a ``has_table`` catalog query before every dynamic-partition, asset
-check and event-tag query. Dagster asks because an instance may predate a migration.
+``_has_asset_key_col_on_connection``: four catalog queries each, the column query 10-11 ms
+of logged server time on average in that log), and a ``has_table`` catalog query before
+every dynamic-partition, asset check and event-tag query. Dagster asks because an instance may predate a migration.
 
 This module's storages are Dagster's own with those probes remembered: an answer of *yes*
 (the column or table exists) is kept for the life of the storage object, an answer of *no*
@@ -19,10 +19,10 @@ true under a running process, while a no may become a yes after a migration and 
 re-checked as before. Everything else, queries and connections included, is Dagster's
 code unchanged.
 
-The same log showed the other half: Dagster's storages open a new connection for every call
-(``NullPool``: every stored event, every query), about 450 connections per partition run,
-and a connection costs the server ~3.4 ms of CPU (its backend's fork, start and exit;
-measured here) against microseconds for a statement on an open one. These storages share
+The same log showed the other cost: Dagster's storages open a new connection for every call
+(``NullPool``: every stored event, every query; 2,758 connections in 93 s of a four-run
+window), and a connection costs the server its backend's fork, start and exit (4.0 ms of
+CPU in ``bench_cluster_ceiling --quick``, a line of its output). These storages share
 one pooled engine per process and database instead (``PRX_PG_POOL_SIZE`` connections kept
 open, default 1; more are opened for concurrent calls and closed after; 0 restores
 Dagster's connection per call). Connections are checked before reuse (a restarted server
