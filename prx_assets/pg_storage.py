@@ -7,9 +7,10 @@ statement log of that benchmark (``--pg-statements``) showed Dagster's PostgreSQ
 (dagster-postgres 0.29.27, pinned) spending about half of the server's statement time on
 *catalog* queries: SQLAlchemy's reflection of the ``runs`` and ``asset_keys`` columns on
 every run-records query and every stored asset event (``has_run_stats_index_cols``,
-``_has_asset_key_col_on_connection``: four catalog queries each, the column query 9.6-11.2 ms
-of logged server time on average in two such logs), and a ``has_table`` catalog query before
-every dynamic-partition, asset check and event-tag query. Dagster asks because an instance may predate a migration.
+``_has_asset_key_col_on_connection``: four catalog queries each, the column query
+9.6-11.2 ms of logged server time on average in two such logs), and a ``has_table``
+catalog query before every dynamic-partition, asset check and event-tag query. Dagster
+asks because an instance may predate a migration.
 
 This module's storages are Dagster's own with those probes remembered: an answer of *yes*
 (the column or table exists) is kept for the life of the storage object, an answer of *no*
