@@ -62,6 +62,8 @@ from pathlib import Path
 
 import yaml
 
+from prx_assets_tests.waiting import wait_until
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 BIN = Path(sys.executable).parent
@@ -112,6 +114,16 @@ def _tree(table: dict[int, tuple[int, str, float]], roots: set[int]) -> set[int]
     return found
 
 
+def _postgres(table: dict[int, tuple[int, str, float]], port: int) -> set[int]:
+    """The PostgreSQL server listening on ``port``: its postmaster and every backend."""
+    postmaster = {
+        pid
+        for pid, (_, cmd, _) in table.items()
+        if cmd.split(" ", 1)[0].endswith("/postgres") and f"-p {port}" in cmd
+    }
+    return _tree(table, postmaster)
+
+
 class SharedProcesses:
     """The process groups every partition run goes through, found by their roots."""
 
@@ -121,11 +133,6 @@ class SharedProcesses:
 
     def groups(self, table: dict[int, tuple[int, str, float]]) -> dict[str, set[int]]:
         head = [p for p in self.cluster.pids() if self.cluster.node_of(p) == 0]
-        postmaster = {
-            pid
-            for pid, (_, cmd, _) in table.items()
-            if cmd.split(" ", 1)[0].endswith("/postgres") and f"-p {self.pg_port}" in cmd
-        }
         gcs = {p for p in head if "gcs_server" in table.get(p, (0, "", 0))[1]}
         dashboard = {
             p
@@ -138,7 +145,7 @@ class SharedProcesses:
                 table, {self.daemon_pid}
             ),
             "code server (sensor evaluations, snapshots)": _tree(table, {self.code_server_pid}),
-            POSTGRES: _tree(table, postmaster),
+            POSTGRES: _postgres(table, self.pg_port),
             "Ray head: GCS": gcs,
             "Ray head: dashboard and job server": _tree(table, dashboard),
         }
@@ -234,16 +241,6 @@ def _land(landing: Path, staging: Path, partitions: int, photos: int) -> list[st
     return keys
 
 
-def _wait(predicate, timeout: float, what: str, poll: float = 0.5):  # noqa: ANN001, ANN202
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 def _sql(pg: dict, statement: str) -> list[tuple]:
     import psycopg2
 
@@ -277,12 +274,7 @@ def _connection_cost(pg: dict, n: int = 300) -> float:
 
     def server_cpu() -> float:
         table = _processes()
-        roots = {
-            pid
-            for pid, (_, cmd, _) in table.items()
-            if cmd.split(" ", 1)[0].endswith("/postgres") and f"-p {pg['port']}" in cmd
-        }
-        return sum(table[pid][2] for pid in _tree(table, roots))
+        return sum(table[pid][2] for pid in _postgres(table, pg["port"]))
 
     before = server_cpu()
     for _ in range(n):
@@ -380,10 +372,11 @@ def _phase(
         instance = DagsterInstance.from_config(str(home))
         shared = SharedProcesses(daemon.pid, code_server.pid, pg["port"], cluster)
         # The daemon is up once its sensor daemon has sent a heartbeat.
-        _wait(
+        wait_until(
             lambda: "SENSOR" in instance.get_daemon_heartbeats(),
             300,
             f"the daemon's sensor heartbeat (see {root}/daemon.log)",
+            0.5,
         )
         print(f"{kind}: daemon ticking; settling, then an idle window", flush=True)
         time.sleep(SETTLE_S)  # the first ticks and snapshot fetches are start-up, not idle
@@ -408,7 +401,7 @@ def _phase(
             rs = runs()
             return len(rs) >= partitions and all(r.is_finished for r in rs)
 
-        _wait(ended, timeout_s, f"{partitions} runs to end ({root}/daemon.log)", 2.0)
+        wait_until(ended, timeout_s, f"{partitions} runs to end ({root}/daemon.log)", 2.0)
         window = time.monotonic() - t_start
         end_cpu = shared.cpu()
         if spy is not None:

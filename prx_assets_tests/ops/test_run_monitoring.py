@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from prx_assets.instance import (
     host_identity,
     run_worker_health,
 )
+from prx_assets_tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -109,16 +109,6 @@ def _status(instance: DagsterInstance, run_id: str) -> DagsterRunStatus | None:
     return run.status if run else None
 
 
-def _wait(predicate, timeout: float, what: str, poll: float = 0.25):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 def _parent_of(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat[stat.rindex(")") + 2 :].split()[1])
@@ -170,7 +160,7 @@ def test_a_killed_run_is_marked_failed_and_the_queued_run_launches(tmp_path, mon
         sleeper = _launch(tmp_path, env, "sleeper", tags)
         follower = _launch(tmp_path, env, "follower", tags)  # same partition: waits
         pid_file = tmp_path / "worker.pid"
-        _wait(pid_file.exists, 60, "the first run's worker to start")
+        wait_until(pid_file.exists, 60, "the first run's worker to start")
         worker = int(pid_file.read_text())
         assert _status(instance, sleeper) == DagsterRunStatus.STARTED
         assert _status(instance, follower) == DagsterRunStatus.QUEUED
@@ -189,13 +179,13 @@ def test_a_killed_run_is_marked_failed_and_the_queued_run_launches(tmp_path, mon
         daemons.append(_start_daemon(tmp_path, env, "daemon-2.log"))
 
         bound = 30 * SHORT["run_monitoring"]["poll_interval_seconds"]  # whatever the config says
-        _wait(
+        wait_until(
             lambda: _status(instance, sleeper) == DagsterRunStatus.FAILURE,
             bound,
             "run monitoring to mark the killed run FAILURE (is run_monitoring enabled, with a "
             "launcher that checks the run worker?)",
         )
-        _wait(
+        wait_until(
             lambda: _status(instance, follower) == DagsterRunStatus.SUCCESS,
             60,
             "the queued run (same partition, same gpu pool) to launch and succeed",
@@ -247,7 +237,7 @@ def _in_process_run(tmp_path: Path, name: str, host_tag: str):
         runs = instance.get_runs()
         return runs[0] if runs and runs[0].status == DagsterRunStatus.STARTED else None
 
-    run = _wait(started, 60, "the child's run to start")
+    run = wait_until(started, 60, "the child's run to start")
     return child, instance, run.run_id
 
 

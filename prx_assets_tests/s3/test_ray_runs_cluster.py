@@ -46,6 +46,7 @@ from prx_assets.instance import ensure_instance
 from prx_assets_tests.ops.conftest import postgres_server  # noqa: F401 - a fixture
 from prx_assets_tests.s3.conftest import ACCESS_KEY, SECRET_KEY
 from prx_assets_tests.trees import live_tree
+from prx_assets_tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -104,16 +105,6 @@ def _local_reference(data_root: Path) -> dict[str, str]:
     tree = live_tree(data_root / "shards")
     assert sum(p.endswith(".mds") for p in tree) >= len(KEYS), tree
     return tree
-
-
-def _wait(predicate, timeout: float, what: str, poll: float = 0.25):  # noqa: ANN001, ANN202
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def _home(root: Path, jobs_address: str) -> Path:
@@ -263,7 +254,7 @@ def test_partitions_spread_over_ray_nodes_and_a_lost_node_costs_a_retry(
         # The landing sensor queues one run per batch; the queue launches each as a Ray
         # job; every run worker holds inside raw_images. All four at once: four partitions
         # mid-step at the same moment, two per node.
-        held = _wait(
+        held = wait_until(
             lambda: (found := sorted(hold.glob("held.*"))) and len(found) == 4 and found,
             300,
             "four run workers held mid-step (see daemon.log)",
@@ -297,7 +288,7 @@ def test_partitions_spread_over_ray_nodes_and_a_lost_node_costs_a_retry(
                 DagsterRunStatus.SUCCESS in s for s in latest.values()
             )
 
-        _wait(settled, 400, "every partition to have a successful run (see daemon.log)", 0.5)
+        wait_until(settled, 400, "every partition to have a successful run (see daemon.log)", 0.5)
         mark("every partition has a successful run")
 
         # The runs on the head finished; those on the lost node failed, and each one's
